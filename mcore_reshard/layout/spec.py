@@ -1,0 +1,198 @@
+"""Canonical model specs: the HF parameter names, shapes and dtype of a model.
+
+The canonical namespace is HuggingFace's so that HF checkpoints, the HF-broadcast baseline
+and vLLM's own loaders can all serve as oracles for a refit.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+from .descriptor import DTYPE_BYTES, LayoutError
+
+__all__ = ["ModelSpec", "CanonicalTensor", "load_model_spec", "spec_from_hf_config"]
+
+_SUPPORTED = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class CanonicalTensor:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Architecture facts both layouts are derived from (no weights)."""
+
+    arch: str  # llama | qwen2 | qwen3 | qwen3_moe
+    hidden: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    num_experts: int = 0
+    moe_intermediate: int = 0
+    moe_topk: int = 0
+    #: Global indices of the layers whose MLP is a routed MoE (empty for dense models).
+    moe_layers: tuple[int, ...] = ()
+    dtype: str = "bfloat16"
+    rope_theta: float = 1_000_000.0
+    rms_eps: float = 1e-6
+    name: str = ""
+    hf_config: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_BYTES:
+            raise LayoutError(f"model dtype {self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+        if self.num_heads % self.num_kv_heads:
+            raise LayoutError(
+                f"num_attention_heads={self.num_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_kv_heads}"
+            )
+        if self.moe_layers and (self.num_experts <= 0 or self.moe_intermediate <= 0):
+            raise LayoutError("MoE layers need num_experts > 0 and moe_intermediate_size > 0")
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    def is_moe(self, layer: int) -> bool:
+        return layer in self._moe_set
+
+    @property
+    def _moe_set(self) -> frozenset[int]:
+        return frozenset(self.moe_layers)
+
+    def with_dtype(self, dtype: str) -> "ModelSpec":
+        return replace(self, dtype=dtype)
+
+    def layer_tensors(self, layer: int) -> list[CanonicalTensor]:
+        """HF tensors of decoder layer ``layer``, in HF order."""
+        H, D, dt = self.hidden, self.head_dim, self.dtype
+        p = f"model.layers.{layer}."
+        out = [CanonicalTensor(p + "input_layernorm.weight", (H,), dt)]
+        for proj, rows in (("q", self.num_heads * D), ("k", self.num_kv_heads * D), ("v", self.num_kv_heads * D)):
+            out.append(CanonicalTensor(f"{p}self_attn.{proj}_proj.weight", (rows, H), dt))
+            if self.qkv_bias:
+                out.append(CanonicalTensor(f"{p}self_attn.{proj}_proj.bias", (rows,), dt))
+        out.append(CanonicalTensor(p + "self_attn.o_proj.weight", (H, self.num_heads * D), dt))
+        if self.qk_norm:
+            out.append(CanonicalTensor(p + "self_attn.q_norm.weight", (D,), dt))
+            out.append(CanonicalTensor(p + "self_attn.k_norm.weight", (D,), dt))
+        out.append(CanonicalTensor(p + "post_attention_layernorm.weight", (H,), dt))
+        if self.is_moe(layer):
+            F = self.moe_intermediate
+            out.append(CanonicalTensor(p + "mlp.gate.weight", (self.num_experts, H), dt))
+            for e in range(self.num_experts):
+                q = f"{p}mlp.experts.{e}."
+                out.append(CanonicalTensor(q + "gate_proj.weight", (F, H), dt))
+                out.append(CanonicalTensor(q + "up_proj.weight", (F, H), dt))
+                out.append(CanonicalTensor(q + "down_proj.weight", (H, F), dt))
+        else:
+            F = self.intermediate
+            out.append(CanonicalTensor(p + "mlp.gate_proj.weight", (F, H), dt))
+            out.append(CanonicalTensor(p + "mlp.up_proj.weight", (F, H), dt))
+            out.append(CanonicalTensor(p + "mlp.down_proj.weight", (H, F), dt))
+        return out
+
+    def tensors(self) -> dict[str, CanonicalTensor]:
+        """All HF tensors of the model, keyed by name, in HF order (lm_head absent if tied)."""
+        dt = self.dtype
+        items = [CanonicalTensor("model.embed_tokens.weight", (self.vocab, self.hidden), dt)]
+        for layer in range(self.num_layers):
+            items.extend(self.layer_tensors(layer))
+        items.append(CanonicalTensor("model.norm.weight", (self.hidden,), dt))
+        if not self.tied:
+            items.append(CanonicalTensor("lm_head.weight", (self.vocab, self.hidden), dt))
+        return {t.name: t for t in items}
+
+    def total_bytes(self) -> int:
+        total = 0
+        for t in self.tensors().values():
+            n = 1
+            for s in t.shape:
+                n *= s
+            total += n
+        return total * self.itemsize
+
+
+def spec_from_hf_config(cfg: Mapping[str, Any], *, dtype: str | None = None, name: str = "") -> ModelSpec:
+    """Build a :class:`ModelSpec` from a transformers config (dict or ``PretrainedConfig``)."""
+    if hasattr(cfg, "to_dict"):
+        cfg = cfg.to_dict()
+    archs = cfg.get("architectures") or []
+    arch = next((_SUPPORTED[a] for a in archs if a in _SUPPORTED), None)
+    if arch is None:
+        arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe"}.get(
+            cfg.get("model_type", "")
+        )
+    if arch is None:
+        raise LayoutError(
+            f"unsupported architecture {archs or cfg.get('model_type')!r}; supported: {sorted(_SUPPORTED)}"
+        )
+    H = int(cfg["hidden_size"])
+    nH = int(cfg["num_attention_heads"])
+    nKV = int(cfg.get("num_key_value_heads") or nH)
+    D = int(cfg.get("head_dim") or H // nH)
+    L = int(cfg["num_hidden_layers"])
+    moe_layers: tuple[int, ...] = ()
+    E = F_moe = topk = 0
+    if arch == "qwen3_moe":
+        E = int(cfg["num_experts"])
+        F_moe = int(cfg["moe_intermediate_size"])
+        topk = int(cfg.get("num_experts_per_tok", 0))
+        step = int(cfg.get("decoder_sparse_step", 1) or 1)
+        only = set(cfg.get("mlp_only_layers") or [])
+        moe_layers = tuple(i for i in range(L) if i not in only and E > 0 and (i + 1) % step == 0)
+    torch_dtype = dtype or str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").replace("torch.", "")
+    return ModelSpec(
+        arch=arch,
+        hidden=H,
+        num_layers=L,
+        num_heads=nH,
+        num_kv_heads=nKV,
+        head_dim=D,
+        intermediate=int(cfg.get("intermediate_size", 0)),
+        vocab=int(cfg["vocab_size"]),
+        tied=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=True if arch == "qwen2" else bool(cfg.get("attention_bias", False)),
+        qk_norm=arch in ("qwen3", "qwen3_moe"),
+        num_experts=E,
+        moe_intermediate=F_moe,
+        moe_topk=topk,
+        moe_layers=moe_layers,
+        dtype=torch_dtype,
+        rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        name=name or str(cfg.get("_name_or_path", "")),
+        hf_config=dict(cfg),
+    )
+
+
+def load_model_spec(path: str | Path, *, dtype: str | None = None) -> ModelSpec:
+    """Load a spec from a HF ``config.json`` file, or a directory holding one."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise LayoutError(f"model config file not found: {str(path)!r}")
+    try:
+        cfg = json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise LayoutError(f"model config {str(p)!r} is not valid JSON: {exc}") from exc
+    return spec_from_hf_config(cfg, dtype=dtype, name=p.parent.name if p.name == "config.json" else p.stem)
