@@ -153,7 +153,7 @@ def spec_from_hf_config(cfg: Mapping[str, Any], *, dtype: str | None = None, nam
     moe_layers: tuple[int, ...] = ()
     E = F_moe = topk = 0
     if arch == "qwen3_moe":
-        E = int(cfg["num_experts"])
+        E = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)  # transformers 5 renamed it
         F_moe = int(cfg["moe_intermediate_size"])
         topk = int(cfg.get("num_experts_per_tok", 0))
         step = int(cfg.get("decoder_sparse_step", 1) or 1)
@@ -177,7 +177,7 @@ def spec_from_hf_config(cfg: Mapping[str, Any], *, dtype: str | None = None, nam
         moe_topk=topk,
         moe_layers=moe_layers,
         dtype=torch_dtype,
-        rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        rope_theta=float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
         rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         name=name or str(cfg.get("_name_or_path", "")),
         hf_config=dict(cfg),
