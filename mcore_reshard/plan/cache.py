@@ -1,0 +1,49 @@
+"""Plans are computed once per layout pair and reused for every refit.
+
+The key is a digest of both layouts, so a changed layout (restart, other parallelism)
+rebuilds the plan and an unchanged one never does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+
+from ..layout.descriptor import SideLayout
+from .planner import build_plan
+from .types import TransferPlan
+
+__all__ = ["layout_digest", "get_plan", "clear_plan_cache"]
+
+_CACHE: "OrderedDict[tuple, TransferPlan]" = OrderedDict()
+_MAX = 8
+
+
+def layout_digest(side: SideLayout) -> str:
+    """Stable hash of every piece of a side (order-independent across ranks' params)."""
+    h = hashlib.sha256(f"{side.world_size}".encode())
+    for name, (shape, dtype) in sorted(side.tensors.items()):
+        h.update(f"{name}{tuple(shape)}{dtype}".encode())
+    for p in sorted(side.params, key=lambda p: (p.rank, p.name)):
+        h.update(f"{p.rank}|{p.name}|{p.shape}|{p.dtype}".encode())
+        for q in p.pieces:
+            h.update(f"{q.canonical}{q.box.offsets}{q.box.sizes}{q.view.offset}{q.view.stride}".encode())
+    return h.hexdigest()[:16]
+
+
+def get_plan(src: SideLayout, dst: SideLayout, *, buffer_bytes: int, allow_cast: bool = False,
+             not_direct: tuple[tuple[str, str], ...] = ()) -> TransferPlan:
+    key = (layout_digest(src), layout_digest(dst), buffer_bytes, allow_cast, not_direct)
+    plan = _CACHE.get(key)
+    if plan is None:
+        plan = build_plan(src, dst, buffer_bytes=buffer_bytes, allow_cast=allow_cast, not_direct=not_direct)
+        _CACHE[key] = plan
+        while len(_CACHE) > _MAX:
+            _CACHE.popitem(last=False)
+    else:
+        _CACHE.move_to_end(key)
+    return plan
+
+
+def clear_plan_cache() -> None:
+    _CACHE.clear()

@@ -1,0 +1,86 @@
+"""Plan report: the numbers a refit is judged by, as a table or one JSON object."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .types import TransferPlan
+
+__all__ = ["PlanReport", "plan_report", "format_bytes"]
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    bytes_min: int
+    bytes_planned: int
+    bytes_hf_broadcast: int
+    max_send_bytes: int
+    mean_send_bytes: float
+    max_recv_bytes: int
+    num_transfers: int
+    num_buckets: int
+    plan_seconds: float
+    num_src_ranks: int
+    num_dst_ranks: int
+    buffer_bytes: int
+    padding_elements: int
+    digest: str
+    not_direct: list[dict[str, str]]
+    notes: list[str]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    def table(self, title: str = "refit plan") -> str:
+        ratio = self.bytes_hf_broadcast / self.bytes_planned if self.bytes_planned else float("nan")
+        rows = [
+            ("source ranks -> destination ranks", f"{self.num_src_ranks} -> {self.num_dst_ranks}"),
+            ("theoretical minimum bytes", format_bytes(self.bytes_min)),
+            ("planned bytes", format_bytes(self.bytes_planned) + ("  (= minimum)" if self.bytes_planned == self.bytes_min else "  (!= minimum)")),
+            ("HF-broadcast baseline bytes", f"{format_bytes(self.bytes_hf_broadcast)}  ({ratio:.1f}x planned)"),
+            ("max bytes sent by a rank", f"{format_bytes(self.max_send_bytes)}  (max/mean {self.max_send_bytes / self.mean_send_bytes:.2f})" if self.mean_send_bytes else "0"),
+            ("max bytes received by a rank", format_bytes(self.max_recv_bytes)),
+            ("transfers / buckets", f"{self.num_transfers} / {self.num_buckets}  (buffer {format_bytes(self.buffer_bytes)})"),
+            ("padding zero-filled locally", f"{self.padding_elements} elements"),
+            ("planning time", f"{self.plan_seconds:.3f} s"),
+            ("plan digest", self.digest),
+            ("not on the direct path", "none" if not self.not_direct else f"{len(self.not_direct)} parameter(s)"),
+        ]
+        width = max(len(k) for k, _ in rows)
+        lines = [title, "-" * len(title)] + [f"{k.ljust(width)}  {v}" for k, v in rows]
+        for item in self.not_direct:
+            lines.append(f"  not direct: {item['param']}: {item['reason']}")
+        for note in self.notes:
+            lines.append(f"  note: {note}")
+        return "\n".join(lines)
+
+
+def plan_report(plan: TransferPlan) -> PlanReport:
+    send = plan.send_bytes()
+    senders = [b for b in send if b]
+    return PlanReport(
+        bytes_min=plan.bytes_min,
+        bytes_planned=plan.bytes_planned,
+        bytes_hf_broadcast=plan.bytes_hf_broadcast,
+        max_send_bytes=max(send, default=0),
+        mean_send_bytes=(sum(send) / len(send)) if send else 0.0,
+        max_recv_bytes=max(plan.recv_bytes(), default=0),
+        num_transfers=len(plan.transfers),
+        num_buckets=plan.num_buckets,
+        plan_seconds=round(plan.plan_seconds, 4),
+        num_src_ranks=plan.num_src,
+        num_dst_ranks=plan.num_dst,
+        buffer_bytes=plan.buffer_bytes,
+        padding_elements=sum(n for _, _, n in plan.padding),
+        digest=plan.digest(),
+        not_direct=[{"param": p, "reason": r} for p, r in plan.not_direct],
+        notes=list(plan.notes),
+    )
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"

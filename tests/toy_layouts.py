@@ -1,0 +1,30 @@
+"""Library-free layouts for planner unit tests: each canonical tensor split along one dim."""
+
+from __future__ import annotations
+
+from mcore_reshard.layout import Box, LocalParam, Piece, SideLayout, View, contiguous_strides
+
+
+def split_layout(tensors: dict[str, tuple[tuple[int, ...], str]], *, parts: int, dim: int, replicas: int = 1,
+                 pad_rows: int = 0, name: str = "toy") -> SideLayout:
+    """Rank ``rep * parts + r`` holds chunk ``r`` of every tensor along ``dim`` (the last dim
+    for 1-D tensors), plus ``pad_rows`` uncovered rows at the end of its local tensor."""
+    params = []
+    for rep in range(replicas):
+        for r in range(parts):
+            rank = rep * parts + r
+            for cname, (shape, dtype) in tensors.items():
+                d = min(dim, len(shape) - 1)
+                if shape[d] % parts:
+                    raise ValueError(f"{cname}: dim {d} of {shape} not divisible by {parts}")
+                n = shape[d] // parts
+                offs = [0] * len(shape)
+                offs[d] = r * n
+                sizes = list(shape)
+                sizes[d] = n
+                local_shape = list(sizes)
+                local_shape[0] += pad_rows
+                view = View(0, tuple(sizes), contiguous_strides(local_shape))
+                piece = Piece(rank, "local." + cname, cname, Box(tuple(offs), tuple(sizes)), view)
+                params.append(LocalParam(rank, "local." + cname, tuple(local_shape), dtype, (piece,)))
+    return SideLayout(name, parts * replicas, tuple(params), dict(tensors))
