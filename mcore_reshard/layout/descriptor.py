@@ -12,7 +12,7 @@ One type, :class:`Piece`, describes every local shard on both sides, like megatr
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 __all__ = [
@@ -58,10 +58,11 @@ class Box:
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
+    #: Cached element count (plans touch it millions of times).
+    numel: int = field(init=False, repr=False, compare=False, hash=False)
 
-    @property
-    def numel(self) -> int:
-        return math.prod(self.sizes)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "numel", math.prod(self.sizes))
 
     def intersect(self, other: "Box") -> "Box | None":
         """The common sub-box, or None when the boxes do not overlap."""

@@ -243,6 +243,7 @@ def _choose_senders(frags: list[_Frag], index, num_src: int, itemsize: int) -> l
     """One sender per fragment: the replica with the fewest bytes so far, largest fragments
     first (LPT), ties broken by rank -- deterministic on every rank."""
     load = [0] * num_src
+    sub_views: dict[tuple[int, str, str, Box], View] = {}
     frags.sort(key=lambda f: (-f[7], f[0], f[1], f[2], f[3].offset))
     out = []
     for order_i, drank, dname, dview, canonical, sub, sbox, n in frags:
@@ -256,7 +257,13 @@ def _choose_senders(frags: list[_Frag], index, num_src: int, itemsize: int) -> l
                     best, best_load = rep, l
         srank, sname, sview = best
         load[srank] += n * itemsize
-        sv = sview if sub == sbox else sview.sub(sbox, sub)
+        if sub == sbox:
+            sv = sview
+        else:
+            key = (srank, sname, canonical, sub)
+            sv = sub_views.get(key)
+            if sv is None:
+                sv = sub_views[key] = sview.sub(sbox, sub)
         out.append((order_i, srank, drank, canonical, sub, sname, sv, dname, dview))
     return out
 

@@ -1,13 +1,37 @@
 """vLLM parameter layouts (model format) as pure functions of (model spec, parallel sizes, rank).
 
-INTERFACE FIXED; body to be implemented.
+Model format is what vLLM's weight loaders write, before ``process_weights_after_loading``
+repacks anything; names are those of ``model.named_parameters()`` in vLLM 0.32 for Llama,
+Qwen2, Qwen3 and Qwen3-MoE. The rules mirror, in the vLLM source:
+
+- ``layers/linear.py``: ``QKVParallelLinear`` local ``[q_r; k_s; v_s]`` (KV heads replicated
+  over ``tp // nKV`` ranks when ``tp > nKV``), ``MergedColumnParallelLinear`` ``[gate_r; up_r]``,
+  ``RowParallelLinear`` column slices;
+- ``layers/vocab_parallel_embedding.py``: vocab padded to a multiple of 64 globally, rank r
+  owns padded rows ``[r*P/tp, (r+1)*P/tp)``, real rows first and zero rows after;
+- ``layers/fused_moe/``: ``mlp.experts.routed_experts.w13_weight`` ``[E_l, 2*Ie_l, H]`` and
+  ``w2_weight`` ``[E_l, H, Ie_l]``; MoE TP flattened over ``dp*tp`` without EP, whole experts
+  placed linearly over ``ep = dp*tp`` ranks with EP (``expert_map_manager.determine_expert_map``);
+- ``distributed/utils.py:get_pp_indices`` and ``models/utils.py:make_layers`` for PP (missing
+  layers are ``PPMissingLayer``, which has no parameters).
+
+No vllm or torch import: plans for full-size models are computed from metadata alone.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
-from ...layout import LocalParam, ModelSpec, SideLayout
+from ...layout import Box, LayoutError, LocalParam, ModelSpec, Piece, SideLayout, View
+
+__all__ = ["VllmParallel", "vllm_layout", "vllm_rank_params"]
+
+#: ``vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE``.
+VOCAB_PAD = 64
+
+_MOE_W13 = "mlp.experts.routed_experts.w13_weight"
+_MOE_W2 = "mlp.experts.routed_experts.w2_weight"
 
 
 @dataclass(frozen=True)
@@ -32,10 +56,401 @@ class VllmParallel:
     #: VLLM_PP_LAYER_PARTITION equivalent; None: vLLM's default split.
     pp_partition: tuple[int, ...] | None = None
 
+    @property
+    def world_size(self) -> int:
+        return self.replicas * self.dp * self.pp * self.tp
+
+
+def pad_vocab(vocab: int, pad_to: int = VOCAB_PAD) -> int:
+    """``vocab_parallel_embedding.pad_vocab_size``: vLLM pads the global vocab, not per rank."""
+    return -(-vocab // pad_to) * pad_to
+
+
+def pp_layer_bounds(
+    num_layers: int, pp: int, partition: tuple[int, ...] | None = None
+) -> tuple[tuple[int, int], ...]:
+    """``[start, end)`` decoder layers of every PP stage, as ``get_pp_indices`` splits them."""
+    if partition is not None:
+        if len(partition) != pp:
+            raise LayoutError(
+                f"pp_partition {partition} has {len(partition)} entries, pp={pp} (VLLM_PP_LAYER_PARTITION)"
+            )
+        if sum(partition) != num_layers or any(n < 0 for n in partition):
+            raise LayoutError(
+                f"pp_partition {partition} does not split num_layers={num_layers} (VLLM_PP_LAYER_PARTITION)"
+            )
+        parts = list(partition)
+    else:
+        parts = [num_layers // pp] * pp
+        for i in range(2, num_layers % pp + 2):  # remainder to all but the last stage, from the back
+            parts[-i] += 1
+    bounds, start = [], 0
+    for n in parts:
+        bounds.append((start, start + n))
+        start += n
+    return tuple(bounds)
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+@dataclass(frozen=True)
+class _Dims:
+    """Every size the rules need, checked once against what vLLM accepts."""
+
+    tp: int
+    q_rows: int  # query rows per TP rank
+    kv_rows: int  # rows of K (and of V) per TP rank
+    kv_rep: int  # TP ranks sharing one KV shard
+    padded_vocab: int
+    vocab_rows: int  # padded rows per TP rank
+    dense_rows: int  # dense intermediate rows per TP rank
+    moe_tp: int  # MoE tensor-parallel size (dp*tp without EP, 1 with EP)
+    ep: int  # expert-parallel size (1 without EP)
+    moe_rows: int  # expert intermediate rows per MoE TP rank
+    physical: int  # G = E + R physical expert slots
+    stages: tuple[tuple[int, int], ...]
+    maps: Mapping[int, tuple[int, ...]]  # MoE layer -> physical->logical map (missing: initial)
+    initial_map: tuple[int, ...]
+
+
+def _check(spec: ModelSpec, par: VllmParallel) -> _Dims:
+    for field_name in ("tp", "pp", "dp", "replicas"):
+        if getattr(par, field_name) < 1:
+            raise LayoutError(f"VllmParallel.{field_name}={getattr(par, field_name)} must be >= 1")
+    tp = par.tp
+    nH, nKV, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    if nH % tp:
+        raise LayoutError(f"self_attn.qkv_proj: num_attention_heads={nH} is not divisible by tp={tp}")
+    if nKV >= tp and nKV % tp:
+        raise LayoutError(f"self_attn.qkv_proj: num_key_value_heads={nKV} is not divisible by tp={tp}")
+    if nKV < tp and tp % nKV:
+        raise LayoutError(
+            f"self_attn.qkv_proj: tp={tp} is not a multiple of num_key_value_heads={nKV} (KV replication)"
+        )
+    if spec.arch == "llama" and spec.qkv_bias:
+        raise LayoutError(
+            "llama attention_bias also gives vLLM an o_proj.bias, which the canonical spec does not describe"
+        )
+    P = pad_vocab(spec.vocab)
+    if P % tp:
+        raise LayoutError(f"embed_tokens/lm_head: padded vocab {P} (pad64 of {spec.vocab}) is not divisible by tp={tp}")
+    if spec.num_layers < par.pp and par.pp_partition is None:
+        raise LayoutError(f"pp={par.pp} exceeds num_layers={spec.num_layers}: a PP stage would hold no layer")
+    stages = pp_layer_bounds(spec.num_layers, par.pp, par.pp_partition)
+    has_dense = any(not spec.is_moe(i) for i in range(spec.num_layers))
+    if has_dense and spec.intermediate % tp:
+        raise LayoutError(
+            f"mlp.gate_up_proj/down_proj: intermediate_size={spec.intermediate} is not divisible by tp={tp}"
+        )
+    if par.expert_placement not in ("linear", "round_robin"):
+        raise LayoutError(f"expert_placement={par.expert_placement!r} is not 'linear' or 'round_robin'")
+
+    E, R = spec.num_experts, par.num_redundant_experts
+    flat = par.dp * tp
+    use_ep = par.enable_ep and flat > 1  # FusedMoEParallelConfig.make
+    moe_tp, ep = (1, flat) if use_ep else (flat, 1)
+    eplb = R > 0 or par.physical_to_logical is not None
+    if R < 0:
+        raise LayoutError(f"num_redundant_experts={R} must be >= 0")
+    if eplb and not spec.moe_layers:
+        raise LayoutError("redundant experts / physical_to_logical given for a model without MoE layers")
+    if eplb and not use_ep:
+        raise LayoutError(
+            "EPLB (redundant experts or a physical->logical map) needs enable_ep with dp*tp > 1 "
+            "(ParallelConfig: 'enable_expert_parallel must be True to use EPLB')"
+        )
+    G = E + R
+    initial = tuple(range(E)) + tuple(i % E for i in range(R)) if E else ()
+    maps: dict[int, tuple[int, ...]] = {}
+    if spec.moe_layers:
+        if tp > E:
+            raise LayoutError(f"mlp.experts: tp={tp} is greater than num_experts={E} (Qwen3MoeSparseMoeBlock)")
+        if spec.moe_intermediate % moe_tp:
+            raise LayoutError(
+                f"mlp.experts: moe_intermediate_size={spec.moe_intermediate} is not divisible by the MoE "
+                f"TP size {moe_tp} (dp*tp without EP, FusedMoEConfig)"
+            )
+        if eplb and G % ep:
+            raise LayoutError(
+                f"mlp.experts: EPLB needs an even split, {G} physical experts (E={E} + R={R}) "
+                f"over ep={ep} ranks"
+            )
+        if par.physical_to_logical is not None:
+            maps = _check_maps(spec, par.physical_to_logical, G)
+    return _Dims(
+        tp=tp,
+        q_rows=nH // tp * D,
+        kv_rows=max(1, nKV // tp) * D,
+        kv_rep=max(1, tp // nKV),
+        padded_vocab=P,
+        vocab_rows=P // tp,
+        dense_rows=spec.intermediate // tp if has_dense else 0,
+        moe_tp=moe_tp,
+        ep=ep,
+        moe_rows=spec.moe_intermediate // moe_tp if spec.moe_layers else 0,
+        physical=G,
+        stages=stages,
+        maps=maps,
+        initial_map=initial,
+    )
+
+
+def _check_maps(spec: ModelSpec, given: tuple[tuple[int, tuple[int, ...]], ...], G: int) -> dict[int, tuple[int, ...]]:
+    """An EPLB map must name every MoE layer once, have one logical id per physical slot and
+    leave no logical expert without a slot (EPLB never drops one)."""
+    maps: dict[int, tuple[int, ...]] = {}
+    E = spec.num_experts
+    for layer, phys in given:
+        if not spec.is_moe(layer):
+            raise LayoutError(f"physical_to_logical: layer {layer} is not a MoE layer")
+        if layer in maps:
+            raise LayoutError(f"physical_to_logical: layer {layer} given twice")
+        phys = tuple(int(x) for x in phys)
+        if len(phys) != G:
+            raise LayoutError(
+                f"physical_to_logical: layer {layer} maps {len(phys)} physical slots, expected E+R={G}"
+            )
+        if any(not 0 <= x < E for x in phys):
+            raise LayoutError(f"physical_to_logical: layer {layer} has a logical id outside [0, {E})")
+        missing = set(range(E)).difference(phys)
+        if missing:
+            raise LayoutError(
+                f"physical_to_logical: layer {layer} has no slot for logical experts {sorted(missing)[:8]}"
+            )
+        maps[layer] = phys
+    absent = [i for i in spec.moe_layers if i not in maps]
+    if absent:
+        raise LayoutError(f"physical_to_logical: no map for MoE layers {absent[:8]} (give every MoE layer)")
+    return maps
+
+
+def _expert_slots(d: _Dims, ep_rank: int) -> tuple[int, int]:
+    """First physical slot and local count of ``ep_rank`` (``determine_expert_map``, linear).
+
+    Always linear: vLLM honours ``round_robin`` only for grouped experts (num_expert_group > 1)
+    without EPLB, and none of the supported architectures groups experts, so it falls back.
+    """
+    base, rem = divmod(d.physical, d.ep)
+    return ep_rank * base + min(ep_rank, rem), base + (1 if ep_rank < rem else 0)
+
+
+# ----------------------------------------------------------------------------- templates
+
+
+def _rows(offset: int, rows: int, cols: int, local_off: int) -> tuple[Box, View]:
+    """Rows ``[offset, offset+rows)`` of a ``[*, cols]`` tensor, stored densely at ``local_off``."""
+    return Box((offset, 0), (rows, cols)), View(local_off, (rows, cols), (cols, 1))
+
+
+def _cols(offset: int, rows: int, cols: int, local_cols: int, local_off: int = 0) -> tuple[Box, View]:
+    """Columns ``[offset, offset+cols)`` stored as a ``[rows, local_cols]`` local block."""
+    return Box((0, offset), (rows, cols)), View(local_off, (rows, cols), (local_cols, 1))
+
+
+def _full(shape: tuple[int, ...]) -> tuple[Box, View]:
+    strides = (shape[1], 1) if len(shape) == 2 else (1,)
+    return Box.full(shape), View(0, shape, strides)
+
+
+# A template entry: (local suffix, local shape, ((canonical suffix, box, view), ...)).
+_Entry = tuple[str, tuple[int, ...], tuple[tuple[str, Box, View], ...]]
+
+
+class _Builder:
+    """Builds rank parameters from per-coordinate templates, so ranks and layers holding the
+    same geometry share ``Box``/``View`` objects and canonical-name strings."""
+
+    def __init__(self, spec: ModelSpec, par: VllmParallel) -> None:
+        self.spec, self.par = spec, par
+        self.d = _check(spec, par)
+        self._attn: dict[int, tuple[_Entry, ...]] = {}
+        self._dense: dict[int, tuple[_Entry, ...]] = {}
+        self._vocab: dict[int, tuple[tuple[int, ...], tuple[tuple[Box, View], ...]]] = {}
+        self._moe_box: dict[int, tuple[Box, Box, Box]] = {}
+        self._moe_views: list[tuple[View, View, View]] = []
+        self._expert_names: dict[int, tuple[tuple[str, str, str], ...]] = {}
+        self._prefix = [f"model.layers.{i}." for i in range(spec.num_layers)]
+
+    # -- per-coordinate geometry
+
+    def attn(self, r: int) -> tuple[_Entry, ...]:
+        if r in self._attn:
+            return self._attn[r]
+        s, d = self.spec, self.d
+        H, q, kv = s.hidden, d.q_rows, d.kv_rows
+        ks = r // d.kv_rep if s.num_kv_heads < d.tp else r
+        n = q + 2 * kv
+        w = (
+            ("self_attn.q_proj.weight", *_rows(r * q, q, H, 0)),
+            ("self_attn.k_proj.weight", *_rows(ks * kv, kv, H, q * H)),
+            ("self_attn.v_proj.weight", *_rows(ks * kv, kv, H, (q + kv) * H)),
+        )
+        out: list[_Entry] = [("self_attn.qkv_proj.weight", (n, H), w)]
+        if s.qkv_bias:
+            b = tuple(
+                (f"self_attn.{p}_proj.bias", Box((start,), (rows,)), View(off, (rows,), (1,)))
+                for p, start, rows, off in (("q", r * q, q, 0), ("k", ks * kv, kv, q), ("v", ks * kv, kv, q + kv))
+            )
+            out.append(("self_attn.qkv_proj.bias", (n,), b))
+        out.append(("self_attn.o_proj.weight", (H, q), (("self_attn.o_proj.weight", *_cols(r * q, H, q, q)),)))
+        if s.qk_norm:
+            for nm in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
+                out.append((nm, (s.head_dim,), ((nm, *_full((s.head_dim,))),)))
+        self._attn[r] = tuple(out)
+        return self._attn[r]
+
+    def norms(self) -> tuple[_Entry, ...]:
+        H = self.spec.hidden
+        return tuple(
+            (nm, (H,), ((nm, *_full((H,))),)) for nm in ("input_layernorm.weight", "post_attention_layernorm.weight")
+        )
+
+    def dense(self, r: int) -> tuple[_Entry, ...]:
+        if r not in self._dense:
+            H, i = self.spec.hidden, self.d.dense_rows
+            gu = (("mlp.gate_proj.weight", *_rows(r * i, i, H, 0)), ("mlp.up_proj.weight", *_rows(r * i, i, H, i * H)))
+            self._dense[r] = (
+                ("mlp.gate_up_proj.weight", (2 * i, H), gu),
+                ("mlp.down_proj.weight", (H, i), (("mlp.down_proj.weight", *_cols(r * i, H, i, i)),)),
+            )
+        return self._dense[r]
+
+    def vocab(self, r: int) -> tuple[tuple[int, ...], tuple[tuple[Box, View], ...]]:
+        if r not in self._vocab:
+            s, d = self.spec, self.d
+            lo = min(r * d.vocab_rows, s.vocab)
+            hi = min((r + 1) * d.vocab_rows, s.vocab)
+            pieces = (_rows(lo, hi - lo, s.hidden, 0),) if hi > lo else ()
+            self._vocab[r] = ((d.vocab_rows, s.hidden), pieces)
+        return self._vocab[r]
+
+    def moe_boxes(self, mr: int) -> tuple[Box, Box, Box]:
+        if mr not in self._moe_box:
+            H, f = self.spec.hidden, self.d.moe_rows
+            self._moe_box[mr] = (Box((mr * f, 0), (f, H)), Box((mr * f, 0), (f, H)), Box((0, mr * f), (H, f)))
+        return self._moe_box[mr]
+
+    def moe_views(self, slots: int) -> list[tuple[View, View, View]]:
+        H, f = self.spec.hidden, self.d.moe_rows
+        for j in range(len(self._moe_views), slots):
+            self._moe_views.append(
+                (
+                    View(j * 2 * f * H, (f, H), (H, 1)),
+                    View(j * 2 * f * H + f * H, (f, H), (H, 1)),
+                    View(j * H * f, (H, f), (f, 1)),
+                )
+            )
+        return self._moe_views
+
+    def expert_names(self, layer: int) -> tuple[tuple[str, str, str], ...]:
+        if layer not in self._expert_names:
+            p = self._prefix[layer]
+            self._expert_names[layer] = tuple(
+                tuple(f"{p}mlp.experts.{e}.{w}_proj.weight" for w in ("gate", "up", "down"))
+                for e in range(self.spec.num_experts)
+            )
+        return self._expert_names[layer]
+
+    # -- one rank
+
+    def rank_params(self, rank: int) -> list[LocalParam]:
+        s, par, d = self.spec, self.par, self.d
+        if not 0 <= rank < par.world_size:
+            raise LayoutError(f"rank {rank} outside the vLLM world of {par.world_size} ranks")
+        tp_r = rank % par.tp
+        pp_r = rank // par.tp % par.pp
+        dp_r = rank // (par.tp * par.pp) % par.dp
+        mr = dp_r * par.tp + tp_r  # flattened MoE rank (ep_rank with EP)
+        first, last = pp_r == 0, pp_r == par.pp - 1
+        dt = s.dtype
+        out: list[LocalParam] = []
+
+        def add(name: str, shape: tuple[int, ...], pieces: tuple[tuple[str, Box, View], ...]) -> None:
+            out.append(LocalParam(rank, name, shape, dt, tuple(Piece(rank, name, c, b, v) for c, b, v in pieces)))
+
+        def add_vocab(name: str) -> None:
+            shape, pv = self.vocab(tp_r)
+            add(name, shape, tuple((name, b, v) for b, v in pv))
+
+        # Qwen3-MoE builds embed_tokens, norm and lm_head on every PP stage; the dense models
+        # only on the first stage (embed; also the last when tied) and the last (norm, lm_head).
+        everywhere = s.arch == "qwen3_moe"
+        if first or everywhere or (s.tied and last):
+            add_vocab("model.embed_tokens.weight")
+        start, end = d.stages[pp_r]
+        attn, norms = self.attn(tp_r), self.norms()
+        for layer in range(start, end):
+            p = self._prefix[layer]
+            for suffix, shape, pieces in attn:
+                add(p + suffix, shape, tuple((p + c, b, v) for c, b, v in pieces))
+            if s.is_moe(layer):
+                router = (s.num_experts, s.hidden)
+                add(p + "mlp.gate.weight", router, ((p + "mlp.gate.weight", *_full(router)),))
+                self._add_experts(out, rank, layer, mr)
+            else:
+                for suffix, shape, pieces in self.dense(tp_r):
+                    add(p + suffix, shape, tuple((p + c, b, v) for c, b, v in pieces))
+            for suffix, shape, pieces in norms:
+                add(p + suffix, shape, tuple((p + c, b, v) for c, b, v in pieces))
+        if last or everywhere:
+            add("model.norm.weight", (s.hidden,), (("model.norm.weight", *_full((s.hidden,))),))
+            if not s.tied:  # tied: lm_head.weight *is* embed_tokens.weight (named_parameters dedups)
+                add_vocab("lm_head.weight")
+        return out
+
+    def _add_experts(self, out: list[LocalParam], rank: int, layer: int, mr: int) -> None:
+        s, d = self.spec, self.d
+        H, f = s.hidden, d.moe_rows
+        if d.ep > 1:
+            first_slot, n = _expert_slots(d, mr)
+            gbox, ubox, dbox = self.moe_boxes(0)
+        else:
+            first_slot, n = 0, d.physical
+            gbox, ubox, dbox = self.moe_boxes(mr)
+        phys = d.maps.get(layer, d.initial_map)
+        names = self.expert_names(layer)
+        views = self.moe_views(n)
+        p = self._prefix[layer]
+        w13, w2 = p + _MOE_W13, p + _MOE_W2
+        p13: list[Piece] = []
+        p2: list[Piece] = []
+        for j in range(n):
+            g, u, dn = names[phys[first_slot + j]]
+            gv, uv, dv = views[j]
+            p13.append(Piece(rank, w13, g, gbox, gv))
+            p13.append(Piece(rank, w13, u, ubox, uv))
+            p2.append(Piece(rank, w2, dn, dbox, dv))
+        out.append(LocalParam(rank, w13, (n, 2 * f, H), s.dtype, tuple(p13)))
+        out.append(LocalParam(rank, w2, (n, H, f), s.dtype, tuple(p2)))
+
+
+# ----------------------------------------------------------------------------- public API
+
 
 def vllm_rank_params(spec: ModelSpec, par: VllmParallel, rank: int) -> list[LocalParam]:
-    raise NotImplementedError
+    """The model-format parameters of one vLLM rank, each with its canonical (HF) pieces."""
+    return _Builder(spec, par).rank_params(rank)
 
 
 def vllm_layout(spec: ModelSpec, par: VllmParallel) -> SideLayout:
-    raise NotImplementedError
+    """Every rank's parameters: the inference side of a refit plan."""
+    b = _Builder(spec, par)
+    d = b.d
+    params: list[LocalParam] = []
+    for rank in range(par.world_size):
+        params.extend(b.rank_params(rank))
+    notes = [
+        f"vllm model format: tp={par.tp} pp={par.pp} dp={par.dp} replicas={par.replicas}",
+        f"vocab {spec.vocab} padded to {d.padded_vocab} ({d.vocab_rows} rows per TP rank)",
+        f"pp layer bounds {list(d.stages)}",
+    ]
+    if spec.moe_layers:
+        mode = f"EP over {d.ep} ranks, linear placement" if d.ep > 1 else f"MoE TP over {d.moe_tp} ranks (dp*tp)"
+        notes.append(f"experts: {mode}, {d.physical} physical slots for {spec.num_experts} logical experts")
+        if par.expert_placement == "round_robin":
+            notes.append("round_robin placement needs grouped experts: vLLM falls back to linear")
+    if spec.arch == "qwen3_moe" and par.pp > 1:
+        notes.append("Qwen3-MoE holds embed_tokens, norm and lm_head on every PP stage")
+    tensors = {t.name: (t.shape, t.dtype) for t in spec.tensors().values()}
+    return SideLayout("vllm", par.world_size, tuple(params), tensors, tuple(notes))
