@@ -1,0 +1,68 @@
+"""Planning cost on full-size layouts (metadata only, one core): layout build, plan, rank slice.
+
+    python scripts/bench_plan.py [--json]
+
+Targets: Qwen3-235B-A22B (128 -> 64 ranks) under 5 s, a DeepSeek-V3-sized MoE (256 -> 256
+ranks) under 30 s. Not a test: machines are noisy; read the numbers, compare runs side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from mcore_reshard.adapters.megatron.rules import MegatronParallel, megatron_layout
+from mcore_reshard.adapters.vllm.rules import VllmParallel, vllm_layout
+from mcore_reshard.config import resolve_model
+from mcore_reshard.plan import build_plan, plan_report
+
+CASES = [
+    ("qwen3-30b-a3b", "default recipe", MegatronParallel(tp=1, pp=2, ep=8, etp=1, dp=8, layer_spec="te", experts="grouped"),
+     VllmParallel(tp=2, replicas=8)),
+    ("qwen3-235b-a22b", "TP4.PP8(uneven).EP16.ETP1 x DP4 -> vLLM TP8xDP8 EP",
+     MegatronParallel(tp=4, pp=8, ep=16, etp=1, dp=4, first_stage_layers=11, last_stage_layers=11, layer_spec="te", experts="grouped"),
+     VllmParallel(tp=8, dp=8, enable_ep=True)),
+    ("deepseek-v3-sized-moe", "PP16(uneven).EP16 x DP16 -> vLLM TP32xDP8 EP",
+     MegatronParallel(tp=1, pp=16, ep=16, etp=1, dp=16, first_stage_layers=3, last_stage_layers=2, layer_spec="te", experts="grouped"),
+     VllmParallel(tp=32, dp=8, enable_ep=True)),
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    rows = []
+    for model, what, mpar, vpar in CASES:
+        spec = resolve_model(model)
+        t0 = time.perf_counter()
+        src = megatron_layout(spec, mpar)
+        dst = vllm_layout(spec, vpar)
+        t1 = time.perf_counter()
+        plan = build_plan(src, dst, buffer_bytes=1 << 30)
+        t2 = time.perf_counter()
+        mine = plan.for_rank("dst", 0)
+        t3 = time.perf_counter()
+        rep = plan_report(plan)
+        rows.append(dict(model=model, layout=what, src_ranks=src.world_size, dst_ranks=dst.world_size,
+                         src_pieces=sum(len(p.pieces) for p in src.params), dst_pieces=sum(len(p.pieces) for p in dst.params),
+                         layout_seconds=round(t1 - t0, 3), plan_seconds=round(t2 - t1, 3), slice_seconds=round(t3 - t2, 3),
+                         num_transfers=rep.num_transfers, num_buckets=rep.num_buckets, rank0_transfers=len(mine.transfers),
+                         bytes_min=rep.bytes_min, bytes_planned=rep.bytes_planned, bytes_hf_broadcast=rep.bytes_hf_broadcast,
+                         hf_over_planned=round(rep.bytes_hf_broadcast / rep.bytes_planned, 2),
+                         send_max_over_mean=round(rep.max_send_bytes / rep.mean_send_bytes, 3)))
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return
+    for r in rows:
+        print(f"{r['model']}: {r['layout']} ({r['src_ranks']} -> {r['dst_ranks']} ranks)")
+        print(f"  pieces src/dst {r['src_pieces']}/{r['dst_pieces']}, layouts {r['layout_seconds']} s, "
+              f"plan {r['plan_seconds']} s, rank slice {r['slice_seconds']} s")
+        print(f"  transfers {r['num_transfers']} in {r['num_buckets']} buckets; bytes planned == min: "
+              f"{r['bytes_planned'] == r['bytes_min']}; HF broadcast / planned = {r['hf_over_planned']}x; "
+              f"send max/mean {r['send_max_over_mean']}")
+
+
+if __name__ == "__main__":
+    main()
