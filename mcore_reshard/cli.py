@@ -15,31 +15,61 @@ from typing import Sequence
 
 from .layout import LayoutError
 
-__all__ = ["main", "plan_from_config"]
+__all__ = ["main", "recipe_from_config", "plan_from_recipe"]
 
 
-def plan_from_config(cfg):
-    """(spec, training layout, vLLM layout, plan) for a composed plan config."""
-    from .adapters.megatron.rules import MegatronParallel, megatron_layout
-    from .adapters.vllm.rules import VllmParallel, vllm_layout
+def recipe_from_config(cfg):
+    """The ``RecipeLayout`` of a composed ``configs/plan.yaml``."""
+    from .adapters.megatron.rules import MegatronParallel
+    from .adapters.vllm.rules import VllmParallel
     from .config import build_dataclass, resolve_model
+    from .policy import RecipeLayout, RefitConfig
+
+    dtype = str(cfg.dtype) if cfg.get("dtype") else None
+    spec = resolve_model(str(cfg.model), dtype=dtype)
+    vllm_spec = resolve_model(str(cfg.vllm_model), dtype=dtype) if cfg.get("vllm_model") else None
+    return RecipeLayout(
+        spec,
+        build_dataclass(MegatronParallel, cfg.training, "training"),
+        build_dataclass(VllmParallel, cfg.vllm, "vllm"),
+        build_dataclass(RefitConfig, cfg.refit, "refit"),
+        vllm_spec,
+    )
+
+
+def plan_from_recipe(recipe):
+    """(training layout, vLLM layout, plan) from metadata alone."""
+    from .adapters.megatron.rules import megatron_layout
+    from .adapters.vllm.rules import vllm_layout
     from .plan import get_plan
 
-    spec = resolve_model(str(cfg.model), dtype=str(cfg.dtype) if cfg.get("dtype") else None)
-    mpar = build_dataclass(MegatronParallel, cfg.training, "training")
-    vpar = build_dataclass(VllmParallel, cfg.vllm, "vllm")
-    src = megatron_layout(spec, mpar)
-    dst = vllm_layout(spec, vpar)
-    plan = get_plan(src, dst, buffer_bytes=int(cfg.refit.buffer_bytes), allow_cast=bool(cfg.refit.allow_cast))
-    return spec, src, dst, plan
+    src = megatron_layout(recipe.spec, recipe.training)
+    dst = vllm_layout(recipe.vllm_spec or recipe.spec, recipe.vllm)
+    plan = get_plan(src, dst, buffer_bytes=recipe.refit.buffer_bytes, allow_cast=recipe.refit.allow_cast)
+    return src, dst, plan
 
 
 def _cmd_plan(args, overrides: Sequence[str]) -> int:
-    from .config import compose
     from .plan import plan_report
 
-    cfg = compose("plan", overrides)
-    spec, src, dst, plan = plan_from_config(cfg)
+    if args.recipe:
+        from omegaconf import OmegaConf
+
+        from .policy import from_policy_config
+
+        if overrides:
+            raise ValueError(f"--recipe takes no overrides (got {list(overrides)}); edit the recipe")
+        try:
+            raw = OmegaConf.to_container(OmegaConf.load(args.recipe), resolve=True)
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(f"recipe file not found: {args.recipe}") from exc
+        recipe = from_policy_config(raw)
+    else:
+        from .config import compose
+
+        recipe = recipe_from_config(compose("plan", overrides))
+    src, dst, plan = plan_from_recipe(recipe)
+    spec = recipe.spec
     report = plan_report(plan)
     if args.json:
         print(json.dumps(report.to_json()))
@@ -60,6 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=["plan", "refit"])
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--recipe", help="plan: a GRPO recipe (NeMo RL shape) with megatron_cfg.mcore_reshard on")
     args, overrides = parser.parse_known_args(argv)
     bad = [o for o in overrides if o.startswith("-")]
     if bad:
