@@ -1,5 +1,37 @@
-"""Megatron-Core side: layout rules (metadata only) and the live adapter (imports megatron lazily)."""
+"""Megatron-Core side: layout rules (metadata only), the CPU runtime, a tiny-model builder with
+a multi-process harness, and the live adapter. Only ``rules`` is imported eagerly; megatron and
+torch are imported inside the functions that need them."""
 
-from .rules import MegatronParallel, megatron_layout, megatron_rank_params
+from .build import WorldCtx, build_gpt, free_port, init_megatron, megatron_config, run_world
+from .live import describe, describe_world, live_parallel, named_local_params
+from .rules import (
+    TIED_OUTPUT_NOTE,
+    MegatronParallel,
+    megatron_layout,
+    megatron_rank_params,
+    padded_vocab,
+    rank_coords,
+    stage_layers,
+)
+from .runtime import apply_cpu_patches
 
-__all__ = ["MegatronParallel", "megatron_layout", "megatron_rank_params"]
+__all__ = [
+    "MegatronParallel",
+    "megatron_layout",
+    "megatron_rank_params",
+    "padded_vocab",
+    "rank_coords",
+    "stage_layers",
+    "TIED_OUTPUT_NOTE",
+    "apply_cpu_patches",
+    "WorldCtx",
+    "free_port",
+    "run_world",
+    "init_megatron",
+    "build_gpt",
+    "megatron_config",
+    "describe",
+    "describe_world",
+    "live_parallel",
+    "named_local_params",
+]

@@ -1,13 +1,50 @@
 """Megatron-Core 0.19 parameter layouts as pure functions of (model spec, parallel sizes, rank).
 
-INTERFACE FIXED; body to be implemented.
+No megatron or torch import: the planner and the tests build a whole training world's
+descriptors from sizes alone. The live adapter (``live.py``) checks these predictions
+against a real model, parameter by parameter.
+
+Facts encoded here (megatron-core 0.19.2):
+
+* fused ``linear_qkv`` rows are interleaved per KV group ``[q_g (P heads); k_g; v_g]`` and TP
+  takes plain row chunks of that tensor (with ng < tp a chunk boundary may fall inside a group
+  or a head);
+* SwiGLU ``linear_fc1`` holds ``[gate_r; up_r]`` on each rank (stride-2 sharding), for dense
+  MLPs under TP and routed experts under expert-TP;
+* row-parallel ``linear_proj`` / ``linear_fc2`` hold column slices;
+* the vocab is padded to a multiple of ``make_vocab_size_divisible_by * tp``; rows >= V are
+  padding and covered by no piece;
+* layer offsets follow ``transformer_layer.get_transformer_layer_offset`` (even, uneven first /
+  last stage, interleaved virtual pipeline).
+
+Layouts are computed once per (stage, tp rank) for dense parameters and once per
+(stage, ep rank, etp rank) for experts, then stamped with each rank: the immutable
+``Box``/``View`` objects are shared between replicas.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
+from typing import Sequence
 
-from ...layout import LocalParam, ModelSpec, SideLayout
+from ...layout import Box, LayoutError, LocalParam, ModelSpec, Piece, SideLayout, View
+
+__all__ = [
+    "MegatronParallel",
+    "megatron_rank_params",
+    "megatron_layout",
+    "padded_vocab",
+    "stage_layers",
+    "rank_coords",
+    "TIED_OUTPUT_NOTE",
+]
+
+TIED_OUTPUT_NOTE = (
+    "tied embeddings with pp > 1: the last stage's output_layer.weight is a synchronised copy "
+    "of model.embed_tokens.weight; it is not described (never a sender), the first stage's "
+    "embedding.word_embeddings.weight is"
+)
 
 
 @dataclass(frozen=True)
@@ -31,11 +68,360 @@ class MegatronParallel:
     layer_spec: str = "local"  # "local" | "te"
     experts: str = "sequential"  # "sequential" (local_experts.{i}) | "grouped" (TEGroupedMLP weight{i})
     sequence_parallel: bool = False  # no layout change; recorded for reports
+    #: The model's padded vocab when known (live models); None: Megatron-LM's padding rule.
+    vocab_padded: int | None = None
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.cp * self.dp * self.pp
+
+    @property
+    def etp_size(self) -> int:
+        """Expert-TP size; megatron defaults ``expert_tensor_parallel_size`` to the dense TP size."""
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def edp(self) -> int:
+        """Expert data-parallel size = world / (etp * ep * pp)."""
+        return self.world // (self.etp_size * self.ep * self.pp)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def padded_vocab(spec: ModelSpec, par: MegatronParallel) -> int:
+    """Megatron-LM's ``_vocab_size_with_padding``: round V up to ``divisible_by * tp``."""
+    if par.vocab_padded is not None:
+        if par.vocab_padded < spec.vocab or par.vocab_padded % par.tp:
+            raise LayoutError(
+                f"padded vocab {par.vocab_padded} must be >= vocab {spec.vocab} and a multiple of tp={par.tp}"
+            )
+        return par.vocab_padded
+    multiple = par.make_vocab_size_divisible_by * par.tp
+    return -(-spec.vocab // multiple) * multiple
+
+
+def _check(spec: ModelSpec, par: MegatronParallel) -> None:
+    """Reject what megatron rejects (``initialize_model_parallel``, TransformerConfig, MoELayer)."""
+    for field_name in ("tp", "pp", "ep", "cp", "dp", "vpp"):
+        if getattr(par, field_name) < 1:
+            raise LayoutError(f"parallel size {field_name}={getattr(par, field_name)} must be >= 1")
+    if par.etp_size < 1:
+        raise LayoutError(f"expert_tensor_parallel_size={par.etp} must be >= 1")
+    if par.layer_spec not in ("local", "te"):
+        raise LayoutError(f"layer_spec={par.layer_spec!r} is not 'local' or 'te'")
+    if par.experts not in ("sequential", "grouped"):
+        raise LayoutError(f"experts={par.experts!r} is not 'sequential' or 'grouped'")
+    tp, etp = par.tp, par.etp_size
+    if spec.num_heads % tp:
+        raise LayoutError(f"num_attention_heads={spec.num_heads} must be a multiple of tp={tp}")
+    ng = spec.num_kv_heads
+    if ng % tp and tp % ng:
+        raise LayoutError(f"num_query_groups={ng} must be a multiple or divisor of tp={tp}")
+    if ((spec.num_heads + 2 * ng) * spec.head_dim) % tp:
+        raise LayoutError(f"linear_qkv rows {(spec.num_heads + 2 * ng) * spec.head_dim} not divisible by tp={tp}")
+    dense_layers = [l for l in range(spec.num_layers) if not spec.is_moe(l)]
+    if dense_layers and spec.intermediate % tp:
+        raise LayoutError(f"ffn_hidden_size={spec.intermediate} must be divisible by tp={tp}")
+    if spec.moe_layers:
+        if spec.num_experts % par.ep:
+            raise LayoutError(f"num_moe_experts={spec.num_experts} must be divisible by ep={par.ep}")
+        if spec.moe_intermediate % etp:
+            raise LayoutError(f"moe_ffn_hidden_size={spec.moe_intermediate} must be divisible by etp={etp}")
+    if (par.tp * par.cp * par.dp) % (etp * par.ep):
+        raise LayoutError(
+            f"world_size={par.world} is not divisible by expert_tensor_model_pipeline_parallel size "
+            f"etp*ep*pp={etp * par.ep * par.pp}"
+        )
+    if par.vpp > 1 and par.pp == 1:
+        raise LayoutError("pipeline-model-parallel size should be greater than 1 with interleaved schedule (vpp > 1)")
+    if par.pp == 1 and (par.first_stage_layers is not None or par.last_stage_layers is not None):
+        raise LayoutError("num_layers_in_first/last_pipeline_stage need pp > 1")
+    stage_layers(spec.num_layers, par)  # raises on impossible PP / VPP splits
+
+
+def _stage_sizes(num_layers: int, par: MegatronParallel) -> tuple[int, ...]:
+    """Layers per pipeline stage (TransformerConfig's checks + ``get_num_layers_to_build``)."""
+    pp, vpp, first, last = par.pp, par.vpp, par.first_stage_layers, par.last_stage_layers
+    if first is None and last is None:
+        if num_layers % pp:
+            raise LayoutError(f"num_layers={num_layers} should be divisible by pp={pp}")
+        per = num_layers // pp
+        if per % vpp:
+            raise LayoutError(f"num_layers_per_pipeline_rank={per} should be divisible by vpp={vpp}")
+        return (per,) * pp
+    middle_layers, middle_stages = num_layers, pp
+    for what, n in (("first", first), ("last", last)):
+        if n is None:
+            continue
+        if n <= 0:
+            raise LayoutError(f"num_layers_in_{what}_pipeline_stage must be larger than 0, got {n}")
+        if n % vpp:
+            raise LayoutError(f"number of layers at {what} stage: {n} must be divisible by vpp={vpp}")
+        middle_layers -= n
+        middle_stages -= 1
+    if bool(middle_layers) != bool(middle_stages) or middle_layers < 0:
+        raise LayoutError(
+            f"uneven PP does not add up: {middle_layers} middle layers remaining but {middle_stages} middle PP stages"
+        )
+    per = 0
+    if middle_stages:
+        if middle_layers % middle_stages:
+            raise LayoutError(
+                f"number of layers at middle stages: {middle_layers} must be divisible by the "
+                f"middle pipeline size {middle_stages}"
+            )
+        per = middle_layers // middle_stages
+        if per % vpp:
+            raise LayoutError(f"number of layers on each middle pipeline rank: {per} must be divisible by vpp={vpp}")
+    sizes = [per] * pp
+    if first is not None:
+        sizes[0] = first
+    if last is not None:
+        sizes[-1] = last
+    return tuple(sizes)
+
+
+def stage_layers(num_layers: int, par: MegatronParallel) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """``[pp_rank][vp_stage]`` -> global layer indices, per ``get_transformer_layer_offset``.
+
+    Interleaved chunks: chunk v of every stage comes before chunk v+1 of any stage (8 layers,
+    pp 2, vpp 2: stage 0 holds [0, 1] and [4, 5]).
+    """
+    return _stage_layers(num_layers, par.pp, par.vpp, par.first_stage_layers, par.last_stage_layers)
+
+
+@lru_cache(maxsize=64)
+def _stage_layers(num_layers, pp, vpp, first, last):
+    par = MegatronParallel(pp=pp, vpp=vpp, first_stage_layers=first, last_stage_layers=last)
+    sizes = _stage_sizes(num_layers, par)
+    per_chunk = [n // vpp for n in sizes]
+    round_size = sum(per_chunk)  # layers in one virtual round over all stages
+    out = []
+    for s in range(pp):
+        before = sum(per_chunk[:s])
+        out.append(tuple(tuple(range(v * round_size + before, v * round_size + before + per_chunk[s]))
+                         for v in range(vpp)))
+    return tuple(out)
+
+
+def rank_coords(par: MegatronParallel, rank: int) -> dict[str, int]:
+    """Coordinates of ``rank`` in the dense (tp-cp-dp-pp) and expert (etp-ep-edp-pp) grids."""
+    if not 0 <= rank < par.world:
+        raise LayoutError(f"rank {rank} outside world of size {par.world} (tp*cp*dp*pp)")
+    tp_r = rank % par.tp
+    cp_r = rank // par.tp % par.cp
+    dp_r = rank // (par.tp * par.cp) % par.dp
+    pp_r = rank // (par.tp * par.cp * par.dp)
+    etp, ep = par.etp_size, par.ep
+    within = rank % (par.world // par.pp)
+    return dict(tp=tp_r, cp=cp_r, dp=dp_r, pp=pp_r, etp=within % etp, ep=within // etp % ep, edp=within // (etp * ep))
+
+
+# --------------------------------------------------------------------------- templates
+
+# A template is (local name, local shape, ((canonical, box, view), ...)) -- rank-free.
+_Tmpl = tuple[str, tuple[int, ...], tuple[tuple[str, Box, View], ...]]
+
+
+def _full(name: str, canonical: str, shape: tuple[int, ...]) -> _Tmpl:
+    """A replicated parameter that is the whole canonical tensor."""
+    return (name, shape, ((canonical, Box.full(shape), View(0, shape, _strides(shape))),))
+
+
+def _strides(shape: Sequence[int]) -> tuple[int, ...]:
+    return (shape[1], 1) if len(shape) == 2 else (1,)
+
+
+def _rows(local_row: int, canonical: str, row0: int, nrows: int, cols: int | None) -> tuple[str, Box, View]:
+    """``nrows`` canonical rows from ``row0`` stored at local row ``local_row`` (dense, row-major)."""
+    if cols is None:
+        return (canonical, Box((row0,), (nrows,)), View(local_row, (nrows,), (1,)))
+    return (canonical, Box((row0, 0), (nrows, cols)), View(local_row * cols, (nrows, cols), (cols, 1)))
+
+
+def _qkv_pieces(spec: ModelSpec, tp: int, tp_r: int, attn: str, cols: int | None, suffix: str):
+    """Pieces of the local ``linear_qkv`` chunk: intersect the rank's row range with each
+    group's ``[q_g; k_g; v_g]`` runs of the interleaved global tensor."""
+    hn, ng = spec.head_dim, spec.num_kv_heads
+    P = spec.num_heads // ng
+    block = (P + 2) * hn
+    rows = ng * block // tp
+    lo, hi = tp_r * rows, (tp_r + 1) * rows
+    out = []
+    for g in range(lo // block, -(-hi // block)):
+        base = g * block
+        for proj, start, n, crow in (
+            ("q", base, P * hn, g * P * hn),
+            ("k", base + P * hn, hn, g * hn),
+            ("v", base + (P + 1) * hn, hn, g * hn),
+        ):
+            a, b = max(lo, start), min(hi, start + n)
+            if a < b:
+                out.append(_rows(a - lo, f"{attn}{proj}_proj.{suffix}", crow + a - start, b - a, cols))
+    return tuple(out), rows
+
+
+def _swiglu_fc1(name: str, gate: str, up: str, F: int, H: int, n: int, r: int) -> _Tmpl:
+    """Local ``[gate_r; up_r]``: the global ``[gate; up]`` sharded with stride 2."""
+    f = F // n
+    return (name, (2 * f, H), (_rows(0, gate, r * f, f, H), _rows(f, up, r * f, f, H)))
+
+
+def _row_parallel(name: str, canonical: str, rows: int, K: int, n: int, r: int) -> _Tmpl:
+    """RowParallel weight ``[rows, K/n]``: column slice ``r`` of the canonical ``[rows, K]``."""
+    k = K // n
+    return (name, (rows, k), ((canonical, Box((0, r * k), (rows, k)), View(0, (rows, k), (k, 1))),))
+
+
+def _vocab_rows(name: str, canonical: str, V: int, Vp: int, H: int, tp: int, r: int) -> _Tmpl:
+    """Vocab-parallel rows ``[r*Vp/tp, (r+1)*Vp/tp)``; rows >= V are padding (no piece)."""
+    n = Vp // tp
+    lo, hi = r * n, min((r + 1) * n, V)
+    pieces = (_rows(0, canonical, lo, hi - lo, H),) if hi > lo else ()
+    return (name, (n, H), pieces)
+
+
+def _dense_layer(spec: ModelSpec, par: MegatronParallel, layer: int, prefix: str, tp_r: int) -> list[_Tmpl]:
+    """Non-expert parameters of one decoder layer on TP rank ``tp_r`` (names as named_parameters)."""
+    H, hn, tp = spec.hidden, spec.head_dim, par.tp
+    hf = f"model.layers.{layer}."
+    attn = hf + "self_attn."
+    te = par.layer_spec == "te"
+    moe = spec.is_moe(layer)
+    out: list[_Tmpl] = []
+    if te:
+        out.append(_full(prefix + "self_attention.linear_qkv.layer_norm_weight", hf + "input_layernorm.weight", (H,)))
+    else:
+        out.append(_full(prefix + "input_layernorm.weight", hf + "input_layernorm.weight", (H,)))
+    out.append(_row_parallel(prefix + "self_attention.linear_proj.weight", attn + "o_proj.weight",
+                             H, spec.num_heads * hn, tp, tp_r))
+    pieces, rows = _qkv_pieces(spec, tp, tp_r, attn, H, "weight")
+    out.append((prefix + "self_attention.linear_qkv.weight", (rows, H), pieces))
+    if spec.qkv_bias:
+        bpieces, _ = _qkv_pieces(spec, tp, tp_r, attn, None, "bias")
+        out.append((prefix + "self_attention.linear_qkv.bias", (rows,), bpieces))
+    if spec.qk_norm:
+        out.append(_full(prefix + "self_attention.q_layernorm.weight", attn + "q_norm.weight", (hn,)))
+        out.append(_full(prefix + "self_attention.k_layernorm.weight", attn + "k_norm.weight", (hn,)))
+    post = hf + "post_attention_layernorm.weight"
+    if moe:
+        out.append(_full(prefix + "pre_mlp_layernorm.weight", post, (H,)))
+        out.append(_full(prefix + "mlp.router.weight", hf + "mlp.gate.weight", (spec.num_experts, H)))
+    else:
+        F = spec.intermediate
+        if te:
+            out.append(_full(prefix + "mlp.linear_fc1.layer_norm_weight", post, (H,)))
+        else:
+            out.append(_full(prefix + "pre_mlp_layernorm.weight", post, (H,)))
+        out.append(_swiglu_fc1(prefix + "mlp.linear_fc1.weight", hf + "mlp.gate_proj.weight",
+                               hf + "mlp.up_proj.weight", F, H, tp, tp_r))
+        out.append(_row_parallel(prefix + "mlp.linear_fc2.weight", hf + "mlp.down_proj.weight", H, F, tp, tp_r))
+    return out
+
+
+def _expert_layer(spec: ModelSpec, par: MegatronParallel, layer: int, prefix: str, ep_r: int, etp_r: int
+                  ) -> list[_Tmpl]:
+    """Routed experts of one MoE layer on (ep_r, etp_r): global expert = ep_r * E/ep + i."""
+    H, F, etp = spec.hidden, spec.moe_intermediate, par.etp_size
+    n_local = spec.num_experts // par.ep
+    out: list[_Tmpl] = []
+    for i in range(n_local):
+        hf = f"model.layers.{layer}.mlp.experts.{ep_r * n_local + i}."
+        if par.experts == "sequential":
+            fc1 = f"{prefix}mlp.experts.local_experts.{i}.linear_fc1.weight"
+            fc2 = f"{prefix}mlp.experts.local_experts.{i}.linear_fc2.weight"
+        else:
+            fc1 = f"{prefix}mlp.experts.linear_fc1.weight{i}"
+            fc2 = f"{prefix}mlp.experts.linear_fc2.weight{i}"
+        out.append(_swiglu_fc1(fc1, hf + "gate_proj.weight", hf + "up_proj.weight", F, H, etp, etp_r))
+        out.append(_row_parallel(fc2, hf + "down_proj.weight", H, F, etp, etp_r))
+    return out
+
+
+def _chunk_prefix(par: MegatronParallel, v: int) -> str:
+    return f"chunk{v}." if par.vpp > 1 else ""
+
+
+@lru_cache(maxsize=4096)
+def _dense_templates(spec: ModelSpec, par: MegatronParallel, pp_r: int, tp_r: int):
+    """(pre, per-layer lists, post) of non-expert templates for one (stage, tp rank)."""
+    chunks = stage_layers(spec.num_layers, par)[pp_r]
+    H, tp = spec.hidden, par.tp
+    V, Vp = spec.vocab, padded_vocab(spec, par)
+    pre: list[_Tmpl] = []
+    post: list[_Tmpl] = []
+    if pp_r == 0:
+        pre.append(_vocab_rows(_chunk_prefix(par, 0) + "embedding.word_embeddings.weight",
+                               "model.embed_tokens.weight", V, Vp, H, tp, tp_r))
+    layers = []
+    for v, chunk in enumerate(chunks):
+        for i, layer in enumerate(chunk):
+            prefix = f"{_chunk_prefix(par, v)}decoder.layers.{i}."
+            layers.append(_dense_layer(spec, par, layer, prefix, tp_r))
+    if pp_r == par.pp - 1:
+        last = _chunk_prefix(par, par.vpp - 1)
+        post.append(_full(last + "decoder.final_layernorm.weight", "model.norm.weight", (H,)))
+        if not spec.tied:
+            post.append(_vocab_rows(last + "output_layer.weight", "lm_head.weight", V, Vp, H, tp, tp_r))
+    return tuple(pre), tuple(tuple(l) for l in layers), tuple(post)
+
+
+@lru_cache(maxsize=4096)
+def _expert_templates(spec: ModelSpec, par: MegatronParallel, pp_r: int, ep_r: int, etp_r: int):
+    """Per-layer expert templates for one (stage, ep rank, etp rank); empty for dense layers."""
+    out = []
+    for v, chunk in enumerate(stage_layers(spec.num_layers, par)[pp_r]):
+        for i, layer in enumerate(chunk):
+            if spec.is_moe(layer):
+                out.append(tuple(_expert_layer(spec, par, layer, f"{_chunk_prefix(par, v)}decoder.layers.{i}.",
+                                               ep_r, etp_r)))
+            else:
+                out.append(())
+    return tuple(out)
+
+
+def _stamp(rank: int, dtype: str, tmpls, out: list[LocalParam]) -> None:
+    for name, shape, pieces in tmpls:
+        out.append(LocalParam(rank, name, shape, dtype,
+                              tuple(Piece(rank, name, c, b, v) for c, b, v in pieces)))
+
+
+# --------------------------------------------------------------------------- public API
 
 
 def megatron_rank_params(spec: ModelSpec, par: MegatronParallel, rank: int) -> list[LocalParam]:
-    raise NotImplementedError
+    """Every parameter ``rank`` holds, named as ``GPTModel.named_parameters()`` names it
+    (``chunk{v}.`` prefixed when vpp > 1), with its pieces in HF coordinates.
+
+    The tied last-stage ``output_layer.weight`` copy (pp > 1) is left out: never a sender.
+    """
+    _check(spec, par)
+    c = rank_coords(par, rank)
+    pre, layers, post = _dense_templates(spec, par, c["pp"], c["tp"])
+    experts = _expert_templates(spec, par, c["pp"], c["ep"], c["etp"])
+    out: list[LocalParam] = []
+    _stamp(rank, spec.dtype, pre, out)
+    for dense, routed in zip(layers, experts):
+        _stamp(rank, spec.dtype, dense, out)
+        _stamp(rank, spec.dtype, routed, out)
+    _stamp(rank, spec.dtype, post, out)
+    return out
 
 
 def megatron_layout(spec: ModelSpec, par: MegatronParallel) -> SideLayout:
-    raise NotImplementedError
+    """All ranks of the training world; every DP / CP / expert-DP replica is listed."""
+    _check(spec, par)
+    params: list[LocalParam] = []
+    for rank in range(par.world):
+        params.extend(megatron_rank_params(spec, par, rank))
+    notes = []
+    if spec.tied and par.pp > 1:
+        notes.append(TIED_OUTPUT_NOTE)
+    return SideLayout(
+        name=f"megatron(tp={par.tp},pp={par.pp},vpp={par.vpp},ep={par.ep},etp={par.etp_size},cp={par.cp},dp={par.dp})",
+        world_size=par.world,
+        params=tuple(params),
+        tensors={t.name: (t.shape, t.dtype) for t in spec.tensors().values()},
+        notes=tuple(notes),
+    )

@@ -1,0 +1,234 @@
+"""Tiny megatron-core GPT models on CPU, and a small multi-process harness to run them.
+
+``build_gpt`` builds the same architecture as the HF checkpoint a :class:`ModelSpec` describes
+(Qwen3 / Qwen3-MoE / Llama: SwiGLU, RMSNorm, GQA, optional qk-norm, RoPE, no bias), so that a
+checkpoint loaded through the descriptors must reproduce HF's logits. ``run_world`` spawns one
+process per rank (torch.multiprocessing, spawn) for tests and the refit job.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from ...layout import ModelSpec
+from .rules import MegatronParallel, padded_vocab
+
+__all__ = ["WorldCtx", "free_port", "run_world", "init_megatron", "build_gpt", "megatron_config"]
+
+
+# --------------------------------------------------------------------------- harness
+
+
+@dataclass(frozen=True)
+class WorldCtx:
+    """What a spawned rank needs to join the default process group."""
+
+    rank: int
+    world: int
+    master_addr: str
+    master_port: int
+
+
+def free_port() -> int:
+    """A port the OS says is free now (bind to port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn: Callable, ctx: WorldCtx, args: tuple, queue, threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+    try:
+        # Pickled by value here: torch's queue would share tensors by fd, which dies with us.
+        queue.put((ctx.rank, True, pickle.dumps(fn(ctx, *args))))
+    except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
+        queue.put((ctx.rank, False, traceback.format_exc()))
+    finally:
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - teardown must not mask the result
+            pass
+
+
+def run_world(fn: Callable[..., Any], world: int, args: Sequence[Any] = (), *, timeout_s: float = 300.0,
+              threads: int = 1) -> list[Any]:
+    """Run ``fn(WorldCtx, *args)`` in ``world`` spawned processes; return results by rank.
+
+    ``fn`` must be importable (module level). Raises RuntimeError naming the rank and its
+    traceback when any rank fails or dies, and kills every rank on failure or timeout.
+    """
+    import queue as queue_mod
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(fn, WorldCtx(r, world, "127.0.0.1", port), tuple(args), q, threads),
+                    daemon=True)
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) < world:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(f"run_world timed out after {timeout_s:.0f}s; finished ranks: {sorted(results)}")
+            try:
+                rank, ok, value = q.get(timeout=min(left, 1.0))
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
+                continue
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            results[rank] = pickle.loads(value)
+        for p in procs:
+            p.join(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        q.close()
+    return [results[r] for r in range(world)]
+
+
+# --------------------------------------------------------------------------- megatron
+
+
+def init_megatron(par: MegatronParallel, rank: int, world: int, master_addr: str = "127.0.0.1",
+                  master_port: int = 29500, timeout_s: float = 120.0) -> None:
+    """gloo default group + megatron's model-parallel groups (+ CPU patches, RNG seeds)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from .runtime import apply_cpu_patches
+
+    if world != par.world:
+        raise ValueError(f"world {world} != tp*cp*dp*pp = {par.world}")
+    apply_cpu_patches()
+    os.environ.setdefault("MASTER_ADDR", master_addr)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
+                                world_size=world, timeout=timedelta(seconds=timeout_s))
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=par.tp,
+        pipeline_model_parallel_size=par.pp,
+        virtual_pipeline_model_parallel_size=par.vpp if par.vpp > 1 else None,
+        context_parallel_size=par.cp,
+        expert_model_parallel_size=par.ep,
+        expert_tensor_parallel_size=par.etp_size,
+        distributed_timeout_minutes=max(1, int(timeout_s // 60)),
+    )
+    model_parallel_cuda_manual_seed(1234)
+
+
+def megatron_config(spec: ModelSpec, par: MegatronParallel, dtype: str | None = None):
+    """The TransformerConfig for ``spec`` (fusions off: they need CUDA kernels)."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if par.layer_spec != "local" or par.experts != "sequential":
+        raise ValueError("CPU builds support layer_spec='local' with sequential experts only")
+    torch_dtype = getattr(torch, dtype or spec.dtype)
+    moe = bool(spec.moe_layers)
+    kw: dict[str, Any] = {}
+    if moe:
+        kw.update(
+            num_moe_experts=spec.num_experts,
+            moe_ffn_hidden_size=spec.moe_intermediate,
+            moe_router_topk=spec.moe_topk,
+            moe_layer_freq=[1 if spec.is_moe(l) else 0 for l in range(spec.num_layers)],
+            # Qwen3-MoE (norm_topk_prob): softmax over the top-k logits == renormalised top-k of
+            # the full softmax, which is megatron's default (pre_softmax False).
+            moe_router_pre_softmax=False,
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_token_dispatcher_type="alltoall" if par.ep > 1 else "allgather",
+        )
+    return TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden,
+        num_attention_heads=spec.num_heads,
+        num_query_groups=spec.num_kv_heads,
+        kv_channels=spec.head_dim,
+        ffn_hidden_size=spec.intermediate or 4 * spec.hidden,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.rms_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias,
+        qk_layernorm=spec.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=par.tp,
+        pipeline_model_parallel_size=par.pp,
+        virtual_pipeline_model_parallel_size=par.vpp if par.vpp > 1 else None,
+        num_layers_in_first_pipeline_stage=par.first_stage_layers,
+        num_layers_in_last_pipeline_stage=par.last_stage_layers,
+        context_parallel_size=par.cp,
+        expert_model_parallel_size=par.ep,
+        expert_tensor_parallel_size=par.etp_size,
+        sequence_parallel=par.sequence_parallel,
+        use_cpu_initialization=True,
+        params_dtype=torch_dtype,
+        pipeline_dtype=torch_dtype,
+        bf16=torch_dtype == torch.bfloat16,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+        bias_dropout_fusion=False,
+        **kw,
+    )
+
+
+def build_gpt(spec: ModelSpec, par: MegatronParallel, dtype: str | None = None, max_seq: int = 512) -> list:
+    """One ``GPTModel`` per virtual-pipeline chunk of this rank (call after ``init_megatron``)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    config = megatron_config(spec, par, dtype)
+    pp_r = ps.get_pipeline_model_parallel_rank()
+    chunks = []
+    for v in range(par.vpp):
+        vp = v if par.vpp > 1 else None
+        block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
+                                           vp_stage=vp, pp_rank=pp_r)
+        chunks.append(GPTModel(
+            config=config,
+            transformer_layer_spec=block,
+            vocab_size=padded_vocab(spec, par),
+            max_sequence_length=max_seq,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+            share_embeddings_and_output_weights=spec.tied,
+            position_embedding_type="rope",
+            rotary_base=int(spec.rope_theta),
+            vp_stage=vp,
+        ))
+    return chunks

@@ -1,0 +1,144 @@
+"""Live adapter: describe the parameters of a running megatron-core model.
+
+The descriptors come from the same pure rules as the planner's (``rules.py``): the parallel
+sizes and this rank's coordinates are read from ``parallel_state`` and the model config, the
+rules predict every local parameter, and every live parameter is then checked against the
+prediction (name and shape), so a layout the rules do not understand fails loudly here,
+before any data moves.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ...layout import LayoutError, LocalParam, ModelSpec, SideLayout
+from .rules import TIED_OUTPUT_NOTE, MegatronParallel, megatron_rank_params, rank_coords
+
+__all__ = ["live_parallel", "named_local_params", "describe", "describe_world"]
+
+
+def _unwrap(module):
+    """Strip DDP / Float16Module style wrappers (each keeps the real model in ``.module``)."""
+    while hasattr(module, "module") and not hasattr(module, "decoder"):
+        module = module.module
+    return module
+
+
+def named_local_params(model_chunks: Sequence) -> dict[str, "torch.Tensor"]:  # noqa: F821
+    """Local parameters by the names the rules use (``chunk{v}.`` prefix when several chunks)."""
+    out = {}
+    multi = len(model_chunks) > 1
+    for v, chunk in enumerate(model_chunks):
+        prefix = f"chunk{v}." if multi else ""
+        for name, p in _unwrap(chunk).named_parameters():
+            out[prefix + name] = p
+    return out
+
+
+def live_parallel(model_chunks: Sequence) -> tuple[MegatronParallel, int]:
+    """``MegatronParallel`` and this rank, read from ``parallel_state`` and the model config."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    model = _unwrap(model_chunks[0])
+    cfg = model.config
+    names = named_local_params(model_chunks)
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
+    if vpp != len(model_chunks):
+        raise LayoutError(f"{len(model_chunks)} model chunks but virtual pipeline size {vpp}")
+    te = any(n.endswith("linear_qkv.layer_norm_weight") for n in names)
+    grouped = any(".mlp.experts.linear_fc1.weight" in n for n in names)
+    tp = ps.get_tensor_model_parallel_world_size()
+    par = MegatronParallel(
+        tp=tp,
+        pp=ps.get_pipeline_model_parallel_world_size(),
+        ep=ps.get_expert_model_parallel_world_size(),
+        etp=ps.get_expert_tensor_parallel_world_size(),
+        cp=ps.get_context_parallel_world_size(),
+        dp=ps.get_data_parallel_world_size(with_context_parallel=False),
+        vpp=vpp,
+        first_stage_layers=cfg.num_layers_in_first_pipeline_stage,
+        last_stage_layers=cfg.num_layers_in_last_pipeline_stage,
+        layer_spec="te" if te else "local",
+        experts="grouped" if grouped else "sequential",
+        sequence_parallel=bool(cfg.sequence_parallel),
+        vocab_padded=int(model.vocab_size),
+    )
+    rank = dist.get_rank()
+    live = dict(tp=ps.get_tensor_model_parallel_rank(), pp=ps.get_pipeline_model_parallel_rank(),
+                ep=ps.get_expert_model_parallel_rank(), etp=ps.get_expert_tensor_parallel_rank(),
+                cp=ps.get_context_parallel_rank())
+    coords = rank_coords(par, rank)
+    wrong = {k: (coords[k], v) for k, v in live.items() if coords[k] != v}
+    if wrong:
+        raise LayoutError(f"rank {rank}: megatron's rank order is not tp-cp-ep-dp-pp; (predicted, live) = {wrong}")
+    return par, rank
+
+
+def _check_spec(spec: ModelSpec, cfg) -> None:
+    """The HF spec and the live config must describe the same architecture."""
+    pairs = {
+        "num_layers": (spec.num_layers, cfg.num_layers),
+        "hidden_size": (spec.hidden, cfg.hidden_size),
+        "num_attention_heads": (spec.num_heads, cfg.num_attention_heads),
+        "num_query_groups": (spec.num_kv_heads, cfg.num_query_groups),
+        "kv_channels": (spec.head_dim, cfg.kv_channels),
+        "num_moe_experts": (spec.num_experts or None, cfg.num_moe_experts),
+        "gated_linear_unit": (True, cfg.gated_linear_unit),
+    }
+    if spec.moe_layers:
+        pairs["moe_ffn_hidden_size"] = (spec.moe_intermediate, cfg.moe_ffn_hidden_size)
+    if len(spec.moe_layers) < spec.num_layers:
+        pairs["ffn_hidden_size"] = (spec.intermediate, cfg.ffn_hidden_size)
+    bad = {k: v for k, v in pairs.items() if v[0] != v[1]}
+    if bad:
+        raise LayoutError(f"model spec and megatron config disagree (spec, live): {bad}")
+
+
+def describe(model_chunks: Sequence, spec: ModelSpec) -> list[LocalParam]:
+    """Descriptors of the calling rank's parameters (``spec`` gives HF names and the real vocab).
+
+    Raises LayoutError naming any live parameter the rules do not predict, any predicted one
+    that is missing, or a shape mismatch. The tied last-stage ``output_layer.weight`` copy is
+    the one parameter deliberately not described (never a sender).
+    """
+    _check_spec(spec, _unwrap(model_chunks[0]).config)
+    par, rank = live_parallel(model_chunks)
+    predicted = megatron_rank_params(spec, par, rank)
+    live = named_local_params(model_chunks)
+    by_name = {p.name: p for p in predicted}
+    for name, tensor in live.items():
+        if spec.tied and par.pp > 1 and name.endswith("output_layer.weight"):
+            continue  # TIED_OUTPUT_NOTE: a copy of the first stage's embedding
+        p = by_name.get(name)
+        if p is None:
+            raise LayoutError(f"rank {rank}: live parameter {name!r} {tuple(tensor.shape)} is not described by the rules")
+        if tuple(tensor.shape) != p.shape:
+            raise LayoutError(f"rank {rank}: {name!r} has shape {tuple(tensor.shape)}, rules predict {p.shape}")
+        if str(tensor.dtype).removeprefix("torch.") != p.dtype:
+            raise LayoutError(f"rank {rank}: {name!r} has dtype {tensor.dtype}, spec says {p.dtype}")
+        if not tensor.is_contiguous():
+            raise LayoutError(f"rank {rank}: {name!r} is not contiguous; views address flat storage")
+    missing = sorted(set(by_name) - set(live))
+    if missing:
+        raise LayoutError(f"rank {rank}: predicted parameters missing from the live model: {missing[:5]}")
+    return predicted
+
+
+def describe_world(model_chunks: Sequence, spec: ModelSpec) -> SideLayout:
+    """Every rank's descriptors, all-gathered over the default group (collective)."""
+    import torch.distributed as dist
+
+    mine = describe(model_chunks, spec)
+    par, _ = live_parallel(model_chunks)
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    params = tuple(p for rank_params in gathered for p in rank_params)
+    notes = (TIED_OUTPUT_NOTE,) if spec.tied and par.pp > 1 else ()
+    return SideLayout(
+        name=f"megatron-live(tp={par.tp},pp={par.pp},vpp={par.vpp},ep={par.ep},etp={par.etp_size},dp={par.dp})",
+        world_size=dist.get_world_size(),
+        params=params,
+        tensors={t.name: (t.shape, t.dtype) for t in spec.tensors().values()},
+        notes=notes,
+    )
