@@ -1,0 +1,331 @@
+"""The receiving side of a refit: write model-format pieces into a live vLLM model.
+
+Two modes per local parameter, chosen by :func:`select_modes` and exposed as data:
+
+* ``"direct"``: kernel format == model format (CUDA unquantized dense, Triton MoE, norms;
+  on CPU only with the plain-linear mode); pieces are copied straight into the live tensor.
+* ``"reload"``: vLLM's layerwise-reload lifecycle, driven piecewise. At a layer's first
+  write it is put back into model format (``restore_layer_on_meta`` + ``materialize_layer``),
+  pieces are scattered into those tensors, and once every element arrived the layer runs
+  ``process_weights_after_loading`` and its results are copied into the original kernel
+  tensors (``_copy_and_restore_kernel_tensors``), exactly as vLLM's own reload does, plus the
+  CPU MoE re-prepack vLLM 0.32 forgets on reload.
+
+Atomicity: with ``atomic=True`` nothing live changes before :meth:`VllmApplier.finish` has
+checked that every touched parameter is complete; :meth:`abort` then leaves the old weights
+serving. With ``atomic=False`` (streaming, no extra memory) completed layers are committed
+as they complete; an abort or failure after a commit marks the applier ``NOT_SERVING`` and
+raises :class:`RefitIncomplete` -- never a silent half-written model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from ...layout.descriptor import LayoutError, LocalParam, View
+from ...layout.torch_views import local_view
+
+__all__ = ["VllmApplier", "RefitIncomplete", "select_modes", "plain_linear_enabled", "DIRECT", "RELOAD"]
+
+DIRECT = "direct"
+RELOAD = "reload"
+
+
+class RefitIncomplete(RuntimeError):
+    """A refit stopped after live weights were partly replaced: the engine must not serve."""
+
+
+def _owner(model: torch.nn.Module, local_name: str) -> tuple[torch.nn.Module, str]:
+    mname, _, pname = local_name.rpartition(".")
+    return (model.get_submodule(mname) if mname else model), pname
+
+
+def plain_linear_enabled(layer: torch.nn.Module) -> bool:
+    """True when a CPU linear computes with plain ``F.linear`` on ``layer.weight``."""
+    return getattr(layer, "cpu_linear", None) is torch.nn.functional.linear
+
+
+def _kernel_is_model_format(layer: torch.nn.Module) -> bool:
+    """Whether ``process_weights_after_loading`` leaves this module's weights as loaded."""
+    qm = getattr(layer, "quant_method", None)
+    if qm is None:
+        return True  # norms, plain parameters: used as loaded
+    cls = type(qm).__name__
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        # Linear / embedding methods repack unless the plain-linear mode is active;
+        # the CPU MoE always prepacks w13/w2 in place.
+        return cls in ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod") and plain_linear_enabled(layer)
+    if current_platform.is_cuda():
+        if cls in ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"):
+            return True
+        if cls == "UnquantizedFusedMoEMethod":
+            backend = str(getattr(qm, "unquantized_backend", ""))
+            return backend.endswith("TRITON")
+    return False
+
+
+def select_modes(model: torch.nn.Module, params: Sequence[LocalParam]) -> dict[str, str]:
+    """``{local_name: "direct" | "reload"}``: direct only where the live tensor is the
+    model-format tensor (same shape/dtype, contiguous) and the kernel uses it as such."""
+    from ...layout.torch_views import TORCH_DTYPES
+
+    modes = {}
+    for lp in params:
+        layer, pname = _owner(model, lp.name)
+        live = getattr(layer, pname, None)
+        same = (
+            isinstance(live, torch.Tensor)
+            and tuple(live.shape) == tuple(lp.shape)
+            and live.dtype == TORCH_DTYPES.get(lp.dtype)
+            and live.is_contiguous()
+            and not live.is_meta
+        )
+        modes[lp.name] = DIRECT if same and _kernel_is_model_format(layer) else RELOAD
+    return modes
+
+
+@dataclass
+class _LayerState:
+    """Progress of one reload-mode module (the unit vLLM processes)."""
+
+    layer: torch.nn.Module
+    names: dict[str, str]  # param attribute -> local name
+    saved_attrs: dict[str, Any] = field(default_factory=dict)
+    committed: bool = False
+
+
+class VllmApplier:
+    """Applies a stream of ``(local_name, View, tensor)`` writes to one worker's model.
+
+    Lifecycle: ``begin()`` -> ``write(...)`` * n -> ``finish()``; ``abort()`` on failure.
+    ``state`` is one of ``idle | updating | serving | not_serving``.
+    """
+
+    def __init__(self, model: torch.nn.Module, params: Sequence[LocalParam], *,
+                 modes: Mapping[str, str] | None = None, atomic: bool = False,
+                 device: torch.device | str = "cpu") -> None:
+        self.model = model
+        self.params = {p.name: p for p in params}
+        self.modes = dict(modes) if modes is not None else select_modes(model, params)
+        self.atomic = atomic
+        self.device = torch.device(device)
+        self.state = "idle"
+        self.reason = ""
+        self._reset()
+
+    def _reset(self) -> None:
+        self._written: dict[str, int] = {}
+        self._layers: dict[int, _LayerState] = {}
+        self._staged: dict[str, torch.Tensor] = {}  # atomic direct writes
+        self._live_changed = False
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def begin(self) -> None:
+        if self.state == "updating":
+            raise RuntimeError("refit already in progress; finish() or abort() it first")
+        self._reset()
+        self.state = "updating"
+
+    def write(self, local_name: str, view: View, tensor: torch.Tensor) -> None:
+        """Copy ``tensor`` (shape == view.shape) into ``local_name`` at ``view``."""
+        if self.state != "updating":
+            raise RuntimeError(f"write({local_name}) outside begin()/finish() (state {self.state})")
+        lp = self.params.get(local_name)
+        if lp is None:
+            raise LayoutError(f"{local_name}: not a parameter of this worker")
+        if tuple(tensor.shape) != tuple(view.shape):
+            raise LayoutError(f"{local_name}: tensor shape {tuple(tensor.shape)} != view shape {view.shape}")
+        last = view.offset + sum((n - 1) * s for n, s in zip(view.shape, view.stride))
+        if view.offset < 0 or (math.prod(view.shape) and last >= lp.numel):
+            raise LayoutError(f"{local_name}: view {view} leaves the local tensor of {lp.numel} elements")
+        n = tensor.numel()
+        done = self._written.get(local_name, 0) + n
+        expected = lp.numel - lp.padding
+        if done > expected:
+            raise LayoutError(f"{local_name}: {done} elements written, only {expected} expected (overlapping writes?)")
+        self._written[local_name] = done
+        dst = self._target(local_name, lp)
+        local_view(dst, view).copy_(tensor.to(self.device))
+        if self.modes[local_name] == RELOAD and not self.atomic:
+            st = self._layers[id(_owner(self.model, local_name)[0])]
+            if self._layer_complete(st):
+                self._process(st)
+                self._commit(st)
+
+    def finish(self) -> None:
+        """Check completeness, commit what is pending, and go back to serving."""
+        if self.state != "updating":
+            raise RuntimeError(f"finish() without begin() (state {self.state})")
+        try:
+            self._check_complete()
+            for name in self._written:
+                if self.modes[name] == DIRECT and self.params[name].padding:
+                    _zero_padding(self._target(name, self.params[name]), self.params[name])
+            if self.atomic:
+                for st in self._layers.values():
+                    self._process(st)
+                for name, staged in self._staged.items():
+                    layer, pname = _owner(self.model, name)
+                    self._live_changed = True
+                    getattr(layer, pname).data.copy_(staged)
+                for st in self._layers.values():
+                    self._commit(st)
+        except BaseException as exc:
+            self._fail(f"finish() failed: {exc}")
+            raise
+        self._staged.clear()
+        self.state = "serving"
+
+    def abort(self, reason: str = "aborted") -> None:
+        """Undo what was not committed; if live weights already changed, stop serving."""
+        if self.state != "updating":
+            return
+        self._fail(reason)
+        if self.state == "not_serving":
+            raise RefitIncomplete(self.reason)
+
+    def check_serving(self) -> None:
+        if self.state == "not_serving":
+            raise RefitIncomplete(self.reason)
+
+    # -- internals ---------------------------------------------------------------------
+    def _fail(self, reason: str) -> None:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO, _place_kernel_tensors
+
+        for st in self._layers.values():
+            if st.committed:
+                continue
+            info = LAYERWISE_INFO[st.layer]
+            if info.kernel_tensors is not None:
+                _place_kernel_tensors(st.layer, info)
+            for k in list(st.layer.__dict__):
+                if k not in st.saved_attrs and not k.startswith("_"):
+                    del st.layer.__dict__[k]
+            st.layer.__dict__.update(st.saved_attrs)
+            info.reset()
+        self._staged.clear()
+        if self._live_changed:
+            self.state = "not_serving"
+            self.reason = (f"refit {reason} after live weights were partly replaced; "
+                           "this engine must not serve until a complete refit succeeds")
+        else:
+            self.state = "serving" if self.state != "not_serving" else self.state
+            self.reason = reason
+
+    def _target(self, local_name: str, lp: LocalParam) -> torch.Tensor:
+        """The model-format tensor that receives writes for ``local_name``."""
+        layer, pname = _owner(self.model, local_name)
+        if self.modes[local_name] == DIRECT:
+            live = getattr(layer, pname).data
+            if not self.atomic:
+                self._live_changed = True
+                return live
+            if local_name not in self._staged:
+                self._staged[local_name] = live.clone()
+            return self._staged[local_name]
+        st = self._layers.get(id(layer))
+        if st is None:
+            st = self._open_layer(layer)
+        return getattr(layer, pname).data
+
+    def _open_layer(self, layer: torch.nn.Module) -> _LayerState:
+        """Put a layer back into (zeroed) model format, keeping its kernel tensors."""
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+        from vllm.model_executor.model_loader.reload.meta import (
+            SKIP_TENSORS, materialize_layer, restore_layer_on_meta,
+        )
+        from vllm.model_executor.model_loader.reload.utils import get_layer_params_buffers, get_layer_tensors
+
+        prefix = next(n for n, m in self.model.named_modules() if m is layer)
+        names = {p.name.rpartition(".")[2]: p.name for p in self.params.values()
+                 if p.name.rpartition(".")[0] == prefix}
+        for local in names.values():
+            if self.modes[local] != RELOAD:
+                raise LayoutError(f"{local}: module {prefix or '<root>'} mixes direct and reload parameters")
+        info = get_layerwise_info(layer)
+        if info.can_load() or info.kernel_tensors is not None:
+            raise RuntimeError(f"{prefix}: a vLLM layerwise reload is already in progress on this layer")
+        st = _LayerState(layer, names, saved_attrs={k: v for k, v in layer.__dict__.items() if not k.startswith("_")})
+        info.kernel_tensors = get_layer_params_buffers(layer)
+        info.kernel_non_persistent_buffers = set(layer._non_persistent_buffers_set)
+        with self.device:
+            restore_layer_on_meta(layer, info)
+            materialize_layer(layer, info)
+        for name, t in get_layer_tensors(layer).items():
+            if name not in SKIP_TENSORS and t.is_floating_point():
+                t.data.zero_()  # padding elements are zero, never uninitialised memory
+        self._layers[id(layer)] = st
+        return st
+
+    def _layer_complete(self, st: _LayerState) -> bool:
+        return all(self._written.get(n, 0) == self.params[n].numel - self.params[n].padding
+                   for n in st.names.values())
+
+    def _check_complete(self) -> None:
+        missing = [(n, self._written.get(n, 0), self.params[n].numel - self.params[n].padding)
+                   for st in self._layers.values() for n in st.names.values()
+                   if self._written.get(n, 0) != self.params[n].numel - self.params[n].padding]
+        missing += [(n, self._written[n], self.params[n].numel - self.params[n].padding)
+                    for n in self._staged if self._written[n] != self.params[n].numel - self.params[n].padding]
+        if not self.atomic:
+            missing += [(n, w, self.params[n].numel - self.params[n].padding) for n, w in self._written.items()
+                        if self.modes[n] == DIRECT and w != self.params[n].numel - self.params[n].padding]
+        if missing:
+            desc = ", ".join(f"{n} ({w}/{e} elements)" for n, w, e in missing[:5])
+            raise LayoutError(f"refit incomplete: touched parameters not fully written: {desc}")
+
+    def _process(self, st: _LayerState) -> None:
+        """vLLM's per-layer processing on the materialised model-format tensors."""
+        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+        layer = st.layer
+        if hasattr(layer, "_already_called_process_weights_after_loading"):
+            delattr(layer, "_already_called_process_weights_after_loading")
+        qm = getattr(layer, "quant_method", None)
+        with self.device:
+            if isinstance(qm, QuantizeMethodBase):
+                qm.process_weights_after_loading(layer)
+                if hasattr(layer, "update_param_tp_status"):
+                    layer.update_param_tp_status()
+            _reprepack_cpu_moe(layer)
+
+    def _commit(self, st: _LayerState) -> None:
+        """Copy the processed tensors into the kernel tensors the engine runs on."""
+        from vllm.model_executor.model_loader.reload.layerwise import (
+            LAYERWISE_INFO, _copy_and_restore_kernel_tensors,
+        )
+
+        layer = st.layer
+        info = LAYERWISE_INFO[layer]
+        self._live_changed = True
+        _copy_and_restore_kernel_tensors(layer, info)
+        info.reset()
+        st.committed = True
+
+
+def _zero_padding(local: torch.Tensor, lp: LocalParam) -> None:
+    """Zero the elements of ``local`` that no piece covers (e.g. pad64 vocab rows)."""
+    keep = torch.zeros(lp.shape, dtype=torch.bool, device=local.device)
+    for pc in lp.pieces:
+        local_view(keep, pc.view).fill_(True)
+    local.view(-1)[~keep.view(-1)] = 0
+
+
+def _reprepack_cpu_moe(layer: torch.nn.Module) -> None:
+    """vLLM 0.32 CPU: ``_setup_kernel`` pads and prepacks MoE weights only on the first
+    load, so a reload would copy model-format bytes (of the unpadded shape) into the
+    kernel tensors. Run the kernel's pad + prepack on the materialised layer, before the
+    copy into the kernel tensors, as the first load does."""
+    if not hasattr(layer, "w13_weight"):
+        return
+    from vllm.platforms import current_platform
+
+    kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+    if current_platform.is_cpu() and kernel is not None:
+        kernel.fused_experts.process_weights_after_loading(layer)

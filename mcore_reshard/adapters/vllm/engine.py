@@ -1,0 +1,81 @@
+"""Start, query and stop a vLLM engine wired with the reshard worker extension.
+
+Scripts that call :func:`start_engine` need an ``if __name__ == "__main__":`` guard
+(vLLM spawns worker processes).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+from .worker import PLAIN_LINEAR_ENV
+
+__all__ = ["EXTENSION", "start_engine", "stop_engine", "greedy", "prompt_logprobs", "after_refit", "describe"]
+
+EXTENSION = "mcore_reshard.adapters.vllm.worker.ReshardWorkerExtension"
+
+
+def start_engine(model_dir: str, tp: int = 1, dtype: str = "float32", enable_ep: bool = False,
+                 direct: bool = False, **kw: Any):
+    """An ``LLM`` on ``model_dir`` with the worker extension and small CPU-friendly defaults.
+
+    ``direct=True`` keeps CPU dense linears in model format (plain ``F.linear``) so
+    refits write them in place; the default keeps vLLM's repacked kernels.
+    """
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        cores = os.cpu_count() or tp
+        per = max(cores // tp, 1)
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+            f"{r * per}" if per == 1 else f"{r * per}-{r * per + per - 1}" for r in range(tp))
+    os.environ[PLAIN_LINEAR_ENV] = "1" if direct else "0"
+    from vllm import LLM
+
+    args: dict[str, Any] = dict(
+        model=str(model_dir), skip_tokenizer_init=True, dtype=dtype, enforce_eager=True,
+        max_model_len=256, max_num_seqs=4, seed=0, tensor_parallel_size=tp,
+        enable_expert_parallel=enable_ep, worker_extension_cls=EXTENSION,
+    )
+    args.update(kw)
+    return LLM(**args)
+
+
+def stop_engine(llm: Any) -> None:
+    """Shut the engine core (and its workers) down now, not at interpreter exit."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None:
+        core.shutdown()
+
+
+def describe(llm: Any) -> list[list[Any]]:
+    """Per worker (in rank order of ``collective_rpc``) its recorded ``LocalParam`` list."""
+    import pickle
+
+    return [pickle.loads(b) for b in llm.collective_rpc("mr_describe")]
+
+
+def after_refit(llm: Any) -> None:
+    """Drop KV blocks computed with the old weights (prefix cache)."""
+    llm.reset_prefix_cache()
+
+
+def greedy(llm: Any, prompts_token_ids: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy completions (token ids) of each prompt."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts_token_ids], sp, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def prompt_logprobs(llm: Any, token_ids: Sequence[int]) -> list[float]:
+    """Log-probability of each given token after its prefix (len(token_ids) - 1 values)."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    out = llm.generate([{"prompt_token_ids": list(token_ids)}], sp, use_tqdm=False)[0]
+    vals = []
+    for tok, lp in zip(token_ids[1:], out.prompt_logprobs[1:]):
+        vals.append(float(lp[tok].logprob))
+    return vals

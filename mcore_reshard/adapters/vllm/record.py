@@ -1,0 +1,208 @@
+"""Record a live vLLM worker's destination pieces from vLLM's own weight loaders.
+
+No per-model code: the model's ``load_weights`` is driven with zero-storage placeholder
+tensors (vLLM's ``FakeRDTTensor``, the sharded-RDT bake) that log every slicing op and every
+``copy_`` destination while the layers sit on meta in model format (layerwise reload's
+meta restore). The op chain, replayed on a meta tensor of the canonical shape, gives the
+source window in canonical flat storage; the copy destination gives the window in the
+local parameter. Both together are exactly one :class:`Piece` (a box and a view).
+
+Imports vllm lazily (inside functions) so the package imports without it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from ...layout.descriptor import Box, LayoutError, LocalParam, Piece, View, contiguous_strides
+
+__all__ = ["record_local_params", "pieces_from_copy", "chain_geometry"]
+
+#: (offset, shape, stride) of a strided window, in elements.
+Geometry = tuple[int, tuple[int, ...], tuple[int, ...]]
+
+
+def chain_geometry(shape: Sequence[int], ops: Sequence[tuple], *, what: str) -> Geometry:
+    """Replay a recorded op chain on a meta tensor of ``shape``: the window it selects.
+
+    Every op must stay a view of the canonical storage (a copy would break the mapping);
+    ``contiguous``/``reshape`` are accepted only where they do not copy.
+    """
+    root = torch.empty(tuple(shape), device="meta")
+    cur: Any = root
+    for op, args, kwargs in ops:
+        if isinstance(cur, (tuple, list)):
+            if op != "__getitem__":
+                raise LayoutError(f"{what}: op {op!r} applied to a multi-output result")
+            cur = cur[args[0]]
+            continue
+        if op == "contiguous":
+            if not cur.is_contiguous():
+                raise LayoutError(f"{what}: .contiguous() on a strided slice copies; not a window")
+            continue
+        name = "view" if op == "reshape" else op
+        try:
+            res = getattr(torch.Tensor, name)(cur, *args, **dict(kwargs))
+        except RuntimeError as exc:
+            raise LayoutError(f"{what}: op {op}{args} is not a view of the canonical tensor: {exc}") from exc
+        outs = res if isinstance(res, (tuple, list)) else (res,)
+        for r in outs:
+            if r is not root and r._base is not root:
+                raise LayoutError(f"{what}: op {op}{args} copies instead of viewing")
+            if r.dtype != root.dtype:
+                raise LayoutError(f"{what}: op {op}{args} reinterprets the dtype")
+        cur = res
+    if not isinstance(cur, torch.Tensor):
+        raise LayoutError(f"{what}: op chain ends in a multi-output result")
+    return cur.storage_offset(), tuple(cur.shape), tuple(cur.stride())
+
+
+def _natural_strides(sizes: Sequence[int], strides: list[int | None]) -> tuple[int, ...]:
+    """Fill strides of size-1 dims (free choice) so a full box in a contiguous tensor
+    gets exactly the contiguous strides."""
+    out = list(strides)
+    for d in range(len(sizes) - 1, -1, -1):
+        if out[d] is None:
+            out[d] = 1 if d == len(sizes) - 1 else out[d + 1] * sizes[d + 1]  # type: ignore[operator]
+    return tuple(out)  # type: ignore[arg-type]
+
+
+def pieces_from_copy(canonical_shape: Sequence[int], src: Geometry, dst: Geometry, *, what: str) -> tuple[Box, View]:
+    """Turn one elementwise copy (source window in canonical storage -> destination
+    window in local storage, equal shapes) into a canonical box and its local view.
+
+    Each source dim must walk one canonical dim with unit step; several source dims
+    may split one canonical dim (a reshape) if the destination splits it the same way.
+    """
+    cshape = tuple(canonical_shape)
+    cstride = contiguous_strides(cshape)
+    soff, sshape, sstride = src
+    doff, dshape, dstride = dst
+    if sshape != dshape:
+        raise LayoutError(f"{what}: copy_ source shape {sshape} != destination shape {dshape}")
+    groups: dict[int, list[tuple[int, int, int]]] = {}  # canon dim -> [(multiplier, size, dst stride)]
+    for size, st, dst_st in zip(sshape, sstride, dstride):
+        if size == 1:
+            continue
+        for d in range(len(cshape) - 1, -1, -1):
+            if cshape[d] > 1 and st % cstride[d] == 0 and st // cstride[d] < cshape[d]:
+                groups.setdefault(d, []).append((st // cstride[d], size, dst_st))
+                break
+        else:
+            raise LayoutError(f"{what}: source stride {st} walks no canonical dim of {cshape}")
+    offsets = []
+    rem = soff
+    for d in range(len(cshape)):
+        offsets.append(rem // cstride[d])
+        rem %= cstride[d]
+    sizes: list[int] = [1] * len(cshape)
+    lstrides: list[int | None] = [None] * len(cshape)
+    for d, items in groups.items():
+        items.sort(key=lambda x: -x[0])
+        if items[-1][0] != 1:
+            raise LayoutError(f"{what}: strided (step {items[-1][0]}) slice of canonical dim {d}")
+        for (m_hi, _, ds_hi), (m_lo, n_lo, ds_lo) in zip(items, items[1:]):
+            if m_hi != m_lo * n_lo or ds_hi != ds_lo * n_lo:
+                raise LayoutError(f"{what}: canonical dim {d} is split non-contiguously")
+        sizes[d] = math.prod(n for _, n, _ in items)
+        lstrides[d] = items[-1][2]
+    for d in range(len(cshape)):
+        if offsets[d] + sizes[d] > cshape[d]:
+            raise LayoutError(f"{what}: window leaves canonical dim {d} ({offsets[d]}+{sizes[d]} > {cshape[d]})")
+    if math.prod(sizes) != math.prod(sshape):
+        raise LayoutError(f"{what}: source window {sshape} is not a box of {cshape}")
+    return Box(tuple(offsets), tuple(sizes)), View(doff, tuple(sizes), _natural_strides(sizes, lstrides))
+
+
+def _refuse_rebalanced_experts(model: torch.nn.Module, vllm_config: Any) -> None:
+    """vLLM's loaders place experts by the initial physical->logical map; after an EPLB
+    rebalance that is wrong, so recording (which follows the loaders) must refuse."""
+    par = getattr(vllm_config, "parallel_config", None)
+    if par is None or not getattr(par, "enable_eplb", False):
+        return
+    raise LayoutError(
+        "vLLM EPLB is enabled: expert placement can change at runtime and vLLM's weight loaders "
+        "follow only the initial physical->logical map; recording pieces from them would "
+        "silently target the wrong experts after a rebalance. Disable EPLB for refits."
+    )
+
+
+def record_local_params(
+    model: torch.nn.Module,
+    tensors: Mapping[str, tuple[Sequence[int], str]],
+    rank: int,
+    *,
+    vllm_config: Any = None,
+    device: torch.device | str = "cpu",
+) -> list[LocalParam]:
+    """The worker's destination pieces in model format, learnt from ``model.load_weights``.
+
+    ``tensors``: canonical (HF) name -> (shape, dtype name) of every checkpoint tensor.
+    The model's parameters are put back untouched (kernel tensors restored).
+    """
+    from vllm.distributed.weight_transfer.sharded_rdt_engine import ShardedRDTWeightTransferEngine as _Eng
+    from vllm.distributed.weight_transfer.sharded_rdt_fake import BakeSink, FakeRDTTensor
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO, initialize_layerwise_reload
+    from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
+
+    from ...layout.torch_views import TORCH_DTYPES
+
+    _refuse_rebalanced_experts(model, vllm_config)
+    if any(info.can_load() for info in LAYERWISE_INFO.values()):
+        raise RuntimeError("a layerwise reload is in progress; record before or after it, not during")
+    module_names = {id(m): n for n, m in model.named_modules()}
+    sink = BakeSink()
+    meta_shapes: dict[str, tuple[tuple[int, ...], str]] = {}
+    fakes = [
+        (name, FakeRDTTensor(name=name, shape=torch.Size(tuple(shape)), dtype=TORCH_DTYPES[dt],
+                             device=torch.device(device), sink=sink))
+        for name, (shape, dt) in tensors.items()
+    ]
+    dtype_names = {v: k for k, v in TORCH_DTYPES.items()}
+    with torch.device(device):
+        initialize_layerwise_reload(model)
+        try:
+            _Eng._install_recording_stamps(None, model, sink)  # self is unused there
+            for mname, module in model.named_modules():
+                for pname, p in module._parameters.items():
+                    if p is None or pname in SKIP_LOAD_TENSORS:
+                        continue
+                    full = f"{mname}.{pname}" if mname else pname
+                    if p.storage_offset() != 0 or not p.is_contiguous():
+                        raise LayoutError(f"{full}: model-format parameter is not a contiguous tensor")
+                    meta_shapes[full] = (tuple(p.shape), dtype_names.get(p.dtype, str(p.dtype)))
+            model.load_weights(fakes)
+        finally:
+            _Eng._restore_after_dry_run(None, model)
+
+    pieces: dict[str, list[Piece]] = {n: [] for n in meta_shapes}
+    for layer, scatters in sink.copies_by_layer.items():
+        mname = module_names.get(id(layer))
+        if mname is None:
+            raise LayoutError(f"copy_ into a module outside the model ({type(layer).__name__})")
+        for sc in scatters:
+            if sc is None:
+                raise LayoutError(f"{mname}: unattributable copy_ during recording")
+            local = f"{mname}.{sc.param_name}" if mname else sc.param_name
+            if local not in pieces:
+                raise LayoutError(f"{local}: copy_ into a tensor that is not a loadable parameter")
+            canon, ops = sc.src
+            cshape = tuple(tensors[canon][0])
+            what = f"{local} <- {canon}"
+            src = chain_geometry(cshape, ops, what=what)
+            box, view = pieces_from_copy(cshape, src, (sc.offset, sc.shape, sc.stride), what=what)
+            pieces[local].append(Piece(rank, local, canon, box, view))
+    unattributed = sink.copied_names - {c.src[0] for s in sink.copies_by_layer.values() for c in s if c}
+    if unattributed:
+        raise LayoutError(f"copies of {sorted(unattributed)[:3]} could not be attributed to a parameter")
+    out = []
+    for local, (shape, dt) in meta_shapes.items():
+        ps = tuple(sorted(pieces[local], key=lambda p: (p.view.offset, p.canonical)))
+        lp = LocalParam(rank, local, shape, dt, ps)
+        if lp.padding < 0:
+            raise LayoutError(f"{local}: recorded pieces cover more elements ({-lp.padding} extra) than it holds")
+        out.append(lp)
+    return out

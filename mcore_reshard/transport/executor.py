@@ -1,0 +1,462 @@
+"""Execute one rank's part of a plan over a ``RefitGroup``: bucketed point-to-point messages.
+
+Per bucket (round) every sender packs its boxes for each peer back to back into one slice of a
+preallocated send buffer and posts one send per peer; every receiver posts one receive per peer
+into one preallocated receive buffer and, once they land, hands each box to a sink. Bucket k+1
+is packed into a second send buffer while bucket k is on the wire. All sends and receives of a
+bucket are posted before any wait, and every rank walks the buckets in the same order, so the
+schedule cannot deadlock; every wait has a timeout and failures name the peer and the bucket.
+
+Tags: data of bucket k uses tag k, the closing checksum message uses tag ``num_buckets``; a pair
+exchanges at most one message per bucket, so tags are unique per (bucket, pair) within a refit.
+Messages a group rank sends to itself (colocated refits) are copied locally, never sent.
+
+Verification (``verify=True`` on every rank): the sender computes exact bit checksums
+(``checksum.py``) of each transfer's source view and, after the last bucket, sends them to the
+peer as one ``(n, 2)`` int64 tensor; the receiver computes the same over what the sink holds
+after writing (read back through ``sink.read`` when it has one, else the received bytes) and
+raises naming every mismatching parameter.
+
+The wire dtype is the destination dtype (the planner's byte budget is in it); a source of
+another dtype is cast while packing.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Mapping, Protocol, Sequence
+
+import torch
+
+from ..layout.descriptor import LocalParam, View
+from ..layout.torch_views import TORCH_DTYPES, local_view
+from ..plan.types import RankPlan, Transfer
+from .checksum import checksums
+from .group import RankMap, RefitError, RefitGroup, RefitTimeout
+from .packing import message_numel, pack, unpack
+
+__all__ = [
+    "Sink",
+    "TensorSink",
+    "TransferStats",
+    "execute_plan",
+    "raw_send_bandwidth",
+    "zero_fill_padding",
+]
+
+
+class Sink(Protocol):
+    """Receives every box a destination rank gets (e.g. ``VllmApplier``). ``write`` must copy
+    ``tensor`` before returning: it is a slice of the receive buffer, reused next bucket.
+    ``read(local_name, view)`` is optional: when present, verification checks what the sink
+    really holds instead of the received bytes."""
+
+    def write(self, local_name: str, view: View, tensor: torch.Tensor) -> None: ...
+
+
+class TensorSink:
+    """The default sink: writes into a mapping of contiguous local tensors."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def write(self, local_name: str, view: View, tensor: torch.Tensor) -> None:
+        local_view(self.tensors[local_name], view).copy_(tensor)
+
+    def read(self, local_name: str, view: View) -> torch.Tensor:
+        return local_view(self.tensors[local_name], view)
+
+
+class _CallableSink:
+    def __init__(self, fn: Callable[[str, View, torch.Tensor], None]) -> None:
+        self.write = fn
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    """What one rank did in one refit. Bytes and messages count the wire only (not copies a
+    colocated rank makes to itself); phases overlap, so they need not add up to ``seconds``."""
+
+    bytes_sent: int
+    bytes_received: int
+    messages: int
+    buckets: int
+    seconds: float
+    pack_s: float
+    wire_s: float
+    unpack_s: float
+    verify_s: float
+    peak_extra_bytes: int
+    verified: bool
+
+    def summary(self) -> str:
+        gb = (self.bytes_sent + self.bytes_received) / 1e9
+        return (
+            f"{gb:.3f} GB in {self.messages} messages / {self.buckets} buckets, {self.seconds:.3f}s "
+            f"(pack {self.pack_s:.3f}, wire {self.wire_s:.3f}, unpack {self.unpack_s:.3f}, "
+            f"verify {self.verify_s:.3f}), buffers {self.peak_extra_bytes / 2**20:.1f} MiB, "
+            f"verified={self.verified}"
+        )
+
+
+def zero_fill_padding(tensors: Mapping[str, torch.Tensor], params: Sequence[LocalParam]) -> None:
+    """Zero every element of ``params``' local tensors that no piece covers (e.g. vLLM's pad
+    rows): the plan never sends padding, the receiver fills it itself."""
+    for p in params:
+        if p.padding == 0:
+            continue
+        t = tensors[p.name]
+        covered = torch.zeros(t.shape, dtype=torch.bool, device=t.device)
+        for piece in p.pieces:
+            local_view(covered, piece.view).fill_(True)
+        t.masked_fill_(~covered, 0)
+
+
+def execute_plan(
+    plan_slice_src: RankPlan | None,
+    plan_slice_dst: RankPlan | None,
+    src_tensors: Mapping[str, torch.Tensor],
+    dst_tensors_or_sink: Mapping[str, torch.Tensor] | Sink | Callable[[str, View, torch.Tensor], None] | None,
+    group: RefitGroup,
+    rank_map: RankMap | None = None,
+    *,
+    timeout_s: float,
+    verify: bool = True,
+    progress: bool = False,
+    plan_digest: str | None = None,
+    wire_dtype: torch.dtype | None = None,
+) -> TransferStats:
+    """Run this group rank's sends (``plan_slice_src``) and receives (``plan_slice_dst``).
+
+    ``plan_digest``: when given, every rank's (digest, verify) must agree before a byte moves.
+    ``progress``: show a progress bar on this rank if the refit runs longer than a second.
+    Raises ``RefitTimeout``/``RefitError`` naming the peer and bucket; the group is then broken.
+    """
+    t_start = time.perf_counter()
+    rank_map = rank_map or group.rank_map
+    _check_roles(plan_slice_src, plan_slice_dst, group.rank, rank_map)
+    if plan_digest is not None:
+        group.check_agreement((plan_digest, verify), what="(plan digest, verify)", timeout_s=timeout_s)
+    sink = _as_sink(dst_tensors_or_sink) if plan_slice_dst is not None else None
+    dtype = wire_dtype or _wire_dtype(plan_slice_src, plan_slice_dst, src_tensors, dst_tensors_or_sink, sink)
+    run = _Run(plan_slice_src, plan_slice_dst, src_tensors, sink, group, rank_map, dtype, timeout_s, verify)
+    run.execute(progress)
+    p = run.phase
+    return TransferStats(
+        bytes_sent=run.bytes_sent,
+        bytes_received=run.bytes_received,
+        messages=run.messages,
+        buckets=run.num_buckets,
+        seconds=time.perf_counter() - t_start,
+        pack_s=p["pack"],
+        wire_s=p["wire"],
+        unpack_s=p["unpack"],
+        verify_s=p["verify"],
+        peak_extra_bytes=run.extra_bytes,
+        verified=run.verified,
+    )
+
+
+def _check_roles(src: RankPlan | None, dst: RankPlan | None, me: int, rank_map: RankMap) -> None:
+    for plan, side in ((src, "src"), (dst, "dst")):
+        if plan is None:
+            continue
+        if plan.side != side:
+            raise ValueError(f"expected a {side!r} plan slice, got side {plan.side!r}")
+        if rank_map.group_rank(side, plan.rank) != me:
+            raise ValueError(f"{rank_map.describe(side, plan.rank)} is not this process (group rank {me})")
+    if src is not None and dst is not None and src.num_buckets != dst.num_buckets:
+        raise ValueError(f"plan slices of different plans: {src.num_buckets} vs {dst.num_buckets} buckets")
+
+
+def _as_sink(dst: Any) -> Any:
+    if isinstance(dst, Mapping):
+        return TensorSink(dst)
+    if hasattr(dst, "write"):
+        return dst
+    if callable(dst):
+        return _CallableSink(dst)
+    raise TypeError(f"destination must be a mapping of tensors, a sink with write(), or a callable; got {type(dst)}")
+
+
+def _wire_dtype(src: RankPlan | None, dst: RankPlan | None, src_tensors: Mapping[str, torch.Tensor],
+                dst_obj: Any, sink: Any) -> torch.dtype:
+    """The destination dtype when this rank can see it, else the source tensors' dtype."""
+    if dst is not None and dst.transfers:
+        if isinstance(sink, TensorSink):
+            dtypes = {sink.tensors[t.dst_name].dtype for t in dst.transfers}
+        elif getattr(sink, "params", None) is not None:  # e.g. VllmApplier: name -> LocalParam
+            dtypes = {TORCH_DTYPES[sink.params[t.dst_name].dtype] for t in dst.transfers}
+        else:
+            raise ValueError("cannot tell the wire dtype from this sink: pass wire_dtype=")
+    elif src is not None and src.transfers:
+        dtypes = {src_tensors[t.src_name].dtype for t in src.transfers}
+    else:
+        return torch.float32  # nothing moves on this rank
+    if len(dtypes) != 1:
+        raise ValueError(f"one refit carries one element type; this rank's tensors have {sorted(map(str, dtypes))}")
+    return dtypes.pop()
+
+
+# A posted op: (peer side "src" = receive from it | "dst" = send to it, peer rank, tensor, work).
+_Op = tuple[str, int, torch.Tensor, Any]
+
+
+class _Run:
+    """State of one refit on one rank (buffers, counters, collected checksums)."""
+
+    def __init__(self, src: RankPlan | None, dst: RankPlan | None, src_tensors: Mapping[str, torch.Tensor],
+                 sink: Any, group: RefitGroup, rank_map: RankMap, dtype: torch.dtype, timeout_s: float,
+                 verify: bool) -> None:
+        self.group, self.rank_map, self.dtype = group, rank_map, dtype
+        self.src_tensors, self.sink, self.timeout_s, self.verify = src_tensors, sink, timeout_s, verify
+        self.me = group.rank
+        self.src_rank = src.rank if src is not None else None
+        self.dst_rank = dst.rank if dst is not None else None
+        self.num_buckets = (src or dst).num_buckets if (src or dst) is not None else 0
+        self.send_b = src.buckets() if src is not None else [{} for _ in range(self.num_buckets)]
+        self.recv_b = dst.buckets() if dst is not None else [{} for _ in range(self.num_buckets)]
+        self.phase = {"pack": 0.0, "wire": 0.0, "unpack": 0.0, "verify": 0.0}
+        self.bytes_sent = self.bytes_received = self.messages = 0
+        self.verified = False
+        self.expected: dict[int, list[torch.Tensor]] = {}  # dst peer -> per-bucket (n, 2) sums
+        self.actual: dict[int, list[torch.Tensor]] = {}  # src peer -> per-bucket (n, 2) sums
+        self.local_msgs: dict[int, torch.Tensor] = {}  # bucket -> message to myself
+        dev = group.device
+        send_numel = max((sum(message_numel(ts) for ts in b.values()) for b in self.send_b), default=0)
+        recv_numel = max(
+            (sum(message_numel(ts) for p, ts in b.items() if not self._is_me("src", p)) for b in self.recv_b),
+            default=0,
+        )
+        n_send_bufs = min(2, sum(1 for b in self.send_b if b))
+        self.send_bufs = [torch.empty(send_numel, dtype=dtype, device=dev) for _ in range(n_send_bufs)]
+        self.recv_buf = torch.empty(recv_numel, dtype=dtype, device=dev)
+        self.itemsize = torch.empty((), dtype=dtype).element_size()
+        self.extra_bytes = (n_send_bufs * send_numel + recv_numel) * self.itemsize
+
+    def _is_me(self, side: str, rank: int) -> bool:
+        return self.rank_map.group_rank(side, rank) == self.me
+
+    def _timed(self, name: str, t0: float) -> None:
+        self.phase[name] += time.perf_counter() - t0
+
+    # -- phases --------------------------------------------------------------------------
+
+    def execute(self, progress: bool) -> None:
+        total = sum(message_numel(ts) for b in self.send_b + self.recv_b for ts in b.values())
+        bar = _progress_bar(progress, total * self.itemsize)
+        try:
+            peers = {self.rank_map.group_rank("dst", p) for b in self.send_b for p in b}
+            peers |= {self.rank_map.group_rank("src", p) for b in self.recv_b for p in b}
+            self.group.connect(peers, self.timeout_s)
+            packed = self._pack(0) if self.num_buckets else {}
+            for k in range(self.num_buckets):
+                ops = self._post_bucket(k, packed)
+                nxt = self._pack(k + 1) if k + 1 < self.num_buckets else {}  # overlaps the wire
+                self._wait(k, ops)
+                self._deliver(k, [op for op in ops if op[0] == "src"])
+                packed = nxt
+                if bar is not None:
+                    bar.update(sum(message_numel(ts) for b in (self.send_b[k], self.recv_b[k]) for ts in b.values())
+                               * self.itemsize)
+            if self.verify:
+                self._exchange_checksums()
+                self.verified = True
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def _pack(self, k: int) -> dict[int, torch.Tensor]:
+        """Pack bucket ``k`` into send buffer ``k % 2``: peer -> message (a slice of it)."""
+        peers = self.send_b[k]
+        if not peers:
+            return {}
+        t0 = time.perf_counter()
+        buf = self.send_bufs[k % len(self.send_bufs)]
+        out, pos = {}, 0
+        for peer, ts in peers.items():
+            msg = pack(ts, self.src_tensors, buf[pos:])
+            out[peer] = msg
+            pos += msg.numel()
+        self._timed("pack", t0)
+        if self.verify:
+            t0 = time.perf_counter()
+            for peer, ts in peers.items():
+                views = [_as_dtype(local_view(self.src_tensors[t.src_name], t.src_view), self.dtype) for t in ts]
+                self.expected.setdefault(peer, []).append(checksums(views))
+            self._timed("verify", t0)
+        return out
+
+    def _post_bucket(self, k: int, packed: dict[int, torch.Tensor]) -> list[_Op]:
+        """Post every receive and send of bucket ``k``; messages to myself go to ``local_msgs``."""
+        specs, pos = [], 0
+        for peer, ts in self.recv_b[k].items():
+            if self._is_me("src", peer):
+                continue
+            n = message_numel(ts)
+            specs.append(("src", peer, self.recv_buf[pos : pos + n]))
+            pos += n
+        for peer, msg in packed.items():
+            if self._is_me("dst", peer):
+                self.local_msgs[k] = msg
+            else:
+                specs.append(("dst", peer, msg))
+        return self._post_all(k, specs)
+
+    def _post_all(self, tag: int, specs: list[tuple[str, int, torch.Tensor]]) -> list[_Op]:
+        """Post ops by peer group rank; within a pair the lower group rank sends first. Gloo
+        does not care (every op is asynchronous); NCCL runs both directions of a pair on one
+        stream, where recv-before-send on both ends would deadlock."""
+
+        def key(spec: tuple[str, int, torch.Tensor]) -> tuple[int, bool]:
+            g = self.rank_map.group_rank(spec[0], spec[1])
+            sends_first = self.me < g
+            return g, (spec[0] == "dst") != sends_first
+
+        return [(side, peer, t, self._post(tag, side, peer, t, send=side == "dst"))
+                for side, peer, t in sorted(specs, key=key)]
+
+    def _post(self, k: int, side: str, peer: int, t: torch.Tensor, *, send: bool) -> Any:
+        g = self.rank_map.group_rank(side, peer)
+        try:
+            return self.group.send(t, g, k) if send else self.group.recv(t, g, k)
+        except RuntimeError as e:
+            raise self._error(k, side, peer, send, e) from e
+
+    def _wait(self, k: int, ops: list[_Op]) -> None:
+        """Wait for every op of bucket ``k``; all share one ``timeout_s`` deadline."""
+        t0 = time.perf_counter()
+        deadline = t0 + self.timeout_s
+        for side, peer, t, work in ops:
+            left = max(deadline - time.perf_counter(), 1e-3)
+            try:
+                work.wait(timedelta(seconds=left))
+            except RuntimeError as e:
+                raise self._error(k, side, peer, side == "dst", e) from e
+            nbytes = t.numel() * t.element_size()
+            if side == "dst":
+                self.bytes_sent += nbytes
+            else:
+                self.bytes_received += nbytes
+            self.messages += 1
+        self._timed("wire", t0)
+
+    def _error(self, k: int, side: str, peer: int, send: bool, e: Exception) -> RefitError:
+        what = "send to" if send else "receive from"
+        bucket = f"bucket {k} of {self.num_buckets}" if k < self.num_buckets else "checksum message"
+        me = self.rank_map.describe_group_rank(self.me)
+        cls = RefitTimeout if "imed out" in str(e) or "timeout" in str(e).lower() else RefitError
+        return cls(f"{me}: {what} {self.rank_map.describe(side, peer)} failed in {bucket} "
+                   f"(timeout {self.timeout_s}s): {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+
+    def _deliver(self, k: int, recvs: list[_Op]) -> None:
+        """Hand every box of bucket ``k`` to the sink, then checksum what it holds."""
+        msgs = {peer: slot for _, peer, slot, _ in recvs}
+        if self.src_rank is not None and self.src_rank in self.recv_b[k]:
+            msgs[self.src_rank] = self.local_msgs.pop(k)
+        for peer, ts in self.recv_b[k].items():
+            msg = msgs[peer]
+            t0 = time.perf_counter()
+            if type(self.sink) is TensorSink:  # fast path; subclasses go through write()
+                unpack(ts, msg, self.sink.tensors)
+            else:
+                pos = 0
+                for t in ts:
+                    n = t.box.numel
+                    self.sink.write(t.dst_name, t.dst_view, msg[pos : pos + n].view(t.dst_view.shape))
+                    pos += n
+            self._timed("unpack", t0)
+            if self.verify:
+                t0 = time.perf_counter()
+                self.actual.setdefault(peer, []).append(checksums(self._written(ts, msg)))
+                self._timed("verify", t0)
+
+    def _written(self, ts: list[Transfer], msg: torch.Tensor) -> list[torch.Tensor]:
+        read = getattr(self.sink, "read", None)
+        if read is not None:
+            return [_as_dtype(read(t.dst_name, t.dst_view), self.dtype) for t in ts]
+        out, pos = [], 0
+        for t in ts:
+            out.append(msg[pos : pos + t.box.numel])
+            pos += t.box.numel
+        return out
+
+    def _exchange_checksums(self) -> None:
+        """Senders ship expected sums per peer; receivers compare and name every mismatch."""
+        t0 = time.perf_counter()
+        tag = self.num_buckets
+        expected = {p: torch.cat(v).to(self.group.device) for p, v in self.expected.items()}
+        specs = []
+        for peer in sorted(self.actual):
+            if not self._is_me("src", peer):
+                n = sum(len(ts) for b in self.recv_b for p, ts in b.items() if p == peer)
+                specs.append(("src", peer, torch.empty((n, 2), dtype=torch.int64, device=self.group.device)))
+        specs += [("dst", peer, t) for peer, t in sorted(expected.items()) if not self._is_me("dst", peer)]
+        ops = self._post_all(tag, specs)
+        deadline = time.perf_counter() + self.timeout_s
+        got: dict[int, torch.Tensor] = {}
+        for side, peer, t, work in ops:
+            try:
+                work.wait(timedelta(seconds=max(deadline - time.perf_counter(), 1e-3)))
+            except RuntimeError as e:
+                raise self._error(tag, side, peer, side == "dst", e) from e
+            if side == "src":
+                got[peer] = t.cpu()
+        if self.src_rank is not None and self.src_rank in self.actual:
+            got[self.src_rank] = expected[self.dst_rank].cpu()
+        self._timed("verify", t0)
+        bad = []
+        for peer in sorted(self.actual):
+            actual = torch.cat(self.actual[peer]).cpu()
+            ts = [t for b in self.recv_b for p, tl in b.items() if p == peer for t in tl]
+            diff = (actual != got[peer]).any(dim=1).nonzero().flatten().tolist()
+            bad += [ts[i] for i in diff]
+        if bad:
+            lines = [f"  {t.dst_name} ({t.canonical} box offsets={t.box.offsets} sizes={t.box.sizes}) "
+                     f"from {self.rank_map.describe('src', t.src)} to {self.rank_map.describe('dst', t.dst)}, "
+                     f"bucket {t.bucket}" for t in bad[:20]]
+            more = f"\n  ... and {len(bad) - 20} more" if len(bad) > 20 else ""
+            raise RefitError(f"checksum mismatch in {len(bad)} transfer(s):\n" + "\n".join(lines) + more)
+
+
+def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _progress_bar(show: bool, total_bytes: int) -> Any:
+    """A tqdm bar that appears only once the refit has run for a second."""
+    if not show:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total_bytes, desc="refit", unit="B", unit_scale=True, delay=1.0, leave=False)
+
+
+def raw_send_bandwidth(group: RefitGroup, src_rank: int, dst_rank: int, nbytes: int, timeout_s: float) -> float | None:
+    """Bytes/s of one ``nbytes`` message from group rank ``src_rank`` to ``dst_rank`` (the
+    floor a refit of the same bytes is compared with). Call on both ranks; others get None.
+
+    A 1-byte handshake first, so the clock starts when both ends are ready.
+    """
+    me = group.rank
+    if me not in (src_rank, dst_rank):
+        return None
+    peer = dst_rank if me == src_rank else src_rank
+    wait = timedelta(seconds=timeout_s)
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
+    ping = torch.zeros(1, dtype=torch.uint8, device=group.device)
+    try:
+        # handshake: receiver says "ready"
+        (group.recv(ping, peer, 0) if me == src_rank else group.send(ping, peer, 0)).wait(wait)
+        t0 = time.perf_counter()
+        (group.send(buf, peer, 1) if me == src_rank else group.recv(buf, peer, 1)).wait(wait)
+        if group.device.type == "cuda":
+            torch.cuda.synchronize(group.device)
+        dt = time.perf_counter() - t0
+    except RuntimeError as e:
+        cls = RefitTimeout if "imed out" in str(e) else RefitError
+        raise cls(f"raw bandwidth probe with {group.rank_map.describe_group_rank(peer)} failed: "
+                  f"{str(e).splitlines()[0]}") from e
+    return nbytes / dt if dt > 0 else float("inf")

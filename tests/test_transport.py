@@ -1,0 +1,375 @@
+"""The transport: refit group, bucketed P2P executor, checksums.
+
+Multi-process tests spawn one small gloo world each and run several checks in it (a process
+start costs seconds); workers report through a queue and the parent asserts.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import time
+import traceback
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from mcore_reshard.layout.torch_views import TORCH_DTYPES, materialize_local
+from mcore_reshard.plan import build_plan
+from mcore_reshard.transport.checksum import checksum, checksums
+from mcore_reshard.transport.executor import TensorSink, execute_plan, raw_send_bandwidth, zero_fill_padding
+from mcore_reshard.transport.group import RankMap, RefitError, RefitGroup, RefitTimeout
+from toy_layouts import split_layout
+
+T = {"a": ((12, 8), "float32"), "b": ((8,), "float32"), "c": ((6, 4, 4), "float32")}
+T16 = {k: (s, "bfloat16") for k, (s, _) in T.items()}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def canonical(tensors: dict, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(s, generator=g).to(TORCH_DTYPES[d]) for k, (s, d) in tensors.items()}
+
+
+def locals_of(layout, rank: int, canon: dict | None) -> dict[str, torch.Tensor]:
+    """Source locals from ``canon``; destination locals (canon None) full of NaN."""
+    return {
+        p.name: materialize_local(p, canon) if canon is not None
+        else torch.full(p.shape, float("nan"), dtype=TORCH_DTYPES[p.dtype])
+        for p in layout.for_rank(rank)
+    }
+
+
+def expected_equal(layout, rank: int, canon: dict, got: dict[str, torch.Tensor]) -> list[str]:
+    """Names of local tensors that are not bit-for-bit what the descriptors say (padding 0)."""
+    bad = []
+    for p in layout.for_rank(rank):
+        exp = materialize_local(p, canon)
+        if not torch.equal(exp.view(-1).view(_int(exp)), got[p.name].reshape(-1).view(_int(exp))):
+            bad.append(p.name)
+    return bad
+
+
+def _int(t: torch.Tensor) -> torch.dtype:
+    return {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+
+
+# -- checksums -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.int64])
+def test_checksum_is_exact_and_sees_swaps_and_single_bits(dtype):
+    x = (torch.randn(64, 33) * 100).to(dtype)
+    base = checksum(x)
+    assert checksum(x.clone()) == base
+    swapped = x.clone().view(-1)
+    swapped[[3, 700]] = swapped[[700, 3]]
+    assert swapped[3] != swapped[700] or dtype == torch.int8
+    if not torch.equal(swapped.view(x.shape), x):
+        s = checksum(swapped)
+        assert s[0] == base[0] and s[1] != base[1]  # plain sum is blind to a swap, weighted is not
+    flipped = x.clone().view(-1)
+    flipped.view(torch.uint8)[5] ^= 1  # one bit of one byte
+    assert checksum(flipped) != base
+
+
+def test_checksum_follows_logical_order_not_strides():
+    """A source view and a destination view of one box (different strides) agree."""
+    big = torch.randn(10, 12)
+    box = big[2:7, 3:9]  # strided
+    assert not box.is_contiguous()
+    assert checksum(box) == checksum(box.contiguous())
+    assert checksum(box) != checksum(box.t().contiguous())
+    sums = checksums([box, box.contiguous()])
+    assert sums.dtype == torch.int64 and torch.equal(sums[0], sums[1])
+
+
+def test_rank_map_names_sides_and_group_ranks():
+    rm = RankMap.disaggregated(2, 3)
+    assert rm.world_size == 5 and rm.group_rank("dst", 1) == 3 and rm.roles(3) == (None, 1)
+    assert rm.describe("dst", 1) == "destination rank 1 (group rank 3)"
+    co = RankMap.colocated(2)
+    assert co.roles(1) == (1, 1)
+    assert co.describe_group_rank(1) == "source rank 1 / destination rank 1 (group rank 1)"
+
+
+def test_zero_fill_padding_touches_padding_only():
+    dst = split_layout(T, parts=2, dim=1, pad_rows=2)
+    canon = canonical(T, 0)
+    got = {p.name: materialize_local(p, canon) for p in dst.for_rank(1)}
+    for t in got.values():
+        t.view(-1)[-1] = float("nan")  # last element is in a pad row
+    zero_fill_padding(got, dst.for_rank(1))
+    assert expected_equal(dst, 1, canon, got) == []
+
+
+# -- one process: colocated world of one (every message is local) --------------------------
+
+
+def test_single_rank_colocated_refit_copies_locally_and_verifies():
+    src = split_layout(T, parts=1, dim=0)
+    dst = split_layout(T, parts=1, dim=0, pad_rows=1)
+    plan = build_plan(src, dst, buffer_bytes=96)
+    assert plan.num_buckets > 3
+    canon = canonical(T, 1)
+    s, d = locals_of(src, 0, canon), locals_of(dst, 0, None)
+    group = RefitGroup.create("127.0.0.1", free_port(), 0, 1, 10.0, True, rank_map=RankMap.colocated(1))
+    try:
+        stats = execute_plan(plan.for_rank("src", 0), plan.for_rank("dst", 0), s, d, group,
+                             timeout_s=10.0, plan_digest=plan.digest())
+    finally:
+        group.close()
+    zero_fill_padding(d, dst.for_rank(0))
+    assert expected_equal(dst, 0, canon, d) == []
+    assert stats.verified and stats.buckets == plan.num_buckets
+    assert stats.bytes_sent == 0 and stats.messages == 0  # nothing touched the wire
+    assert 0 < stats.peak_extra_bytes <= 2 * plan.buffer_bytes
+
+
+def test_stuck_peer_times_out_naming_it_and_the_bucket():
+    """Two ranks in one process (threads): the destination never shows up for the refit."""
+    import threading
+
+    src, dst = split_layout(T, parts=1, dim=0), split_layout(T, parts=1, dim=1)
+    plan = build_plan(src, dst, buffer_bytes=1 << 20)
+    rm, port, groups = RankMap.disaggregated(1, 1), free_port(), {}
+    th = threading.Thread(target=lambda: groups.update(
+        {1: RefitGroup.create("127.0.0.1", port, 1, 2, 10.0, False, rank_map=rm)}))
+    th.start()
+    groups[0] = RefitGroup.create("127.0.0.1", port, 0, 2, 10.0, True, rank_map=rm)
+    th.join(20)
+    try:
+        th = threading.Thread(target=groups[1].connect, args=([0],))  # rank 1 connects, then idles
+        th.start()
+        with pytest.raises(RefitTimeout, match=r"destination rank 0 \(group rank 1\).*bucket 0"):
+            execute_plan(plan.for_rank("src", 0), None, locals_of(src, 0, canonical(T, 0)), None,
+                         groups[0], timeout_s=0.5)
+        with pytest.raises(RefitTimeout, match=r"no answer from destination rank 0 \(group rank 1\)"):
+            groups[0].exchange("hello", timeout_s=0.5)
+        th.join(10)
+    finally:
+        for g in groups.values():
+            g.close(barrier=False)
+
+
+# -- spawned worlds --------------------------------------------------------------------------
+
+
+class FlippingSink(TensorSink):
+    """Writes correctly, then corrupts one element of ``target`` (a broken applier)."""
+
+    def __init__(self, tensors, target: str) -> None:
+        super().__init__(tensors)
+        self.target, self.done = target, False
+
+    def write(self, local_name, view, tensor) -> None:
+        super().write(local_name, view, tensor)
+        if local_name == self.target and not self.done:
+            self.tensors[local_name].view(-1)[view.offset] += 1.0
+            self.done = True
+
+
+def _world_main(rank: int, world: int, port: int, port2: int, q: Any) -> None:
+    """2 sources (group 0, 1) + 2 destinations (group 2, 3); several checks in one world."""
+    out: dict[str, Any] = {}
+    try:
+        torch.set_num_threads(1)
+        src = split_layout(T, parts=2, dim=0)  # source: rows split 2 ways
+        dst = split_layout(T, parts=1, dim=1, replicas=2, pad_rows=1)  # destination: 2 full replicas, padded
+        plan = build_plan(src, dst, buffer_bytes=80)
+        rm = RankMap.disaggregated(2, 2)
+        s_rank, d_rank = rm.roles(rank)
+        group = RefitGroup.create("127.0.0.1", port, rank, world, 20.0, rank == 0, rank_map=rm)
+        sp = plan.for_rank("src", s_rank) if s_rank is not None else None
+        dp = plan.for_rank("dst", d_rank) if d_rank is not None else None
+
+        def refit(seed, sink=None, digest=plan.digest()):
+            canon = canonical(T, seed)
+            s = locals_of(src, s_rank, canon) if s_rank is not None else {}
+            d = locals_of(dst, d_rank, None) if d_rank is not None else {}
+            try:
+                stats = execute_plan(sp, dp, s, d if sink is None else sink(d), group, rm, timeout_s=20.0,
+                                     plan_digest=digest, progress=rank == 0)
+                err = None
+            except RefitError as e:
+                stats, err = None, str(e)
+            bad = None
+            if d_rank is not None:
+                zero_fill_padding(d, dst.for_rank(d_rank))
+                bad = expected_equal(dst, d_rank, canon, d)
+            return {"stats": stats, "err": err, "bad": bad}
+
+        out["buckets"] = plan.num_buckets
+        out["ok"] = refit(seed=7)
+        out["again"] = refit(seed=8)  # same group, second refit
+        # a broken sink on destination rank 0 only
+        target = "local.a"
+        out["flip"] = refit(seed=9, sink=(lambda d: FlippingSink(d, target)) if d_rank == 0 else None)
+        # destination rank 1 holds a different plan
+        bad_digest = plan.digest() if d_rank != 1 else "0" * 16
+        canon = canonical(T, 10)
+        d = locals_of(dst, d_rank, None) if d_rank is not None else {}
+        try:
+            execute_plan(sp, dp, locals_of(src, s_rank, canon) if s_rank is not None else {}, d, group, rm,
+                         timeout_s=20.0, plan_digest=bad_digest)
+            out["digest"] = None
+        except RefitError as e:
+            out["digest"] = str(e)
+        out["digest_untouched"] = all(bool(t.isnan().all()) for t in d.values())
+        out["bw"] = raw_send_bandwidth(group, 0, 2, 1 << 20, timeout_s=20.0)
+        out["bcast"] = group.broadcast(torch.arange(4.0) * (rank == 2), root=2).tolist()
+
+        # colocated refit on group ranks 0 and 1 (source r and destination r share a process), bf16
+        if rank < 2:
+            co = RefitGroup.create("127.0.0.1", port2, rank, 2, 20.0, rank == 0, rank_map=RankMap.colocated(2))
+            src16 = split_layout(T16, parts=2, dim=0)
+            dst16 = split_layout(T16, parts=2, dim=1, pad_rows=2)
+            plan16 = build_plan(src16, dst16, buffer_bytes=64)
+            canon16 = canonical(T16, 11)
+            d16 = locals_of(dst16, rank, None)
+            st = execute_plan(plan16.for_rank("src", rank), plan16.for_rank("dst", rank),
+                              locals_of(src16, rank, canon16), d16, co, timeout_s=20.0, plan_digest=plan16.digest())
+            zero_fill_padding(d16, dst16.for_rank(rank))
+            out["colocated"] = {"stats": st, "bad": expected_equal(dst16, rank, canon16, d16)}
+            co.close()
+        group.close()
+    except BaseException:  # noqa: BLE001 -- ship every failure to the parent
+        out["crash"] = traceback.format_exc()
+    q.put((rank, out))
+
+
+class DyingTensors(dict):
+    """Source tensors whose process exits on the ``after``-th lookup: a crash while packing."""
+
+    def __init__(self, tensors, after: int) -> None:
+        super().__init__(tensors)
+        self.left = after
+
+    def __getitem__(self, key):
+        self.left -= 1
+        if self.left < 0:
+            os._exit(1)
+        return super().__getitem__(key)
+
+
+def _death_main(rank: int, world: int, port: int, q: Any) -> None:
+    """Source rank 1 sends its first bucket(s), then dies while packing the next one."""
+    out: dict[str, Any] = {}
+    try:
+        torch.set_num_threads(1)
+        src = split_layout(T, parts=2, dim=0)
+        dst = split_layout(T, parts=2, dim=1)
+        plan = build_plan(src, dst, buffer_bytes=80)
+        rm = RankMap.disaggregated(2, 2)
+        s_rank, d_rank = rm.roles(rank)
+        group = RefitGroup.create("127.0.0.1", port, rank, world, 10.0, rank == 0, rank_map=rm)
+        canon = canonical(T, 3)
+        s_locals = locals_of(src, s_rank, canon) if s_rank is not None else {}
+        if rank == 1:
+            q.put((rank, {"died": True}))
+            q.close()
+            q.join_thread()
+            sent_first = sum(len(ts) for b in plan.for_rank("src", 1).buckets()[:2] for ts in b.values())
+            s_locals = DyingTensors(s_locals, after=2 * sent_first)  # packs + checksums of buckets 0, 1
+        t0 = time.perf_counter()
+        try:
+            execute_plan(plan.for_rank("src", s_rank) if s_rank is not None else None,
+                         plan.for_rank("dst", d_rank) if d_rank is not None else None,
+                         s_locals, locals_of(dst, d_rank, None) if d_rank is not None else {},
+                         group, rm, timeout_s=3.0, plan_digest=plan.digest())
+            out["err"] = None
+        except RefitError as e:
+            out["err"], out["timeout"] = str(e), isinstance(e, RefitTimeout)
+        out["seconds"] = time.perf_counter() - t0
+    except BaseException:  # noqa: BLE001
+        out["crash"] = traceback.format_exc()
+    q.put((rank, out))
+    q.close()
+    q.join_thread()
+    os._exit(0)  # the group is broken; do not run its destructor's waits
+
+
+def _spawn(target, world: int, *args, wait_s: float = 90.0) -> dict[int, dict]:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, world, *args, q), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, dict] = {}
+    try:
+        deadline = time.monotonic() + wait_s
+        while len(results) < world and time.monotonic() < deadline:
+            try:
+                r, out = q.get(timeout=max(0.1, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001 -- queue.Empty
+                break
+            results[r] = out
+        for p in procs:
+            p.join(timeout=max(0.1, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    assert len(results) == world, f"workers {sorted(set(range(world)) - set(results))} never reported"
+    for r, out in results.items():
+        assert "crash" not in out, f"rank {r} crashed:\n{out['crash']}"
+    return results
+
+
+@pytest.mark.slow
+def test_refit_world_two_sources_two_destinations():
+    res = _spawn(_world_main, 4, free_port(), free_port())
+    assert res[0]["buckets"] > 5  # small buffer: many rounds
+
+    for key in ("ok", "again"):
+        for r in (2, 3):
+            got = res[r][key]
+            assert got["err"] is None and got["bad"] == [], (key, r, got)
+            assert got["stats"].verified and got["stats"].bytes_received > 0
+        for r in (0, 1):
+            st = res[r][key]["stats"]
+            assert st.verified and st.bytes_sent > 0 and st.peak_extra_bytes <= 2 * 80
+    sent = sum(res[r]["ok"]["stats"].bytes_sent for r in (0, 1))
+    recv = sum(res[r]["ok"]["stats"].bytes_received for r in (2, 3))
+    assert sent == recv == 2 * sum(math.prod(s) * 4 for s, _ in T.values())  # each replica gets it all once
+
+    # a corrupted write is caught on destination 0 and named; everyone else is fine
+    err = res[2]["flip"]["err"]
+    assert err is not None and "checksum mismatch" in err and "local.a" in err
+    assert "destination rank 0 (group rank 2)" in err and "source rank" in err
+    assert res[2]["flip"]["bad"] == ["local.a"]
+    for r in (0, 1, 3):
+        assert res[r]["flip"]["err"] is None, res[r]["flip"]
+
+    # digest disagreement: every rank raises naming destination rank 1, and no byte moved
+    for r in range(4):
+        msg = res[r]["digest"]
+        assert msg is not None and "disagreement" in msg and "destination rank 1 (group rank 3)" in msg, msg
+        assert res[r]["digest_untouched"]
+
+    assert res[0]["bw"] > 0 and res[2]["bw"] > 0 and res[1]["bw"] is None
+    assert all(res[r]["bcast"] == [0.0, 1.0, 2.0, 3.0] for r in range(4))
+
+    for r in (0, 1):
+        co = res[r]["colocated"]
+        assert co["bad"] == [] and co["stats"].verified
+        assert co["stats"].bytes_sent > 0  # half goes to the other process, half stays local
+
+
+@pytest.mark.slow
+def test_peer_death_mid_refit_raises_naming_the_missing_rank():
+    res = _spawn(_death_main, 4, free_port(), wait_s=60.0)
+    assert res[1] == {"died": True}
+    for r in (2, 3):  # both destinations wait on source rank 1
+        err = res[r]["err"]
+        assert err is not None and "source rank 1 (group rank 1) failed in bucket" in err, err
+    assert res[0]["err"] is not None  # the surviving source cannot finish either
