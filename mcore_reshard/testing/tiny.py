@@ -19,7 +19,7 @@ TINY_DENSE: dict[str, Any] = dict(
     num_hidden_layers=4,
     num_attention_heads=8,
     num_key_value_heads=2,
-    head_dim=16,
+    head_dim=32,  # the vLLM CPU attention backend supports head_dim >= 32
     vocab_size=1000,
     max_position_embeddings=512,
     rope_theta=1_000_000.0,

@@ -1,0 +1,125 @@
+"""Data-plane methods of the worker extension: join the refit group, receive a plan's bytes
+into the live model (through :class:`VllmApplier`), or receive the HF-broadcast baseline.
+
+RPC arguments and results are control messages: plain values or pickled bytes (vLLM's RPC
+serializer turns dataclasses into dicts, so dataclasses travel pickled).
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+__all__ = ["TransferMethods", "RefitWorkerExtension", "REFIT_EXTENSION"]
+
+
+class TransferMethods:
+    """Mixed into the worker extension; ``self`` is the vLLM worker."""
+
+    def _mr_dst_rank(self, dst_offset: int) -> int:
+        return dst_offset + int(self.rank)  # type: ignore[attr-defined]
+
+    def mr_join(self, host: str, port: int, world: int, rank_map_bytes: bytes, timeout_s: float,
+                dst_offset: int = 0) -> int:
+        """Join the refit group (once; reused by every refit). Returns the group rank."""
+        from ...transport.group import RefitGroup
+
+        rank_map = pickle.loads(rank_map_bytes)
+        self._mr_dst = self._mr_dst_rank(dst_offset)
+        me = rank_map.group_rank("dst", self._mr_dst)
+        self._mr_group = RefitGroup.create(host, port, me, world, timeout_s, is_master=False, rank_map=rank_map,
+                                           device=self._mr_transport_device())
+        return me
+
+    def _mr_transport_device(self) -> str:
+        dev = str(self.device)  # type: ignore[attr-defined]
+        return "cuda" if dev.startswith("cuda") else "cpu"
+
+    def mr_refit(self, plan_bytes: bytes, verify: bool, timeout_s: float, atomic: bool = False) -> bytes:
+        """Receive this worker's slice of the plan and apply it; pickled ``TransferStats``.
+
+        On any failure the applier aborts: the engine keeps serving the old weights if nothing
+        live was touched, else it is marked not serving (``mr_status``) and the error says so.
+        """
+        from ...transport.executor import execute_plan
+
+        group = getattr(self, "_mr_group", None)
+        if group is None:
+            raise RuntimeError("mr_refit before mr_join")
+        plan = pickle.loads(plan_bytes)
+        applier = self.mr_applier(atomic)  # type: ignore[attr-defined]
+        applier.begin()
+        try:
+            stats = execute_plan(None, plan.for_rank("dst", self._mr_dst), {}, applier, group,
+                                 timeout_s=timeout_s, verify=verify, plan_digest=plan.digest())
+            applier.finish()
+        except BaseException as exc:
+            try:
+                applier.abort(f"refit failed: {exc}")
+            finally:
+                self._mr_group = None  # a failed group is broken; the driver makes a new one
+            raise
+        self._mr_after_update()  # type: ignore[attr-defined]
+        return pickle.dumps(stats)
+
+    def mr_hf_join(self, host: str, port: int, world: int, timeout_s: float, dst_offset: int = 0) -> int:
+        """Join the baseline's broadcast group: training rank 0 is group rank 0."""
+        from ...transport.group import RefitGroup
+
+        me = 1 + self._mr_dst_rank(dst_offset)
+        self._mr_hf_group = RefitGroup.create(host, port, me, world, timeout_s, is_master=False,
+                                              prefix="mcore_reshard/hf", device=self._mr_transport_device())
+        return me
+
+    def mr_hf_receive(self, buffer_bytes: int, timeout_s: float) -> bytes:
+        """Baseline: receive every full HF tensor and let vLLM's loaders cut this rank's part,
+        inside vLLM's layerwise reload (then re-prepack CPU MoE kernels, which 0.32 forgets)."""
+        from vllm.config import set_current_vllm_config
+
+        from ...baseline import broadcast_receive
+        from .apply import _reprepack_cpu_moe
+
+        tensors = self._mr_canonical_tensors()  # type: ignore[attr-defined]
+
+        import vllm.model_executor.model_loader.reload.layerwise as layerwise
+
+        def consume(stream: Any) -> None:
+            # vLLM 0.32 CPU forgets the MoE pad + prepack on reload; it must run on the rebuilt
+            # model-format layer before the copy into the (padded, prepacked) kernel tensors.
+            original = layerwise._copy_and_restore_kernel_tensors
+
+            def copy_after_prepack(layer, info):
+                _reprepack_cpu_moe(layer)  # no-op off CPU and for layers without w13_weight
+                original(layer, info)
+
+            layerwise._copy_and_restore_kernel_tensors = copy_after_prepack
+            try:
+                with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
+                    self.model_runner.reload_weights(weights_iterator=stream, is_checkpoint_format=True)  # type: ignore[attr-defined]
+            finally:
+                layerwise._copy_and_restore_kernel_tensors = original
+
+        stats = broadcast_receive(tensors, self._mr_hf_group, 0, consume, buffer_bytes=buffer_bytes,
+                                  timeout_s=timeout_s)
+        self._mr_after_update()  # type: ignore[attr-defined]
+        return pickle.dumps(stats)
+
+    def mr_leave(self) -> None:
+        for attr in ("_mr_group", "_mr_hf_group"):
+            g = getattr(self, attr, None)
+            if g is not None:
+                g.close(barrier=False)
+                setattr(self, attr, None)
+
+
+def _extension_class():
+    from .worker import ReshardWorkerExtension
+
+    class RefitWorkerExtension(TransferMethods, ReshardWorkerExtension):
+        """The worker extension a refit engine runs: descriptors, apply path, data plane."""
+
+    return RefitWorkerExtension
+
+
+RefitWorkerExtension = _extension_class()
+REFIT_EXTENSION = "mcore_reshard.adapters.vllm.transfer_ext.RefitWorkerExtension"

@@ -1,0 +1,273 @@
+"""Training-side processes of the refit job: a pool of megatron-core ranks that keep their
+model between commands (describe, join the refit group, refit, optimizer step, logprobs).
+
+Each rank is a spawned process with a command loop; the driver talks to it over queues
+(control messages only) and every wait has a timeout. Bulk bytes move only over the refit
+group (``transport``), never over these queues.
+"""
+
+from __future__ import annotations
+
+import pickle
+import queue as queue_mod
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from .adapters.megatron.rules import MegatronParallel
+from .layout import ModelSpec
+
+__all__ = ["TrainerSetup", "TrainerPool", "TrainerError"]
+
+
+class TrainerError(RuntimeError):
+    """A training rank failed or died; the message names the rank."""
+
+
+@dataclass(frozen=True)
+class TrainerSetup:
+    spec: ModelSpec
+    par: MegatronParallel
+    checkpoint: str  # HF checkpoint directory, loaded through the descriptors
+    port: int  # megatron's own default group rendezvous
+    timeout_s: float = 300.0
+    threads: int = 1
+
+
+class _Rank:
+    """The state a training rank keeps between commands."""
+
+    def __init__(self, rank: int, setup: TrainerSetup) -> None:
+        import torch
+
+        from .adapters.megatron.build import build_gpt, init_megatron
+        from .adapters.megatron.live import describe, named_local_params
+        from .layout.torch_views import write_pieces
+        from .testing.tiny import load_canonical
+
+        torch.set_num_threads(setup.threads)
+        self.rank, self.setup, self.spec = rank, setup, setup.spec
+        init_megatron(setup.par, rank, setup.par.world, "127.0.0.1", setup.port, setup.timeout_s)
+        self.chunks = build_gpt(self.spec, setup.par)
+        self.params = named_local_params(self.chunks)
+        self.descs = describe(self.chunks, self.spec)
+        canonical = load_canonical(setup.checkpoint)
+        with torch.no_grad():
+            for lp in self.descs:
+                t = self.params[lp.name].data
+                t.zero_()  # padding rows stay zero
+                write_pieces(t, lp.pieces, canonical)
+        self.group = None
+        self.hf_group = None
+        self.optimizer = None
+
+    # -- commands ------------------------------------------------------------------------
+    def describe(self):
+        return self.descs
+
+    def join(self, host: str, port: int, world: int, rank_map, timeout_s: float) -> int:
+        from .transport.group import RefitGroup
+
+        self.group = RefitGroup.create(host, port, rank_map.group_rank("src", self.rank), world, timeout_s,
+                                       is_master=rank_map.group_rank("src", self.rank) == 0, rank_map=rank_map)
+        return self.group.rank
+
+    def refit(self, plan_bytes: bytes, verify: bool, timeout_s: float, progress: bool):
+        from .transport.executor import execute_plan
+
+        if self.group is None:
+            raise RuntimeError("refit before joining the refit group")
+        sync_params_before_refit(self.chunks)
+        plan = pickle.loads(plan_bytes)
+        tensors = {name: p.data for name, p in self.params.items()}
+        return execute_plan(plan.for_rank("src", self.rank), None, tensors, None, self.group,
+                            timeout_s=timeout_s, verify=verify, progress=progress and self.rank == 0,
+                            plan_digest=plan.digest())
+
+    def hf_join(self, host: str, port: int, world: int, timeout_s: float) -> None:
+        """Baseline broadcast group: training rank 0 (root) and every vLLM worker."""
+        from .transport.group import RefitGroup
+
+        if self.rank == 0:
+            self.hf_group = RefitGroup.create(host, port, 0, world, timeout_s, is_master=True,
+                                              prefix="mcore_reshard/hf")
+
+    def hf_send(self, gather_plan_bytes: bytes, buffer_bytes: int, timeout_s: float) -> dict:
+        """Baseline: gather every tensor whole on rank 0 (HF names and layout), which then
+        broadcasts them bucket by bucket to every vLLM worker."""
+        import torch
+
+        from .baseline import broadcast_send
+        from .layout.torch_views import TORCH_DTYPES
+        from .transport.executor import execute_plan
+        from .transport.group import RankMap
+
+        t0 = time.perf_counter()
+        sync_params_before_refit(self.chunks)
+        plan = pickle.loads(gather_plan_bytes)
+        rank_map = RankMap(tuple(range(self.setup.par.world)), (0,))  # gather into training rank 0
+        tensors = {t.name: (t.shape, t.dtype) for t in self.spec.tensors().values()}
+        full = None
+        if self.rank == 0:
+            full = {n: torch.empty(shape, dtype=TORCH_DTYPES[dt]) for n, (shape, dt) in tensors.items()}
+        local = {name: p.data for name, p in self.params.items()}
+        gather = execute_plan(plan.for_rank("src", self.rank), plan.for_rank("dst", 0) if full is not None else None,
+                              local, full, self.group, rank_map, timeout_s=timeout_s, verify=False)
+        peak = gather.peak_extra_bytes
+        if full is not None:
+            sent = broadcast_send(full, tensors, self.hf_group, buffer_bytes=buffer_bytes, timeout_s=timeout_s)
+            peak += sent.peak_extra_bytes + sum(t.numel() * t.element_size() for t in full.values())
+        return {"gather": gather, "seconds": time.perf_counter() - t0, "peak_extra_bytes": peak}
+
+    def step(self, tokens: Sequence[int], lr: float) -> float:
+        """One AdamW step of next-token cross-entropy on ``tokens`` (so weights really change)."""
+        import torch
+
+        model = self.chunks[0]
+        # Autograd does not need train mode (dropout is 0 here); megatron's MoELayer refuses
+        # train mode with TP but no sequence parallelism, and SP needs a GPU-only norm.
+        model.eval()
+        if self.optimizer is None:
+            self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        x = torch.tensor([list(tokens)])
+        logits = forward_logits(model, x, self.spec.vocab)[0]
+        loss = torch.nn.functional.cross_entropy(logits[:-1].float(), x[0, 1:])
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+        return float(loss)
+
+    def logprobs(self, tokens: Sequence[int]) -> list[float]:
+        """log p(token_i | tokens_<i) for i >= 1, from a megatron forward (every rank runs it)."""
+        import torch
+
+        model = self.chunks[0]
+        model.eval()
+        x = torch.tensor([list(tokens)])
+        with torch.no_grad():
+            logits = forward_logits(model, x, self.spec.vocab)[0].float()
+        lp = torch.log_softmax(logits, dim=-1)
+        return [float(lp[i - 1, t]) for i, t in enumerate(tokens) if i > 0]
+
+    def local_tensors(self) -> dict[str, Any]:
+        return {n: p.detach().clone() for n, p in self.params.items()}
+
+    def close(self) -> None:
+        for attr in ("group", "hf_group"):
+            g = getattr(self, attr)
+            if g is not None:
+                g.close(barrier=False)
+                setattr(self, attr, None)
+
+
+def forward_logits(model, tokens, vocab: int):
+    """Megatron forward with the vocab-parallel logits gathered over TP and padding dropped."""
+    import torch
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    pos = torch.arange(tokens.shape[1])[None]
+    out = model(tokens, pos, attention_mask=None)
+    return gather_from_tensor_model_parallel_region(out)[..., :vocab]
+
+
+def sync_params_before_refit(chunks) -> None:
+    """With the distributed optimizer and overlapped param all-gather, bf16 params are only
+    whole after the gather: force it before reading them (no-op for unwrapped models)."""
+    for chunk in chunks:
+        sync = getattr(chunk, "start_param_sync", None)
+        if callable(sync):
+            sync(force_sync=True)
+
+
+def _rank_main(rank: int, setup: TrainerSetup, cmds, results) -> None:
+    try:
+        state = _Rank(rank, setup)
+        results.put((rank, "ready", True, None))
+    except BaseException:  # noqa: BLE001 - reported to the driver with its traceback
+        results.put((rank, "ready", False, traceback.format_exc()))
+        return
+    while True:
+        cmd, args = cmds.get()
+        if cmd == "stop":
+            state.close()
+            results.put((rank, "stop", True, None))
+            return
+        try:
+            out = getattr(state, cmd)(*args)
+            results.put((rank, cmd, True, pickle.dumps(out)))
+        except BaseException:  # noqa: BLE001
+            results.put((rank, cmd, False, traceback.format_exc()))
+
+
+class TrainerPool:
+    """``world`` megatron ranks in spawned processes, driven by commands from this process."""
+
+    def __init__(self, setup: TrainerSetup) -> None:
+        import torch.multiprocessing as mp
+
+        self.setup = setup
+        self.world = setup.par.world
+        ctx = mp.get_context("spawn")
+        self._results = ctx.Queue()
+        self._cmds = [ctx.Queue() for _ in range(self.world)]
+        self.procs = [ctx.Process(target=_rank_main, args=(r, setup, self._cmds[r], self._results), daemon=True)
+                      for r in range(self.world)]
+        for p in self.procs:
+            p.start()
+        self._pending: str | None = None
+        self._collect("ready", setup.timeout_s)
+
+    def submit(self, cmd: str, *args: Any) -> None:
+        """Start ``cmd`` on every rank without waiting (pair with :meth:`collect`)."""
+        if self._pending is not None:
+            raise RuntimeError(f"command {self._pending!r} still pending")
+        self._pending = cmd
+        for q in self._cmds:
+            q.put((cmd, args))
+
+    def collect(self, timeout_s: float | None = None) -> list[Any]:
+        cmd, self._pending = self._pending, None
+        if cmd is None:
+            raise RuntimeError("nothing submitted")
+        return self._collect(cmd, timeout_s or self.setup.timeout_s)
+
+    def call(self, cmd: str, *args: Any, timeout_s: float | None = None) -> list[Any]:
+        self.submit(cmd, *args)
+        return self.collect(timeout_s)
+
+    def _collect(self, cmd: str, timeout_s: float) -> list[Any]:
+        out: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(out) < self.world:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(self.world)) - set(out))
+                raise TrainerError(f"training rank(s) {missing} did not finish {cmd!r} within {timeout_s:.0f}s")
+            try:
+                rank, what, ok, value = self._results.get(timeout=min(left, 0.5))
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(self.procs) if r not in out and not p.is_alive()]
+                if dead:
+                    raise TrainerError(f"training rank {dead[0]} died (exit code {self.procs[dead[0]].exitcode}) "
+                                       f"during {cmd!r}") from None
+                continue
+            if not ok:
+                raise TrainerError(f"training rank {rank} failed in {what!r}:\n{value}")
+            out[rank] = pickle.loads(value) if isinstance(value, bytes) else value
+        return [out[r] for r in range(self.world)]
+
+    def kill(self, rank: int) -> None:
+        """Kill one rank (failure tests)."""
+        self.procs[rank].kill()
+
+    def close(self) -> None:
+        for r, q in enumerate(self._cmds):
+            if self.procs[r].is_alive():
+                q.put(("stop", ()))
+        deadline = time.monotonic() + 10
+        for p in self.procs:
+            p.join(timeout=max(0.1, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
