@@ -135,8 +135,9 @@ class _Rank:
         loss = torch.nn.functional.cross_entropy(logits[:-1].float(), x[0, 1:])
         self.optimizer.zero_grad()
         loss.backward()
+        _sum_qk_norm_grads_over_tp(model)
         self.optimizer.step()
-        return float(loss)
+        return float(loss.detach())
 
     def logprobs(self, tokens: Sequence[int]) -> list[float]:
         """log p(token_i | tokens_<i) for i >= 1, from a megatron forward (every rank runs it)."""
@@ -169,6 +170,20 @@ def forward_logits(model, tokens, vocab: int):
     pos = torch.arange(tokens.shape[1])[None]
     out = model(tokens, pos, attention_mask=None)
     return gather_from_tensor_model_parallel_region(out)[..., :vocab]
+
+
+def _sum_qk_norm_grads_over_tp(model) -> None:
+    """Each TP rank normalises only its own heads, so q/k layernorm grads are partial sums:
+    megatron's ``finalize_model_grads`` (``_allreduce_non_tensor_model_parallel_grads``) sums
+    them over TP. This loop does the same for the unwrapped model (no DDP here)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if ps.get_tensor_model_parallel_world_size() <= 1:
+        return
+    for name, p in model.named_parameters():
+        if p.grad is not None and ("q_layernorm" in name or "k_layernorm" in name):
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=ps.get_tensor_model_parallel_group())
 
 
 def sync_params_before_refit(chunks) -> None:
