@@ -21,7 +21,20 @@ from typing import Any, Sequence
 
 from .layout import LayoutError, ModelSpec, SideLayout, load_model_spec
 
-__all__ = ["RefitMetrics", "RefitSession", "run_refit_job", "token_mult_prob_error"]
+__all__ = ["RefitFailed", "RefitMetrics", "RefitSession", "run_refit_job", "token_mult_prob_error"]
+
+
+class RefitFailed(RuntimeError):
+    """A refit failed on some rank; the message carries both sides' first error lines."""
+
+
+def _first_line(exc: BaseException | str) -> str:
+    """The most specific line of an error (tracebacks end with the raised message)."""
+    lines = [l.strip() for l in str(exc).strip().splitlines() if l.strip()]
+    for l in reversed(lines):
+        if "Error" in l or "Timeout" in l:
+            return l
+    return lines[-1] if lines else type(exc).__name__
 
 
 @dataclass(frozen=True)
@@ -131,12 +144,15 @@ class RefitSession:
         cached = get_plan(self.src, self.dst, buffer_bytes=self.refit.buffer_bytes,
                           allow_cast=self.refit.allow_cast, not_direct=self.plan.not_direct) is self.plan
         verify = self.refit.verify != "off"
+        full = self.refit.verify == "full"
         t0 = time.perf_counter()
         self.pool.submit("refit", self._plan_bytes, verify, self.refit.timeout_s, True)
-        dst_stats = [pickle.loads(b) for b in self.llm.collective_rpc(
-            "mr_refit", args=(self._plan_bytes, verify, self.refit.timeout_s))]
+        dst_stats = self._rpc_with_pool("mr_refit", (self._plan_bytes, verify, self.refit.timeout_s, False, full))
         src_stats = self.pool.collect()
         seconds = time.perf_counter() - t0
+        notes: tuple[str, ...] = ()
+        if full:
+            notes = (self.verify_full(),)
         return RefitMetrics(
             transport="reshard",
             bytes_moved=sum(s.bytes_received for s in dst_stats),
@@ -147,7 +163,56 @@ class RefitSession:
             verified=verify and all(s.verified for s in dst_stats),
             plan_digest=self.plan.digest(),
             plan_cached=cached,
+            notes=notes,
         )
+
+    def _rpc_with_pool(self, method: str, args: tuple) -> list:
+        """Run a data-plane worker RPC while the pool runs its submitted command. Workers answer
+        ``("ok", result)`` or ``("error", message)``; on any error the pool's side is collected
+        too and one error names every failing rank of both sides."""
+        replies = [pickle.loads(b) for b in self.llm.collective_rpc(method, args=args)]
+        errors = [f"vLLM worker {r}: {_first_line(msg)}" for r, (kind, msg) in enumerate(replies) if kind == "error"]
+        if not errors:
+            return [value for _, value in replies]
+        try:
+            self.pool.collect()
+        except Exception as pool_exc:  # noqa: BLE001 - reported together
+            errors.append(f"training side: {_first_line(pool_exc)}")
+        raise RefitFailed("; ".join(errors))
+
+    def verify_full(self) -> str:
+        """Gather canonical tensors from the trainers and compare every destination piece with
+        what each worker holds (live parameter where the kernel keeps model format, else the
+        received copy). Raises naming the parameter and rank of the first mismatch."""
+        import torch
+
+        from .layout.torch_views import box_slices, local_view
+        from .transport.group import RefitError
+
+        trainer_locals = self.pool.call("local_tensors")
+        canonical: dict[str, torch.Tensor] = {}
+        for p in self.src.params:
+            for q in p.pieces:
+                t = canonical.get(q.canonical)
+                if t is None:
+                    shape, _ = self.src.tensors[q.canonical]
+                    t = canonical[q.canonical] = torch.full(tuple(shape), float("nan"),
+                                                            dtype=trainer_locals[p.rank][p.name].dtype)
+                t[box_slices(q.box)] = local_view(trainer_locals[p.rank][p.name].contiguous(), q.view)
+        compared = {"live": 0, "received": 0}
+        for rank, blob in enumerate(self.llm.collective_rpc("mr_received")):
+            held = pickle.loads(blob)
+            for p in self.dst.params:
+                if p.rank != rank:
+                    continue
+                tensor, where = held[p.name]
+                for q in p.pieces:
+                    if not torch.equal(local_view(tensor.contiguous(), q.view), canonical[q.canonical][box_slices(q.box)]):
+                        raise RefitError(f"full verification: {p.name} on destination rank {rank} ({where}) differs "
+                                         f"from training's {q.canonical} at box {q.box}")
+                    compared[where] += q.numel
+        return (f"full verification: {compared['live']} live and {compared['received']} received elements equal "
+                f"the gathered canonical tensors")
 
     def refit_hf_broadcast(self) -> RefitMetrics:
         from .adapters.megatron.build import free_port
@@ -166,8 +231,7 @@ class RefitSession:
             self._hf_joined = True
         t0 = time.perf_counter()
         self.pool.submit("hf_send", self._gather_plan, self.refit.buffer_bytes, self.refit.timeout_s)
-        dst_stats = [pickle.loads(b) for b in self.llm.collective_rpc(
-            "mr_hf_receive", args=(self.refit.buffer_bytes, self.refit.timeout_s))]
+        dst_stats = self._rpc_with_pool("mr_hf_receive", (self.refit.buffer_bytes, self.refit.timeout_s))
         src_stats = self.pool.collect()
         seconds = time.perf_counter() - t0
         gather_bytes = sum(s["gather"].bytes_received for s in src_stats if s)

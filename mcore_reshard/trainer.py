@@ -85,6 +85,20 @@ class _Rank:
                             timeout_s=timeout_s, verify=verify, progress=progress and self.rank == 0,
                             plan_digest=plan.digest())
 
+    def refit_and_die(self, plan_bytes: bytes, timeout_s: float, die_rank: int, after_reads: int):
+        """Failure tests: like :meth:`refit`, but rank ``die_rank`` exits abruptly after its
+        packer has read ``after_reads`` source tensors -- a trainer dying mid-refit."""
+        import os
+
+        from .transport.executor import execute_plan
+
+        plan = pickle.loads(plan_bytes)
+        tensors = {name: p.data for name, p in self.params.items()}
+        if self.rank == die_rank:
+            tensors = _DieAfter(tensors, after_reads, os._exit)
+        return execute_plan(plan.for_rank("src", self.rank), None, tensors, None, self.group,
+                            timeout_s=timeout_s, verify=True, plan_digest=plan.digest())
+
     def hf_join(self, host: str, port: int, world: int, timeout_s: float) -> None:
         """Baseline broadcast group: training rank 0 (root) and every vLLM worker."""
         from .transport.group import RefitGroup
@@ -160,6 +174,29 @@ class _Rank:
             if g is not None:
                 g.close(barrier=False)
                 setattr(self, attr, None)
+
+    def raw_bandwidth(self, src_rank: int, dst_rank: int, nbytes: int, timeout_s: float) -> float | None:
+        """One ``nbytes`` message over the refit group: the local floor ``scripts/bench_refit.py``
+        compares a refit with. Ranks other than ``src_rank``/``dst_rank`` return None at once."""
+        from .transport.executor import raw_send_bandwidth
+
+        if self.group is None:
+            raise RuntimeError("raw_bandwidth before joining the refit group")
+        return raw_send_bandwidth(self.group, src_rank, dst_rank, nbytes, timeout_s)
+
+
+class _DieAfter(dict):
+    """A tensor mapping whose owner process exits at the n-th lookup (fault injection)."""
+
+    def __init__(self, tensors, n: int, exit_fn) -> None:
+        super().__init__(tensors)
+        self._left, self._exit = n, exit_fn
+
+    def __getitem__(self, key):
+        self._left -= 1
+        if self._left < 0:
+            self._exit(17)
+        return super().__getitem__(key)
 
 
 def forward_logits(model, tokens, vocab: int):

@@ -35,11 +35,18 @@ class TransferMethods:
         dev = str(self.device)  # type: ignore[attr-defined]
         return "cuda" if dev.startswith("cuda") else "cpu"
 
-    def mr_refit(self, plan_bytes: bytes, verify: bool, timeout_s: float, atomic: bool = False) -> bytes:
+    def mr_refit(self, plan_bytes: bytes, verify: bool, timeout_s: float, atomic: bool = False,
+                 keep_received: bool = False) -> bytes:
+        return _as_reply(self._mr_refit, plan_bytes, verify, timeout_s, atomic, keep_received)
+
+    def _mr_refit(self, plan_bytes: bytes, verify: bool, timeout_s: float, atomic: bool,
+                  keep_received: bool) -> Any:
         """Receive this worker's slice of the plan and apply it; pickled ``TransferStats``.
 
         On any failure the applier aborts: the engine keeps serving the old weights if nothing
         live was touched, else it is marked not serving (``mr_status``) and the error says so.
+        ``keep_received`` keeps a model-format copy of every received parameter for the full
+        verification (:meth:`mr_received`), at the cost of one copy of this rank's weights.
         """
         from ...transport.executor import execute_plan
 
@@ -48,9 +55,14 @@ class TransferMethods:
             raise RuntimeError("mr_refit before mr_join")
         plan = pickle.loads(plan_bytes)
         applier = self.mr_applier(atomic)  # type: ignore[attr-defined]
+        sink: Any = applier
+        self._mr_received = None
+        if keep_received:
+            sink = _Tee(applier, self.mr_params())  # type: ignore[attr-defined]
+            self._mr_received = sink.copies
         applier.begin()
         try:
-            stats = execute_plan(None, plan.for_rank("dst", self._mr_dst), {}, applier, group,
+            stats = execute_plan(None, plan.for_rank("dst", self._mr_dst), {}, sink, group,
                                  timeout_s=timeout_s, verify=verify, plan_digest=plan.digest())
             applier.finish()
         except BaseException as exc:
@@ -60,7 +72,23 @@ class TransferMethods:
                 self._mr_group = None  # a failed group is broken; the driver makes a new one
             raise
         self._mr_after_update()  # type: ignore[attr-defined]
-        return pickle.dumps(stats)
+        return stats
+
+    def mr_received(self) -> bytes:
+        """Full verification: this rank's model-format parameters after the last refit, pickled
+        ``{local_name: tensor}``. Live values where the kernel keeps model format (direct
+        mode), else the received copy (``mr_refit(keep_received=True)``)."""
+        received = getattr(self, "_mr_received", None)
+        if received is None:
+            raise RuntimeError("mr_received needs a refit with keep_received=True first")
+        modes = self.mr_modes()  # type: ignore[attr-defined]
+        params = dict(self._mr_model().named_parameters())  # type: ignore[attr-defined]
+        out = {}
+        for name, copy in received.items():
+            live = params.get(name)
+            direct = modes.get(name) == "direct" and live is not None and tuple(live.shape) == tuple(copy.shape)
+            out[name] = (live.detach().cpu().clone() if direct else copy, "live" if direct else "received")
+        return pickle.dumps(out)
 
     def mr_hf_join(self, host: str, port: int, world: int, timeout_s: float, dst_offset: int = 0) -> int:
         """Join the baseline's broadcast group: training rank 0 is group rank 0."""
@@ -72,6 +100,9 @@ class TransferMethods:
         return me
 
     def mr_hf_receive(self, buffer_bytes: int, timeout_s: float) -> bytes:
+        return _as_reply(self._mr_hf_receive, buffer_bytes, timeout_s)
+
+    def _mr_hf_receive(self, buffer_bytes: int, timeout_s: float) -> Any:
         """Baseline: receive every full HF tensor and let vLLM's loaders cut this rank's part,
         inside vLLM's layerwise reload (then re-prepack CPU MoE kernels, which 0.32 forgets)."""
         from vllm.config import set_current_vllm_config
@@ -102,7 +133,7 @@ class TransferMethods:
         stats = broadcast_receive(tensors, self._mr_hf_group, 0, consume, buffer_bytes=buffer_bytes,
                                   timeout_s=timeout_s)
         self._mr_after_update()  # type: ignore[attr-defined]
-        return pickle.dumps(stats)
+        return stats
 
     def mr_leave(self) -> None:
         for attr in ("_mr_group", "_mr_hf_group"):
@@ -110,6 +141,38 @@ class TransferMethods:
             if g is not None:
                 g.close(barrier=False)
                 setattr(self, attr, None)
+
+
+def _as_reply(fn: Any, *args: Any) -> bytes:
+    """Run a data-plane method and always answer, with ``("ok", result)`` or ``("error",
+    message)``, pickled. A worker that raised inside ``collective_rpc`` would leave its
+    peers' replies queued and poison the next RPC; an error as data keeps the control plane
+    in step, and the driver raises with every rank's message."""
+    import traceback
+
+    try:
+        return pickle.dumps(("ok", fn(*args)))
+    except BaseException as exc:  # noqa: BLE001 - returned to the driver, which raises
+        return pickle.dumps(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}"))
+
+
+class _Tee:
+    """Sink that applies every write and keeps a model-format copy of it (full verification)."""
+
+    def __init__(self, applier: Any, params: Any) -> None:
+        import torch
+
+        from ...layout.torch_views import TORCH_DTYPES
+
+        self.applier = applier
+        self.params = applier.params  # the executor reads the wire dtype from here
+        self.copies = {p.name: torch.zeros(p.shape, dtype=TORCH_DTYPES[p.dtype]) for p in params}
+
+    def write(self, local_name: str, view: Any, tensor: Any) -> None:
+        from ...layout.torch_views import local_view
+
+        self.applier.write(local_name, view, tensor)
+        local_view(self.copies[local_name], view).copy_(tensor)
 
 
 def _extension_class():
