@@ -71,11 +71,23 @@ def _cmd_plan(args, overrides: Sequence[str]) -> int:
     src, dst, plan = plan_from_recipe(recipe)
     spec = recipe.spec
     report = plan_report(plan)
+    from .layout import dtensor_report, dtensor_summary
+
+    forms = {"training": dtensor_report(src), "vllm": dtensor_report(dst)}
     if args.json:
-        print(json.dumps(report.to_json()))
+        out = report.to_json()
+        out["dtensor"] = {side: dtensor_summary(r) for side, r in forms.items()}
+        if args.dtensor:
+            out["dtensor_forms"] = forms
+        print(json.dumps(out))
     else:
         title = f"refit plan: {spec.name} ({spec.dtype}), training {src.name} -> vLLM {dst.name}"
         print(report.table(title))
+        for side, r in forms.items():
+            print(f"{side} {dtensor_summary(r)}")
+            if args.dtensor:
+                for name, form in r.items():
+                    print(f"  {name}: {form}")
     return 0
 
 
@@ -90,6 +102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=["plan", "refit"])
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--dtensor", action="store_true",
+                        help="plan: also list every tensor's DTensor form (mesh + placements) on both sides")
     parser.add_argument("--recipe", help="plan: a GRPO recipe (NeMo RL shape) with megatron_cfg.mcore_reshard on")
     args, overrides = parser.parse_known_args(argv)
     bad = [o for o in overrides if o.startswith("-")]
