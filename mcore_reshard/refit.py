@@ -10,6 +10,7 @@ bytes go over the refit group only.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import pickle
 import sys
@@ -22,6 +23,9 @@ from typing import Any, Sequence
 from .layout import LayoutError, ModelSpec, SideLayout, load_model_spec
 
 __all__ = ["RefitFailed", "RefitMetrics", "RefitSession", "run_refit_job", "token_mult_prob_error"]
+
+
+_log = logging.getLogger("mcore_reshard.refit")
 
 
 class RefitFailed(RuntimeError):
@@ -52,6 +56,8 @@ class RefitMetrics:
     plan_digest: str = ""
     plan_cached: bool = False
     notes: tuple[str, ...] = ()
+    #: Slowest rank's seconds per phase (pack, wire, unpack, verify, apply_finish); phases overlap.
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 def token_mult_prob_error(gen_logprobs: Sequence[float], train_logprobs: Sequence[float]) -> float:
@@ -134,7 +140,8 @@ class RefitSession:
         rank_map = RankMap.disaggregated(self.src.world_size, self.dst.world_size)
         port, world, t = free_port(), rank_map.world_size, self.refit.timeout_s
         self.pool.submit("join", "127.0.0.1", port, world, rank_map, t)
-        self.llm.collective_rpc("mr_join", args=("127.0.0.1", port, world, pickle.dumps(rank_map), t))
+        self.llm.collective_rpc("mr_join", timeout=self._rpc_timeout(),
+                                args=("127.0.0.1", port, world, pickle.dumps(rank_map), t))
         self.pool.collect()
 
     # -- refits ------------------------------------------------------------------------
@@ -147,12 +154,17 @@ class RefitSession:
         full = self.refit.verify == "full"
         t0 = time.perf_counter()
         self.pool.submit("refit", self._plan_bytes, verify, self.refit.timeout_s, True)
-        dst_stats = self._rpc_with_pool("mr_refit", (self._plan_bytes, verify, self.refit.timeout_s, False, full))
+        replies = self._rpc_with_pool("mr_refit", (self._plan_bytes, verify, self.refit.timeout_s, False, full))
+        dst_stats = [stats for stats, _ in replies]
         src_stats = self.pool.collect()
         seconds = time.perf_counter() - t0
         notes: tuple[str, ...] = ()
         if full:
             notes = (self.verify_full(),)
+        everyone = src_stats + dst_stats
+        phases = {"pack": max(s.pack_s for s in src_stats), "wire": max(s.wire_s for s in everyone),
+                  "unpack": max(s.unpack_s for s in dst_stats), "verify": max(s.verify_s for s in everyone),
+                  "apply_finish": max(f for _, f in replies)}
         return RefitMetrics(
             transport="reshard",
             bytes_moved=sum(s.bytes_received for s in dst_stats),
@@ -164,13 +176,19 @@ class RefitSession:
             plan_digest=self.plan.digest(),
             plan_cached=cached,
             notes=notes,
+            phases={k: round(v, 6) for k, v in phases.items()},
         )
+
+    def _rpc_timeout(self) -> float:
+        """RPC deadline: the data plane gives up after ``timeout_s``; the margin covers the
+        apply step and the reply, so a hung worker still cannot hang the driver."""
+        return self.refit.timeout_s + 120.0
 
     def _rpc_with_pool(self, method: str, args: tuple) -> list:
         """Run a data-plane worker RPC while the pool runs its submitted command. Workers answer
         ``("ok", result)`` or ``("error", message)``; on any error the pool's side is collected
         too and one error names every failing rank of both sides."""
-        replies = [pickle.loads(b) for b in self.llm.collective_rpc(method, args=args)]
+        replies = [pickle.loads(b) for b in self.llm.collective_rpc(method, timeout=self._rpc_timeout(), args=args)]
         errors = [f"vLLM worker {r}: {_first_line(msg)}" for r, (kind, msg) in enumerate(replies) if kind == "error"]
         if not errors:
             return [value for _, value in replies]
@@ -226,7 +244,8 @@ class RefitSession:
         if not self._hf_joined:
             port, world = free_port(), 1 + self.dst.world_size
             self.pool.submit("hf_join", "127.0.0.1", port, world, self.refit.timeout_s)
-            self.llm.collective_rpc("mr_hf_join", args=("127.0.0.1", port, world, self.refit.timeout_s))
+            self.llm.collective_rpc("mr_hf_join", timeout=self._rpc_timeout(),
+                                    args=("127.0.0.1", port, world, self.refit.timeout_s))
             self.pool.collect()
             self._hf_joined = True
         t0 = time.perf_counter()
@@ -247,7 +266,10 @@ class RefitSession:
         )
 
     def refit_once(self, transport: str) -> RefitMetrics:
-        return self.refit_reshard() if transport == "reshard" else self.refit_hf_broadcast()
+        m = self.refit_reshard() if transport == "reshard" else self.refit_hf_broadcast()
+        _log.info("refit %s: %d bytes moved (minimum %d) in %.3fs, peak extra %d bytes, verified=%s, phases %s",
+                  m.transport, m.bytes_moved, m.bytes_min, m.seconds, m.peak_extra_bytes, m.verified, m.phases)
+        return m
 
     # -- checks ------------------------------------------------------------------------
     def logprob_error(self, tokens: Sequence[int]) -> float:
@@ -283,6 +305,11 @@ def run_refit_job(overrides: Sequence[str], *, as_json: bool = False) -> int:
     from .plan import plan_report
     from .policy import RefitConfig
 
+    import os
+
+    # vLLM logs to stdout by default; the report (and --json's one object) owns stdout.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     cfg = compose("refit", overrides)
     training = build_dataclass(MegatronParallel, cfg.training, "training")
     vllm = build_dataclass(VllmParallel, cfg.vllm, "vllm")

@@ -175,14 +175,16 @@ class _Rank:
                 g.close(barrier=False)
                 setattr(self, attr, None)
 
-    def raw_bandwidth(self, src_rank: int, dst_rank: int, nbytes: int, timeout_s: float) -> float | None:
-        """One ``nbytes`` message over the refit group: the local floor ``scripts/bench_refit.py``
-        compares a refit with. Ranks other than ``src_rank``/``dst_rank`` return None at once."""
+    def raw_bandwidth(self, pairs: Sequence[tuple[int, int]], nbytes: int, timeout_s: float) -> float | None:
+        """One ``nbytes`` message per (source, destination) group-rank pair, all pairs at once,
+        over the refit group: the local floor ``scripts/bench_refit.py`` compares a refit with.
+        Bytes/s of this rank's pair; None on a rank in no pair."""
         from .transport.executor import raw_send_bandwidth
 
         if self.group is None:
             raise RuntimeError("raw_bandwidth before joining the refit group")
-        return raw_send_bandwidth(self.group, src_rank, dst_rank, nbytes, timeout_s)
+        mine = [(s, d) for s, d in pairs if self.group.rank in (s, d)]
+        return raw_send_bandwidth(self.group, *mine[0], nbytes, timeout_s) if mine else None
 
 
 class _DieAfter(dict):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 
 from .types import TransferPlan
@@ -48,8 +49,8 @@ class PlanReport:
         ]
         width = max(len(k) for k, _ in rows)
         lines = [title, "-" * len(title)] + [f"{k.ljust(width)}  {v}" for k, v in rows]
-        for item in self.not_direct:
-            lines.append(f"  not direct: {item['param']}: {item['reason']}")
+        for (pattern, reason), count in _group_not_direct(self.not_direct).items():
+            lines.append(f"  not direct: {pattern} (x{count}): {reason}")
         for note in self.notes:
             lines.append(f"  note: {note}")
         return "\n".join(lines)
@@ -76,6 +77,16 @@ def plan_report(plan: TransferPlan) -> PlanReport:
         not_direct=[{"param": p, "reason": r} for p, r in plan.not_direct],
         notes=list(plan.notes),
     )
+
+
+def _group_not_direct(items: list[dict[str, str]]) -> dict[tuple[str, str], int]:
+    """Group per-layer parameters (``layers.3.`` -> ``layers.*.``) so the table stays short;
+    the JSON form keeps every parameter."""
+    groups: dict[tuple[str, str], int] = {}
+    for item in items:
+        key = (re.sub(r"\.(\d+)\.", ".*.", item["param"]), item["reason"])
+        groups[key] = groups.get(key, 0) + 1
+    return groups
 
 
 def format_bytes(n: float) -> str:

@@ -8,6 +8,7 @@ serializer turns dataclasses into dicts, so dataclasses travel pickled).
 from __future__ import annotations
 
 import pickle
+import time
 from typing import Any
 
 __all__ = ["TransferMethods", "RefitWorkerExtension", "REFIT_EXTENSION"]
@@ -64,7 +65,9 @@ class TransferMethods:
         try:
             stats = execute_plan(None, plan.for_rank("dst", self._mr_dst), {}, sink, group,
                                  timeout_s=timeout_s, verify=verify, plan_digest=plan.digest())
+            t0 = time.perf_counter()
             applier.finish()
+            finish_s = time.perf_counter() - t0
         except BaseException as exc:
             try:
                 applier.abort(f"refit failed: {exc}")
@@ -72,7 +75,7 @@ class TransferMethods:
                 self._mr_group = None  # a failed group is broken; the driver makes a new one
             raise
         self._mr_after_update()  # type: ignore[attr-defined]
-        return stats
+        return stats, finish_s
 
     def mr_received(self) -> bytes:
         """Full verification: this rank's model-format parameters after the last refit, pickled
