@@ -56,7 +56,9 @@ class RefitMetrics:
     plan_digest: str = ""
     plan_cached: bool = False
     notes: tuple[str, ...] = ()
-    #: Slowest rank's seconds per phase (pack, wire, unpack, verify, apply_finish); phases overlap.
+    #: Slowest rank's seconds per phase (src_/dst_ pack, wire, unpack, verify; apply_open: layers back
+    #: to model format, apply_process: vLLM's processing, apply_commit: copy into kernel tensors,
+    #: apply_finish; hf_broadcast: gather, root, receive_and_reload). Phases overlap.
     phases: dict[str, float] = field(default_factory=dict)
 
 
@@ -161,10 +163,11 @@ class RefitSession:
         notes: tuple[str, ...] = ()
         if full:
             notes = (self.verify_full(),)
-        everyone = src_stats + dst_stats
-        phases = {"pack": max(s.pack_s for s in src_stats), "wire": max(s.wire_s for s in everyone),
-                  "unpack": max(s.unpack_s for s in dst_stats), "verify": max(s.verify_s for s in everyone),
-                  "apply_finish": max(f for _, f in replies)}
+        phases = {"src_pack": max(s.pack_s for s in src_stats), "src_wire": max(s.wire_s for s in src_stats),
+                  "src_verify": max(s.verify_s for s in src_stats), "dst_wire": max(s.wire_s for s in dst_stats),
+                  "dst_unpack": max(s.unpack_s for s in dst_stats), "dst_verify": max(s.verify_s for s in dst_stats)}
+        for key in ("open", "process", "commit", "finish"):
+            phases[f"apply_{key}"] = max(t[key] for _, t in replies)
         return RefitMetrics(
             transport="reshard",
             bytes_moved=sum(s.bytes_received for s in dst_stats),
@@ -254,6 +257,9 @@ class RefitSession:
         src_stats = self.pool.collect()
         seconds = time.perf_counter() - t0
         gather_bytes = sum(s["gather"].bytes_received for s in src_stats if s)
+        phases = {"gather": max(s["gather"].seconds for s in src_stats if s),
+                  "root": max(s["seconds"] for s in src_stats if s),
+                  "receive_and_reload": max(s.seconds for s in dst_stats)}
         return RefitMetrics(
             transport="hf_broadcast",
             bytes_moved=gather_bytes + sum(s.bytes_received for s in dst_stats),
@@ -263,7 +269,17 @@ class RefitSession:
             peak_extra_bytes=max([s.peak_extra_bytes for s in dst_stats] + [s["peak_extra_bytes"] for s in src_stats if s]),
             verified=False,
             notes=("no checksum verification on the baseline path; checked by logprobs",),
+            phases={k: round(v, 6) for k, v in phases.items()},
         )
+
+    def raw_bandwidth(self, pairs: Sequence[tuple[int, int]], nbytes: int) -> float:
+        """The local floor: one ``nbytes`` gloo message per (source, destination) group-rank
+        pair, all pairs at once over the refit group; bytes/s of the slowest pair."""
+        t = self.refit.timeout_s
+        self.pool.submit("raw_bandwidth", list(pairs), nbytes, t)
+        got = self.llm.collective_rpc("mr_raw_bandwidth", timeout=self._rpc_timeout(), args=(list(pairs), nbytes, t))
+        self.pool.collect()
+        return min(float(g) for g in got if g is not None)
 
     def refit_once(self, transport: str) -> RefitMetrics:
         m = self.refit_reshard() if transport == "reshard" else self.refit_hf_broadcast()

@@ -151,6 +151,7 @@ class _Rank:
         loss.backward()
         _sum_qk_norm_grads_over_tp(model)
         self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)  # free the grads before the refit that follows
         return float(loss.detach())
 
     def logprobs(self, tokens: Sequence[int]) -> list[float]:

@@ -58,7 +58,7 @@ def test_qwen3_30b_tp8_qkv_heads():
 
 def test_qkv_boundary_inside_a_head_and_bias_in_the_same_order():
     # P = 4 query heads per group, 2 groups, tp 8: 1.5 heads per rank, boundaries inside heads
-    spec = spec_from_hf_config(dict(TINY_DENSE, architectures=["Qwen2ForCausalLM"]), dtype="float32")
+    spec = spec_from_hf_config(dict(TINY_DENSE, architectures=["Qwen2ForCausalLM"], head_dim=16), dtype="float32")
     assert spec.qkv_bias
     par = MegatronParallel(tp=8)
     hn = 16

@@ -20,6 +20,9 @@ raises :class:`RefitIncomplete` -- never a silent half-written model.
 
 from __future__ import annotations
 
+import functools
+import time
+
 import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -100,6 +103,23 @@ class _LayerState:
     committed: bool = False
 
 
+def _timed(phase: str):
+    """Add a method's wall time to ``self.timings[phase]`` (a perf_counter pair per layer)."""
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def inner(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(self, *args, **kwargs)
+            finally:
+                self.timings[phase] += time.perf_counter() - t0
+
+        return inner
+
+    return wrap
+
+
 class VllmApplier:
     """Applies a stream of ``(local_name, View, tensor)`` writes to one worker's model.
 
@@ -120,6 +140,8 @@ class VllmApplier:
         self._reset()
 
     def _reset(self) -> None:
+        #: Seconds spent per apply phase in the current refit (reported with the refit metrics).
+        self.timings = {"open": 0.0, "process": 0.0, "commit": 0.0}
         self._written: dict[str, int] = {}
         self._layers: dict[int, _LayerState] = {}
         self._staged: dict[str, torch.Tensor] = {}  # atomic direct writes
@@ -234,6 +256,7 @@ class VllmApplier:
             st = self._open_layer(layer)
         return getattr(layer, pname).data
 
+    @_timed("open")
     def _open_layer(self, layer: torch.nn.Module) -> _LayerState:
         """Put a layer back into (zeroed) model format, keeping its kernel tensors."""
         from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
@@ -257,9 +280,13 @@ class VllmApplier:
         with self.device:
             restore_layer_on_meta(layer, info)
             materialize_layer(layer, info)
+        # Padding elements are zero, never uninitialised memory. A described parameter
+        # without padding is written whole by the plan (finish() checks the count), so
+        # zeroing it first would only be one more pass over the layer's bytes.
+        written_whole = {attr for attr, local in names.items() if self.params[local].padding == 0}
         for name, t in get_layer_tensors(layer).items():
-            if name not in SKIP_TENSORS and t.is_floating_point():
-                t.data.zero_()  # padding elements are zero, never uninitialised memory
+            if name not in SKIP_TENSORS and t.is_floating_point() and name not in written_whole:
+                t.data.zero_()
         self._layers[id(layer)] = st
         return st
 
@@ -280,6 +307,7 @@ class VllmApplier:
             desc = ", ".join(f"{n} ({w}/{e} elements)" for n, w, e in missing[:5])
             raise LayoutError(f"refit incomplete: touched parameters not fully written: {desc}")
 
+    @_timed("process")
     def _process(self, st: _LayerState) -> None:
         """vLLM's per-layer processing on the materialised model-format tensors."""
         from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
@@ -295,6 +323,7 @@ class VllmApplier:
                     layer.update_param_tp_status()
             _reprepack_cpu_moe(layer)
 
+    @_timed("commit")
     def _commit(self, st: _LayerState) -> None:
         """Copy the processed tensors into the kernel tensors the engine runs on."""
         from vllm.model_executor.model_loader.reload.layerwise import (

@@ -75,7 +75,7 @@ class TransferMethods:
                 self._mr_group = None  # a failed group is broken; the driver makes a new one
             raise
         self._mr_after_update()  # type: ignore[attr-defined]
-        return stats, finish_s
+        return stats, dict(applier.timings, finish=finish_s)
 
     def mr_received(self) -> bytes:
         """Full verification: this rank's model-format parameters after the last refit, pickled
@@ -137,6 +137,15 @@ class TransferMethods:
                                   timeout_s=timeout_s)
         self._mr_after_update()  # type: ignore[attr-defined]
         return stats
+
+    def mr_raw_bandwidth(self, pairs: list[tuple[int, int]], nbytes: int, timeout_s: float) -> float | None:
+        """Benchmark floor: one ``nbytes`` message per (source, destination) group-rank pair,
+        over the refit group; bytes/s of this worker's pair (None when in none)."""
+        from ...transport.executor import raw_send_bandwidth
+
+        group = self._mr_group
+        mine = [(s, d) for s, d in pairs if group.rank in (s, d)]
+        return raw_send_bandwidth(group, *mine[0], nbytes, timeout_s) if mine else None
 
     def mr_leave(self) -> None:
         for attr in ("_mr_group", "_mr_hf_group"):
