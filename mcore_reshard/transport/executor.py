@@ -224,15 +224,14 @@ class _Run:
         self.expected: dict[int, list[torch.Tensor]] = {}  # dst peer -> per-bucket (n, 2) sums
         self.actual: dict[int, list[torch.Tensor]] = {}  # src peer -> per-bucket (n, 2) sums
         self.local_msgs: dict[int, torch.Tensor] = {}  # bucket -> message to myself
-        dev = group.device
         send_numel = max((sum(message_numel(ts) for ts in b.values()) for b in self.send_b), default=0)
         recv_numel = max(
             (sum(message_numel(ts) for p, ts in b.items() if not self._is_me("src", p)) for b in self.recv_b),
             default=0,
         )
         n_send_bufs = min(2, sum(1 for b in self.send_b if b))
-        self.send_bufs = [torch.empty(send_numel, dtype=dtype, device=dev) for _ in range(n_send_bufs)]
-        self.recv_buf = torch.empty(recv_numel, dtype=dtype, device=dev)
+        self.send_bufs = [group.buffer(f"send{i}", send_numel, dtype) for i in range(n_send_bufs)]
+        self.recv_buf = group.buffer("recv", recv_numel, dtype)
         self.itemsize = torch.empty((), dtype=dtype).element_size()
         self.extra_bytes = (n_send_bufs * send_numel + recv_numel) * self.itemsize
 

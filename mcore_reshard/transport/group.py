@@ -96,6 +96,10 @@ class RefitGroup:
         self.rank_map = rank_map
         self._tcp_store = tcp_store  # keep the master's server alive as long as the group
         self._seq = 0
+        self._buffers: dict[str, torch.Tensor] = {}
+        #: Keep wire buffers between refits (no allocation and first-touch page faults per
+        #: refit, at the price of holding them); ``release_buffers()`` frees them.
+        self.keep_buffers = True
         self._connected: set[int] = set()
 
     @classmethod
@@ -119,6 +123,21 @@ class RefitGroup:
         if rank_map.world_size > world_size:
             raise ValueError(f"rank map needs {rank_map.world_size} group ranks, the group has {world_size}")
         return cls(store, pg, rank, world_size, timeout_s, device, rank_map, tcp)
+
+    # -- wire buffers ----------------------------------------------------------------------
+
+    def buffer(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A 1-D buffer of at least ``numel`` elements, reused across refits when
+        ``keep_buffers`` (a refit's buckets have the same sizes every time)."""
+        buf = self._buffers.get(name) if self.keep_buffers else None
+        if buf is None or buf.dtype != dtype or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=dtype, device=self.device)
+            if self.keep_buffers:
+                self._buffers[name] = buf
+        return buf[:numel]
+
+    def release_buffers(self) -> None:
+        self._buffers.clear()
 
     # -- data plane (single-tensor overloads; the caller waits with a timeout) --------------
 
