@@ -21,10 +21,13 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
                           timeout=300, cwd=REPO)
 
 
-def test_default_plan_json_is_minimal():
-    out = run_cli("plan", "--json")
-    assert out.returncode == 0, out.stderr
-    rep = json.loads(out.stdout)
+def plan_json(capsys, *args: str) -> dict:
+    assert main(["plan", "--json", *args]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_default_plan_json_is_minimal(capsys):
+    rep = plan_json(capsys)
     assert KEYS <= set(rep)
     assert rep["bytes_planned"] == rep["bytes_min"] > 0
     # Qwen3-30B-A3B bf16 on 8 engines of TP2: each engine holds the model once, plus a second
@@ -35,14 +38,20 @@ def test_default_plan_json_is_minimal():
     assert rep["bytes_min"] == 8 * (model_bytes + replicated)
     assert rep["max_recv_bytes"] == rep["bytes_min"] // 16
     assert rep["not_direct"] == []
+    assert rep["dtensor"]["training"].startswith("dtensor form:")
 
 
-def test_recipe_gives_the_same_plan_as_the_default_config():
-    a = json.loads(run_cli("plan", "--json").stdout)
-    b = run_cli("plan", "--json", "--recipe", "recipes/grpo-qwen3-30b-a3b-megatron-reshard.yaml")
-    assert b.returncode == 0, b.stderr
-    b = json.loads(b.stdout)
+def test_recipe_gives_the_same_plan_as_the_default_config(capsys):
+    a = plan_json(capsys)
+    b = plan_json(capsys, "--recipe", "recipes/grpo-qwen3-30b-a3b-megatron-reshard.yaml")
     assert a["digest"] == b["digest"] and a["bytes_min"] == b["bytes_min"]
+
+
+def test_console_entry_point_runs():
+    out = run_cli("plan", "--json", "model=qwen3-8b", "training.ep=1", "vllm.tp=4", "vllm.replicas=4")
+    assert out.returncode == 0, out.stderr
+    rep = json.loads(out.stdout)
+    assert rep["bytes_planned"] == rep["bytes_min"]
 
 
 def test_table_output(capsys):

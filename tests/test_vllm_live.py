@@ -172,6 +172,26 @@ class TestDenseTP2Direct:
                 assert sums[lp.name] == hashlib.sha256(want.view(torch.uint8).numpy().tobytes()).hexdigest(), lp.name
 
 
+class TestMoeTP1:
+    """MoE on one rank: every expert whole (MoE TP 1), CPU prepack, reload path."""
+
+    @pytest.fixture(scope="class")
+    def llm(self, request, ckpts):
+        return _engine(request, ckpts["moe"][0], tp=1)
+
+    def test_recording_matches_rules(self, llm, ckpts):
+        infos = llm.collective_rpc("mr_rank_info")
+        params = describe(llm)
+        w2 = [lp for lp in params[0] if lp.name.endswith("w2_weight")]
+        assert w2 and all(p.box.offsets == (0, 0) for p in w2[0].pieces)  # whole down_proj per expert
+        _check_against_rules(ckpts["moe"][0], params, infos, tp=1)
+
+    def test_refit_equals_fresh_load(self, llm, ckpts):
+        a, b, c, hf_b = ckpts["moe"]
+        assert greedy(llm, PROMPTS, MAX_TOKENS) != hf_b
+        _refit_and_check(llm, b, hf_b)
+
+
 class TestMoeTP2:
     """CPU MoE prepacks w13/w2: reload path plus the re-prepack vLLM 0.32 forgets."""
 
