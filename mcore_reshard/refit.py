@@ -102,7 +102,7 @@ class RefitSession:
 
     # -- set-up ------------------------------------------------------------------------
     def start(self) -> "RefitSession":
-        from .adapters.megatron.build import free_port
+        from .transport.group import free_port
         from .adapters.vllm.engine import start_engine
         from .adapters.vllm.transfer_ext import REFIT_EXTENSION
         from .trainer import TrainerPool, TrainerSetup
@@ -136,7 +136,7 @@ class RefitSession:
         self._plan_bytes = pickle.dumps(self.plan)
 
     def join(self) -> None:
-        from .adapters.megatron.build import free_port
+        from .transport.group import free_port
         from .transport.group import RankMap
 
         rank_map = RankMap.disaggregated(self.src.world_size, self.dst.world_size)
@@ -236,7 +236,7 @@ class RefitSession:
                 f"the gathered canonical tensors")
 
     def refit_hf_broadcast(self) -> RefitMetrics:
-        from .adapters.megatron.build import free_port
+        from .transport.group import free_port
         from .baseline import gather_layout
         from .plan import get_plan
 

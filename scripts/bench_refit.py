@@ -84,15 +84,6 @@ def checkpoint(workdir: Path, overrides: dict[str, Any], dtype: str, seed: int) 
     return path
 
 
-def spec_bytes(spec: Any) -> int:
-    """Bytes of every canonical tensor of the model (what the HF baseline ships per rank)."""
-    import math
-
-    from mcore_reshard.layout.torch_views import TORCH_DTYPES
-
-    return sum(math.prod(t.shape) * TORCH_DTYPES[t.dtype].itemsize for t in spec.tensors().values())
-
-
 def stdout_to_stderr() -> Callable[[str], None]:
     """Point fd 1 at stderr for this process and every child it starts (vLLM logs to stdout);
     returns a writer to the real stdout, for the results only."""
@@ -187,7 +178,7 @@ def run(args: argparse.Namespace, log: Callable[..., None]) -> dict[str, Any]:
         finally:
             session.close()
     bench["min_available_bytes"] = rss.min_available
-    return summarize(bench, rss.peak, session, spec_bytes(spec), args)
+    return summarize(bench, rss.peak, session, spec.total_bytes(), args)
 
 
 def one_refit(session: Any, transport: str) -> tuple[Any, dict[str, float]]:

@@ -18,6 +18,7 @@ from mcore_reshard.adapters.megatron.live import describe, describe_world, named
 from mcore_reshard.adapters.megatron.rules import MegatronParallel
 from mcore_reshard.layout import ModelSpec, spec_from_hf_config
 from mcore_reshard.layout.torch_views import local_view
+from mcore_reshard.trainer import forward_logits
 
 
 def canonical_ids(spec: ModelSpec) -> dict[str, torch.Tensor]:
@@ -136,16 +137,6 @@ def predicted_ids(descs, ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     return out
 
 
-def _full_logits(chunk, tokens: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Megatron forward; gathers the vocab-parallel logits over TP (autograd-aware) and drops
-    the padding columns."""
-    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
-
-    pos = torch.arange(tokens.shape[1])[None]
-    out = chunk(tokens, pos, attention_mask=None)
-    return gather_from_tensor_model_parallel_region(out)[..., :vocab]
-
-
 def layout_job(ctx: WorldCtx, par: MegatronParallel, cfg: dict[str, Any], ckpt: str | None = None,
                tokens: list[int] | None = None, train_steps: int = 0) -> dict[str, Any]:
     """Build the model, describe it, cross-check against sharded_state_dict, optionally load
@@ -177,7 +168,7 @@ def layout_job(ctx: WorldCtx, par: MegatronParallel, cfg: dict[str, Any], ckpt: 
     x = torch.tensor([tokens])
     model.eval()
     with torch.no_grad():
-        res["logits"] = _full_logits(model, x, spec.vocab)[0]
+        res["logits"] = forward_logits(model, x, spec.vocab)[0]
     if ctx.rank == 0:
         import transformers
 
@@ -190,7 +181,7 @@ def layout_job(ctx: WorldCtx, par: MegatronParallel, cfg: dict[str, Any], ckpt: 
         labels = torch.roll(x, -1, dims=1)
         losses = []
         for _ in range(train_steps + 1):
-            loss = torch.nn.functional.cross_entropy(_full_logits(model, x, spec.vocab)[0], labels[0])
+            loss = torch.nn.functional.cross_entropy(forward_logits(model, x, spec.vocab)[0], labels[0])
             losses.append(float(loss))
             opt.zero_grad()
             loss.backward()

@@ -91,8 +91,7 @@ def test_hf_broadcast_baseline_gives_the_same_model(session):
     m = session.refit_once("hf_broadcast")
     assert m.transport == "hf_broadcast"
     # every vLLM rank receives every full tensor, plus the gather on the training side
-    model_bytes = sum(
-        4 * __import__("math").prod(shape) for shape, _ in session.src.tensors.values())
+    model_bytes = session.spec.total_bytes()
     assert m.bytes_moved >= session.dst.world_size * model_bytes > m.bytes_min
     assert session.logprob_error(TOKENS) < EXACT
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import time
 import traceback
 from typing import Any
@@ -21,17 +20,12 @@ from mcore_reshard.layout.torch_views import TORCH_DTYPES, materialize_local
 from mcore_reshard.plan import build_plan
 from mcore_reshard.transport.checksum import checksum, checksums
 from mcore_reshard.transport.executor import TensorSink, execute_plan, raw_send_bandwidth, zero_fill_padding
-from mcore_reshard.transport.group import RankMap, RefitError, RefitGroup, RefitTimeout
+from mcore_reshard.transport.group import RankMap, RefitError, RefitGroup, RefitTimeout, free_port
 from toy_layouts import split_layout
 
 T = {"a": ((12, 8), "float32"), "b": ((8,), "float32"), "c": ((6, 4, 4), "float32")}
 T16 = {k: (s, "bfloat16") for k, (s, _) in T.items()}
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def canonical(tensors: dict, seed: int) -> dict[str, torch.Tensor]:

@@ -172,32 +172,14 @@ class TestDenseTP2Direct:
                 assert sums[lp.name] == hashlib.sha256(want.view(torch.uint8).numpy().tobytes()).hexdigest(), lp.name
 
 
-class TestMoeTP1:
-    """MoE on one rank: every expert whole (MoE TP 1), CPU prepack, reload path."""
-
-    @pytest.fixture(scope="class")
-    def llm(self, request, ckpts):
-        return _engine(request, ckpts["moe"][0], tp=1)
-
-    def test_recording_matches_rules(self, llm, ckpts):
-        infos = llm.collective_rpc("mr_rank_info")
-        params = describe(llm)
-        w2 = [lp for lp in params[0] if lp.name.endswith("w2_weight")]
-        assert w2 and all(p.box.offsets == (0, 0) for p in w2[0].pieces)  # whole down_proj per expert
-        _check_against_rules(ckpts["moe"][0], params, infos, tp=1)
-
-    def test_refit_equals_fresh_load(self, llm, ckpts):
-        a, b, c, hf_b = ckpts["moe"]
-        assert greedy(llm, PROMPTS, MAX_TOKENS) != hf_b
-        _refit_and_check(llm, b, hf_b)
-
-
-class TestMoeTP2:
+class _MoeRefit:
     """CPU MoE prepacks w13/w2: reload path plus the re-prepack vLLM 0.32 forgets."""
 
+    TP = 1
+
     @pytest.fixture(scope="class")
     def llm(self, request, ckpts):
-        return _engine(request, ckpts["moe"][0], tp=2)
+        return _engine(request, ckpts["moe"][0], tp=self.TP)
 
     def test_recording_matches_rules(self, llm, ckpts):
         before = greedy(llm, PROMPTS, MAX_TOKENS)
@@ -206,12 +188,22 @@ class TestMoeTP2:
         assert greedy(llm, PROMPTS, MAX_TOKENS) == before  # prepacked MoE weights untouched
         w13 = [lp for lp in params[0] if lp.name.endswith("w13_weight")]
         assert w13 and len(w13[0].pieces) == 2 * 8  # gate and up of all 8 experts (EP off)
-        _check_against_rules(ckpts["moe"][0], params, infos, tp=2)
+        w2 = [lp for lp in params[0] if lp.name.endswith("w2_weight")]
+        assert {p.box.sizes[1] for p in w2[0].pieces} == {32 // self.TP}  # down_proj columns per MoE-TP rank
+        _check_against_rules(ckpts["moe"][0], params, infos, tp=self.TP)
 
     def test_refit_equals_fresh_load(self, llm, ckpts):
         a, b, c, hf_b = ckpts["moe"]
         assert greedy(llm, PROMPTS, MAX_TOKENS) != hf_b
         _refit_and_check(llm, b, hf_b)
+
+
+class TestMoeTP1(_MoeRefit):
+    TP = 1
+
+
+class TestMoeTP2(_MoeRefit):
+    TP = 2
 
 
 class TestMoeTP2ExpertParallel:

@@ -12,7 +12,8 @@ import torch
 
 from .descriptor import Box, LocalParam, Piece, View
 
-__all__ = ["box_slices", "local_view", "canonical_box", "materialize_local", "write_pieces", "TORCH_DTYPES"]
+__all__ = ["box_slices", "local_view", "canonical_box", "materialize_local", "write_pieces", "zero_padding",
+           "TORCH_DTYPES"]
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -44,6 +45,17 @@ def write_pieces(local: torch.Tensor, pieces: Sequence[Piece], tensors: Mapping[
     """Copy every piece's box from the canonical ``tensors`` into ``local`` at its view."""
     for piece in pieces:
         local_view(local, piece.view).copy_(canonical_box(tensors, piece))
+
+
+def zero_padding(local: torch.Tensor, param: LocalParam) -> None:
+    """Zero the elements of ``local`` that no piece of ``param`` covers (e.g. vLLM's pad64
+    vocab rows): a plan never sends padding, the receiver fills it itself."""
+    if param.padding == 0:
+        return
+    covered = torch.zeros(param.shape, dtype=torch.bool, device=local.device)
+    for piece in param.pieces:
+        local_view(covered, piece.view).fill_(True)
+    local.masked_fill_(~covered, 0)
 
 
 def materialize_local(param: LocalParam, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:

@@ -18,6 +18,7 @@ planner (local plan -> global plan -> finish):
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 from typing import Iterable, Sequence
@@ -65,9 +66,7 @@ def index_sources(src: SideLayout) -> dict[str, dict[Box, list[_Replica]]]:
 
 
 def _check_tiling(name: str, shape: Sequence[int], boxes: list[Box], side: str) -> None:
-    total = 1
-    for s in shape:
-        total *= s
+    total = math.prod(shape)
     full = Box.full(shape)
     covered = 0
     for b in boxes:
@@ -167,7 +166,7 @@ def build_plan(
     transfers, num_buckets = _bucket(merged, itemsize, buffer_bytes)
 
     dst_numel = sum(p.numel - p.padding for p in dst.params)
-    total_elems = sum(_numel(shape) for shape, _ in dst.tensors.values())
+    total_elems = sum(math.prod(shape) for shape, _ in dst.tensors.values())
     plan = TransferPlan(
         transfers=tuple(transfers),
         num_buckets=num_buckets,
@@ -187,13 +186,6 @@ def build_plan(
         )
     object.__setattr__(plan, "plan_seconds", time.perf_counter() - t0)
     return plan
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _itemsize(dst: SideLayout) -> int:

@@ -31,7 +31,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 import torch
 
 from ..layout.descriptor import LocalParam, View
-from ..layout.torch_views import TORCH_DTYPES, local_view
+from ..layout.torch_views import TORCH_DTYPES, local_view, zero_padding
 from ..plan.types import RankPlan, Transfer
 from .checksum import checksums
 from .group import RankMap, RefitError, RefitGroup, RefitTimeout
@@ -105,13 +105,7 @@ def zero_fill_padding(tensors: Mapping[str, torch.Tensor], params: Sequence[Loca
     """Zero every element of ``params``' local tensors that no piece covers (e.g. vLLM's pad
     rows): the plan never sends padding, the receiver fills it itself."""
     for p in params:
-        if p.padding == 0:
-            continue
-        t = tensors[p.name]
-        covered = torch.zeros(t.shape, dtype=torch.bool, device=t.device)
-        for piece in p.pieces:
-            local_view(covered, piece.view).fill_(True)
-        t.masked_fill_(~covered, 0)
+        zero_padding(tensors[p.name], p)
 
 
 def execute_plan(

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import time
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from ...layout import ModelSpec
+from ...transport.group import free_port
 from .rules import MegatronParallel, padded_vocab
 
 __all__ = ["WorldCtx", "free_port", "run_world", "init_megatron", "build_gpt", "megatron_config"]
@@ -33,13 +33,6 @@ class WorldCtx:
     world: int
     master_addr: str
     master_port: int
-
-
-def free_port() -> int:
-    """A port the OS says is free now (bind to port 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(fn: Callable, ctx: WorldCtx, args: tuple, queue, threads: int) -> None:

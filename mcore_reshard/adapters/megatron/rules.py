@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Sequence
 
-from ...layout import Box, LayoutError, LocalParam, ModelSpec, Piece, SideLayout, View
+from ...layout import Box, LayoutError, LocalParam, ModelSpec, Piece, SideLayout, View, contiguous_strides
 
 __all__ = [
     "MegatronParallel",
@@ -226,11 +226,7 @@ _Tmpl = tuple[str, tuple[int, ...], tuple[tuple[str, Box, View], ...]]
 
 def _full(name: str, canonical: str, shape: tuple[int, ...]) -> _Tmpl:
     """A replicated parameter that is the whole canonical tensor."""
-    return (name, shape, ((canonical, Box.full(shape), View(0, shape, _strides(shape))),))
-
-
-def _strides(shape: Sequence[int]) -> tuple[int, ...]:
-    return (shape[1], 1) if len(shape) == 2 else (1,)
+    return (name, shape, ((canonical, Box.full(shape), View(0, shape, contiguous_strides(shape))),))
 
 
 def _rows(local_row: int, canonical: str, row0: int, nrows: int, cols: int | None) -> tuple[str, Box, View]:

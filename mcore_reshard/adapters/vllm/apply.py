@@ -30,7 +30,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from ...layout.descriptor import LayoutError, LocalParam, View
-from ...layout.torch_views import local_view
+from ...layout.torch_views import local_view, zero_padding
 
 __all__ = ["VllmApplier", "RefitIncomplete", "select_modes", "plain_linear_enabled", "DIRECT", "RELOAD"]
 
@@ -188,7 +188,7 @@ class VllmApplier:
             self._check_complete()
             for name in self._written:
                 if self.modes[name] == DIRECT and self.params[name].padding:
-                    _zero_padding(self._target(name, self.params[name]), self.params[name])
+                    zero_padding(self._target(name, self.params[name]), self.params[name])
             if self.atomic:
                 for st in self._layers.values():
                     self._process(st)
@@ -336,14 +336,6 @@ class VllmApplier:
         _copy_and_restore_kernel_tensors(layer, info)
         info.reset()
         st.committed = True
-
-
-def _zero_padding(local: torch.Tensor, lp: LocalParam) -> None:
-    """Zero the elements of ``local`` that no piece covers (e.g. pad64 vocab rows)."""
-    keep = torch.zeros(lp.shape, dtype=torch.bool, device=local.device)
-    for pc in lp.pieces:
-        local_view(keep, pc.view).fill_(True)
-    local.view(-1)[~keep.view(-1)] = 0
 
 
 def _reprepack_cpu_moe(layer: torch.nn.Module) -> None:
