@@ -45,7 +45,7 @@ def plan_from_recipe(recipe):
 
     src = megatron_layout(recipe.spec, recipe.training)
     dst = vllm_layout(recipe.vllm_spec or recipe.spec, recipe.vllm)
-    plan = get_plan(src, dst, buffer_bytes=recipe.refit.buffer_bytes, allow_cast=recipe.refit.allow_cast)
+    plan = get_plan(src, dst, bucket_bytes=recipe.refit.bucket_bytes, allow_cast=recipe.refit.allow_cast)
     return src, dst, plan
 
 

@@ -26,11 +26,18 @@ class RefitConfig:
 
     enabled: bool = True
     transport: str = "reshard"
+    #: The most extra memory a rank spends on wire buffers. Two buckets are in flight (one on
+    #: the wire while the next is packed or the last is applied), so a bucket is half of it.
     buffer_bytes: int = 1 << 30
     verify: str = "checksum"
     timeout_s: float = 300.0
     apply_mode: str = "auto"
     allow_cast: bool = False
+
+    @property
+    def bucket_bytes(self) -> int:
+        """The plan's per-round budget: each rank sends and receives at most this per bucket."""
+        return max(1, self.buffer_bytes // 2)
 
     def __post_init__(self) -> None:
         for name, allowed in (("transport", TRANSPORTS), ("verify", VERIFY), ("apply_mode", APPLY)):

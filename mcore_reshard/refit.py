@@ -131,7 +131,7 @@ class RefitSession:
         not_direct = tuple(sorted(
             (name, "kernel format differs from model format: written through vLLM's layerwise reload")
             for name, mode in self.modes.items() if mode != "direct"))
-        self.plan = get_plan(self.src, self.dst, buffer_bytes=self.refit.buffer_bytes,
+        self.plan = get_plan(self.src, self.dst, bucket_bytes=self.refit.bucket_bytes,
                              allow_cast=self.refit.allow_cast, not_direct=not_direct)
         self._plan_bytes = pickle.dumps(self.plan)
 
@@ -150,7 +150,7 @@ class RefitSession:
     def refit_reshard(self) -> RefitMetrics:
         from .plan import get_plan
 
-        cached = get_plan(self.src, self.dst, buffer_bytes=self.refit.buffer_bytes,
+        cached = get_plan(self.src, self.dst, bucket_bytes=self.refit.bucket_bytes,
                           allow_cast=self.refit.allow_cast, not_direct=self.plan.not_direct) is self.plan
         verify = self.refit.verify != "off"
         full = self.refit.verify == "full"
@@ -243,7 +243,7 @@ class RefitSession:
         tensors = self.src.tensors
         if self._gather_plan is None:
             self._gather_plan = pickle.dumps(get_plan(self.src, gather_layout(tensors),
-                                                      buffer_bytes=self.refit.buffer_bytes))
+                                                      bucket_bytes=self.refit.bucket_bytes))
         if not self._hf_joined:
             port, world = free_port(), 1 + self.dst.world_size
             self.pool.submit("hf_join", "127.0.0.1", port, world, self.refit.timeout_s)

@@ -40,7 +40,7 @@ def main() -> None:
         src = megatron_layout(spec, mpar)
         dst = vllm_layout(spec, vpar)
         t1 = time.perf_counter()
-        plan = build_plan(src, dst, buffer_bytes=1 << 30)
+        plan = build_plan(src, dst, bucket_bytes=1 << 30)
         t2 = time.perf_counter()
         mine = plan.for_rank("dst", 0)
         t3 = time.perf_counter()

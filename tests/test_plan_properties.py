@@ -28,12 +28,12 @@ def tiny_spec(*, moe: bool = True, tied: bool = False, nkv: int = 2, p: int = 4,
     )
 
 
-def simulate(spec: ModelSpec, mpar: MegatronParallel, vpar: VllmParallel, buffer_bytes: int = 1 << 12, seed: int = 0):
+def simulate(spec: ModelSpec, mpar: MegatronParallel, vpar: VllmParallel, bucket_bytes: int = 1 << 12, seed: int = 0):
     """Random canonical tensors -> every source local via source descriptors -> plan applied
     in-process -> every destination local equals the one built directly from its descriptors."""
     src = megatron_layout(spec, mpar)
     dst = vllm_layout(spec, vpar)
-    plan = build_plan(src, dst, buffer_bytes=buffer_bytes)
+    plan = build_plan(src, dst, bucket_bytes=bucket_bytes)
     assert plan.bytes_planned == plan.bytes_min
     g = torch.Generator().manual_seed(seed)
     dtype = TORCH_DTYPES[spec.dtype]
@@ -88,8 +88,8 @@ def test_explicit_eplb_map_followed():
 
 def test_plan_is_deterministic():
     spec = tiny_spec()
-    a = build_plan(megatron_layout(spec, MegatronParallel(tp=2, ep=2, dp=2)), vllm_layout(spec, VllmParallel(tp=2, replicas=2)), buffer_bytes=512)
-    b = build_plan(megatron_layout(spec, MegatronParallel(tp=2, ep=2, dp=2)), vllm_layout(spec, VllmParallel(tp=2, replicas=2)), buffer_bytes=512)
+    a = build_plan(megatron_layout(spec, MegatronParallel(tp=2, ep=2, dp=2)), vllm_layout(spec, VllmParallel(tp=2, replicas=2)), bucket_bytes=512)
+    b = build_plan(megatron_layout(spec, MegatronParallel(tp=2, ep=2, dp=2)), vllm_layout(spec, VllmParallel(tp=2, replicas=2)), bucket_bytes=512)
     assert a.digest() == b.digest() and a.transfers == b.transfers
 
 
@@ -131,4 +131,4 @@ def test_random_layouts_simulate_bit_exact(case):
         vllm_layout(spec, vpar)
     except LayoutError:
         assume(False)  # a combination the real library rejects too
-    simulate(spec, mpar, vpar, buffer_bytes=2048, seed=len(spec_kw))
+    simulate(spec, mpar, vpar, bucket_bytes=2048, seed=len(spec_kw))

@@ -39,7 +39,7 @@ def simulate(src: SideLayout, dst: SideLayout, plan, seed: int = 0) -> None:
 def test_reshard_rows_to_columns_with_replicas_and_padding():
     src = split_layout(TENSORS, parts=2, dim=0, replicas=3)
     dst = split_layout(TENSORS, parts=4, dim=1, replicas=2, pad_rows=1)
-    plan = build_plan(src, dst, buffer_bytes=64)
+    plan = build_plan(src, dst, bucket_bytes=64)
     simulate(src, dst, plan)
     rep = plan_report(plan)
     assert rep.bytes_planned == rep.bytes_min == 2 * (96 + 8 + 96) * 4
@@ -58,7 +58,7 @@ def test_reshard_rows_to_columns_with_replicas_and_padding():
 def test_senders_balanced_across_replicas():
     src = split_layout(TENSORS, parts=1, dim=0, replicas=4)
     dst = split_layout(TENSORS, parts=2, dim=0, replicas=4)
-    plan = build_plan(src, dst, buffer_bytes=1 << 20)
+    plan = build_plan(src, dst, bucket_bytes=1 << 20)
     send = plan.send_bytes()
     assert all(b > 0 for b in send), send
     assert max(send) <= 1.5 * (sum(send) / len(send))
@@ -69,7 +69,7 @@ def test_identical_layouts_are_one_transfer_per_piece_and_merged():
     # destination piece merge into one transfer when one replica owns both.
     src = split_layout({"w": ((16, 4), "float32")}, parts=4, dim=0)
     dst = split_layout({"w": ((16, 4), "float32")}, parts=4, dim=0)
-    plan = build_plan(src, dst, buffer_bytes=1 << 20)
+    plan = build_plan(src, dst, bucket_bytes=1 << 20)
     assert len(plan.transfers) == 4
     assert all(t.src == t.dst for t in plan.transfers)
 
@@ -82,7 +82,7 @@ def test_merge_adjacent_boxes_from_same_sender():
     pieces = (Piece(0, "fused", "w", Box((0, 0), (4, 4)), view_a), Piece(0, "fused", "w", Box((4, 0), (4, 4)), view_b))
     src = SideLayout("s", 1, (LocalParam(0, "fused", shape, "float32", pieces),), {"w": (shape, "float32")})
     dst = split_layout({"w": (shape, "float32")}, parts=1, dim=0)
-    plan = build_plan(src, dst, buffer_bytes=1 << 20)
+    plan = build_plan(src, dst, bucket_bytes=1 << 20)
     assert len(plan.transfers) == 1
     assert plan.transfers[0].box == Box((0, 0), (8, 4))
     simulate(src, dst, plan)
@@ -91,7 +91,7 @@ def test_merge_adjacent_boxes_from_same_sender():
 def test_oversize_transfer_is_split_to_budget():
     src = split_layout({"w": ((64, 16), "float32")}, parts=1, dim=0)
     dst = split_layout({"w": ((64, 16), "float32")}, parts=1, dim=0)
-    plan = build_plan(src, dst, buffer_bytes=1024)
+    plan = build_plan(src, dst, bucket_bytes=1024)
     assert all(t.nbytes <= 1024 for t in plan.transfers)
     assert plan.num_buckets == 4
     simulate(src, dst, plan)
@@ -100,21 +100,21 @@ def test_oversize_transfer_is_split_to_budget():
 def test_deterministic_and_cached():
     src = split_layout(TENSORS, parts=2, dim=0, replicas=2)
     dst = split_layout(TENSORS, parts=2, dim=1, replicas=3)
-    a = build_plan(src, dst, buffer_bytes=128)
-    b = build_plan(src, dst, buffer_bytes=128)
+    a = build_plan(src, dst, bucket_bytes=128)
+    b = build_plan(src, dst, bucket_bytes=128)
     assert a.transfers == b.transfers and a.digest() == b.digest()
-    c1 = get_plan(src, dst, buffer_bytes=128)
-    c2 = get_plan(src, dst, buffer_bytes=128)
+    c1 = get_plan(src, dst, bucket_bytes=128)
+    c2 = get_plan(src, dst, bucket_bytes=128)
     assert c1 is c2
     other = split_layout(TENSORS, parts=2, dim=0, replicas=3)
     assert layout_digest(other) != layout_digest(src)
-    assert get_plan(other, dst, buffer_bytes=128) is not c1
+    assert get_plan(other, dst, bucket_bytes=128) is not c1
 
 
 def test_rank_slice_matches_global_plan():
     src = split_layout(TENSORS, parts=2, dim=0, replicas=2)
     dst = split_layout(TENSORS, parts=4, dim=1)
-    plan = build_plan(src, dst, buffer_bytes=96)
+    plan = build_plan(src, dst, bucket_bytes=96)
     for r in range(dst.world_size):
         mine = plan.for_rank("dst", r)
         assert mine.transfers == tuple(t for t in plan.transfers if t.dst == r)

@@ -58,7 +58,7 @@ def test_refit_moves_exactly_the_minimum_and_verifies(session):
     m = session.refit_once("reshard")
     assert m.bytes_moved == m.bytes_min == session.plan.bytes_min
     assert m.verified
-    assert 0 < m.peak_extra_bytes <= 3 * session.refit.buffer_bytes
+    assert 0 < m.peak_extra_bytes <= session.refit.buffer_bytes  # the memory budget holds
     assert session.logprob_error(TOKENS) < EXACT
 
 

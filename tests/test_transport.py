@@ -111,7 +111,7 @@ def test_zero_fill_padding_touches_padding_only():
 def test_single_rank_colocated_refit_copies_locally_and_verifies():
     src = split_layout(T, parts=1, dim=0)
     dst = split_layout(T, parts=1, dim=0, pad_rows=1)
-    plan = build_plan(src, dst, buffer_bytes=96)
+    plan = build_plan(src, dst, bucket_bytes=96)
     assert plan.num_buckets > 3
     canon = canonical(T, 1)
     s, d = locals_of(src, 0, canon), locals_of(dst, 0, None)
@@ -125,7 +125,7 @@ def test_single_rank_colocated_refit_copies_locally_and_verifies():
     assert expected_equal(dst, 0, canon, d) == []
     assert stats.verified and stats.buckets == plan.num_buckets
     assert stats.bytes_sent == 0 and stats.messages == 0  # nothing touched the wire
-    assert 0 < stats.peak_extra_bytes <= 2 * plan.buffer_bytes
+    assert 0 < stats.peak_extra_bytes <= 2 * plan.bucket_bytes
 
 
 def test_stuck_peer_times_out_naming_it_and_the_bucket():
@@ -133,7 +133,7 @@ def test_stuck_peer_times_out_naming_it_and_the_bucket():
     import threading
 
     src, dst = split_layout(T, parts=1, dim=0), split_layout(T, parts=1, dim=1)
-    plan = build_plan(src, dst, buffer_bytes=1 << 20)
+    plan = build_plan(src, dst, bucket_bytes=1 << 20)
     rm, port, groups = RankMap.disaggregated(1, 1), free_port(), {}
     th = threading.Thread(target=lambda: groups.update(
         {1: RefitGroup.create("127.0.0.1", port, 1, 2, 10.0, False, rank_map=rm)}))
@@ -178,7 +178,7 @@ def _world_main(rank: int, world: int, port: int, port2: int, q: Any) -> None:
         torch.set_num_threads(1)
         src = split_layout(T, parts=2, dim=0)  # source: rows split 2 ways
         dst = split_layout(T, parts=1, dim=1, replicas=2, pad_rows=1)  # destination: 2 full replicas, padded
-        plan = build_plan(src, dst, buffer_bytes=80)
+        plan = build_plan(src, dst, bucket_bytes=80)
         rm = RankMap.disaggregated(2, 2)
         s_rank, d_rank = rm.roles(rank)
         group = RefitGroup.create("127.0.0.1", port, rank, world, 20.0, rank == 0, rank_map=rm)
@@ -226,7 +226,7 @@ def _world_main(rank: int, world: int, port: int, port2: int, q: Any) -> None:
             co = RefitGroup.create("127.0.0.1", port2, rank, 2, 20.0, rank == 0, rank_map=RankMap.colocated(2))
             src16 = split_layout(T16, parts=2, dim=0)
             dst16 = split_layout(T16, parts=2, dim=1, pad_rows=2)
-            plan16 = build_plan(src16, dst16, buffer_bytes=64)
+            plan16 = build_plan(src16, dst16, bucket_bytes=64)
             canon16 = canonical(T16, 11)
             d16 = locals_of(dst16, rank, None)
             st = execute_plan(plan16.for_rank("src", rank), plan16.for_rank("dst", rank),
@@ -261,7 +261,7 @@ def _death_main(rank: int, world: int, port: int, q: Any) -> None:
         torch.set_num_threads(1)
         src = split_layout(T, parts=2, dim=0)
         dst = split_layout(T, parts=2, dim=1)
-        plan = build_plan(src, dst, buffer_bytes=80)
+        plan = build_plan(src, dst, bucket_bytes=80)
         rm = RankMap.disaggregated(2, 2)
         s_rank, d_rank = rm.roles(rank)
         group = RefitGroup.create("127.0.0.1", port, rank, world, 10.0, rank == 0, rank_map=rm)

@@ -31,12 +31,12 @@ def layout_digest(side: SideLayout) -> str:
     return h.hexdigest()[:16]
 
 
-def get_plan(src: SideLayout, dst: SideLayout, *, buffer_bytes: int, allow_cast: bool = False,
+def get_plan(src: SideLayout, dst: SideLayout, *, bucket_bytes: int, allow_cast: bool = False,
              not_direct: tuple[tuple[str, str], ...] = ()) -> TransferPlan:
-    key = (layout_digest(src), layout_digest(dst), buffer_bytes, allow_cast, not_direct)
+    key = (layout_digest(src), layout_digest(dst), bucket_bytes, allow_cast, not_direct)
     plan = _CACHE.get(key)
     if plan is None:
-        plan = build_plan(src, dst, buffer_bytes=buffer_bytes, allow_cast=allow_cast, not_direct=not_direct)
+        plan = build_plan(src, dst, bucket_bytes=bucket_bytes, allow_cast=allow_cast, not_direct=not_direct)
         _CACHE[key] = plan
         while len(_CACHE) > _MAX:
             _CACHE.popitem(last=False)

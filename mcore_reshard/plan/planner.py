@@ -13,7 +13,7 @@ planner (local plan -> global plan -> finish):
                        chosen among the replicas by bytes already assigned (largest first).
 5. ``merge``           adjacent fragments between the same pair of local tensors become one.
 6. ``bucket``          fragments split to the byte budget and packed into rounds so no rank
-                       sends or receives more than ``buffer_bytes`` in one round.
+                       sends or receives more than ``bucket_bytes`` in one round.
 """
 
 from __future__ import annotations
@@ -146,14 +146,14 @@ def build_plan(
     src: SideLayout,
     dst: SideLayout,
     *,
-    buffer_bytes: int = 1 << 28,
+    bucket_bytes: int = 1 << 28,
     allow_cast: bool = False,
     not_direct: Iterable[tuple[str, str]] = (),
 ) -> TransferPlan:
     """Plan a refit from ``src`` (training) to ``dst`` (inference). See module docstring."""
     t0 = time.perf_counter()
-    if buffer_bytes <= 0:
-        raise PlanError(f"buffer_bytes must be positive, got {buffer_bytes}")
+    if bucket_bytes <= 0:
+        raise PlanError(f"bucket_bytes must be positive, got {bucket_bytes}")
     check_sides(src, dst, allow_cast=allow_cast)
     index = index_sources(src)
     padding = check_dest(dst)
@@ -163,7 +163,7 @@ def build_plan(
     frags = _fragment(dst, index, order)
     frags = _choose_senders(frags, index, src.world_size, itemsize)
     merged = _merge(frags)
-    transfers, num_buckets = _bucket(merged, itemsize, buffer_bytes)
+    transfers, num_buckets = _bucket(merged, itemsize, bucket_bytes)
 
     dst_numel = sum(p.numel - p.padding for p in dst.params)
     total_elems = sum(math.prod(shape) for shape, _ in dst.tensors.values())
@@ -175,7 +175,7 @@ def build_plan(
         itemsize=itemsize,
         bytes_min=dst_numel * itemsize,
         bytes_hf_broadcast=total_elems * itemsize * dst.world_size,
-        buffer_bytes=buffer_bytes,
+        bucket_bytes=bucket_bytes,
         padding=tuple(padding),
         not_direct=tuple(not_direct),
         notes=tuple(src.notes) + tuple(dst.notes),

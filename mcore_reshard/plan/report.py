@@ -23,7 +23,7 @@ class PlanReport:
     plan_seconds: float
     num_src_ranks: int
     num_dst_ranks: int
-    buffer_bytes: int
+    bucket_bytes: int
     padding_elements: int
     digest: str
     not_direct: list[dict[str, str]]
@@ -41,7 +41,7 @@ class PlanReport:
             ("HF-broadcast baseline bytes", f"{format_bytes(self.bytes_hf_broadcast)}  ({ratio:.1f}x planned)"),
             ("max bytes sent by a rank", f"{format_bytes(self.max_send_bytes)}  (max/mean {self.max_send_bytes / self.mean_send_bytes:.2f})" if self.mean_send_bytes else "0"),
             ("max bytes received by a rank", format_bytes(self.max_recv_bytes)),
-            ("transfers / buckets", f"{self.num_transfers} / {self.num_buckets}  (buffer {format_bytes(self.buffer_bytes)})"),
+            ("transfers / buckets", f"{self.num_transfers} / {self.num_buckets}  (bucket budget {format_bytes(self.bucket_bytes)})"),
             ("padding zero-filled locally", f"{self.padding_elements} elements"),
             ("planning time", f"{self.plan_seconds:.3f} s"),
             ("plan digest", self.digest),
@@ -71,7 +71,7 @@ def plan_report(plan: TransferPlan) -> PlanReport:
         plan_seconds=round(plan.plan_seconds, 4),
         num_src_ranks=plan.num_src,
         num_dst_ranks=plan.num_dst,
-        buffer_bytes=plan.buffer_bytes,
+        bucket_bytes=plan.bucket_bytes,
         padding_elements=sum(n for _, _, n in plan.padding),
         digest=plan.digest(),
         not_direct=[{"param": p, "reason": r} for p, r in plan.not_direct],

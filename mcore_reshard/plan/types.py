@@ -73,7 +73,7 @@ class TransferPlan:
     itemsize: int
     bytes_min: int
     bytes_hf_broadcast: int
-    buffer_bytes: int
+    bucket_bytes: int
     #: (dst rank, local param, elements) the receiver zero-fills itself (never sent).
     padding: tuple[tuple[int, str, int], ...] = ()
     #: (parameter, reason) for anything not on the direct shard-to-shard path.

@@ -2,10 +2,13 @@
 
 Per bucket (round) every sender packs its boxes for each peer back to back into one slice of a
 preallocated send buffer and posts one send per peer; every receiver posts one receive per peer
-into one preallocated receive buffer and, once they land, hands each box to a sink. Bucket k+1
-is packed into a second send buffer while bucket k is on the wire. All sends and receives of a
-bucket are posted before any wait, and every rank walks the buckets in the same order, so the
-schedule cannot deadlock; every wait has a timeout and failures name the peer and the bucket.
+into one preallocated receive buffer and, once they land, hands each box to a sink. Buffers
+come in pairs: bucket k+1 is packed while bucket k is on the wire, and is on the wire while
+bucket k is delivered (so the receiver's apply overlaps the transfer); at most two buckets are
+in flight, hence a plan's bucket budget is half the memory a rank may spend. All sends and
+receives of a bucket are posted before any wait, and every rank walks the buckets in the same
+order, so the schedule cannot deadlock; every wait has a timeout and failures name the peer and
+the bucket.
 
 Tags: data of bucket k uses tag k, the closing checksum message uses tag ``num_buckets``; a pair
 exchanges at most one message per bucket, so tags are unique per (bucket, pair) within a refit.
@@ -223,11 +226,13 @@ class _Run:
             (sum(message_numel(ts) for p, ts in b.items() if not self._is_me("src", p)) for b in self.recv_b),
             default=0,
         )
+        # Two of each: bucket k+1 is packed and on the wire while bucket k is delivered.
         n_send_bufs = min(2, sum(1 for b in self.send_b if b))
+        n_recv_bufs = min(2, sum(1 for b in self.recv_b if any(not self._is_me("src", p) for p in b)))
         self.send_bufs = [group.buffer(f"send{i}", send_numel, dtype) for i in range(n_send_bufs)]
-        self.recv_buf = group.buffer("recv", recv_numel, dtype)
+        self.recv_bufs = [group.buffer(f"recv{i}", recv_numel, dtype) for i in range(n_recv_bufs)]
         self.itemsize = torch.empty((), dtype=dtype).element_size()
-        self.extra_bytes = (n_send_bufs * send_numel + recv_numel) * self.itemsize
+        self.extra_bytes = (n_send_bufs * send_numel + n_recv_bufs * recv_numel) * self.itemsize
 
     def _is_me(self, side: str, rank: int) -> bool:
         return self.rank_map.group_rank(side, rank) == self.me
@@ -244,13 +249,14 @@ class _Run:
             peers = {self.rank_map.group_rank("dst", p) for b in self.send_b for p in b}
             peers |= {self.rank_map.group_rank("src", p) for b in self.recv_b for p in b}
             self.group.connect(peers, self.timeout_s)
-            packed = self._pack(0) if self.num_buckets else {}
+            ops = self._post_bucket(0, self._pack(0)) if self.num_buckets else []
             for k in range(self.num_buckets):
-                ops = self._post_bucket(k, packed)
-                nxt = self._pack(k + 1) if k + 1 < self.num_buckets else {}  # overlaps the wire
+                last = k + 1 == self.num_buckets
+                nxt = {} if last else self._pack(k + 1)  # while bucket k is on the wire
                 self._wait(k, ops)
-                self._deliver(k, [op for op in ops if op[0] == "src"])
-                packed = nxt
+                nxt_ops = [] if last else self._post_bucket(k + 1, nxt)
+                self._deliver(k, [op for op in ops if op[0] == "src"])  # while bucket k+1 is on the wire
+                ops = nxt_ops
                 if bar is not None:
                     bar.update(sum(message_numel(ts) for b in (self.send_b[k], self.recv_b[k]) for ts in b.values())
                                * self.itemsize)
@@ -266,20 +272,30 @@ class _Run:
         peers = self.send_b[k]
         if not peers:
             return {}
-        t0 = time.perf_counter()
         buf = self.send_bufs[k % len(self.send_bufs)]
         out, pos = {}, 0
         for peer, ts in peers.items():
-            msg = pack(ts, self.src_tensors, buf[pos:])
+            if not self.verify:
+                t0 = time.perf_counter()
+                msg = pack(ts, self.src_tensors, buf[pos:])
+                self._timed("pack", t0)
+            else:
+                # Box by box: checksum each source box right after packing it, while it is
+                # still in cache, instead of a second pass over the whole bucket.
+                start, sums = pos, []
+                for t in ts:
+                    t0 = time.perf_counter()
+                    pack((t,), self.src_tensors, buf[pos:])
+                    t1 = time.perf_counter()
+                    sums.append(checksums([_as_dtype(local_view(self.src_tensors[t.src_name], t.src_view), self.dtype)]))
+                    self.phase["pack"] += t1 - t0
+                    self.phase["verify"] += time.perf_counter() - t1
+                    pos += t.box.numel
+                msg = buf[start:pos]
+                pos = start
+                self.expected.setdefault(peer, []).append(torch.cat(sums))
             out[peer] = msg
             pos += msg.numel()
-        self._timed("pack", t0)
-        if self.verify:
-            t0 = time.perf_counter()
-            for peer, ts in peers.items():
-                views = [_as_dtype(local_view(self.src_tensors[t.src_name], t.src_view), self.dtype) for t in ts]
-                self.expected.setdefault(peer, []).append(checksums(views))
-            self._timed("verify", t0)
         return out
 
     def _post_bucket(self, k: int, packed: dict[int, torch.Tensor]) -> list[_Op]:
@@ -289,7 +305,7 @@ class _Run:
             if self._is_me("src", peer):
                 continue
             n = message_numel(ts)
-            specs.append(("src", peer, self.recv_buf[pos : pos + n]))
+            specs.append(("src", peer, self.recv_bufs[k % len(self.recv_bufs)][pos : pos + n]))
             pos += n
         for peer, msg in packed.items():
             if self._is_me("dst", peer):
@@ -351,20 +367,37 @@ class _Run:
             msgs[self.src_rank] = self.local_msgs.pop(k)
         for peer, ts in self.recv_b[k].items():
             msg = msgs[peer]
-            t0 = time.perf_counter()
-            if type(self.sink) is TensorSink:  # fast path; subclasses go through write()
-                unpack(ts, msg, self.sink.tensors)
-            else:
-                pos = 0
-                for t in ts:
-                    n = t.box.numel
-                    self.sink.write(t.dst_name, t.dst_view, msg[pos : pos + n].view(t.dst_view.shape))
-                    pos += n
-            self._timed("unpack", t0)
-            if self.verify:
+            if not self.verify:
                 t0 = time.perf_counter()
-                self.actual.setdefault(peer, []).append(checksums(self._written(ts, msg)))
-                self._timed("verify", t0)
+                if type(self.sink) is TensorSink:  # fast path; subclasses go through write()
+                    unpack(ts, msg, self.sink.tensors)
+                else:
+                    self._write_boxes(ts, msg)
+                self._timed("unpack", t0)
+                continue
+            # Box by box: checksum what was written right after writing it (still in cache).
+            sums, pos = [], 0
+            for t in ts:
+                n = t.box.numel
+                part = msg[pos : pos + n]
+                t0 = time.perf_counter()
+                self._write_boxes((t,), part)
+                t1 = time.perf_counter()
+                sums.append(checksums(self._written([t], part)))
+                self.phase["unpack"] += t1 - t0
+                self.phase["verify"] += time.perf_counter() - t1
+                pos += n
+            self.actual.setdefault(peer, []).append(torch.cat(sums))
+
+    def _write_boxes(self, ts: Sequence[Transfer], msg: torch.Tensor) -> None:
+        if type(self.sink) is TensorSink:
+            unpack(ts, msg, self.sink.tensors)
+            return
+        pos = 0
+        for t in ts:
+            n = t.box.numel
+            self.sink.write(t.dst_name, t.dst_view, msg[pos : pos + n].view(t.dst_view.shape))
+            pos += n
 
     def _written(self, ts: list[Transfer], msg: torch.Tensor) -> list[torch.Tensor]:
         read = getattr(self.sink, "read", None)
