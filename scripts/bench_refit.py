@@ -56,7 +56,7 @@ TARGET_FRACTION = 0.5
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    ap.add_argument("--repeats", type=int, default=3, help="timed rounds (one refit of each transport per round)")
+    ap.add_argument("--repeats", type=int, default=5, help="timed rounds (one refit of each transport per round)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed rounds first (first-touch and join costs)")
     ap.add_argument("--buffer-mib", type=int, default=128, help="refit.buffer_bytes in MiB (both transports)")
     ap.add_argument("--layers", type=int, default=BENCH_MODEL["num_hidden_layers"], help="decoder layers")
