@@ -337,6 +337,12 @@ def run_refit_job(overrides: Sequence[str], *, as_json: bool = False) -> int:
     spec = load_model_spec(ckpt, dtype=str(cfg.dtype))
     tokens = [int(t) % spec.vocab for t in cfg.job.tokens]
     log = (lambda *a: print(*a, file=sys.stderr)) if as_json else print
+    # Both layouts from metadata first: impossible sizes fail here, before any process starts.
+    from .adapters.megatron.rules import megatron_layout
+    from .adapters.vllm.rules import vllm_layout
+
+    megatron_layout(spec, training)
+    vllm_layout(spec, vllm)
 
     session = RefitSession(spec, ckpt, training, vllm, refit)
     try:

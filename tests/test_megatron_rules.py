@@ -273,6 +273,7 @@ def test_qwen3_235b_layout_builds():
     (TINY_DENSE, MegatronParallel(pp=2, vpp=2, first_stage_layers=1), "first stage"),
     (dict(TINY_DENSE, intermediate_size=100), MegatronParallel(tp=8), "ffn_hidden_size"),
     (TINY_MOE, MegatronParallel(tp=2, etp=2, layer_spec="mcore"), "layer_spec"),
+    (TINY_DENSE, MegatronParallel(tp=2, ep=2, etp=1), "is dense"),
 ])
 def test_rejections(cfg, par, rule):
     spec = spec_from_hf_config(cfg, dtype="float32")

@@ -112,6 +112,9 @@ def _check(spec: ModelSpec, par: MegatronParallel) -> None:
         raise LayoutError(f"layer_spec={par.layer_spec!r} is not 'local' or 'te'")
     if par.experts not in ("sequential", "grouped"):
         raise LayoutError(f"experts={par.experts!r} is not 'sequential' or 'grouped'")
+    if par.ep > 1 and not spec.moe_layers:
+        raise LayoutError(f"expert_model_parallel_size={par.ep} needs MoE layers: num_moe_experts must be "
+                          f"non None to use expert-parallel (model {spec.name or spec.arch} is dense)")
     tp, etp = par.tp, par.etp_size
     if spec.num_heads % tp:
         raise LayoutError(f"num_attention_heads={spec.num_heads} must be a multiple of tp={tp}")
