@@ -96,7 +96,7 @@ class RefitSession:
     dst: SideLayout | None = None
     plan: Any = None
     modes: dict[str, str] = field(default_factory=dict)
-    _plan_bytes: bytes = b""
+    _shipped: str = ""  # digest of the plan every rank holds
     _hf_joined: bool = False
     _gather_plan: Any = None
 
@@ -133,7 +133,6 @@ class RefitSession:
             for name, mode in self.modes.items() if mode != "direct"))
         self.plan = get_plan(self.src, self.dst, bucket_bytes=self.refit.bucket_bytes,
                              allow_cast=self.refit.allow_cast, not_direct=not_direct)
-        self._plan_bytes = pickle.dumps(self.plan)
 
     def join(self) -> None:
         from .transport.group import free_port
@@ -154,9 +153,10 @@ class RefitSession:
                           allow_cast=self.refit.allow_cast, not_direct=self.plan.not_direct) is self.plan
         verify = self.refit.verify != "off"
         full = self.refit.verify == "full"
+        digest = self.ship_plan()
         t0 = time.perf_counter()
-        self.pool.submit("refit", self._plan_bytes, verify, self.refit.timeout_s, True)
-        replies = self._rpc_with_pool("mr_refit", (self._plan_bytes, verify, self.refit.timeout_s, False, full))
+        self.pool.submit("refit", digest, verify, self.refit.timeout_s, True)
+        replies = self._rpc_with_pool("mr_refit", (digest, verify, self.refit.timeout_s, False, full))
         dst_stats = [stats for stats, _ in replies]
         src_stats = self.pool.collect()
         seconds = time.perf_counter() - t0
@@ -181,6 +181,18 @@ class RefitSession:
             notes=notes,
             phases={k: round(v, 6) for k, v in phases.items()},
         )
+
+    def ship_plan(self) -> str:
+        """Give every rank its slice of the plan once per layout; refits then only name the
+        plan by digest (and every rank checks all agree before a byte moves)."""
+        digest = self.plan.digest()
+        if self._shipped != digest:
+            self.pool.submit_each("set_plan", [(pickle.dumps(self.plan.for_rank("src", r)), digest)
+                                               for r in range(self.src.world_size)])
+            self.pool.collect()
+            self.llm.collective_rpc("mr_set_plan", timeout=self._rpc_timeout(), args=(pickle.dumps(self.plan), digest))
+            self._shipped = digest
+        return digest
 
     def _rpc_timeout(self) -> float:
         """RPC deadline: the data plane gives up after ``timeout_s``; the margin covers the

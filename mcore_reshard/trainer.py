@@ -73,31 +73,41 @@ class _Rank:
                                        is_master=rank_map.group_rank("src", self.rank) == 0, rank_map=rank_map)
         return self.group.rank
 
-    def refit(self, plan_bytes: bytes, verify: bool, timeout_s: float, progress: bool):
+    def set_plan(self, slice_bytes: bytes, digest: str) -> str:
+        """Keep this rank's slice of the plan (sent once per layout; refits then name it by
+        digest only)."""
+        self.plan_slice, self.plan_digest = pickle.loads(slice_bytes), digest
+        return digest
+
+    def _slice(self, digest: str):
+        held = getattr(self, "plan_digest", None)
+        if held != digest:
+            raise RuntimeError(f"training rank {self.rank}: asked to run plan {digest}, holds {held}")
+        return self.plan_slice
+
+    def refit(self, digest: str, verify: bool, timeout_s: float, progress: bool):
         from .transport.executor import execute_plan
 
         if self.group is None:
             raise RuntimeError("refit before joining the refit group")
+        plan_slice = self._slice(digest)
         sync_params_before_refit(self.chunks)
-        plan = pickle.loads(plan_bytes)
         tensors = {name: p.data for name, p in self.params.items()}
-        return execute_plan(plan.for_rank("src", self.rank), None, tensors, None, self.group,
-                            timeout_s=timeout_s, verify=verify, progress=progress and self.rank == 0,
-                            plan_digest=plan.digest())
+        return execute_plan(plan_slice, None, tensors, None, self.group, timeout_s=timeout_s, verify=verify,
+                            progress=progress and self.rank == 0, plan_digest=digest)
 
-    def refit_and_die(self, plan_bytes: bytes, timeout_s: float, die_rank: int, after_reads: int):
+    def refit_and_die(self, digest: str, timeout_s: float, die_rank: int, after_reads: int):
         """Failure tests: like :meth:`refit`, but rank ``die_rank`` exits abruptly after its
         packer has read ``after_reads`` source tensors -- a trainer dying mid-refit."""
         import os
 
         from .transport.executor import execute_plan
 
-        plan = pickle.loads(plan_bytes)
         tensors = {name: p.data for name, p in self.params.items()}
         if self.rank == die_rank:
             tensors = _DieAfter(tensors, after_reads, os._exit)
-        return execute_plan(plan.for_rank("src", self.rank), None, tensors, None, self.group,
-                            timeout_s=timeout_s, verify=True, plan_digest=plan.digest())
+        return execute_plan(self._slice(digest), None, tensors, None, self.group, timeout_s=timeout_s,
+                            verify=True, plan_digest=digest)
 
     def hf_join(self, host: str, port: int, world: int, timeout_s: float) -> None:
         """Baseline broadcast group: training rank 0 (root) and every vLLM worker."""
@@ -275,11 +285,15 @@ class TrainerPool:
 
     def submit(self, cmd: str, *args: Any) -> None:
         """Start ``cmd`` on every rank without waiting (pair with :meth:`collect`)."""
+        self.submit_each(cmd, [args] * self.world)
+
+    def submit_each(self, cmd: str, args_per_rank: Sequence[tuple]) -> None:
+        """Start ``cmd`` with rank-specific arguments (e.g. each rank's plan slice)."""
         if self._pending is not None:
             raise RuntimeError(f"command {self._pending!r} still pending")
         self._pending = cmd
-        for q in self._cmds:
-            q.put((cmd, args))
+        for q, args in zip(self._cmds, args_per_rank, strict=True):
+            q.put((cmd, tuple(args)))
 
     def collect(self, timeout_s: float | None = None) -> list[Any]:
         cmd, self._pending = self._pending, None

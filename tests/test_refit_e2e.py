@@ -97,14 +97,13 @@ def test_hf_broadcast_baseline_gives_the_same_model(session):
 
 
 def test_trainer_dying_mid_refit_raises_naming_it_and_never_serves_half_a_model(session):
-    import pickle
-
     session.step(TOKENS, 0.05)  # new weights on the trainers, old ones in the engine
     old = prompt_logprobs(session.llm, TOKENS)
     t0 = time.monotonic()
-    session.pool.submit("refit_and_die", pickle.dumps(session.plan), session.refit.timeout_s, 1, 5)
+    digest = session.ship_plan()
+    session.pool.submit("refit_and_die", digest, session.refit.timeout_s, 1, 5)
     with pytest.raises(RefitFailed) as err:
-        session._rpc_with_pool("mr_refit", (pickle.dumps(session.plan), True, session.refit.timeout_s))
+        session._rpc_with_pool("mr_refit", (digest, True, session.refit.timeout_s))
     assert time.monotonic() - t0 < session.refit.timeout_s + 15
     assert "source rank 1" in str(err.value)
     status = session.llm.collective_rpc("mr_status")

@@ -36,11 +36,20 @@ class TransferMethods:
         dev = str(self.device)  # type: ignore[attr-defined]
         return "cuda" if dev.startswith("cuda") else "cpu"
 
-    def mr_refit(self, plan_bytes: bytes, verify: bool, timeout_s: float, atomic: bool = False,
-                 keep_received: bool = False) -> bytes:
-        return _as_reply(self._mr_refit, plan_bytes, verify, timeout_s, atomic, keep_received)
+    def mr_set_plan(self, plan_bytes: bytes, digest: str) -> str:
+        """Keep this worker's slice of the plan (sent once per layout; refits then name it by
+        digest, so per-refit RPCs stay small control messages)."""
+        plan = pickle.loads(plan_bytes)
+        if plan.digest() != digest:
+            raise RuntimeError(f"plan digest {plan.digest()} != announced {digest}")
+        self._mr_plan = (digest, plan.for_rank("dst", self._mr_dst))
+        return digest
 
-    def _mr_refit(self, plan_bytes: bytes, verify: bool, timeout_s: float, atomic: bool,
+    def mr_refit(self, digest: str, verify: bool, timeout_s: float, atomic: bool = False,
+                 keep_received: bool = False) -> bytes:
+        return _as_reply(self._mr_refit, digest, verify, timeout_s, atomic, keep_received)
+
+    def _mr_refit(self, digest: str, verify: bool, timeout_s: float, atomic: bool,
                   keep_received: bool) -> Any:
         """Receive this worker's slice of the plan and apply it; pickled ``TransferStats``.
 
@@ -54,7 +63,9 @@ class TransferMethods:
         group = getattr(self, "_mr_group", None)
         if group is None:
             raise RuntimeError("mr_refit before mr_join")
-        plan = pickle.loads(plan_bytes)
+        held, plan_slice = getattr(self, "_mr_plan", (None, None))
+        if held != digest:
+            raise RuntimeError(f"vLLM worker {self._mr_dst}: asked to run plan {digest}, holds {held}")
         applier = self.mr_applier(atomic)  # type: ignore[attr-defined]
         sink: Any = applier
         self._mr_received = None
@@ -63,8 +74,8 @@ class TransferMethods:
             self._mr_received = sink.copies
         applier.begin()
         try:
-            stats = execute_plan(None, plan.for_rank("dst", self._mr_dst), {}, sink, group,
-                                 timeout_s=timeout_s, verify=verify, plan_digest=plan.digest())
+            stats = execute_plan(None, plan_slice, {}, sink, group, timeout_s=timeout_s, verify=verify,
+                                 plan_digest=digest)
             t0 = time.perf_counter()
             applier.finish()
             finish_s = time.perf_counter() - t0
