@@ -159,3 +159,26 @@ def test_shape_and_dtype_mismatch_named_before_planning():
     dst16 = split_layout({"w": ((8, 4), "bfloat16")}, parts=1, dim=0)
     with pytest.raises(PlanError, match="no explicit cast"):
         build_plan(src, dst16)
+
+
+def test_planning_imports_neither_megatron_nor_vllm_nor_torch():
+    """Full-size plans are computed from metadata anywhere: the whole metadata path (specs,
+    both rule sets, planner, report, DTensor forms) must not pull in the heavy libraries."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from mcore_reshard.config import resolve_model\n"
+        "from mcore_reshard.adapters.megatron import MegatronParallel, megatron_layout\n"
+        "from mcore_reshard.adapters.vllm import VllmParallel, vllm_layout\n"
+        "from mcore_reshard.layout import dtensor_report\n"
+        "from mcore_reshard.plan import build_plan, plan_report\n"
+        "spec = resolve_model('qwen3-8b')\n"
+        "src, dst = megatron_layout(spec, MegatronParallel(tp=2, dp=2)), vllm_layout(spec, VllmParallel(tp=4))\n"
+        "plan_report(build_plan(src, dst)); dtensor_report(dst)\n"
+        "print(sorted(m for m in ('torch', 'megatron', 'vllm', 'transformers') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

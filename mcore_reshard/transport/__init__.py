@@ -1,1 +1,18 @@
 """Transport: moves a plan's bytes (in-process for tests, torch.distributed P2P for refits)."""
+
+from .executor import Sink, TensorSink, TransferStats, execute_plan, raw_send_bandwidth, zero_fill_padding
+from .group import RankMap, RefitError, RefitGroup, RefitTimeout, free_port
+
+__all__ = [
+    "RankMap",
+    "RefitError",
+    "RefitGroup",
+    "RefitTimeout",
+    "Sink",
+    "TensorSink",
+    "TransferStats",
+    "execute_plan",
+    "free_port",
+    "raw_send_bandwidth",
+    "zero_fill_padding",
+]

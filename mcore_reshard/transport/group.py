@@ -21,16 +21,9 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
+from ..ports import free_port
+
 __all__ = ["RefitError", "RefitTimeout", "RankMap", "RefitGroup", "free_port"]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port the OS says is free now (bind to port 0) for a rendezvous store."""
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 _CONNECT_TAG = (1 << 30) + 1  # never a bucket's tag
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from ...layout import ModelSpec
-from ...transport.group import free_port
+from ...ports import free_port
 from .rules import MegatronParallel, padded_vocab
 
 __all__ = ["WorldCtx", "free_port", "run_world", "init_megatron", "build_gpt", "megatron_config"]
