@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import pickle
 import sys
 import tempfile
@@ -62,6 +63,13 @@ class RefitMetrics:
     phases: dict[str, float] = field(default_factory=dict)
 
 
+def after_refit(llm: Any) -> None:
+    """Drop vLLM's prefix-cache blocks: they hold KV computed with the previous weights."""
+    from .adapters.vllm.engine import after_refit as reset
+
+    reset(llm)
+
+
 def token_mult_prob_error(gen_logprobs: Sequence[float], train_logprobs: Sequence[float]) -> float:
     """mean(exp(|gen - train|)) over tokens: 1.0 when both sides compute the same model."""
     if len(gen_logprobs) != len(train_logprobs) or not gen_logprobs:
@@ -102,6 +110,9 @@ class RefitSession:
 
     # -- set-up ------------------------------------------------------------------------
     def start(self) -> "RefitSession":
+        if self.training.pp != 1 or self.training.vpp != 1:
+            raise LayoutError(f"refit job: the CPU trainer runs one pipeline stage (training.pp={self.training.pp}, "
+                              f"training.vpp={self.training.vpp}); the layout rules and planner cover PP/VPP")
         from .transport.group import free_port
         from .adapters.vllm.engine import start_engine
         from .adapters.vllm.transfer_ext import REFIT_EXTENSION
@@ -135,8 +146,9 @@ class RefitSession:
                              allow_cast=self.refit.allow_cast, not_direct=not_direct)
 
     def join(self) -> None:
-        from .transport.group import free_port
-        from .transport.group import RankMap
+        """Build the refit group (once; every refit reuses it). After a failed refit the group
+        is broken on every rank: call ``join()`` again for a new one."""
+        from .transport.group import RankMap, free_port
 
         rank_map = RankMap.disaggregated(self.src.world_size, self.dst.world_size)
         port, world, t = free_port(), rank_map.world_size, self.refit.timeout_s
@@ -147,10 +159,7 @@ class RefitSession:
 
     # -- refits ------------------------------------------------------------------------
     def refit_reshard(self) -> RefitMetrics:
-        from .plan import get_plan
-
-        cached = get_plan(self.src, self.dst, bucket_bytes=self.refit.bucket_bytes,
-                          allow_cast=self.refit.allow_cast, not_direct=self.plan.not_direct) is self.plan
+        cached = self._shipped == self.plan.digest()  # planned and shipped by an earlier refit
         verify = self.refit.verify != "off"
         full = self.refit.verify == "full"
         digest = self.ship_plan()
@@ -160,6 +169,7 @@ class RefitSession:
         dst_stats = [stats for stats, _ in replies]
         src_stats = self.pool.collect()
         seconds = time.perf_counter() - t0
+        after_refit(self.llm)  # cached KV blocks were computed with the old weights
         notes: tuple[str, ...] = ()
         if full:
             notes = (self.verify_full(),)
@@ -187,10 +197,13 @@ class RefitSession:
         plan by digest (and every rank checks all agree before a byte moves)."""
         digest = self.plan.digest()
         if self._shipped != digest:
-            self.pool.submit_each("set_plan", [(pickle.dumps(self.plan.for_rank("src", r)), digest)
-                                               for r in range(self.src.world_size)])
+            src = [self.plan.for_rank("src", r) for r in range(self.src.world_size)]
+            self.pool.submit_each("set_plan", [(pickle.dumps(s), digest, s.digest()) for s in src])
             self.pool.collect()
-            self.llm.collective_rpc("mr_set_plan", timeout=self._rpc_timeout(), args=(pickle.dumps(self.plan), digest))
+            dst = {r: self.plan.for_rank("dst", r) for r in range(self.dst.world_size)}
+            self.llm.collective_rpc("mr_set_plan", timeout=self._rpc_timeout(),
+                                    args=({r: pickle.dumps(s) for r, s in dst.items()}, digest,
+                                          {r: s.digest() for r, s in dst.items()}))
             self._shipped = digest
         return digest
 
@@ -268,6 +281,7 @@ class RefitSession:
         dst_stats = self._rpc_with_pool("mr_hf_receive", (self.refit.buffer_bytes, self.refit.timeout_s))
         src_stats = self.pool.collect()
         seconds = time.perf_counter() - t0
+        after_refit(self.llm)
         gather_bytes = sum(s["gather"].bytes_received for s in src_stats if s)
         phases = {"gather": max(s["gather"].seconds for s in src_stats if s),
                   "root": max(s["seconds"] for s in src_stats if s),
@@ -330,10 +344,7 @@ def run_refit_job(overrides: Sequence[str], *, as_json: bool = False) -> int:
     from .adapters.megatron.rules import MegatronParallel
     from .adapters.vllm.rules import VllmParallel
     from .config import build_dataclass, compose
-    from .plan import plan_report
     from .policy import RefitConfig
-
-    import os
 
     # vLLM logs to stdout by default; the report (and --json's one object) owns stdout.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
@@ -342,9 +353,21 @@ def run_refit_job(overrides: Sequence[str], *, as_json: bool = False) -> int:
     training = build_dataclass(MegatronParallel, cfg.training, "training")
     vllm = build_dataclass(VllmParallel, cfg.vllm, "vllm")
     refit = build_dataclass(RefitConfig, cfg.refit, "refit")
+    if not refit.enabled:
+        raise LayoutError("refit.enabled is false: nothing to run")
+    if int(cfg.job.steps) < 1:
+        raise LayoutError(f"job.steps={cfg.job.steps}: the job takes at least one optimizer step between its refits")
     if vllm.pp != 1 or vllm.dp != 1 or vllm.replicas != 1:
         raise LayoutError("refit job: one vLLM engine with pp=1, dp=1 runs on this machine (vllm.pp/dp/replicas)")
-    workdir = Path(cfg.job.workdir) if cfg.job.workdir else Path(tempfile.mkdtemp(prefix="mcore_reshard_"))
+    if cfg.job.workdir:
+        return _run_job(cfg, Path(cfg.job.workdir), training, vllm, refit, as_json)
+    with tempfile.TemporaryDirectory(prefix="mcore_reshard_") as tmp:
+        return _run_job(cfg, Path(tmp), training, vllm, refit, as_json)
+
+
+def _run_job(cfg, workdir: Path, training, vllm, refit, as_json: bool) -> int:
+    from .plan import plan_report
+
     ckpt = _tiny_spec_dir(cfg, workdir)
     spec = load_model_spec(ckpt, dtype=str(cfg.dtype))
     tokens = [int(t) % spec.vocab for t in cfg.job.tokens]

@@ -67,17 +67,26 @@ class _Rank:
         return self.descs
 
     def join(self, host: str, port: int, world: int, rank_map, timeout_s: float) -> int:
+        """(Re)build this rank's refit group; a previous one (e.g. broken by a failed refit)
+        is closed first."""
         from .transport.group import RefitGroup
 
+        if self.group is not None:
+            self.group.close(barrier=False)
         self.group = RefitGroup.create(host, port, rank_map.group_rank("src", self.rank), world, timeout_s,
                                        is_master=rank_map.group_rank("src", self.rank) == 0, rank_map=rank_map)
         return self.group.rank
 
-    def set_plan(self, slice_bytes: bytes, digest: str) -> str:
-        """Keep this rank's slice of the plan (sent once per layout; refits then name it by
-        digest only)."""
-        self.plan_slice, self.plan_digest = pickle.loads(slice_bytes), digest
-        return digest
+    def set_plan(self, slice_bytes: bytes, digest: str, slice_digest: str) -> str:
+        """Keep this rank's slice of the plan (sent once per layout; refits then name the plan
+        by digest only). The slice is re-hashed here, so what this rank runs is provably the
+        slice the driver cut from the plan every rank agrees on."""
+        plan_slice = pickle.loads(slice_bytes)
+        if plan_slice.side != "src" or plan_slice.rank != self.rank or plan_slice.digest() != slice_digest:
+            raise RuntimeError(f"training rank {self.rank}: the plan slice received does not match its digest "
+                               f"(rank {plan_slice.rank}, side {plan_slice.side})")
+        self.plan_slice, self.plan_digest = plan_slice, digest
+        return slice_digest
 
     def _slice(self, digest: str):
         held = getattr(self, "plan_digest", None)
@@ -93,8 +102,13 @@ class _Rank:
         plan_slice = self._slice(digest)
         sync_params_before_refit(self.chunks)
         tensors = {name: p.data for name, p in self.params.items()}
-        return execute_plan(plan_slice, None, tensors, None, self.group, timeout_s=timeout_s, verify=verify,
-                            progress=progress and self.rank == 0, plan_digest=digest)
+        try:
+            return execute_plan(plan_slice, None, tensors, None, self.group, timeout_s=timeout_s, verify=verify,
+                                progress=progress and self.rank == 0, plan_digest=digest)
+        except BaseException:
+            self.group.close(barrier=False)  # a failed group is broken: join() makes a new one
+            self.group = None
+            raise
 
     def refit_and_die(self, digest: str, timeout_s: float, die_rank: int, after_reads: int):
         """Failure tests: like :meth:`refit`, but rank ``die_rank`` exits abruptly after its
@@ -246,23 +260,25 @@ def sync_params_before_refit(chunks) -> None:
 
 
 def _rank_main(rank: int, setup: TrainerSetup, cmds, results) -> None:
+    """Command loop of one training rank. Every reply carries the command's sequence number,
+    so a reply left over from a failed command can never be taken for the next one's."""
     try:
         state = _Rank(rank, setup)
-        results.put((rank, "ready", True, None))
+        results.put((rank, 0, True, None))
     except BaseException:  # noqa: BLE001 - reported to the driver with its traceback
-        results.put((rank, "ready", False, traceback.format_exc()))
+        results.put((rank, 0, False, f"in start-up:\n{traceback.format_exc()}"))
         return
     while True:
-        cmd, args = cmds.get()
+        seq, cmd, args = cmds.get()
         if cmd == "stop":
             state.close()
-            results.put((rank, "stop", True, None))
+            results.put((rank, seq, True, None))
             return
         try:
             out = getattr(state, cmd)(*args)
-            results.put((rank, cmd, True, pickle.dumps(out)))
+            results.put((rank, seq, True, pickle.dumps(out)))
         except BaseException:  # noqa: BLE001
-            results.put((rank, cmd, False, traceback.format_exc()))
+            results.put((rank, seq, False, f"in {cmd!r}:\n{traceback.format_exc()}"))
 
 
 class TrainerPool:
@@ -281,7 +297,12 @@ class TrainerPool:
         for p in self.procs:
             p.start()
         self._pending: str | None = None
-        self._collect("ready", setup.timeout_s)
+        self._seq = 0
+        try:
+            self._collect("start-up", setup.timeout_s)
+        except BaseException:
+            self.close()  # never leave half a pool running
+            raise
 
     def submit(self, cmd: str, *args: Any) -> None:
         """Start ``cmd`` on every rank without waiting (pair with :meth:`collect`)."""
@@ -292,8 +313,9 @@ class TrainerPool:
         if self._pending is not None:
             raise RuntimeError(f"command {self._pending!r} still pending")
         self._pending = cmd
+        self._seq += 1
         for q, args in zip(self._cmds, args_per_rank, strict=True):
-            q.put((cmd, tuple(args)))
+            q.put((self._seq, cmd, tuple(args)))
 
     def collect(self, timeout_s: float | None = None) -> list[Any]:
         cmd, self._pending = self._pending, None
@@ -314,15 +336,17 @@ class TrainerPool:
                 missing = sorted(set(range(self.world)) - set(out))
                 raise TrainerError(f"training rank(s) {missing} did not finish {cmd!r} within {timeout_s:.0f}s")
             try:
-                rank, what, ok, value = self._results.get(timeout=min(left, 0.5))
+                rank, seq, ok, value = self._results.get(timeout=min(left, 0.5))
             except queue_mod.Empty:
                 dead = [r for r, p in enumerate(self.procs) if r not in out and not p.is_alive()]
                 if dead:
                     raise TrainerError(f"training rank {dead[0]} died (exit code {self.procs[dead[0]].exitcode}) "
                                        f"during {cmd!r}") from None
                 continue
+            if seq != self._seq:
+                continue  # a reply to an earlier command that failed elsewhere first
             if not ok:
-                raise TrainerError(f"training rank {rank} failed in {what!r}:\n{value}")
+                raise TrainerError(f"training rank {rank} failed {value}")
             out[rank] = pickle.loads(value) if isinstance(value, bytes) else value
         return [out[r] for r in range(self.world)]
 
@@ -333,7 +357,7 @@ class TrainerPool:
     def close(self) -> None:
         for r, q in enumerate(self._cmds):
             if self.procs[r].is_alive():
-                q.put(("stop", ()))
+                q.put((-1, "stop", ()))
         deadline = time.monotonic() + 10
         for p in self.procs:
             p.join(timeout=max(0.1, deadline - time.monotonic()))

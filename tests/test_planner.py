@@ -64,9 +64,9 @@ def test_senders_balanced_across_replicas():
     assert max(send) <= 1.5 * (sum(send) / len(send))
 
 
-def test_identical_layouts_are_one_transfer_per_piece_and_merged():
-    # Source splits rows in 4, destination in 2: two adjacent source boxes of one sender per
-    # destination piece merge into one transfer when one replica owns both.
+def test_identical_layouts_are_one_transfer_per_piece():
+    # Identical row splits on both sides: each destination piece is one whole transfer from
+    # the source rank holding the same rows.
     src = split_layout({"w": ((16, 4), "float32")}, parts=4, dim=0)
     dst = split_layout({"w": ((16, 4), "float32")}, parts=4, dim=0)
     plan = build_plan(src, dst, bucket_bytes=1 << 20)
@@ -182,3 +182,31 @@ def test_planning_imports_neither_megatron_nor_vllm_nor_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_rows_larger_than_the_budget_are_split_inside_the_row():
+    src = split_layout({"w": ((4, 64), "float32")}, parts=1, dim=0)
+    dst = split_layout({"w": ((4, 64), "float32")}, parts=1, dim=0)
+    plan = build_plan(src, dst, bucket_bytes=100)  # one row is 256 bytes
+    assert all(t.nbytes <= 100 for t in plan.transfers)
+    assert plan.bytes_planned == plan.bytes_min
+    simulate(src, dst, plan)
+
+
+def test_digest_covers_element_type():
+    t32 = {"w": ((8, 4), "float32")}
+    t16 = {"w": ((8, 4), "bfloat16")}
+    a = build_plan(split_layout(t32, parts=1, dim=0), split_layout(t32, parts=1, dim=0))
+    b = build_plan(split_layout(t16, parts=1, dim=0), split_layout(t16, parts=1, dim=0))
+    assert a.dtype == "float32" and b.dtype == "bfloat16"
+    assert a.digest() != b.digest()
+    assert a.for_rank("dst", 0).digest() != b.for_rank("dst", 0).digest()
+
+
+def test_local_param_dtype_must_match_its_tensor():
+    src = split_layout({"w": ((8, 4), "float32")}, parts=1, dim=0)
+    dst = split_layout({"w": ((8, 4), "float32")}, parts=1, dim=0)
+    bad = dataclasses.replace(dst.params[0], dtype="bfloat16")
+    dst = dataclasses.replace(dst, params=(bad,))
+    with pytest.raises(PlanError, match="holds bfloat16 but w is float32"):
+        build_plan(src, dst)

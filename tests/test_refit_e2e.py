@@ -11,7 +11,7 @@ import time
 import pytest
 
 from mcore_reshard.adapters.megatron.rules import MegatronParallel
-from mcore_reshard.adapters.vllm.engine import prompt_logprobs
+from mcore_reshard.adapters.vllm.engine import greedy, prompt_logprobs
 from mcore_reshard.adapters.vllm.rules import VllmParallel
 from mcore_reshard.layout import load_model_spec
 from mcore_reshard.policy import RefitConfig
@@ -21,6 +21,7 @@ from mcore_reshard.testing.tiny import make_tiny_checkpoint
 pytestmark = pytest.mark.slow
 
 TOKENS = [11, 42, 7, 99, 123, 5, 77, 300, 8, 64, 512, 3, 250, 17, 901, 46]
+LONG = [(7 * i + 3) % 1000 for i in range(240)]  # spans several KV blocks, so prefix caching applies
 EXACT = 1.0 + 1e-5  # token_mult_prob_error of two computations of the same fp32 model
 
 
@@ -63,7 +64,9 @@ def test_refit_moves_exactly_the_minimum_and_verifies(session):
 
 
 def test_step_changes_weights_and_refit_carries_them(session):
+    session.refit_once("reshard")  # the plan is built and shipped by now, whatever ran before
     before = prompt_logprobs(session.llm, TOKENS)
+    greedy(session.llm, [LONG], 4)  # leaves this prompt's KV blocks in the prefix cache
     loss = session.step(TOKENS, 0.05)
     assert loss > 0
     assert session.logprob_error(TOKENS) > 1.01  # the engine still serves the old weights
@@ -72,6 +75,10 @@ def test_step_changes_weights_and_refit_carries_them(session):
     assert m.verified
     assert session.logprob_error(TOKENS) < EXACT
     assert prompt_logprobs(session.llm, TOKENS) != before
+    # generation after the refit must not reuse KV blocks computed with the old weights
+    after = greedy(session.llm, [LONG], 4)
+    session.llm.reset_prefix_cache()
+    assert after == greedy(session.llm, [LONG], 4)
 
 
 def test_full_verification_compares_canonical_tensors(session):

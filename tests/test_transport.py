@@ -278,7 +278,7 @@ def _death_main(rank: int, world: int, port: int, q: Any) -> None:
             execute_plan(plan.for_rank("src", s_rank) if s_rank is not None else None,
                          plan.for_rank("dst", d_rank) if d_rank is not None else None,
                          s_locals, locals_of(dst, d_rank, None) if d_rank is not None else {},
-                         group, rm, timeout_s=3.0, plan_digest=plan.digest())
+                         group, rm, timeout_s=15.0, plan_digest=plan.digest())
             out["err"] = None
         except RefitError as e:
             out["err"], out["timeout"] = str(e), isinstance(e, RefitTimeout)

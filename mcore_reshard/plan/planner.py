@@ -18,6 +18,7 @@ planner (local plan -> global plan -> finish):
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections import defaultdict
@@ -55,6 +56,8 @@ def check_sides(src: SideLayout, dst: SideLayout, *, allow_cast: bool = False) -
 def index_sources(src: SideLayout) -> dict[str, dict[Box, list[_Replica]]]:
     """Unique boxes per canonical tensor with the replicas holding each, checked to tile it."""
     index: dict[str, dict[Box, list[_Replica]]] = defaultdict(dict)
+    for param in src.params:
+        _check_param_dtype(param, src, "source")
     for piece in src.pieces():
         index[piece.canonical].setdefault(piece.box, []).append((piece.rank, piece.local_name, piece.view))
     for name, (shape, _dtype) in src.tensors.items():
@@ -98,6 +101,7 @@ def check_dest(dst: SideLayout) -> list[tuple[int, str, int]]:
     """Validate destination pieces; return the padding each local tensor zero-fills itself."""
     padding = []
     for param in dst.params:
+        _check_param_dtype(param, dst, "destination")
         for piece in param.pieces:
             shape, _ = dst.tensors.get(piece.canonical, (None, None))
             if shape is None:
@@ -112,6 +116,13 @@ def check_dest(dst: SideLayout) -> list[tuple[int, str, int]]:
     return padding
 
 
+def _check_param_dtype(param: LocalParam, side: SideLayout, what: str) -> None:
+    for piece in param.pieces[:1]:
+        _, dtype = side.tensors.get(piece.canonical, (None, param.dtype))
+        if dtype != param.dtype:
+            raise PlanError(f"{param.name} ({what} rank {param.rank}) holds {param.dtype} but {piece.canonical} is {dtype}")
+
+
 def _extent(v: View) -> tuple[int, int]:
     last = v.offset + sum((n - 1) * s for n, s in zip(v.shape, v.stride))
     return v.offset, last + 1
@@ -120,7 +131,7 @@ def _extent(v: View) -> tuple[int, int]:
 def _check_disjoint_views(param: LocalParam) -> None:
     """No local element is written twice; exact element sets only when extents interleave."""
     numel = param.numel
-    spans = sorted((_extent(p.view), p) for p in param.pieces)
+    spans = sorted(((_extent(p.view), p) for p in param.pieces), key=lambda span: span[0])
     interleaved = False
     for ((lo, hi), piece) in spans:
         if lo < 0 or hi > numel:
@@ -157,7 +168,8 @@ def build_plan(
     check_sides(src, dst, allow_cast=allow_cast)
     index = index_sources(src)
     padding = check_dest(dst)
-    itemsize = _itemsize(dst)
+    dtype = _dtype(dst)
+    itemsize = DTYPE_BYTES[dtype]
     order = {name: i for i, name in enumerate(dst.tensors)}
 
     frags = _fragment(dst, index, order)
@@ -173,6 +185,7 @@ def build_plan(
         num_src=src.world_size,
         num_dst=dst.world_size,
         itemsize=itemsize,
+        dtype=dtype,
         bytes_min=dst_numel * itemsize,
         bytes_hf_broadcast=total_elems * itemsize * dst.world_size,
         bucket_bytes=bucket_bytes,
@@ -182,17 +195,33 @@ def build_plan(
     )
     if plan.bytes_planned != plan.bytes_min:
         raise PlanError(
-            f"planned {plan.bytes_planned} bytes but the destination holds {plan.bytes_min}: coverage is not exact"
+            f"planned {plan.bytes_planned} bytes but the destination holds {plan.bytes_min}: coverage is not exact "
+            f"({_first_uncovered(dst, plan)})"
         )
     object.__setattr__(plan, "plan_seconds", time.perf_counter() - t0)
     return plan
 
 
-def _itemsize(dst: SideLayout) -> int:
-    sizes = {DTYPE_BYTES[d] for _, d in dst.tensors.values()}
-    if len(sizes) != 1:
-        raise PlanError(f"mixed element sizes on the destination: {sorted(sizes)}")
-    return sizes.pop()
+def _dtype(dst: SideLayout) -> str:
+    """One element type per refit: the wire carries the destination's."""
+    by_dtype: dict[str, str] = {}
+    for name, (_, d) in dst.tensors.items():
+        by_dtype.setdefault(d, name)
+    if len(by_dtype) != 1:
+        raise PlanError("mixed element types on the destination: " + ", ".join(f"{n} is {d}" for d, n in by_dtype.items()))
+    return next(iter(by_dtype))
+
+
+def _first_uncovered(dst: SideLayout, plan) -> str:
+    """Name the first destination parameter whose planned elements differ from its size."""
+    got: dict[tuple[int, str], int] = defaultdict(int)
+    for t in plan.transfers:
+        got[(t.dst, t.dst_name)] += t.box.numel
+    for p in dst.params:
+        want = p.numel - p.padding
+        if got[(p.rank, p.name)] != want:
+            return f"{p.name} on destination rank {p.rank}: {got[(p.rank, p.name)]} of {want} elements planned"
+    return "per-parameter counts agree"
 
 
 # A fragment before sender choice: (order, dst rank, dst name, dst view of fragment, canonical,
@@ -298,25 +327,33 @@ def _try_merge(a: tuple, b: tuple) -> tuple | None:
 
 
 def _split(f: tuple, itemsize: int, budget: int) -> list[tuple]:
-    """Cut a fragment larger than the budget along its outermost dim with size > 1."""
+    """Cut a fragment larger than the budget into boxes that fit: along the outermost dim
+    whose trailing slab fits the budget, one index at a time along the dims before it."""
     box: Box = f[4]
-    nbytes = box.numel * itemsize
-    if nbytes <= budget:
+    if box.numel * itemsize <= budget:
         return [f]
-    d = next((i for i, s in enumerate(box.sizes) if s > 1), None)
-    if d is None:
-        return [f]
-    slab = nbytes // box.sizes[d]
+    if itemsize > budget:
+        raise PlanError(f"{f[3]}: bucket budget {budget} bytes is smaller than one element")
+    nd = len(box.sizes)
+    d, slab = nd - 1, itemsize  # innermost: one element always fits
+    for i in range(nd):
+        trailing = math.prod(box.sizes[i + 1 :]) * itemsize
+        if trailing <= budget:
+            d, slab = i, trailing
+            break
     step = max(1, budget // slab)
     parts = []
-    for start in range(0, box.sizes[d], step):
-        n = min(step, box.sizes[d] - start)
-        offs = list(box.offsets)
-        offs[d] += start
-        sizes = list(box.sizes)
-        sizes[d] = n
-        sub = Box(tuple(offs), tuple(sizes))
-        parts.append((f[0], f[1], f[2], f[3], sub, f[5], f[6].sub(box, sub), f[7], f[8].sub(box, sub)))
+    for outer in itertools.product(*(range(n) for n in box.sizes[:d])):
+        for start in range(0, box.sizes[d], step):
+            offs = list(box.offsets)
+            sizes = list(box.sizes)
+            for i, k in enumerate(outer):
+                offs[i] += k
+                sizes[i] = 1
+            offs[d] += start
+            sizes[d] = min(step, box.sizes[d] - start)
+            sub = Box(tuple(offs), tuple(sizes))
+            parts.append((f[0], f[1], f[2], f[3], sub, f[5], f[6].sub(box, sub), f[7], f[8].sub(box, sub)))
     return parts
 
 

@@ -48,6 +48,8 @@ class RankPlan:
     rank: int
     num_buckets: int
     transfers: tuple[Transfer, ...]
+    #: Element type on the wire (the destination's; a cast happens while packing).
+    dtype: str = "float32"
 
     def buckets(self) -> list[dict[int, list[Transfer]]]:
         """Per bucket: peer -> transfers in wire order."""
@@ -61,6 +63,10 @@ class RankPlan:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.transfers)
 
+    def digest(self) -> str:
+        """Hash of this slice: a rank checks the slice it was given is the one it runs."""
+        return plan_digest(self.transfers, self.num_buckets, self.dtype)
+
 
 @dataclass(frozen=True)
 class TransferPlan:
@@ -71,6 +77,7 @@ class TransferPlan:
     num_src: int
     num_dst: int
     itemsize: int
+    dtype: str  # destination element type, what the wire carries
     bytes_min: int
     bytes_hf_broadcast: int
     bucket_bytes: int
@@ -110,18 +117,18 @@ class TransferPlan:
             for i, t in enumerate(self.transfers):
                 tmp.setdefault(key(t), []).append(i)
             index.update({r: tuple(v) for r, v in tmp.items()})
-        return RankPlan(side, rank, self.num_buckets, tuple(self.transfers[i] for i in index.get(rank, ())))
+        return RankPlan(side, rank, self.num_buckets, tuple(self.transfers[i] for i in index.get(rank, ())), self.dtype)
 
     def digest(self) -> str:
         """Stable hash of everything that moves; checked on every rank before the first byte."""
-        return plan_digest(self.transfers, self.num_buckets)
+        return plan_digest(self.transfers, self.num_buckets, self.dtype)
 
 
-def plan_digest(transfers: Iterable[Transfer], num_buckets: int) -> str:
-    h = hashlib.sha256(str(num_buckets).encode())
+def plan_digest(transfers: Iterable[Transfer], num_buckets: int, dtype: str) -> str:
+    h = hashlib.sha256(f"{num_buckets}|{dtype}".encode())
     for t in transfers:
         h.update(
-            f"{t.bucket}|{t.src}|{t.dst}|{t.canonical}|{t.box.offsets}{t.box.sizes}|{t.src_name}|"
+            f"{t.bucket}|{t.src}|{t.dst}|{t.canonical}|{t.box.offsets}{t.box.sizes}|{t.nbytes}|{t.src_name}|"
             f"{t.src_view.offset}{t.src_view.stride}|{t.dst_name}|{t.dst_view.offset}{t.dst_view.stride}\n".encode()
         )
     return h.hexdigest()[:16]

@@ -37,7 +37,7 @@ from ..layout.descriptor import LocalParam, View
 from ..layout.torch_views import TORCH_DTYPES, local_view, zero_padding
 from ..plan.types import RankPlan, Transfer
 from .checksum import checksums
-from .group import RankMap, RefitError, RefitGroup, RefitTimeout
+from .group import RankMap, RefitError, RefitGroup, error_class
 from .packing import message_numel, pack, unpack
 
 __all__ = [
@@ -180,7 +180,11 @@ def _as_sink(dst: Any) -> Any:
 
 def _wire_dtype(src: RankPlan | None, dst: RankPlan | None, src_tensors: Mapping[str, torch.Tensor],
                 dst_obj: Any, sink: Any) -> torch.dtype:
-    """The destination dtype when this rank can see it, else the source tensors' dtype."""
+    """The plan's element type (the destination's; sources cast while packing). Slices built
+    by hand without one fall back to what this rank can see."""
+    plan_slice = dst if dst is not None else src
+    if plan_slice is not None and plan_slice.dtype in TORCH_DTYPES and plan_slice.transfers:
+        return TORCH_DTYPES[plan_slice.dtype]
     if dst is not None and dst.transfers:
         if isinstance(sink, TensorSink):
             dtypes = {sink.tensors[t.dst_name].dtype for t in dst.transfers}
@@ -356,7 +360,7 @@ class _Run:
         what = "send to" if send else "receive from"
         bucket = f"bucket {k} of {self.num_buckets}" if k < self.num_buckets else "checksum message"
         me = self.rank_map.describe_group_rank(self.me)
-        cls = RefitTimeout if "imed out" in str(e) or "timeout" in str(e).lower() else RefitError
+        cls = error_class(e)
         return cls(f"{me}: {what} {self.rank_map.describe(side, peer)} failed in {bucket} "
                    f"(timeout {self.timeout_s}s): {str(e).splitlines()[0] if str(e) else type(e).__name__}")
 
@@ -482,7 +486,7 @@ def raw_send_bandwidth(group: RefitGroup, src_rank: int, dst_rank: int, nbytes: 
             torch.cuda.synchronize(group.device)
         dt = time.perf_counter() - t0
     except RuntimeError as e:
-        cls = RefitTimeout if "imed out" in str(e) else RefitError
+        cls = error_class(e)
         raise cls(f"raw bandwidth probe with {group.rank_map.describe_group_rank(peer)} failed: "
                   f"{str(e).splitlines()[0]}") from e
     return nbytes / dt if dt > 0 else float("inf")

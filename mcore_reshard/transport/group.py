@@ -36,6 +36,12 @@ class RefitTimeout(RefitError):
     """A wait ran past its timeout (a peer is slow, stuck or gone)."""
 
 
+def error_class(e: BaseException) -> type[RefitError]:
+    """``RefitTimeout`` when a backend error says a wait ran out, else ``RefitError``."""
+    text = str(e).lower()
+    return RefitTimeout if "timed out" in text or "timeout" in text else RefitError
+
+
 @dataclass(frozen=True)
 class RankMap:
     """Which group rank each source (training) and destination (inference) rank is.
@@ -113,6 +119,10 @@ class RefitGroup:
         ``rank_map`` defaults to the disaggregated map with no destinations; pass the real one
         (``RankMap.disaggregated(num_src, num_dst)``) so errors can name sides and ranks.
         """
+        rank_map = rank_map or RankMap(tuple(range(world_size)), ())
+        if rank_map.world_size > world_size or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} / rank map of {rank_map.world_size} group ranks do not fit a group of "
+                             f"{world_size}")
         timeout = timedelta(seconds=timeout_s)
         tcp = dist.TCPStore(host, port, world_size, is_master, timeout=timeout, wait_for_workers=False)
         store = dist.PrefixStore(prefix, tcp)
@@ -121,9 +131,6 @@ class RefitGroup:
             pg = _nccl_group(store, rank, world_size, timeout, device)
         else:
             pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
-        rank_map = rank_map or RankMap(tuple(range(world_size)), ())
-        if rank_map.world_size > world_size:
-            raise ValueError(f"rank map needs {rank_map.world_size} group ranks, the group has {world_size}")
         return cls(store, pg, rank, world_size, timeout_s, device, rank_map, tcp)
 
     # -- wire buffers ----------------------------------------------------------------------
@@ -172,7 +179,7 @@ class RefitGroup:
             try:
                 (self.send(ping, g, _CONNECT_TAG) if self.rank < g else self.recv(ping, g, _CONNECT_TAG)).wait(wait)
             except RuntimeError as e:
-                cls = RefitTimeout if "imed out" in str(e) else RefitError
+                cls = error_class(e)
                 first = str(e).splitlines()[0] if str(e) else type(e).__name__
                 raise cls(f"{self.rank_map.describe_group_rank(self.rank)}: connecting to "
                           f"{self.rank_map.describe_group_rank(g)} failed (before bucket 0): {first}") from e

@@ -6,6 +6,7 @@ from typing import Mapping
 
 import torch
 
+from ..layout.torch_views import TORCH_DTYPES
 from ..plan.types import TransferPlan
 from .packing import message_numel, pack, unpack
 
@@ -23,8 +24,7 @@ def run_plan_locally(
     for rank in range(plan.num_src):
         for b, peers in enumerate(plan.for_rank("src", rank).buckets()):
             for dst, transfers in peers.items():
-                dtype = next(iter(src_tensors[rank].values())).dtype
-                buf = torch.empty(message_numel(transfers), dtype=dtype)
+                buf = torch.empty(message_numel(transfers), dtype=TORCH_DTYPES[plan.dtype])
                 msg = pack(transfers, src_tensors[rank], buf)
                 unpack(transfers, msg, dst_tensors[dst])
                 moved += msg.numel() * msg.element_size()

@@ -26,6 +26,9 @@ class TransferMethods:
         from ...transport.group import RefitGroup
 
         rank_map = pickle.loads(rank_map_bytes)
+        old = getattr(self, "_mr_group", None)
+        if old is not None:
+            old.close(barrier=False)
         self._mr_dst = self._mr_dst_rank(dst_offset)
         me = rank_map.group_rank("dst", self._mr_dst)
         self._mr_group = RefitGroup.create(host, port, me, world, timeout_s, is_master=False, rank_map=rank_map,
@@ -36,14 +39,15 @@ class TransferMethods:
         dev = str(self.device)  # type: ignore[attr-defined]
         return "cuda" if dev.startswith("cuda") else "cpu"
 
-    def mr_set_plan(self, plan_bytes: bytes, digest: str) -> str:
-        """Keep this worker's slice of the plan (sent once per layout; refits then name it by
-        digest, so per-refit RPCs stay small control messages)."""
-        plan = pickle.loads(plan_bytes)
-        if plan.digest() != digest:
-            raise RuntimeError(f"plan digest {plan.digest()} != announced {digest}")
-        self._mr_plan = (digest, plan.for_rank("dst", self._mr_dst))
-        return digest
+    def mr_set_plan(self, slices: dict[int, bytes], digest: str, slice_digests: dict[int, str]) -> str:
+        """Keep this worker's slice of the plan (sent once per layout; refits then name the
+        plan by digest, so per-refit RPCs stay small control messages). The slice is re-hashed
+        here: what this rank runs is provably what the driver cut for it."""
+        plan_slice = pickle.loads(slices[self._mr_dst])
+        if plan_slice.side != "dst" or plan_slice.rank != self._mr_dst or plan_slice.digest() != slice_digests[self._mr_dst]:
+            raise RuntimeError(f"vLLM worker {self._mr_dst}: the plan slice received does not match its digest")
+        self._mr_plan = (digest, plan_slice)
+        return slice_digests[self._mr_dst]
 
     def mr_refit(self, digest: str, verify: bool, timeout_s: float, atomic: bool = False,
                  keep_received: bool = False) -> bytes:
@@ -83,7 +87,8 @@ class TransferMethods:
             try:
                 applier.abort(f"refit failed: {exc}")
             finally:
-                self._mr_group = None  # a failed group is broken; the driver makes a new one
+                group.close(barrier=False)  # a failed group is broken: mr_join makes a new one
+                self._mr_group = None
             raise
         self._mr_after_update()  # type: ignore[attr-defined]
         return stats, dict(applier.timings, finish=finish_s)
