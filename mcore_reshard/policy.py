@@ -17,7 +17,9 @@ __all__ = ["RefitConfig", "RecipeLayout", "from_policy_config"]
 
 TRANSPORTS = ("reshard", "hf_broadcast")
 VERIFY = ("off", "checksum", "full")
-APPLY = ("auto", "reload", "direct")
+#: auto: vLLM's layerwise reload wherever the kernel repacks weights, in-place writes where it
+#: keeps model format; direct: also switch CPU dense linears to plain F.linear (model format).
+APPLY = ("auto", "direct")
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,9 @@ def from_policy_config(cfg: Mapping[str, Any]) -> RecipeLayout:
     rcfg = dict(mcfg.get("mcore_reshard") or {})
     if not rcfg.get("enabled", False):
         raise LayoutError("policy.megatron_cfg.mcore_reshard.enabled is not true: mcore-reshard is off in this recipe")
-    refit = RefitConfig(**rcfg)
+    from .config import build_dataclass
+
+    refit = build_dataclass(RefitConfig, rcfg, "policy.megatron_cfg.mcore_reshard")
     model_ref = _get(cfg, "policy.model_config") or _get(cfg, "policy.model_name")
     spec = resolve_model(str(model_ref), dtype=str(_get(cfg, "policy.precision", "bfloat16")))
 
@@ -115,6 +119,9 @@ def from_policy_config(cfg: Mapping[str, Any]) -> RecipeLayout:
     if gen_gpus % per_engine:
         raise LayoutError(f"generation GPUs {gen_gpus} are not a multiple of one engine's tp*pp*dp={per_engine}")
     ep = int(vcfg.get("expert_parallel_size", 1))
+    if ep > 1 and ep != vtp * vdp:
+        raise LayoutError(f"policy.generation.vllm_cfg.expert_parallel_size={ep}: vLLM's expert parallelism spans "
+                          f"data_parallel_size*tensor_parallel_size={vdp * vtp} ranks")
     vllm = VllmParallel(
         tp=vtp, pp=vpp, dp=vdp, replicas=gen_gpus // per_engine, enable_ep=ep > 1,
         num_redundant_experts=int(vcfg.get("num_redundant_experts", 0)),

@@ -130,7 +130,7 @@ class RefitSession:
         from .adapters.vllm.engine import describe as vllm_describe
         from .plan import get_plan
 
-        tensors = {t.name: (t.shape, t.dtype) for t in self.spec.tensors().values()}
+        tensors = self.spec.tensor_table()
         src_params = tuple(p for rank in self.pool.call("describe") for p in rank)
         dst_params = tuple(p for rank in vllm_describe(self.llm) for p in rank)
         self.src = SideLayout(f"megatron(tp={self.training.tp},ep={self.training.ep},etp={self.training.etp_size},"

@@ -1,9 +1,10 @@
 """Training-side processes of the refit job: a pool of megatron-core ranks that keep their
 model between commands (describe, join the refit group, refit, optimizer step, logprobs).
 
-Each rank is a spawned process with a command loop; the driver talks to it over queues
-(control messages only) and every wait has a timeout. Bulk bytes move only over the refit
-group (``transport``), never over these queues.
+Each rank is a spawned process with a command loop; the driver talks to it over queues and
+every wait has a timeout. Refit bytes move only over the refit group (``transport``); the
+queues carry commands, plan slices and results (and, for ``verify=full`` checks only, copies
+of the local weights).
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ class _Rank:
         sync_params_before_refit(self.chunks)
         plan = pickle.loads(gather_plan_bytes)
         rank_map = RankMap(tuple(range(self.setup.par.world)), (0,))  # gather into training rank 0
-        tensors = {t.name: (t.shape, t.dtype) for t in self.spec.tensors().values()}
+        tensors = self.spec.tensor_table()
         full = None
         if self.rank == 0:
             full = {n: torch.empty(shape, dtype=TORCH_DTYPES[dt]) for n, (shape, dt) in tensors.items()}

@@ -11,7 +11,7 @@ last refits follows an optimizer step, so it really changes the served weights).
 raw gloo bandwidth of one message as large as a destination rank's reshard share (the local
 floor) and where reshard's time goes (per-phase ``TransferStats`` plus the vLLM applier).
 
-Targets (the issue): reshard >= 3x faster than hf_broadcast, >= 50 % of the raw bandwidth.
+Project targets: reshard >= 3x faster than hf_broadcast, >= 50 % of the raw bandwidth.
 Not a test: the numbers are printed whether or not a target is met.
 
 ``--json`` prints exactly one JSON object on stdout; everything else (vLLM logs) goes to stderr.

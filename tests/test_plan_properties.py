@@ -14,18 +14,7 @@ from mcore_reshard.layout import LayoutError, ModelSpec
 from mcore_reshard.layout.torch_views import TORCH_DTYPES, materialize_local
 from mcore_reshard.plan import build_plan
 from mcore_reshard.transport.local import run_plan_locally
-
-
-def tiny_spec(*, moe: bool = True, tied: bool = False, nkv: int = 2, p: int = 4, vocab: int = 250,
-              bias: bool = False, layers: int = 4, dtype: str = "float32", experts: int = 8,
-              moe_layers: tuple[int, ...] | None = None) -> ModelSpec:
-    return ModelSpec(
-        arch="qwen3_moe" if moe else "qwen3", hidden=16, num_layers=layers, num_heads=nkv * p,
-        num_kv_heads=nkv, head_dim=4, intermediate=32, vocab=vocab, tied=tied, qkv_bias=bias,
-        qk_norm=True, num_experts=experts if moe else 0, moe_intermediate=8 if moe else 0,
-        moe_topk=2 if moe else 0,
-        moe_layers=(tuple(range(layers)) if moe_layers is None else moe_layers) if moe else (), dtype=dtype,
-    )
+from toy_layouts import tiny_spec
 
 
 def simulate(spec: ModelSpec, mpar: MegatronParallel, vpar: VllmParallel, bucket_bytes: int = 1 << 12, seed: int = 0):

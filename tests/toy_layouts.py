@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mcore_reshard.layout import Box, LocalParam, Piece, SideLayout, View, contiguous_strides
+from mcore_reshard.layout import Box, LocalParam, ModelSpec, Piece, SideLayout, View, contiguous_strides
 
 
 def split_layout(tensors: dict[str, tuple[tuple[int, ...], str]], *, parts: int, dim: int, replicas: int = 1,
@@ -28,3 +28,15 @@ def split_layout(tensors: dict[str, tuple[tuple[int, ...], str]], *, parts: int,
                 piece = Piece(rank, "local." + cname, cname, Box(tuple(offs), tuple(sizes)), view)
                 params.append(LocalParam(rank, "local." + cname, tuple(local_shape), dtype, (piece,)))
     return SideLayout(name, parts * replicas, tuple(params), dict(tensors))
+
+
+def tiny_spec(*, moe: bool = True, tied: bool = False, nkv: int = 2, p: int = 4, vocab: int = 250,
+              bias: bool = False, layers: int = 4, dtype: str = "float32", experts: int = 8,
+              moe_layers: tuple[int, ...] | None = None) -> ModelSpec:
+    return ModelSpec(
+        arch="qwen3_moe" if moe else "qwen3", hidden=16, num_layers=layers, num_heads=nkv * p,
+        num_kv_heads=nkv, head_dim=4, intermediate=32, vocab=vocab, tied=tied, qkv_bias=bias,
+        qk_norm=True, num_experts=experts if moe else 0, moe_intermediate=8 if moe else 0,
+        moe_topk=2 if moe else 0,
+        moe_layers=(tuple(range(layers)) if moe_layers is None else moe_layers) if moe else (), dtype=dtype,
+    )

@@ -121,6 +121,10 @@ class ModelSpec:
             items.append(CanonicalTensor("lm_head.weight", (self.vocab, self.hidden), dt))
         return {t.name: t for t in items}
 
+    def tensor_table(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """name -> (global shape, dtype): the ``SideLayout.tensors`` form."""
+        return {t.name: (t.shape, t.dtype) for t in self.tensors().values()}
+
     def total_bytes(self) -> int:
         total = 0
         for t in self.tensors().values():

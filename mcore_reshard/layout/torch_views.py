@@ -19,6 +19,7 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
     "int8": torch.int8,
     "int32": torch.int32,
     "int64": torch.int64,

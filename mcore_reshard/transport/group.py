@@ -206,7 +206,12 @@ class RefitGroup:
             missing = [r for r, k in zip(ranks, keys) if not self.store.check([k])]
             who = ", ".join(self.rank_map.describe_group_rank(r) for r in missing) or "unknown"
             raise RefitTimeout(f"control exchange #{seq}: no answer from {who} within {timeout_s}s") from e
-        return [pickle.loads(v) for v in self.store.multi_get(keys)]
+        values = [pickle.loads(v) for v in self.store.multi_get(keys)]
+        if seq:
+            # Every rank posted #seq only after reading all of #seq-1: this rank's old key is
+            # dead, so the store does not grow with every refit of a long run.
+            self.store.delete_key(f"ctl/{seq - 1}/{self.rank}")
+        return values
 
     def check_agreement(self, value: Any, what: str = "plan digest", timeout_s: float | None = None) -> None:
         """Every rank contributes ``value``; all must agree before the first byte moves.

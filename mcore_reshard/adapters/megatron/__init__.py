@@ -1,6 +1,6 @@
 """Megatron-Core side: layout rules (metadata only), the CPU runtime, a tiny-model builder with
-a multi-process harness, and the live adapter. Only ``rules`` is imported eagerly; megatron and
-torch are imported inside the functions that need them."""
+a multi-process harness, and the live adapter. Importing the package imports neither torch nor
+megatron: those are imported inside the functions that need them."""
 
 from .build import WorldCtx, build_gpt, free_port, init_megatron, megatron_config, run_world
 from .live import describe, describe_world, live_parallel, named_local_params

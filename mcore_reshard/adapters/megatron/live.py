@@ -139,6 +139,6 @@ def describe_world(model_chunks: Sequence, spec: ModelSpec) -> SideLayout:
         name=f"megatron-live(tp={par.tp},pp={par.pp},vpp={par.vpp},ep={par.ep},etp={par.etp_size},dp={par.dp})",
         world_size=dist.get_world_size(),
         params=params,
-        tensors={t.name: (t.shape, t.dtype) for t in spec.tensors().values()},
+        tensors=spec.tensor_table(),
         notes=notes,
     )

@@ -421,6 +421,6 @@ def megatron_layout(spec: ModelSpec, par: MegatronParallel) -> SideLayout:
         name=f"megatron(tp={par.tp},pp={par.pp},vpp={par.vpp},ep={par.ep},etp={par.etp_size},cp={par.cp},dp={par.dp})",
         world_size=par.world,
         params=tuple(params),
-        tensors={t.name: (t.shape, t.dtype) for t in spec.tensors().values()},
+        tensors=spec.tensor_table(),
         notes=tuple(notes),
     )

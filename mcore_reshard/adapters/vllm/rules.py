@@ -452,5 +452,5 @@ def vllm_layout(spec: ModelSpec, par: VllmParallel) -> SideLayout:
             notes.append("round_robin placement needs grouped experts: vLLM falls back to linear")
     if spec.arch == "qwen3_moe" and par.pp > 1:
         notes.append("Qwen3-MoE holds embed_tokens, norm and lm_head on every PP stage")
-    tensors = {t.name: (t.shape, t.dtype) for t in spec.tensors().values()}
+    tensors = spec.tensor_table()
     return SideLayout("vllm", par.world_size, tuple(params), tensors, tuple(notes))

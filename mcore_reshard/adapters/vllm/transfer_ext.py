@@ -55,7 +55,8 @@ class TransferMethods:
 
     def _mr_refit(self, digest: str, verify: bool, timeout_s: float, atomic: bool,
                   keep_received: bool) -> Any:
-        """Receive this worker's slice of the plan and apply it; pickled ``TransferStats``.
+        """Receive this worker's slice of the plan and apply it; returns (``TransferStats``,
+        apply-phase seconds), sent back as ``("ok", ...)`` by :func:`_as_reply`.
 
         On any failure the applier aborts: the engine keeps serving the old weights if nothing
         live was touched, else it is marked not serving (``mr_status``) and the error says so.

@@ -59,7 +59,7 @@ class ReshardWorkerExtension:
         mc = self.vllm_config.model_config  # type: ignore[attr-defined]
         dtype = str(mc.dtype).replace("torch.", "")
         spec = spec_from_hf_config(mc.hf_config, dtype=dtype)
-        return {n: (tuple(t.shape), t.dtype) for n, t in spec.tensors().items()}
+        return spec.tensor_table()
 
     def mr_params(self) -> list[LocalParam]:
         """Recorded pieces of this worker (recorded once, cached)."""
