@@ -157,7 +157,7 @@ def run(args: argparse.Namespace, log: Callable[..., None]) -> dict[str, Any]:
     training = build_dataclass(MegatronParallel, cfg.training, "training")
     vllm = build_dataclass(VllmParallel, cfg.vllm, "vllm")
     refit = build_dataclass(RefitConfig, cfg.refit, "refit")
-    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="mcore_reshard_bench_"))
+    workdir = Path(args.workdir)
     t0 = time.perf_counter()
     ckpt = checkpoint(workdir, model_overrides(args), str(cfg.dtype), int(cfg.seed))
     spec = load_model_spec(ckpt, dtype=str(cfg.dtype))
@@ -340,7 +340,12 @@ def main() -> int:
     args = parse_args()
     write = stdout_to_stderr()
     log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
-    res = run(args, log)
+    if args.workdir:
+        res = run(args, log)
+    else:  # the 1.15 GB checkpoint goes away with the run unless --workdir keeps it
+        with tempfile.TemporaryDirectory(prefix="mcore_reshard_bench_") as tmp:
+            args.workdir = tmp
+            res = run(args, log)
     write(json.dumps(res) if args.json else table(res))
     return 0
 
