@@ -10,13 +10,14 @@ receives the whole model.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 
-from .layout.descriptor import Box, LocalParam, Piece, SideLayout, View, contiguous_strides
+from .layout.descriptor import DTYPE_BYTES, Box, LocalParam, Piece, SideLayout, View, contiguous_strides
 from .layout.torch_views import TORCH_DTYPES
 
 __all__ = ["gather_layout", "hf_buckets", "BroadcastStats", "broadcast_send", "broadcast_receive"]
@@ -48,10 +49,7 @@ def hf_buckets(tensors: Mapping[str, tuple[tuple[int, ...], str]], buffer_bytes:
 
 
 def _nbytes(shape, dtype: str) -> int:
-    n = TORCH_DTYPES[dtype].itemsize
-    for s in shape:
-        n *= s
-    return n
+    return math.prod(shape) * DTYPE_BYTES[dtype]
 
 
 @dataclass(frozen=True)
@@ -91,7 +89,7 @@ def broadcast_receive(tensors: Mapping[str, tuple[tuple[int, ...], str]], group,
     def stream() -> Iterator[tuple[str, torch.Tensor]]:
         for names in hf_buckets(tensors, buffer_bytes):
             dtype = TORCH_DTYPES[tensors[names[0]][1]]
-            numel = sum(_nbytes(tensors[n][0], tensors[n][1]) for n in names) // dtype.itemsize
+            numel = sum(math.prod(tensors[n][0]) for n in names)
             flat = torch.empty(numel, dtype=dtype)
             group.broadcast(flat, root=root, timeout_s=timeout_s)
             stats["bytes"] += flat.numel() * flat.element_size()
@@ -100,9 +98,7 @@ def broadcast_receive(tensors: Mapping[str, tuple[tuple[int, ...], str]], group,
             pos = 0
             for n in names:
                 shape = tuple(tensors[n][0])
-                k = 1
-                for s in shape:
-                    k *= s
+                k = math.prod(shape)
                 yield n, flat[pos : pos + k].view(shape)
                 pos += k
 

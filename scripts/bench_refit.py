@@ -27,7 +27,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -227,17 +227,11 @@ def check_round(session: Any, tokens: list[int], lr: float,
         stale = session.logprob_error(tokens)
         m, ph = one_refit(session, transport)
         err = session.logprob_error(tokens)
-        checks[transport] = {"metrics": _with_error(m, err), "stale_token_mult_prob_error": stale, "loss": loss,
+        checks[transport] = {"metrics": replace(m, token_mult_prob_error=err), "stale_token_mult_prob_error": stale, "loss": loss,
                              "phases": ph}
         log(f"check: {transport:<12} step loss {loss:.4f}, token_mult_prob_error {stale:.4g} stale -> {err:.6f} "
             f"after the refit ({m.seconds:.3f}s, verified={m.verified})  {_phase_line(ph)}")
     return checks
-
-
-def _with_error(m: Any, err: float) -> Any:
-    from dataclasses import replace
-
-    return replace(m, token_mult_prob_error=err)
 
 
 def _phase_line(ph: dict[str, float]) -> str:

@@ -106,6 +106,11 @@ class View:
             off += (i - o) * s
         return View(off, inner.sizes, self.stride)
 
+    def extent(self) -> tuple[int, int]:
+        """``[first, last + 1)`` flat local indices the view can touch."""
+        last = self.offset + sum((n - 1) * s for n, s in zip(self.shape, self.stride))
+        return self.offset, last + 1
+
     def is_contiguous(self) -> bool:
         """True when the view is one dense run of memory (size-1 dims ignored)."""
         expected = 1

@@ -7,6 +7,7 @@ and vLLM's own loaders can all serve as oracles for a refit.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
@@ -126,13 +127,7 @@ class ModelSpec:
         return {t.name: (t.shape, t.dtype) for t in self.tensors().values()}
 
     def total_bytes(self) -> int:
-        total = 0
-        for t in self.tensors().values():
-            n = 1
-            for s in t.shape:
-                n *= s
-            total += n
-        return total * self.itemsize
+        return sum(math.prod(t.shape) for t in self.tensors().values()) * self.itemsize
 
 
 def spec_from_hf_config(cfg: Mapping[str, Any], *, dtype: str | None = None, name: str = "") -> ModelSpec:

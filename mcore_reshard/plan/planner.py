@@ -123,15 +123,10 @@ def _check_param_dtype(param: LocalParam, side: SideLayout, what: str) -> None:
             raise PlanError(f"{param.name} ({what} rank {param.rank}) holds {param.dtype} but {piece.canonical} is {dtype}")
 
 
-def _extent(v: View) -> tuple[int, int]:
-    last = v.offset + sum((n - 1) * s for n, s in zip(v.shape, v.stride))
-    return v.offset, last + 1
-
-
 def _check_disjoint_views(param: LocalParam) -> None:
     """No local element is written twice; exact element sets only when extents interleave."""
     numel = param.numel
-    spans = sorted(((_extent(p.view), p) for p in param.pieces), key=lambda span: span[0])
+    spans = sorted(((p.view.extent(), p) for p in param.pieces), key=lambda span: span[0])
     interleaved = False
     for ((lo, hi), piece) in spans:
         if lo < 0 or hi > numel:

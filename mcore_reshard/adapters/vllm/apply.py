@@ -163,8 +163,7 @@ class VllmApplier:
             raise LayoutError(f"{local_name}: not a parameter of this worker")
         if tuple(tensor.shape) != tuple(view.shape):
             raise LayoutError(f"{local_name}: tensor shape {tuple(tensor.shape)} != view shape {view.shape}")
-        last = view.offset + sum((n - 1) * s for n, s in zip(view.shape, view.stride))
-        if view.offset < 0 or (math.prod(view.shape) and last >= lp.numel):
+        if view.offset < 0 or (math.prod(view.shape) and view.extent()[1] > lp.numel):
             raise LayoutError(f"{local_name}: view {view} leaves the local tensor of {lp.numel} elements")
         n = tensor.numel()
         done = self._written.get(local_name, 0) + n
