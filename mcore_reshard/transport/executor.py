@@ -36,6 +36,7 @@ import torch
 from ..layout.descriptor import LocalParam, View
 from ..layout.torch_views import TORCH_DTYPES, local_view, zero_padding
 from ..plan.types import RankPlan, Transfer
+from ..protocol import VerifyMode
 from .checksum import checksums
 from .group import RankMap, RefitError, RefitGroup, error_class
 from .packing import message_numel, pack, unpack
@@ -120,22 +121,26 @@ def execute_plan(
     rank_map: RankMap | None = None,
     *,
     timeout_s: float,
-    verify: bool = True,
+    verify: VerifyMode | bool = VerifyMode.CHECKSUM,
     progress: bool = False,
     plan_digest: str | None = None,
     wire_dtype: torch.dtype | None = None,
 ) -> TransferStats:
     """Run this group rank's sends (``plan_slice_src``) and receives (``plan_slice_dst``).
 
+    ``verify``: a ``VerifyMode`` (``checksum`` and ``full`` both run the exact checksums here;
+    ``full``'s element-wise comparison is the driver's, ``verify.py``); a bool means on/off.
     ``plan_digest``: when given, every rank's (digest, verify) must agree before a byte moves.
     ``progress``: show a progress bar on this rank if the refit runs longer than a second.
     Raises ``RefitTimeout``/``RefitError`` naming the peer and bucket; the group is then broken.
     """
     t_start = time.perf_counter()
+    mode = verify if isinstance(verify, VerifyMode) else (VerifyMode.CHECKSUM if verify else VerifyMode.OFF)
+    verify = mode.checksums
     rank_map = rank_map or group.rank_map
     _check_roles(plan_slice_src, plan_slice_dst, group.rank, rank_map)
     if plan_digest is not None:
-        group.check_agreement((plan_digest, verify), what="(plan digest, verify)", timeout_s=timeout_s)
+        group.check_agreement([plan_digest, mode.value], what="(plan digest, verify)", timeout_s=timeout_s)
     sink = _as_sink(dst_tensors_or_sink) if plan_slice_dst is not None else None
     dtype = wire_dtype or _wire_dtype(plan_slice_src, plan_slice_dst, src_tensors, dst_tensors_or_sink, sink)
     run = _Run(plan_slice_src, plan_slice_dst, src_tensors, sink, group, rank_map, dtype, timeout_s, verify)

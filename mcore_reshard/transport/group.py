@@ -12,79 +12,44 @@ death, so after any ``RefitError`` the group is broken: ``close()`` it and creat
 
 from __future__ import annotations
 
-import pickle
+import hashlib
+import hmac
+import json
+import logging
+import socket
+import time
 from collections import Counter
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
 
+from ..errors import RefitError, RefitTimeout
 from ..ports import free_port
+from ..protocol import RankMap
 
 __all__ = ["RefitError", "RefitTimeout", "RankMap", "RefitGroup", "free_port"]
 
 _CONNECT_TAG = (1 << 30) + 1  # never a bucket's tag
+_REJECTED = object()  # a control value that is missing or failed authentication
+_log = logging.getLogger("mcore_reshard.transport")
 
 
-class RefitError(RuntimeError):
-    """A refit failed; the message names the peer (side, rank, group rank) and the bucket."""
-
-
-class RefitTimeout(RefitError):
-    """A wait ran past its timeout (a peer is slow, stuck or gone)."""
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening socket bound to ``host:port`` only (the store's server takes its fd)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(256)
+    return sock
 
 
 def error_class(e: BaseException) -> type[RefitError]:
     """``RefitTimeout`` when a backend error says a wait ran out, else ``RefitError``."""
     text = str(e).lower()
     return RefitTimeout if "timed out" in text or "timeout" in text else RefitError
-
-
-@dataclass(frozen=True)
-class RankMap:
-    """Which group rank each source (training) and destination (inference) rank is.
-
-    ``src[r]`` / ``dst[r]`` are group ranks. A group rank may be both (colocated refit), in
-    which case its messages to itself never touch the wire.
-    """
-
-    src: tuple[int, ...]
-    dst: tuple[int, ...]
-
-    @staticmethod
-    def disaggregated(num_src: int, num_dst: int) -> "RankMap":
-        """Separate processes: source r -> r, destination r -> num_src + r."""
-        return RankMap(tuple(range(num_src)), tuple(range(num_src, num_src + num_dst)))
-
-    @staticmethod
-    def colocated(num_ranks: int) -> "RankMap":
-        """Each process is source r and destination r (trainer and engine share a process)."""
-        return RankMap(tuple(range(num_ranks)), tuple(range(num_ranks)))
-
-    @property
-    def world_size(self) -> int:
-        return max(self.src + self.dst, default=-1) + 1
-
-    def group_rank(self, side: str, rank: int) -> int:
-        return (self.src if side == "src" else self.dst)[rank]
-
-    def roles(self, group_rank: int) -> tuple[int | None, int | None]:
-        """(source rank, destination rank) played by ``group_rank``; None where it plays none."""
-        s = self.src.index(group_rank) if group_rank in self.src else None
-        d = self.dst.index(group_rank) if group_rank in self.dst else None
-        return s, d
-
-    def describe(self, side: str, rank: int) -> str:
-        """Human name used in every error, e.g. ``destination rank 1 (group rank 3)``."""
-        word = "source" if side == "src" else "destination"
-        return f"{word} rank {rank} (group rank {self.group_rank(side, rank)})"
-
-    def describe_group_rank(self, group_rank: int) -> str:
-        s, d = self.roles(group_rank)
-        parts = ([f"source rank {s}"] if s is not None else []) + ([f"destination rank {d}"] if d is not None else [])
-        return f"{' / '.join(parts) or 'no role'} (group rank {group_rank})"
 
 
 class RefitGroup:
@@ -109,13 +74,21 @@ class RefitGroup:
         #: refit, at the price of holding them); ``release_buffers()`` frees them.
         self.keep_buffers = True
         self._connected: set[int] = set()
+        self._listener: socket.socket | None = None
+        self._key = hashlib.sha256(b"hmac|").digest()
+        #: Store keys whose value failed authentication (reported, never used).
+        self.rejected: list[str] = []
 
     @classmethod
     def create(cls, host: str, port: int, rank: int, world_size: int, timeout_s: float, is_master: bool,
                device: str | torch.device = "cpu", *, rank_map: RankMap | None = None,
-               prefix: str = "mcore_reshard/refit") -> "RefitGroup":
+               prefix: str = "mcore_reshard/refit", secret: str = "") -> "RefitGroup":
         """Rendezvous at ``host:port`` (the master serves the store) and build the backend.
 
+        The master's store listens on ``host`` only (a socket bound there is handed to the
+        store), never on a wildcard address. Keys live under a prefix derived from the job's
+        ``secret``, and every control message is authenticated with it (:meth:`exchange`), so
+        a process without the secret can neither find the group's keys nor plant a message.
         ``rank_map`` defaults to the disaggregated map with no destinations; pass the real one
         (``RankMap.disaggregated(num_src, num_dst)``) so errors can name sides and ranks.
         """
@@ -124,14 +97,20 @@ class RefitGroup:
             raise ValueError(f"rank {rank} / rank map of {rank_map.world_size} group ranks do not fit a group of "
                              f"{world_size}")
         timeout = timedelta(seconds=timeout_s)
-        tcp = dist.TCPStore(host, port, world_size, is_master, timeout=timeout, wait_for_workers=False)
-        store = dist.PrefixStore(prefix, tcp)
+        listener = _listen(host, port) if is_master else None
+        tcp = dist.TCPStore(host, port, world_size, is_master, timeout=timeout, wait_for_workers=False,
+                            master_listen_fd=listener.fileno() if listener is not None else None)
+        tag = hashlib.sha256(f"prefix|{secret}".encode()).hexdigest()[:24]
+        store = dist.PrefixStore(f"{prefix}/{tag}", tcp)
         device = torch.device(device)
         if device.type == "cuda":
             pg = _nccl_group(store, rank, world_size, timeout, device)
         else:
             pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
-        return cls(store, pg, rank, world_size, timeout_s, device, rank_map, tcp)
+        group = cls(store, pg, rank, world_size, timeout_s, device, rank_map, tcp)
+        group._listener = listener
+        group._key = hashlib.sha256(f"hmac|{secret}".encode()).digest()
+        return group
 
     # -- wire buffers ----------------------------------------------------------------------
 
@@ -187,26 +166,55 @@ class RefitGroup:
 
     # -- control plane (small picklable objects through the store) -------------------------
 
-    def exchange(self, obj: Any, timeout_s: float | None = None) -> list[Any]:
-        """All-gather a small object among all group ranks through the store (no tensors, no
-        backend: it works before the data plane is trusted and after it broke).
+    def _sign(self, key: str, body: str) -> str:
+        mac = hmac.new(self._key, f"{key}\0{body}".encode(), hashlib.sha256).hexdigest()
+        return json.dumps({"mac": mac, "body": body})
 
-        Every rank must call it the same number of times (keys are sequenced). Raises
-        ``RefitTimeout`` naming the ranks that never contributed.
+    def _open(self, key: str, raw: bytes) -> Any:
+        """Decode one control message; an unauthenticated value is reported and ignored."""
+        try:
+            msg = json.loads(raw)
+            good = hmac.compare_digest(
+                msg["mac"], hmac.new(self._key, f"{key}\0{msg['body']}".encode(), hashlib.sha256).hexdigest())
+        except (ValueError, KeyError, TypeError):
+            good = False
+        if not good:
+            self.rejected.append(key)
+            _log.warning("refit group: ignored an unauthenticated control value under %r", key)
+            return _REJECTED
+        return json.loads(msg["body"])
+
+    def exchange(self, obj: Any, timeout_s: float | None = None) -> list[Any]:
+        """All-gather a small JSON-able value among all group ranks through the store (no
+        tensors, no backend: it works before the data plane is trusted and after it broke).
+
+        Values are JSON with an HMAC under the job secret: nothing read from the network is
+        unpickled, and a value planted by a process without the secret is ignored (and listed
+        in ``rejected``). Every rank must call it the same number of times (keys are
+        sequenced). Raises ``RefitTimeout`` naming the ranks that never contributed.
         """
         ranks = range(self.world_size)
         timeout_s = timeout_s or self.timeout_s
         seq = self._seq
         self._seq += 1
         keys = [f"ctl/{seq}/{r}" for r in ranks]
-        self.store.set(f"ctl/{seq}/{self.rank}", pickle.dumps(obj))
-        try:
-            self.store.wait(keys, timedelta(seconds=timeout_s))
-        except Exception as e:  # noqa: BLE001 -- the store raises a bare RuntimeError/DistStoreError
-            missing = [r for r, k in zip(ranks, keys) if not self.store.check([k])]
-            who = ", ".join(self.rank_map.describe_group_rank(r) for r in missing) or "unknown"
-            raise RefitTimeout(f"control exchange #{seq}: no answer from {who} within {timeout_s}s") from e
-        values = [pickle.loads(v) for v in self.store.multi_get(keys)]
+        mine = keys[self.rank]
+        self.store.set(mine, self._sign(mine, json.dumps(obj)))
+        values: list[Any] = [_REJECTED] * self.world_size
+        deadline = time.monotonic() + timeout_s
+        while True:
+            missing = [r for r in ranks if values[r] is _REJECTED]
+            present = [r for r in missing if self.store.check([keys[r]])]
+            if present:
+                for r, raw in zip(present, self.store.multi_get([keys[r] for r in present])):
+                    values[r] = self._open(keys[r], raw)
+                missing = [r for r in ranks if values[r] is _REJECTED]
+            if not missing:
+                break
+            if time.monotonic() > deadline:
+                who = ", ".join(self.rank_map.describe_group_rank(r) for r in missing)
+                raise RefitTimeout(f"control exchange #{seq}: no answer from {who} within {timeout_s}s")
+            time.sleep(0.005)
         if seq:
             # Every rank posted #seq only after reading all of #seq-1: this rank's old key is
             # dead, so the store does not grow with every refit of a long run.
@@ -218,14 +226,45 @@ class RefitGroup:
 
         Raises ``RefitError`` on every rank naming the rank(s) that disagree with the majority.
         """
-        values = self.exchange(value, timeout_s)
+        values = [json.dumps(v, sort_keys=True) for v in self.exchange(value, timeout_s)]
         counts = Counter(values)
         if len(counts) == 1:
             return
         majority, _ = max(counts.items(), key=lambda kv: (kv[1], -values.index(kv[0])))
         bad = [r for r, v in enumerate(values) if v != majority]
-        detail = "; ".join(f"{self.rank_map.describe_group_rank(r)} has {values[r]!r}" for r in bad)
-        raise RefitError(f"{what} disagreement: most ranks have {majority!r} but {detail}")
+        detail = "; ".join(f"{self.rank_map.describe_group_rank(r)} has {values[r]}" for r in bad)
+        raise RefitError(f"{what} disagreement: most ranks have {majority} but {detail}")
+
+    def vote(self, ok: bool, payload: Any, timeout_s: float | None = None) -> tuple[bool, list[Any]]:
+        """Two-phase commit over the control plane: every rank votes once per refit.
+
+        Returns ``(commit, payloads)``: commit only when every rank voted ok; abort as soon as
+        any vote present says no (a rank that failed does not make the others wait for the
+        rest). ``payloads[r]`` is rank r's payload, or None where it had not voted yet. A rank
+        that never votes aborts everyone after ``timeout_s``.
+        """
+        timeout_s = timeout_s or self.timeout_s
+        seq = self._seq
+        self._seq += 1
+        keys = [f"vote/{seq}/{r}" for r in range(self.world_size)]
+        self.store.set(keys[self.rank], self._sign(keys[self.rank], json.dumps({"ok": ok, "payload": payload})))
+        votes: list[Any] = [_REJECTED] * self.world_size
+        deadline = time.monotonic() + timeout_s
+        while True:
+            missing = [r for r in range(self.world_size) if votes[r] is _REJECTED]
+            present = [r for r in missing if self.store.check([keys[r]])]
+            if present:
+                for r, raw in zip(present, self.store.multi_get([keys[r] for r in present])):
+                    votes[r] = self._open(keys[r], raw)
+            got = [v for v in votes if v is not _REJECTED]
+            if any(not v["ok"] for v in got) or len(got) == self.world_size:
+                break
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.005)
+        payloads = [None if v is _REJECTED else v["payload"] for v in votes]
+        commit = all(v is not _REJECTED and v["ok"] for v in votes)
+        return commit, payloads
 
     def barrier(self, timeout_s: float | None = None) -> None:
         self.exchange(None, timeout_s)
@@ -246,6 +285,9 @@ class RefitGroup:
                 pass
             self.store = None
             self._tcp_store = None
+            if self._listener is not None:
+                self._listener.close()
+                self._listener = None
 
 
 def _nccl_group(store: dist.Store, rank: int, world: int, timeout: timedelta, device: torch.device) -> Any:

@@ -29,6 +29,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from ...errors import RefitIncomplete
 from ...layout.descriptor import LayoutError, LocalParam, View
 from ...layout.torch_views import local_view, zero_padding
 
@@ -36,10 +37,6 @@ __all__ = ["VllmApplier", "RefitIncomplete", "select_modes", "plain_linear_enabl
 
 DIRECT = "direct"
 RELOAD = "reload"
-
-
-class RefitIncomplete(RuntimeError):
-    """A refit stopped after live weights were partly replaced: the engine must not serve."""
 
 
 def _owner(model: torch.nn.Module, local_name: str) -> tuple[torch.nn.Module, str]:
@@ -146,6 +143,7 @@ class VllmApplier:
         self._layers: dict[int, _LayerState] = {}
         self._staged: dict[str, torch.Tensor] = {}  # atomic direct writes
         self._live_changed = False
+        self._prepared = False
 
     # -- lifecycle ---------------------------------------------------------------------
     def begin(self) -> None:
@@ -179,10 +177,14 @@ class VllmApplier:
                 self._process(st)
                 self._commit(st)
 
-    def finish(self) -> None:
-        """Check completeness, commit what is pending, and go back to serving."""
+    def prepare(self) -> None:
+        """Phase one of an atomic commit: check completeness and run vLLM's processing on the
+        staged layers; nothing live changes (``abort`` still restores everything). A worker
+        votes to commit only after this succeeded. Streaming mode: same as ``finish``'s checks."""
         if self.state != "updating":
-            raise RuntimeError(f"finish() without begin() (state {self.state})")
+            raise RuntimeError(f"prepare() without begin() (state {self.state})")
+        if self._prepared:
+            return
         try:
             self._check_complete()
             for name in self._written:
@@ -191,6 +193,18 @@ class VllmApplier:
             if self.atomic:
                 for st in self._layers.values():
                     self._process(st)
+        except BaseException as exc:
+            self._fail(f"prepare() failed: {exc}")
+            raise
+        self._prepared = True
+
+    def finish(self) -> None:
+        """Check completeness, commit what is pending, and go back to serving."""
+        if self.state != "updating":
+            raise RuntimeError(f"finish() without begin() (state {self.state})")
+        self.prepare()
+        try:
+            if self.atomic:
                 for name, staged in self._staged.items():
                     layer, pname = _owner(self.model, name)
                     self._live_changed = True

@@ -1,9 +1,11 @@
-"""vLLM worker extension: control-plane methods run inside every worker.
+"""vLLM worker extension: what vLLM's weight-transfer API cannot carry.
 
-Use with ``LLM(..., worker_extension_cls="mcore_reshard.adapters.vllm.worker.ReshardWorkerExtension")``
-and ``llm.collective_rpc("mr_describe")``. Arguments and results are control messages
-(picklable descriptors, names, checksums); bulk bytes travel over a separate data plane,
-which plugs in by subclassing and feeding :meth:`ReshardWorkerExtension.mr_applier`.
+Refits themselves go through the registered weight-transfer engine
+(``weight_transfer.py``); this extension is only for recording descriptors (``mr_describe``),
+diagnostics (status, the received copy for ``verify=full``, the raw-bandwidth probe, live
+checksums) and the HF-broadcast baseline's receive side. Use with
+``LLM(..., worker_extension_cls="mcore_reshard.adapters.vllm.worker.ReshardWorkerExtension")``
+and ``llm.collective_rpc("mr_describe")``; arguments and results are control messages.
 
 With ``MCORE_RESHARD_PLAIN_LINEAR=1`` in the environment (``start_engine(direct=True)``),
 importing this module in a worker replaces vLLM's CPU GEMM dispatch so dense linears keep
@@ -20,11 +22,14 @@ from typing import Any, Sequence
 
 import torch
 
+from ...hf_broadcast import HFBroadcastWorkerMethods
 from ...layout.descriptor import LocalParam
 from .apply import RefitIncomplete, VllmApplier, select_modes
 from .record import record_local_params
 
-__all__ = ["ReshardWorkerExtension", "PLAIN_LINEAR_ENV", "install_plain_linear"]
+__all__ = ["ReshardWorkerExtension", "REFIT_EXTENSION", "PLAIN_LINEAR_ENV", "install_plain_linear"]
+
+REFIT_EXTENSION = "mcore_reshard.adapters.vllm.worker.ReshardWorkerExtension"
 
 PLAIN_LINEAR_ENV = "MCORE_RESHARD_PLAIN_LINEAR"
 
@@ -45,28 +50,31 @@ if os.environ.get(PLAIN_LINEAR_ENV) == "1":
     install_plain_linear()
 
 
-class ReshardWorkerExtension:
+class ReshardWorkerExtension(HFBroadcastWorkerMethods):
     """Mixed into vLLM's worker class; ``self`` is the worker (``self.model_runner`` etc.)."""
 
     # -- helpers (not RPC targets) -------------------------------------------------------
     def _mr_model(self) -> torch.nn.Module:
         return self.model_runner.get_model()  # type: ignore[attr-defined]
 
-    def _mr_canonical_tensors(self) -> dict[str, tuple[tuple[int, ...], str]]:
-        """Canonical HF tensors of the served model (names, shapes), from its HF config."""
-        from ...layout.spec import spec_from_hf_config
+    def _mr_engine(self) -> Any:
+        """This worker's ``mcore_reshard`` weight-transfer engine, or None."""
+        from .weight_transfer import ReshardWeightTransferEngine
 
-        mc = self.vllm_config.model_config  # type: ignore[attr-defined]
-        dtype = str(mc.dtype).replace("torch.", "")
-        spec = spec_from_hf_config(mc.hf_config, dtype=dtype)
-        return spec.tensor_table()
+        eng = getattr(self, "weight_transfer_engine", None)
+        return eng if isinstance(eng, ReshardWeightTransferEngine) else None
 
     def mr_params(self) -> list[LocalParam]:
-        """Recorded pieces of this worker (recorded once, cached)."""
+        """Recorded pieces of this worker (recorded once, cached; the engine's when it has one)."""
+        eng = self._mr_engine()
+        if eng is not None:
+            return eng.params()
         cached = getattr(self, "_mr_cached_params", None)
         if cached is None:
+            from .weight_transfer import canonical_tensors
+
             cached = record_local_params(
-                self._mr_model(), self._mr_canonical_tensors(), self.mr_rank_info()["rank"],
+                self._mr_model(), canonical_tensors(self.vllm_config), self.mr_rank_info()["rank"],  # type: ignore[attr-defined]
                 vllm_config=self.vllm_config, device=self.mr_rank_info()["device"],  # type: ignore[attr-defined]
             )
             self._mr_cached_params = cached
@@ -109,9 +117,38 @@ class ReshardWorkerExtension:
         """Per local parameter: ``direct`` (in-place) or ``reload`` (layerwise lifecycle)."""
         return select_modes(self._mr_model(), self.mr_params())
 
-    def mr_status(self) -> dict[str, str]:
-        ap = getattr(self, "_mr_current_applier", None)
-        return {"state": "serving" if ap is None else ap.state, "reason": "" if ap is None else ap.reason}
+    def mr_status(self) -> dict[str, Any]:
+        """Serving state of this worker's model and the agreed outcome of the last refit."""
+        eng = self._mr_engine()
+        ap = getattr(self, "_mr_current_applier", None) or (eng._applier if eng is not None else None)
+        out: dict[str, Any] = {"state": "serving" if ap is None else ap.state, "reason": "" if ap is None else ap.reason}
+        if eng is not None and eng.last_outcome is not None:
+            out.update(committed=eng.last_outcome.commit, errors=list(eng.last_outcome.errors))
+        return out
+
+    def mr_received(self) -> bytes:
+        """``verify=full``: this rank's model-format parameters after the last refit, pickled
+        ``{local_name: (tensor, "live" | "received")}``: live values where the kernel keeps
+        model format, else the copy the engine kept while receiving."""
+        eng = self._mr_engine()
+        received = eng.received if eng is not None else None
+        if received is None:
+            raise RuntimeError("mr_received needs a refit with verify=full first")
+        modes = self.mr_modes()
+        params = dict(self._mr_model().named_parameters())
+        out = {}
+        for name, copy in received.items():
+            live = params.get(name)
+            direct = modes.get(name) == "direct" and live is not None and tuple(live.shape) == tuple(copy.shape)
+            out[name] = (live.detach().cpu().clone() if direct else copy, "live" if direct else "received")
+        return pickle.dumps(out)
+
+    def mr_raw_bandwidth(self, pairs: list[tuple[int, int]], nbytes: int, timeout_s: float) -> float | None:
+        """Benchmark floor over the engine's refit group (see ``RefitEndpoint.raw_bandwidth``)."""
+        eng = self._mr_engine()
+        if eng is None or eng.endpoint is None:
+            raise RuntimeError("mr_raw_bandwidth needs a joined mcore_reshard weight-transfer engine")
+        return eng.endpoint.raw_bandwidth([tuple(p) for p in pairs], nbytes, timeout_s)
 
     def mr_begin(self, atomic: bool = False) -> None:
         self.mr_applier(atomic).begin()
@@ -137,7 +174,7 @@ class ReshardWorkerExtension:
         ``stop_after`` stops after that many writes and calls ``then`` (``abort`` or
         ``finish``) to exercise the failure paths."""
         from ...layout.torch_views import box_slices
-        from ...testing.tiny import load_canonical
+        from ...checkpoint import load_canonical
 
         canon = load_canonical(path)
         ap = self.mr_applier(atomic)

@@ -1,0 +1,98 @@
+"""The training end of a refit, created inside a framework's own Megatron-Core rank.
+
+Nothing here assumes this project started the process: a framework builds the endpoint from
+the model chunks it already holds (wrapped in ``Float16Module`` / DDP or not) after megatron's
+``parallel_state`` is initialised, and calls it from its own control loop::
+
+    ep = TrainerEndpoint(model_chunks, spec, sync_params=policy.sync_params)
+    params = ep.describe()                         # -> the driver plans with every rank's list
+    ep.join(JoinInfo(...))                         # once per refit group
+    ep.set_plan(slice_wire, plan_digest)           # once per layout
+    report = ep.refit(RefitRequest(plan_digest))   # every step; raises RefitFailed if any rank failed
+    ep.leave()
+
+``refit`` moves this rank's boxes, then votes with every other rank of the refit group (all
+trainers and every engine's workers): all commit or none does, and the votes carry every
+rank's ``RankReport`` (``last_reports``), which is how the inference side reports back.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence
+
+from ...layout import LocalParam, ModelSpec
+from ...protocol import JoinInfo, RankReport, RefitRequest
+from ...transport.endpoint import Outcome, RefitEndpoint
+from .live import describe, named_local_params
+
+__all__ = ["TrainerEndpoint", "sync_params_before_refit"]
+
+
+def sync_params_before_refit(chunks: Sequence[Any]) -> None:
+    """With the distributed optimizer and an overlapped param all-gather, bf16 params are only
+    whole after the gather: force it before reading them (no-op for unwrapped models)."""
+    for chunk in chunks:
+        sync = getattr(chunk, "start_param_sync", None)
+        if callable(sync):
+            sync(force_sync=True)
+
+
+class TrainerEndpoint:
+    """One training rank's end of the refit protocol (see the module docstring)."""
+
+    def __init__(self, model_chunks: Sequence[Any], spec: ModelSpec, *, rank: int | None = None,
+                 sync_params: Callable[[], None] | None = None, device: str = "cpu") -> None:
+        import torch.distributed as dist
+
+        self.chunks = list(model_chunks)
+        self.spec = spec
+        self.rank = dist.get_rank() if rank is None else rank
+        self._sync = sync_params or (lambda: sync_params_before_refit(self.chunks))
+        self._endpoint = RefitEndpoint("src", self.rank, device)
+        self._params: list[LocalParam] | None = None
+        #: Every rank's report of the last refit, by refit-group rank (None: no vote).
+        self.last_reports: list[RankReport | None] = []
+        self.last_outcome: Outcome | None = None
+
+    def describe(self) -> list[LocalParam]:
+        """This rank's pieces, predicted by the rules and checked name by name against the
+        live model (``live.describe``); cached."""
+        if self._params is None:
+            self._params = describe(self.chunks, self.spec)
+        return self._params
+
+    def join(self, info: JoinInfo) -> int:
+        return self._endpoint.join(info)
+
+    def set_plan(self, slice_wire: Mapping[str, Any], plan_digest: str) -> str:
+        return self._endpoint.set_plan(slice_wire, plan_digest)
+
+    def local_tensors(self) -> dict[str, Any]:
+        """The live local parameters by descriptor name (read, never copied)."""
+        return {name: p.data for name, p in named_local_params(self.chunks).items()}
+
+    def refit(self, request: RefitRequest, progress: bool = False) -> RankReport:
+        """Send this rank's boxes, vote, and return this rank's report. Raises ``RefitFailed``
+        naming every failing rank of either side when the refit did not commit."""
+        self._sync()
+        report, error = None, None
+        try:
+            stats = self._endpoint.run(request, self.local_tensors(), None, progress=progress)
+            report = self._endpoint.report(stats)
+        except BaseException as exc:  # noqa: BLE001 - voted on, then raised below
+            error = exc
+        outcome = self._endpoint.vote(request, report, error)
+        self.last_outcome, self.last_reports = outcome, outcome.reports
+        outcome.raise_if_failed()
+        return report
+
+    def raw_bandwidth(self, pairs: list[tuple[int, int]], nbytes: int, timeout_s: float) -> float | None:
+        return self._endpoint.raw_bandwidth(pairs, nbytes, timeout_s)
+
+    @property
+    def group(self):
+        """The refit group (the HF baseline gathers over it)."""
+        return self._endpoint.group
+
+    def leave(self) -> None:
+        self._endpoint.leave()

@@ -1,0 +1,212 @@
+"""The inference end of a refit: a vLLM weight-transfer engine named ``mcore_reshard``.
+
+A user of plain vLLM turns it on with ``LLM(..., weight_transfer_config={"backend":
+"mcore_reshard"})`` (the ``vllm.general_plugins`` entry point registers it in every worker)
+and drives it with vLLM's own calls:
+
+    llm.init_weight_transfer_engine({"init_info": {"join": JoinInfo.to_wire(), "slices": {...},
+                                                   "plan_digest": ...}})   # once per layout
+    llm.start_weight_update()
+    llm.update_weights({"update_info": {"request": RefitRequest.to_wire()}})  # every refit
+    llm.finish_weight_update()
+    llm.reset_prefix_cache()   # KV blocks computed with the old weights
+
+``update_weights`` receives this worker's boxes over the refit group and writes them through
+:class:`VllmApplier` (vLLM's layerwise reload where the kernel repacks, in place where it keeps
+model format). Every rank of the refit (trainers and every engine's workers) then votes over
+the group's control plane: all commit or none does (``RefitRequest.atomic``), so an engine
+never serves a model no one trained. The outcome and every rank's ``RankReport`` reach the
+trainer endpoints through that same vote (vLLM's engine API has no channel back), which is
+where a failed refit raises. ``update_weights`` itself does not raise for a failed transfer:
+in vLLM's ``collective_rpc`` one worker raising leaves the other workers' replies queued and
+poisons the next call; the outcome is kept here (``last_outcome``) for diagnostics instead.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from ...errors import RefitError
+from ...layout.descriptor import LocalParam
+from ...protocol import JoinInfo, RankReport, RefitRequest, VerifyMode
+from ...transport.endpoint import Outcome, RefitEndpoint
+from .apply import VllmApplier
+
+__all__ = ["ReshardInitInfo", "ReshardUpdateInfo", "ReshardWeightTransferEngine", "canonical_tensors",
+           "engine_rank"]
+
+
+@dataclass
+class ReshardInitInfo(WeightTransferInitInfo):
+    """``join``: ``JoinInfo.to_wire()``; ``slices``: destination rank (as a string) -> plan
+    slice (``plan.wire.slice_to_wire``) for every worker of this engine; ``plan_digest``."""
+
+    join: dict[str, Any] = field(default_factory=dict)
+    slices: dict[str, Any] = field(default_factory=dict)
+    plan_digest: str = ""
+
+
+@dataclass
+class ReshardUpdateInfo(WeightTransferUpdateInfo):
+    """``request``: ``RefitRequest.to_wire()``."""
+
+    request: dict[str, Any] = field(default_factory=dict)
+
+
+def canonical_tensors(vllm_config: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Canonical HF tensors (name -> shape, dtype) of the served model, from its HF config."""
+    from ...layout.spec import spec_from_hf_config
+
+    mc = vllm_config.model_config
+    return spec_from_hf_config(mc.hf_config, dtype=str(mc.dtype).replace("torch.", "")).tensor_table()
+
+
+def engine_rank() -> int:
+    """This worker's rank inside its engine (vLLM's world group)."""
+    from vllm.distributed.parallel_state import get_world_group
+
+    return int(get_world_group().rank_in_group)
+
+
+class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
+    init_info_cls = ReshardInitInfo
+    update_info_cls = ReshardUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.endpoint: RefitEndpoint | None = None
+        self.local_rank = engine_rank()
+        self._params: list[LocalParam] | None = None
+        self._applier: VllmApplier | None = None
+        #: The agreed outcome and this rank's report of the last refit (diagnostics).
+        self.last_outcome: Outcome | None = None
+        self.last_report: RankReport | None = None
+        #: Model-format copy of what the last ``verify=full`` refit received, by local name.
+        self.received: dict[str, torch.Tensor] | None = None
+
+    # -- descriptors ------------------------------------------------------------------------
+    def params(self) -> list[LocalParam]:
+        """This worker's destination pieces, recorded once with vLLM's own loaders."""
+        if self._params is None:
+            from .record import record_local_params
+
+            self._params = record_local_params(self.model, canonical_tensors(self.vllm_config), self.local_rank,
+                                               vllm_config=self.vllm_config, device=self.device)
+        return self._params
+
+    def applier(self, atomic: bool) -> VllmApplier:
+        ap = self._applier
+        if ap is None or ap.atomic != atomic:
+            ap = self._applier = VllmApplier(self.model, self.params(), atomic=atomic, device=self.device)
+        return ap
+
+    # -- vLLM's lifecycle ---------------------------------------------------------------------
+    def init_transfer_engine(self, init_info: ReshardInitInfo) -> None:
+        """Join the refit group and keep this worker's plan slice, checked against what this
+        worker records itself: every destination parameter the slice writes exists here and
+        receives exactly its non-padding elements."""
+        info = JoinInfo.from_wire(init_info.join)
+        rank = info.dst_offset + self.local_rank
+        wire = init_info.slices.get(str(rank))
+        if wire is None:
+            raise RefitError(f"vLLM destination rank {rank}: the init info carries no plan slice for it")
+        endpoint = RefitEndpoint("dst", rank, self.device)
+        endpoint.set_plan(wire, init_info.plan_digest)
+        self._check_slice(endpoint, rank, init_info.plan_digest)
+        endpoint.join(info)
+        if self.endpoint is not None:
+            self.endpoint.leave()
+        self.endpoint = endpoint
+
+    def _check_slice(self, endpoint: RefitEndpoint, rank: int, digest: str) -> None:
+        mine = {p.name: p.numel - p.padding for p in self.params()}
+        got: dict[str, int] = {}
+        for t in endpoint._slice.transfers:
+            if t.dst_name not in mine:
+                raise RefitError(f"vLLM destination rank {rank}: plan {digest} writes {t.dst_name!r}, "
+                                 f"which this worker does not hold")
+            got[t.dst_name] = got.get(t.dst_name, 0) + t.box.numel
+        bad = [n for n, k in got.items() if k != mine[n]]
+        if bad:
+            raise RefitError(f"vLLM destination rank {rank}: plan {digest} writes {got[bad[0]]} elements of "
+                             f"{bad[0]!r}, this worker holds {mine[bad[0]]}")
+
+    def start_weight_update(self) -> None:
+        """Nothing to open: layers are opened as their first bytes arrive (``VllmApplier``)."""
+
+    def receive_weights(self, update_info: ReshardUpdateInfo) -> None:
+        """One whole refit: receive and stage (or stream), vote with every rank, commit or
+        roll back. Never raises for a failed transfer (see the module docstring)."""
+        if self.endpoint is None:
+            raise RefitError("update_weights before init_weight_transfer_engine")
+        request = RefitRequest.from_wire(update_info.request)
+        applier = self.applier(request.atomic)
+        sink: Any = applier
+        self.received = None
+        if request.verify is VerifyMode.FULL:
+            sink = _Tee(applier)
+            self.received = sink.copies
+        report, error = None, None
+        applier.begin()
+        try:
+            stats = self.endpoint.run(request, {}, sink)
+            t0 = time.perf_counter()
+            if request.atomic:
+                applier.prepare()  # complete and processed, nothing live changed yet
+            else:
+                applier.finish()  # streaming: layers committed as they completed; the rest now
+            finish_s = time.perf_counter() - t0
+            report = self.endpoint.report(stats, _apply_phases(applier.timings, finish_s))
+        except BaseException as exc:  # noqa: BLE001 - voted on, then kept as the outcome
+            error = exc
+        outcome = self.endpoint.vote(request, report, error)
+        if outcome.commit and request.atomic:
+            try:
+                applier.finish()  # everyone staged and verified: commit together
+            except BaseException as exc:  # noqa: BLE001 - this engine no longer serves
+                outcome = Outcome(False, outcome.reports, outcome.errors + [f"{self.endpoint.who}: commit failed: {exc}"])
+        elif not outcome.commit and applier.state == "updating":
+            try:
+                applier.abort(f"refit aborted: {'; '.join(outcome.errors)[:500]}")
+            except RefitError:
+                pass  # streaming mode after a partial commit: the applier now refuses to serve
+        self.last_outcome, self.last_report = outcome, report
+
+    def finish_weight_update(self) -> None:
+        """Nothing to close: the commit happened inside ``update_weights`` (all ranks agreed)."""
+
+    def shutdown(self) -> None:
+        if self.endpoint is not None:
+            self.endpoint.leave()
+            self.endpoint = None
+
+
+def _apply_phases(timings: dict[str, float], finish_s: float) -> dict[str, float]:
+    return {f"apply_{k}": v for k, v in timings.items()} | {"apply_finish": finish_s}
+
+
+class _Tee:
+    """Sink that applies every write and keeps a model-format copy of it (``verify=full``)."""
+
+    def __init__(self, applier: VllmApplier) -> None:
+        from ...layout.torch_views import TORCH_DTYPES
+
+        self.applier = applier
+        self.params = applier.params  # the executor reads the wire dtype from here
+        self.copies = {p.name: torch.zeros(p.shape, dtype=TORCH_DTYPES[p.dtype]) for p in applier.params.values()}
+
+    def write(self, local_name: str, view: Any, tensor: torch.Tensor) -> None:
+        from ...layout.torch_views import local_view
+
+        self.applier.write(local_name, view, tensor)
+        local_view(self.copies[local_name], view).copy_(tensor)

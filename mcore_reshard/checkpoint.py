@@ -1,0 +1,106 @@
+"""HF checkpoints on disk: read one as canonical tensors, or write a tiny random one.
+
+``load_canonical`` is how a refit job and the tests load weights by HF name. The tiny random
+checkpoints (Qwen3, Qwen3-MoE, Llama-3, Qwen2 with qkv bias), written by transformers, are the
+built-in models of the demo job and the tests: no hub and no tokenizer, token ids in and out.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+__all__ = ["TINY_DENSE", "TINY_MOE", "TINY_FAMILIES", "tiny_config", "make_tiny_checkpoint", "load_canonical"]
+
+#: Small enough for seconds-long CPU tests, shaped so that every layout rule is exercised:
+#: GQA with P = 4 query heads per group, qk-norm, vocab not a multiple of 64 (vLLM pads it).
+TINY_DENSE: dict[str, Any] = dict(
+    architectures=["Qwen3ForCausalLM"],
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=32,  # the vLLM CPU attention backend supports head_dim >= 32
+    vocab_size=1000,
+    max_position_embeddings=512,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+
+TINY_MOE: dict[str, Any] = dict(
+    TINY_DENSE,
+    architectures=["Qwen3MoeForCausalLM"],
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    norm_topk_prob=True,
+)
+
+
+#: The same tiny shape in every dense family the specs support (Llama-3: no qk-norm; Qwen2:
+#: qkv bias, no qk-norm). Keys the family's config class does not know are dropped.
+TINY_FAMILIES: dict[str, dict[str, Any]] = {
+    "qwen3": TINY_DENSE,
+    "qwen3_moe": TINY_MOE,
+    "llama": dict(TINY_DENSE, architectures=["LlamaForCausalLM"], attention_bias=False, mlp_bias=False),
+    "qwen2": dict(TINY_DENSE, architectures=["Qwen2ForCausalLM"]),
+}
+
+_CONFIG_CLASSES = {
+    "Qwen3ForCausalLM": "Qwen3Config",
+    "Qwen3MoeForCausalLM": "Qwen3MoeConfig",
+    "LlamaForCausalLM": "LlamaConfig",
+    "Qwen2ForCausalLM": "Qwen2Config",
+}
+
+
+def tiny_config(family: str = "qwen3", overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The HF config dict of a tiny model of ``family`` (what ``config.json`` will hold)."""
+    if family not in TINY_FAMILIES:
+        raise ValueError(f"tiny model family {family!r} is not one of {sorted(TINY_FAMILIES)}")
+    return dict(TINY_FAMILIES[family], **(overrides or {}))
+
+
+def make_tiny_checkpoint(path: str | Path, overrides: dict[str, Any] | None = None, *, moe: bool = False,
+                         dtype: str = "float32", seed: int = 0, family: str | None = None) -> Path:
+    """Write a random-weight HF checkpoint to ``path`` and return it.
+
+    ``family``: qwen3 (default; qwen3_moe when ``moe``), llama or qwen2. Norm weights are
+    randomised too (HF initialises them to ones, which would hide a norm mapped to the wrong
+    tensor), and so are biases.
+    """
+    import torch
+    import transformers
+
+    cfg_kwargs = tiny_config(family or ("qwen3_moe" if moe else "qwen3"), overrides)
+    arch = cfg_kwargs["architectures"][0]
+    config_cls = getattr(transformers, _CONFIG_CLASSES[arch])
+    config = config_cls(**{k: v for k, v in cfg_kwargs.items() if k != "architectures"})
+    config.architectures = [arch]
+    torch.manual_seed(seed)
+    model_cls = getattr(transformers, arch)
+    model = model_cls(config).to(getattr(torch, dtype))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.05)
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def load_canonical(path: str | Path) -> dict[str, "torch.Tensor"]:  # noqa: F821
+    """All tensors of a safetensors checkpoint directory, by HF name."""
+    from safetensors.torch import load_file
+
+    tensors: dict[str, Any] = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    return tensors

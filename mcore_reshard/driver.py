@@ -1,0 +1,251 @@
+"""The refit driver: orchestration only.
+
+    descriptors (trainer endpoints + engines) -> plan (pure, cached) -> ship slices -> refits
+    -> every rank's RankReport gathered into RefitMetrics
+
+It holds handles to trainer endpoints (a :class:`~.trainer.TrainerPool` here; any object with
+the same ``submit``/``collect`` calls works) and to vLLM engines (``LLM`` objects started with
+``weight_transfer_config={"backend": "mcore_reshard"}``), and talks to the engines only through
+vLLM's own weight-transfer calls (plus the diagnostics extension for recording and status).
+Opened as one context manager::
+
+    with RefitDriver(pool, engines, refit_config, spec) as driver:
+        metrics = driver.refit()
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Any, Sequence
+
+from .errors import RefitFailed
+from .layout import LocalParam, ModelSpec, Piece, SideLayout
+from .plan import get_plan
+from .plan.types import TransferPlan
+from .plan.wire import slice_to_wire
+from .policy import RefitConfig
+from .ports import free_port
+from .protocol import JoinInfo, RankMap, RankReport, RefitRequest, first_error_line
+
+__all__ = ["RefitDriver", "RefitMetrics", "engine_world", "dst_layout_of"]
+
+_log = logging.getLogger("mcore_reshard.driver")
+
+
+@dataclass(frozen=True)
+class RefitMetrics:
+    """One refit, as reported (``refit --json`` prints these keys)."""
+
+    transport: str
+    bytes_moved: int  # over the wire, all ranks
+    bytes_min: int  # theoretical minimum for the destination layout
+    seconds: float  # wall time at the driver, start to every rank done
+    transfer_seconds: float  # slowest rank's data-plane time
+    peak_extra_bytes: int  # largest buffer footprint of any rank
+    verified: bool  # checksum verification ran and passed on every destination rank
+    token_mult_prob_error: float | None = None
+    plan_digest: str = ""
+    plan_cached: bool = False
+    notes: tuple[str, ...] = ()
+    #: Slowest rank's seconds per phase (src_/dst_ pack, wire, unpack, verify; dst_apply_open:
+    #: layers back to model format, dst_apply_process: vLLM's processing, dst_apply_commit: copy
+    #: into kernel tensors, dst_apply_finish; hf_broadcast: gather, root, receive_and_reload).
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+def engine_world(llm: Any) -> int:
+    """Workers of one engine (tp * pp * dp)."""
+    par = llm.llm_engine.vllm_config.parallel_config
+    return int(par.world_size) * int(getattr(par, "data_parallel_size", 1) or 1)
+
+
+def _restamp(params: Sequence[LocalParam], offset: int) -> list[LocalParam]:
+    """The same pieces on destination rank ``offset + local rank`` (engine ``e`` of several)."""
+    if not offset:
+        return list(params)
+    out = []
+    for p in params:
+        r = p.rank + offset
+        out.append(replace(p, rank=r, pieces=tuple(Piece(r, q.local_name, q.canonical, q.box, q.view) for q in p.pieces)))
+    return out
+
+
+def dst_layout_of(engines: Sequence[Any], tensors: dict, name: str = "vllm") -> SideLayout:
+    """Every engine's recorded destination pieces (diagnostics extension), ranks offset per engine."""
+    import pickle
+
+    params: list[LocalParam] = []
+    offset = 0
+    for llm in engines:
+        per_worker = [pickle.loads(b) for b in llm.collective_rpc("mr_describe")]
+        for worker_params in per_worker:
+            params.extend(_restamp(worker_params, offset))
+        offset += len(per_worker)
+    return SideLayout(name, offset, tuple(params), tensors)
+
+
+class RefitDriver:
+    """Plans once per layout, ships each rank its slice once, then refits by digest."""
+
+    def __init__(self, trainers: Any, engines: Sequence[Any], refit: RefitConfig, spec: ModelSpec, *,
+                 src: SideLayout | None = None, dst: SideLayout | None = None, host: str = "127.0.0.1") -> None:
+        self.trainers, self.engines, self.refit_config, self.spec = trainers, list(engines), refit, spec
+        self.host = host
+        self.src, self.dst = src, dst
+        self.plan: TransferPlan | None = None
+        self.modes: dict[str, str] = {}
+        self._shipped = ""
+        self._offsets: list[int] = []
+        self.secret = secrets.token_hex(16)  # per job: every control message is authenticated with it
+
+    # -- set-up ----------------------------------------------------------------------------
+    def __enter__(self) -> "RefitDriver":
+        self.describe()
+        self.connect()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def describe(self) -> TransferPlan:
+        """Both sides' descriptors -> the plan (cached on the layouts' digests)."""
+        tensors = self.spec.tensor_table()
+        if self.src is None:
+            params = tuple(p for rank in self.trainers.call("describe") for p in rank)
+            self.src = SideLayout("megatron-live", self.trainers.world, params, tensors)
+        sizes = [engine_world(llm) for llm in self.engines]
+        self._offsets = [sum(sizes[:e]) for e in range(len(sizes))]
+        if self.dst is None:
+            self.dst = dst_layout_of(self.engines, tensors, name=f"vllm({len(self.engines)} engine(s) of {sizes[0]})")
+        not_direct: tuple = ()
+        try:
+            self.modes = {}
+            for rank_modes in self.engines[0].collective_rpc("mr_modes"):
+                self.modes.update(rank_modes)
+            not_direct = tuple(sorted(
+                (name, "kernel format differs from model format: written through vLLM's layerwise reload")
+                for name, mode in self.modes.items() if mode != "direct"))
+        except Exception:  # noqa: BLE001 - a plain engine without the diagnostics extension
+            not_direct = (("*", "unknown: the engine has no mcore_reshard diagnostics extension to ask"),)
+        cfg = self.refit_config
+        self.plan = get_plan(self.src, self.dst, bucket_bytes=cfg.bucket_bytes, allow_cast=cfg.allow_cast,
+                             not_direct=not_direct)
+        return self.plan
+
+    def connect(self) -> None:
+        """Build the refit group and give every rank its slice (again after a failed refit, or
+        when the plan changed): trainers join while each engine initialises its engine."""
+        plan = self.plan
+        digest = plan.digest()
+        rank_map = RankMap.disaggregated(self.src.world_size, self.dst.world_size)
+        info = JoinInfo(self.host, free_port(self.host), rank_map.world_size, rank_map, self.refit_config.timeout_s,
+                        secret=self.secret)
+        self.trainers.submit("join", info)
+        inits = []
+        for e, llm in enumerate(self.engines):
+            lo = self._offsets[e]
+            hi = lo + engine_world(llm)
+            inits.append({"join": replace(info, dst_offset=lo).to_wire(), "plan_digest": digest,
+                          "slices": {str(r): slice_to_wire(plan.for_rank("dst", r)) for r in range(lo, hi)}})
+        errors = self._on_engines(lambda llm, init: llm.init_weight_transfer_engine({"init_info": init}), inits)
+        try:
+            self.trainers.collect()
+        except Exception as exc:  # noqa: BLE001 - reported with the engines' errors
+            errors.append(f"training side: {first_error_line(exc)}")
+        if errors:
+            raise RefitFailed("joining the refit group failed: " + "; ".join(errors))
+        self.trainers.submit_each("set_plan", [(slice_to_wire(plan.for_rank("src", r)), digest)
+                                               for r in range(self.src.world_size)])
+        self.trainers.collect()
+        self._shipped = digest
+
+    def _on_engines(self, fn: Any, args: Sequence[Any] | None = None) -> list[str]:
+        """Run ``fn(llm, arg)`` on every engine at once; returns one error line per failure."""
+        args = list(args) if args is not None else [None] * len(self.engines)
+        with ThreadPoolExecutor(max(1, len(self.engines))) as ex:
+            futs = [ex.submit(fn, llm, a) for llm, a in zip(self.engines, args)]
+        errors = []
+        for e, f in enumerate(futs):
+            try:
+                f.result()
+            except Exception as exc:  # noqa: BLE001 - collected, raised once by the caller
+                errors.append(f"engine {e}: {first_error_line(exc)}")
+        return errors
+
+    # -- refits -------------------------------------------------------------------------------
+    def request(self) -> RefitRequest:
+        cfg = self.refit_config
+        return RefitRequest(self.plan.digest(), cfg.verify, cfg.timeout_s, cfg.atomic)
+
+    def refit(self, *, trainer_command: str = "refit", trainer_args: tuple = ()) -> RefitMetrics:
+        """One refit: every trainer endpoint and every engine at once; they vote, all commit or
+        none does. Raises ``RefitFailed`` naming every failing rank of either side. After a
+        failure the refit group is rebuilt at the next refit."""
+        cached = self._shipped == self.plan.digest()
+        if not cached:
+            self.connect()
+        request = self.request()
+        t0 = time.perf_counter()
+        self.trainers.submit(trainer_command, request, *trainer_args)
+
+        def update(llm: Any, _: Any) -> None:
+            llm.start_weight_update()
+            llm.update_weights({"update_info": {"request": request.to_wire()}})
+            llm.finish_weight_update()
+
+        errors = self._on_engines(update)
+        try:
+            replies = self.trainers.collect()
+        except Exception as exc:  # noqa: BLE001 - the trainers' error names every failing rank
+            self._shipped = ""  # the group is broken on every rank: rejoin next time
+            raise RefitFailed("; ".join([first_error_line(exc)] + errors)) from exc
+        seconds = time.perf_counter() - t0
+        if errors:
+            self._shipped = ""
+            raise RefitFailed("; ".join(errors))
+        for llm in self.engines:
+            llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        reports = [r for r in replies[0][1] if r is not None]
+        return self._metrics(reports, seconds, cached)
+
+    def _metrics(self, reports: list[RankReport], seconds: float, cached: bool) -> RefitMetrics:
+        src = [r for r in reports if r.side == "src"]
+        dst = [r for r in reports if r.side == "dst"]
+        phases: dict[str, float] = {}
+        for side, rs in (("src", src), ("dst", dst)):
+            for r in rs:
+                for k, v in r.phases.items():
+                    key = f"{side}_{k}"
+                    phases[key] = round(max(phases.get(key, 0.0), v), 6)
+        verify = self.refit_config.verify
+        return RefitMetrics(
+            transport="reshard",
+            bytes_moved=sum(r.bytes_received for r in dst),
+            bytes_min=self.plan.bytes_min,
+            seconds=seconds,
+            transfer_seconds=max((r.seconds for r in reports), default=0.0),
+            peak_extra_bytes=max((r.peak_extra_bytes for r in reports), default=0),
+            verified=verify.checksums and len(dst) == self.dst.world_size and all(r.verified for r in dst),
+            plan_digest=self.plan.digest(),
+            plan_cached=cached,
+            phases=phases,
+        )
+
+    def status(self) -> list[dict]:
+        """Every worker's serving state and last outcome (diagnostics extension)."""
+        return [st for llm in self.engines for st in llm.collective_rpc("mr_status")]
+
+    def close(self) -> None:
+        try:
+            self.trainers.call("leave")
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            pass
+        for llm in self.engines:
+            try:
+                llm.shutdown_weight_transfer_engine()
+            except Exception:  # noqa: BLE001
+                pass

@@ -1,0 +1,246 @@
+"""The refit protocol: typed messages between a driver and the two kinds of endpoint.
+
+A refit has two ends, each implemented once: the trainer endpoint inside a Megatron-Core rank
+(``adapters/megatron/endpoint.py``) and the vLLM weight-transfer engine inside a vLLM worker
+(``adapters/vllm/weight_transfer.py``). A driver -- this project's job, or an RL framework's
+own controller -- moves these messages between them, over whatever control channel it has
+(vLLM's ``collective_rpc``, Ray calls, queues). The lifecycle is vLLM's weight-transfer one:
+
+    describe -> join(JoinInfo) -> set_plan(plan slice) -> refit(RefitRequest) -> RankReport ... -> leave
+
+Every message is a frozen dataclass with ``to_wire()`` / ``from_wire()`` to plain JSON-able
+values: nothing here is ever unpickled, and a setting (e.g. ``VerifyMode``) reaches the rank
+that uses it whole. Replies are ``Reply`` objects: ``ok`` with a value, or an error line.
+Bytes never travel in these messages; they move over the refit group (``transport``).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+from .errors import ConfigError
+
+__all__ = [
+    "VerifyMode",
+    "RankMap",
+    "JoinInfo",
+    "RefitRequest",
+    "RankReport",
+    "Reply",
+    "first_error_line",
+]
+
+
+class VerifyMode(str, enum.Enum):
+    """How a refit proves what it wrote.
+
+    ``off``: nothing; ``checksum``: exact bit checksums of every box, source vs what the
+    destination parameter holds; ``full``: checksums, and every destination element compared
+    with the canonical tensors gathered from the trainers (keeps a received copy)."""
+
+    OFF = "off"
+    CHECKSUM = "checksum"
+    FULL = "full"
+
+    @classmethod
+    def parse(cls, value: "str | VerifyMode", what: str = "verify") -> "VerifyMode":
+        try:
+            return value if isinstance(value, VerifyMode) else cls(str(value))
+        except ValueError:
+            raise ConfigError(f"{what}={value!r} is not one of {[m.value for m in cls]}") from None
+
+    @property
+    def checksums(self) -> bool:
+        return self is not VerifyMode.OFF
+
+
+@dataclass(frozen=True)
+class RankMap:
+    """Which refit-group rank each source (training) and destination (inference) rank is.
+
+    ``src[r]`` / ``dst[r]`` are group ranks. A group rank may be both (colocated refit), in
+    which case its messages to itself never touch the wire.
+    """
+
+    src: tuple[int, ...]
+    dst: tuple[int, ...]
+
+    @staticmethod
+    def disaggregated(num_src: int, num_dst: int) -> "RankMap":
+        """Separate processes: source r -> r, destination r -> num_src + r."""
+        return RankMap(tuple(range(num_src)), tuple(range(num_src, num_src + num_dst)))
+
+    @staticmethod
+    def colocated(num_ranks: int) -> "RankMap":
+        """Each process is source r and destination r (trainer and engine share a process)."""
+        return RankMap(tuple(range(num_ranks)), tuple(range(num_ranks)))
+
+    @property
+    def world_size(self) -> int:
+        return max(self.src + self.dst, default=-1) + 1
+
+    def group_rank(self, side: str, rank: int) -> int:
+        return (self.src if side == "src" else self.dst)[rank]
+
+    def roles(self, group_rank: int) -> tuple[int | None, int | None]:
+        """(source rank, destination rank) played by ``group_rank``; None where it plays none."""
+        s = self.src.index(group_rank) if group_rank in self.src else None
+        d = self.dst.index(group_rank) if group_rank in self.dst else None
+        return s, d
+
+    def describe(self, side: str, rank: int) -> str:
+        """Human name used in every error, e.g. ``destination rank 1 (group rank 3)``."""
+        word = "source" if side == "src" else "destination"
+        return f"{word} rank {rank} (group rank {self.group_rank(side, rank)})"
+
+    def describe_group_rank(self, group_rank: int) -> str:
+        s, d = self.roles(group_rank)
+        parts = ([f"source rank {s}"] if s is not None else []) + ([f"destination rank {d}"] if d is not None else [])
+        return f"{' / '.join(parts) or 'no role'} (group rank {group_rank})"
+
+    def to_wire(self) -> dict:
+        return {"src": list(self.src), "dst": list(self.dst)}
+
+    @staticmethod
+    def from_wire(d: Mapping[str, Any]) -> "RankMap":
+        return RankMap(tuple(int(r) for r in d["src"]), tuple(int(r) for r in d["dst"]))
+
+
+def _check_positive(what: str, value: float) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise ConfigError(f"{what}={value!r} must be a positive number")
+
+
+@dataclass(frozen=True)
+class JoinInfo:
+    """Where the refit group meets and who is who in it (sent once per group).
+
+    ``dst_offset`` is the first destination rank of the receiving engine: engine ``e`` of
+    several holds destination ranks ``dst_offset .. dst_offset + its world - 1``.
+    ``secret`` is the per-job key every control message is authenticated with.
+    """
+
+    host: str
+    port: int
+    world_size: int
+    rank_map: RankMap
+    timeout_s: float
+    dst_offset: int = 0
+    secret: str = ""
+    prefix: str = "mcore_reshard/refit"
+
+    def __post_init__(self) -> None:
+        _check_positive("timeout_s", self.timeout_s)
+        if self.rank_map.world_size > self.world_size:
+            raise ConfigError(f"rank map spans {self.rank_map.world_size} group ranks, world_size={self.world_size}")
+
+    def to_wire(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["rank_map"] = self.rank_map.to_wire()
+        return out
+
+    @staticmethod
+    def from_wire(d: Mapping[str, Any]) -> "JoinInfo":
+        d = dict(d)
+        d["rank_map"] = RankMap.from_wire(d["rank_map"])
+        return JoinInfo(**d)
+
+
+@dataclass(frozen=True)
+class RefitRequest:
+    """One refit: which plan (every rank holds its slice already), how to verify, how long
+    to wait for a silent peer, and whether the engine commits all-or-nothing."""
+
+    plan_digest: str
+    verify: VerifyMode = VerifyMode.CHECKSUM
+    timeout_s: float = 300.0
+    #: All workers of an engine stage the new weights and commit together, or none does.
+    atomic: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "verify", VerifyMode.parse(self.verify))
+        _check_positive("timeout_s", self.timeout_s)
+
+    def to_wire(self) -> dict:
+        return {"plan_digest": self.plan_digest, "verify": self.verify.value, "timeout_s": self.timeout_s,
+                "atomic": self.atomic}
+
+    @staticmethod
+    def from_wire(d: Mapping[str, Any]) -> "RefitRequest":
+        return RefitRequest(**dict(d))
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """What one rank did in one refit (both sides report the same shape).
+
+    ``phases`` are seconds per phase on this rank (pack, wire, unpack, verify; on a vLLM
+    worker also apply_open / apply_process / apply_commit / apply_finish); they overlap.
+    """
+
+    side: str  # "src" | "dst"
+    rank: int
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    messages: int = 0
+    buckets: int = 0
+    seconds: float = 0.0
+    peak_extra_bytes: int = 0
+    verified: bool = False
+    phases: dict[str, float] = field(default_factory=dict)
+
+    def to_wire(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @staticmethod
+    def from_wire(d: Mapping[str, Any]) -> "RankReport":
+        return RankReport(**dict(d))
+
+
+def first_error_line(exc: BaseException | str) -> str:
+    """The most specific line of an error: tracebacks end with the raised message, so the
+    last line that names an error wins; else the last line."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    for line in reversed(lines):
+        if "Error" in line or "Timeout" in line or "Aborted" in line or "Incomplete" in line:
+            return line
+    if lines:
+        return lines[-1]
+    return type(exc).__name__ if isinstance(exc, BaseException) else "error"
+
+
+@dataclass(frozen=True)
+class Reply:
+    """An endpoint's answer to any call: a value, or the error as data (one format, both
+    sides). A rank that raised inside a collective RPC would leave its peers' replies queued;
+    an error as data keeps every control channel in step."""
+
+    ok: bool
+    value: Any = None
+    error: str = ""
+    where: str = ""  # e.g. "vLLM worker 1" / "training rank 0"
+
+    def to_wire(self) -> dict:
+        return {"ok": self.ok, "value": self.value, "error": self.error, "where": self.where}
+
+    @staticmethod
+    def from_wire(d: Mapping[str, Any]) -> "Reply":
+        return Reply(bool(d["ok"]), d.get("value"), str(d.get("error", "")), str(d.get("where", "")))
+
+    @staticmethod
+    def call(where: str, fn, *args: Any, **kwargs: Any) -> "Reply":
+        """Run ``fn`` and always answer (the error keeps its type name and first line)."""
+        try:
+            return Reply(True, fn(*args, **kwargs), where=where)
+        except BaseException as exc:  # noqa: BLE001 - returned as data; the driver raises
+            return Reply(False, error=f"{type(exc).__name__}: {first_error_line(exc)}", where=where)
+
+    def unwrap(self) -> Any:
+        if not self.ok:
+            from .errors import RefitError
+
+            raise RefitError(f"{self.where}: {self.error}")
+        return self.value

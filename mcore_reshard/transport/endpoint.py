@@ -1,0 +1,137 @@
+"""What both ends of a refit share: the group, the plan slice, the run, the commit vote.
+
+The trainer endpoint (``adapters/megatron/endpoint.py``) and the vLLM weight-transfer engine
+(``adapters/vllm/weight_transfer.py``) each own one :class:`RefitEndpoint`; they differ only
+in where bytes come from (local parameters) or go to (vLLM's applier). The slice check,
+close-on-failure, the pair lookup of the bandwidth probe and the report format live here once.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from ..errors import RefitError, RefitFailed
+from ..plan.types import RankPlan
+from ..plan.wire import slice_from_wire
+from ..protocol import JoinInfo, RankReport, RefitRequest, first_error_line
+from .executor import TransferStats, execute_plan, raw_send_bandwidth
+from .group import RefitGroup
+
+__all__ = ["RefitEndpoint", "Outcome"]
+
+
+class Outcome:
+    """The agreed result of one refit, as every rank of the group sees it after the vote."""
+
+    def __init__(self, commit: bool, reports: list[RankReport | None], errors: list[str]) -> None:
+        self.commit = commit
+        self.reports = reports  # by group rank; None where a rank never voted
+        self.errors = errors  # "<who>: <first error line>", one per failing or silent rank
+
+    def raise_if_failed(self) -> None:
+        if not self.commit:
+            raise RefitFailed("refit aborted on every rank: " + "; ".join(self.errors))
+
+
+class RefitEndpoint:
+    """One rank's end of the refit group (``side`` "src" = training, "dst" = inference)."""
+
+    def __init__(self, side: str, rank: int, device: str | torch.device = "cpu") -> None:
+        if side not in ("src", "dst"):
+            raise ValueError(f"side must be 'src' or 'dst', got {side!r}")
+        self.side, self.rank, self.device = side, rank, torch.device(device)
+        self.group: RefitGroup | None = None
+        self.join_info: JoinInfo | None = None
+        self._slice: RankPlan | None = None
+        self._digest: str | None = None
+
+    @property
+    def who(self) -> str:
+        return f"{'training rank' if self.side == 'src' else 'vLLM destination rank'} {self.rank}"
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def join(self, info: JoinInfo) -> int:
+        """(Re)build this rank's refit group; a previous one (e.g. broken by a failed refit)
+        is closed first. Returns this rank's group rank."""
+        self.leave()
+        me = info.rank_map.group_rank(self.side, self.rank)
+        self.group = RefitGroup.create(info.host, info.port, me, info.world_size, info.timeout_s, is_master=me == 0,
+                                       device="cuda" if self.device.type == "cuda" else "cpu",
+                                       rank_map=info.rank_map, prefix=info.prefix, secret=info.secret)
+        self.join_info = info
+        return me
+
+    def set_plan(self, wire: Mapping[str, Any], plan_digest: str) -> str:
+        """Keep this rank's slice (sent once per layout; refits then name the plan by digest).
+        The slice is decoded and re-hashed here: what this rank runs is provably what the
+        driver cut for it."""
+        s = slice_from_wire(wire)
+        if s.side != self.side or s.rank != self.rank:
+            raise RefitError(f"{self.who}: was sent the slice of {s.side} rank {s.rank}")
+        self._slice, self._digest = s, plan_digest
+        return s.digest()
+
+    def plan_slice(self, request: RefitRequest) -> RankPlan:
+        if self.group is None:
+            raise RefitError(f"{self.who}: refit before joining the refit group")
+        if self._digest != request.plan_digest or self._slice is None:
+            raise RefitError(f"{self.who}: asked to run plan {request.plan_digest}, holds {self._digest}")
+        return self._slice
+
+    def run(self, request: RefitRequest, src_tensors: Mapping[str, torch.Tensor], sink: Any,
+            progress: bool = False) -> TransferStats:
+        """Move this rank's bytes. A failure leaves the group broken (closed after the vote)."""
+        s = self.plan_slice(request)
+        src, dst = (s, None) if self.side == "src" else (None, s)
+        return execute_plan(src, dst, src_tensors, sink, self.group, timeout_s=request.timeout_s,
+                            verify=request.verify, progress=progress, plan_digest=request.plan_digest)
+
+    def vote(self, request: RefitRequest, report: RankReport | None, error: BaseException | None) -> Outcome:
+        """Every rank of the group (both sides, every engine) votes; all commit or none does.
+        A failed group is closed afterwards (``join`` makes a new one)."""
+        ok = error is None
+        payload = {"report": report.to_wire() if report is not None else None,
+                   "error": "" if ok else f"{self.who}: {type(error).__name__}: {first_error_line(error)}"}
+        try:
+            commit, payloads = self.group.vote(ok, payload, timeout_s=request.timeout_s)
+        except Exception as exc:  # noqa: BLE001 - the store itself is gone: nobody can commit
+            commit, payloads = False, [None] * self.group.world_size
+            payload["error"] = payload["error"] or f"{self.who}: vote failed: {first_error_line(exc)}"
+            payloads[self.group.rank] = payload
+        reports, errors = [], []
+        for g, p in enumerate(payloads):
+            if p is None:
+                errors.append(f"{self.group.rank_map.describe_group_rank(g)}: no vote (dead or silent)")
+                reports.append(None)
+                continue
+            reports.append(RankReport.from_wire(p["report"]) if p["report"] else None)
+            if p["error"]:
+                errors.append(p["error"])
+        outcome = Outcome(commit, reports, errors)
+        if not commit:
+            self.leave()
+        return outcome
+
+    def report(self, stats: TransferStats, phases: Mapping[str, float] | None = None) -> RankReport:
+        return RankReport(self.side, self.rank, stats.bytes_sent, stats.bytes_received, stats.messages,
+                          stats.buckets, stats.seconds, stats.peak_extra_bytes, stats.verified,
+                          {"pack": stats.pack_s, "wire": stats.wire_s, "unpack": stats.unpack_s,
+                           "verify": stats.verify_s, **(phases or {})})
+
+    def raw_bandwidth(self, pairs: list[tuple[int, int]], nbytes: int, timeout_s: float) -> float | None:
+        """Benchmark floor: one ``nbytes`` message per (source, destination) group-rank pair;
+        bytes/s of this rank's pair, None when it is in none (a rank may be in several
+        pairs: each is run in turn, in list order, on both of its ends)."""
+        if self.group is None:
+            raise RefitError(f"{self.who}: raw_bandwidth before joining the refit group")
+        mine = [(s, d) for s, d in pairs if self.group.rank in (s, d)]
+        rates = [raw_send_bandwidth(self.group, s, d, nbytes, timeout_s) for s, d in mine]
+        return min(rates) if rates else None
+
+    def leave(self) -> None:
+        if self.group is not None:
+            self.group.close(barrier=False)
+            self.group = None
+

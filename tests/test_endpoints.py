@@ -1,0 +1,68 @@
+"""The two endpoints as a framework uses them: megatron ranks started by the test build a
+``TrainerEndpoint`` themselves, and a plain ``vllm.LLM`` (no project worker extension) takes
+the refit through vLLM's weight-transfer API with ``backend="mcore_reshard"``."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from mcore_reshard.adapters.megatron.build import run_world
+from mcore_reshard.adapters.megatron.rules import MegatronParallel
+from mcore_reshard.adapters.vllm.engine import prompt_logprobs, stop_engine
+from mcore_reshard.adapters.vllm.rules import VllmParallel
+from mcore_reshard.checkpoint import make_tiny_checkpoint
+from mcore_reshard.protocol import RankReport
+from mcore_reshard.verify import token_mult_prob_error
+
+from _endpoint_jobs import endpoint_refit_job
+
+pytestmark = pytest.mark.slow
+
+TOKENS = [11, 42, 7, 99, 123, 5, 77, 300, 8, 64, 512, 3]
+
+
+def test_plain_vllm_engine_refit_from_trainer_endpoints(tmp_path):
+    import os
+
+    import torch.multiprocessing as mp
+    from vllm import LLM
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    ckpt = make_tiny_checkpoint(tmp_path / "tiny-moe", moe=True, seed=5)
+    llm = LLM(model=str(ckpt), skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=256,
+              max_num_seqs=4, seed=0, weight_transfer_config={"backend": "mcore_reshard"})
+    try:
+        before = prompt_logprobs(llm, TOKENS)
+        q = mp.get_context("spawn").Queue()
+        out: dict = {}
+
+        def trainers() -> None:
+            try:
+                out["ranks"] = run_world(endpoint_refit_job, 2, (str(ckpt), "float32", MegatronParallel(tp=2, ep=2, etp=1),
+                                                                 VllmParallel(tp=1), TOKENS, q), timeout_s=600)
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
+                out["error"] = exc
+
+        t = threading.Thread(target=trainers)
+        t.start()
+        msg = q.get(timeout=600)  # the trainers' controller message: init info + the refit request
+        llm.init_weight_transfer_engine({"init_info": msg["init_info"]})
+        llm.start_weight_update()
+        llm.update_weights({"update_info": msg["update_info"]})
+        llm.finish_weight_update()
+        llm.reset_prefix_cache()
+        t.join(timeout=600)
+        assert "error" not in out, out.get("error")
+        ranks = out["ranks"]
+        reports = [RankReport.from_wire(r) for r in ranks[0]["reports"]]
+        dst = [r for r in reports if r.side == "dst"]
+        # every rank voted and reported through the refit group; the engine's rank is among them
+        assert len(reports) == 3 and len(dst) == 1
+        assert dst[0].verified and dst[0].bytes_received == ranks[0]["bytes_min"]
+        after = prompt_logprobs(llm, TOKENS)
+        assert token_mult_prob_error(after, ranks[0]["logprobs"]) < 1.001  # the trained weights are served
+        assert token_mult_prob_error(before, ranks[0]["logprobs"]) > 1.01  # and they differ from the checkpoint
+    finally:
+        stop_engine(llm)
