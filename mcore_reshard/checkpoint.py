@@ -47,7 +47,8 @@ TINY_FAMILIES: dict[str, dict[str, Any]] = {
     "qwen3": TINY_DENSE,
     "qwen3_moe": TINY_MOE,
     "llama": dict(TINY_DENSE, architectures=["LlamaForCausalLM"], attention_bias=False, mlp_bias=False),
-    "qwen2": dict(TINY_DENSE, architectures=["Qwen2ForCausalLM"]),
+    # Qwen2's config has no head_dim (it is hidden / heads): 128 / 4 keeps it at 32.
+    "qwen2": dict(TINY_DENSE, architectures=["Qwen2ForCausalLM"], hidden_size=128, num_attention_heads=4),
 }
 
 _CONFIG_CLASSES = {

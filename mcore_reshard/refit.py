@@ -66,9 +66,11 @@ class LocalCluster:
 
 @contextmanager
 def local_cluster(spec: ModelSpec, checkpoint: Path, training: Any, vllm: Any, refit: Any, *,
-                  train: dict | None = None) -> Iterator[LocalCluster]:
+                  train: dict | None = None, engines: list | None = None) -> Iterator[LocalCluster]:
     """Start ``vllm.replicas`` engines (weight-transfer backend ``mcore_reshard`` plus the
-    diagnostics extension) and the trainer pool, open a driver on them, and close all of it."""
+    diagnostics extension) and the trainer pool, open a driver on them, and close all of it.
+    ``engines``: use these running engines instead (they are left running: several trainer
+    layouts can refit one engine in turn, each joining a new refit group)."""
     from .adapters.vllm.engine import start_engine, stop_engine
     from .adapters.vllm.plugin import BACKEND
     from .adapters.vllm.worker import REFIT_EXTENSION
@@ -76,8 +78,11 @@ def local_cluster(spec: ModelSpec, checkpoint: Path, training: Any, vllm: Any, r
     from .trainer import TrainerPool, TrainerSetup
 
     c = LocalCluster(spec, checkpoint, training, vllm, refit)
+    own = engines is None
+    if not own:
+        c.engines = list(engines)
     try:
-        for _ in range(vllm.replicas):
+        for _ in range(vllm.replicas if own else 0):
             c.engines.append(start_engine(str(checkpoint), tp=vllm.tp, dtype=spec.dtype, enable_ep=vllm.enable_ep,
                                           direct=refit.apply_mode == "direct", worker_extension_cls=REFIT_EXTENSION,
                                           weight_transfer_config={"backend": BACKEND}))
@@ -89,7 +94,7 @@ def local_cluster(spec: ModelSpec, checkpoint: Path, training: Any, vllm: Any, r
     finally:
         if c.pool is not None:
             c.pool.close()
-        for llm in c.engines:
+        for llm in c.engines if own else ():
             for method in ("mr_hf_leave",):
                 try:
                     llm.collective_rpc(method)

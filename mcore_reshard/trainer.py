@@ -86,12 +86,22 @@ class _Rank:
         self.endpoint.leave()
 
     # -- training ------------------------------------------------------------------------
+    def _batch(self, token_ids: Sequence[Sequence[int]]) -> list[list[int]]:
+        """Each data-parallel rank takes a share, and the interleaved (virtual) pipeline
+        schedule needs a multiple of pp micro-batches:
+        repeat the batch (the mean loss and every sequence's logprobs are unchanged)."""
+        batch = [list(t) for t in token_ids]
+        par = self.setup.par
+        k = par.dp * (par.pp if par.vpp > 1 else 1)  # and each data-parallel rank one share
+        reps = -(-k // len(batch)) if len(batch) % k else 1
+        return batch * reps
+
     def step(self, token_ids: Sequence[Sequence[int]]) -> float:
         """One optimizer step of next-token cross-entropy (through megatron's schedule)."""
-        return self.policy.train_step([list(t) for t in token_ids])
+        return self.policy.train_step(self._batch(token_ids))
 
     def logprobs(self, token_ids: Sequence[Sequence[int]]) -> list[list[float]]:
-        return self.policy.logprobs([list(t) for t in token_ids])
+        return self.policy.logprobs(self._batch(token_ids))[: len(token_ids)]
 
     def local_tensors(self) -> dict[str, Any]:
         """Copies of the synced local parameters (``verify=full`` gathers them)."""

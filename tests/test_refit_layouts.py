@@ -1,0 +1,78 @@
+"""The trainer layouts people train with, refit live: pipeline parallel (even, uneven, virtual),
+PP x EP, several engines, and every dense family the specs support. Each refit is verified by
+checksums, ``verify=full`` and token_mult_prob_error after a training step through megatron's
+own pipeline schedule."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from mcore_reshard.adapters.megatron.rules import MegatronParallel
+from mcore_reshard.adapters.vllm.engine import start_engine, stop_engine
+from mcore_reshard.adapters.vllm.plugin import BACKEND
+from mcore_reshard.adapters.vllm.rules import VllmParallel
+from mcore_reshard.adapters.vllm.worker import REFIT_EXTENSION
+from mcore_reshard.checkpoint import make_tiny_checkpoint
+from mcore_reshard.layout import load_model_spec
+from mcore_reshard.policy import RefitConfig
+from mcore_reshard.protocol import VerifyMode
+from mcore_reshard.refit import local_cluster
+
+pytestmark = pytest.mark.slow
+
+TOKENS = [11, 42, 7, 99, 123, 5, 77, 300, 8, 64, 512, 3, 250, 17, 901, 46]
+BOUND = 1.001  # token_mult_prob_error of one fp32 model computed by megatron and by vLLM
+CFG = RefitConfig(buffer_bytes=1 << 16, timeout_s=60.0, verify=VerifyMode.FULL)
+
+
+def _engine(ckpt):
+    return start_engine(str(ckpt), tp=1, dtype="float32", worker_extension_cls=REFIT_EXTENSION,
+                        weight_transfer_config={"backend": BACKEND})
+
+
+def _refit_train_refit(spec, ckpt, training, engines, vllm=VllmParallel(tp=1)):
+    with local_cluster(spec, ckpt, training, vllm, CFG, train={"lr": 0.05}, engines=engines) as c:
+        first = c.refit_once()
+        assert first.verified and first.bytes_moved == first.bytes_min
+        assert c.logprob_error(TOKENS) < BOUND
+        c.step(TOKENS)
+        assert c.logprob_error(TOKENS) > 1.01  # the step changed the weights; the engine has the old ones
+        second = c.refit_once()
+        assert second.verified and any("full verification" in n for n in second.notes)
+        assert c.logprob_error(TOKENS) < BOUND
+        return c.driver.plan
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("moe") / "tiny-moe", moe=True, seed=7)
+    llm = _engine(ckpt)
+    try:
+        yield load_model_spec(ckpt, dtype="float32"), ckpt, llm
+    finally:
+        stop_engine(llm)
+
+
+@pytest.mark.parametrize("training", [
+    MegatronParallel(pp=2),
+    MegatronParallel(pp=2, vpp=2),
+    MegatronParallel(pp=2, first_stage_layers=1, last_stage_layers=3),
+    MegatronParallel(pp=2, dp=2, ep=2, etp=1),
+], ids=["pp2", "pp2-vpp2", "pp2-uneven", "pp2-ep2"])
+def test_pipeline_parallel_trainers_refit_one_engine(moe, training):
+    spec, ckpt, llm = moe
+    plan = _refit_train_refit(spec, ckpt, training, [llm])
+    assert plan.num_src == training.world
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_every_dense_family_refits_live(tmp_path, family):
+    ckpt = make_tiny_checkpoint(tmp_path / family, family=family, seed=11)
+    spec = load_model_spec(ckpt, dtype="float32")
+    llm = _engine(ckpt)
+    try:
+        _refit_train_refit(spec, ckpt, MegatronParallel(tp=2), [llm])
+    finally:
+        stop_engine(llm)
