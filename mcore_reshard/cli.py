@@ -1,9 +1,12 @@
 """``mcore-reshard``: plan, refit and verify from Hydra configs.
 
-    mcore-reshard plan [--json] [hydra overrides...]
+    mcore-reshard plan [--json] [--dtensor] [hydra overrides...]
+    mcore-reshard plan [--json] [--dtensor] --recipe FILE
     mcore-reshard refit [--json] [hydra overrides...]
 
-Bad input prints one line ``error: ...`` and exits with code 2.
+Bad input -- an unknown key, a value of the wrong type, a size out of range, a layout the rules
+or the planner reject, a recipe that is not a YAML mapping -- prints one line ``error: ...``
+naming the setting and exits with code 2, before any process starts or any file is written.
 """
 
 from __future__ import annotations
@@ -13,61 +16,36 @@ import json
 import sys
 from typing import Sequence
 
+from .errors import ConfigError
 from .layout import LayoutError
 
 __all__ = ["main", "recipe_from_config", "plan_from_recipe"]
 
 
 def recipe_from_config(cfg):
-    """The ``RecipeLayout`` of a composed ``configs/plan.yaml``."""
-    from .adapters.megatron.rules import MegatronParallel
-    from .adapters.vllm.rules import VllmParallel
-    from .config import build_dataclass, resolve_model
-    from .policy import RecipeLayout, RefitConfig
+    """The ``RecipeLayout`` of a composed ``configs/plan.yaml`` (every setting checked)."""
+    from .config import recipe_from_config as build
 
-    dtype = str(cfg.dtype) if cfg.get("dtype") else None
-    spec = resolve_model(str(cfg.model), dtype=dtype)
-    vllm_spec = resolve_model(str(cfg.vllm_model), dtype=dtype) if cfg.get("vllm_model") else None
-    return RecipeLayout(
-        spec,
-        build_dataclass(MegatronParallel, cfg.training, "training"),
-        build_dataclass(VllmParallel, cfg.vllm, "vllm"),
-        build_dataclass(RefitConfig, cfg.refit, "refit"),
-        vllm_spec,
-    )
+    return build(cfg)
 
 
 def plan_from_recipe(recipe):
     """(training layout, vLLM layout, plan) from metadata alone."""
-    from .adapters.megatron.rules import megatron_layout
-    from .adapters.vllm.rules import vllm_layout
-    from .plan import get_plan
+    from .config import plan_layouts
 
-    src = megatron_layout(recipe.spec, recipe.training)
-    dst = vllm_layout(recipe.vllm_spec or recipe.spec, recipe.vllm)
-    plan = get_plan(src, dst, bucket_bytes=recipe.refit.bucket_bytes, allow_cast=recipe.refit.allow_cast)
-    return src, dst, plan
+    return plan_layouts(recipe.spec, recipe.training, recipe.vllm, recipe.refit, recipe.vllm_spec)
 
 
 def _cmd_plan(args, overrides: Sequence[str]) -> int:
+    from .config import load_plan, load_recipe_file
     from .plan import plan_report
 
-    if args.recipe:
-        from omegaconf import OmegaConf
-
-        from .policy import from_policy_config
-
+    if args.recipe is not None:
         if overrides:
-            raise ValueError(f"--recipe takes no overrides (got {list(overrides)}); edit the recipe")
-        try:
-            raw = OmegaConf.to_container(OmegaConf.load(args.recipe), resolve=True)
-        except FileNotFoundError as exc:
-            raise FileNotFoundError(f"recipe file not found: {args.recipe}") from exc
-        recipe = from_policy_config(raw)
+            raise ConfigError(f"--recipe takes no overrides (got {list(overrides)}); edit the recipe")
+        recipe = load_recipe_file(args.recipe)
     else:
-        from .config import compose
-
-        recipe = recipe_from_config(compose("plan", overrides))
+        recipe = load_plan(overrides)
     src, dst, plan = plan_from_recipe(recipe)
     spec = recipe.spec
     report = plan_report(plan)
@@ -92,27 +70,45 @@ def _cmd_plan(args, overrides: Sequence[str]) -> int:
 
 
 def _cmd_refit(args, overrides: Sequence[str]) -> int:
+    from .config import load_refit_job
+
+    for flag in ("recipe", "dtensor"):
+        if getattr(args, flag):
+            raise ConfigError(f"--{flag} is an option of 'plan', not of 'refit'")
+    job = load_refit_job(overrides)  # every check, before any process starts
     from .refit import run_refit_job
 
-    return run_refit_job(overrides, as_json=args.json)
+    return run_refit_job(job, as_json=args.json)
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line and exit 2 (argparse would print the usage too)
+        raise _UsageError(message)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mcore-reshard", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="mcore-reshard", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=["plan", "refit"])
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--dtensor", action="store_true",
                         help="plan: also list every tensor's DTensor form (mesh + placements) on both sides")
     parser.add_argument("--recipe", help="plan: a GRPO recipe (NeMo RL shape) with megatron_cfg.mcore_reshard on")
-    args, overrides = parser.parse_known_args(argv)
-    bad = [o for o in overrides if o.startswith("-")]
-    if bad:
-        parser.error(f"unknown option(s) {bad}")
+    try:
+        args, overrides = parser.parse_known_args(argv)
+        bad = [o for o in overrides if o.startswith("-")]
+        if bad:
+            raise _UsageError(f"unknown option(s) {bad}")
+    except _UsageError as exc:
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        return 2
     handler = {"plan": _cmd_plan, "refit": _cmd_refit}[args.command]
     try:
         return handler(args, overrides)
-    except (LayoutError, ValueError, FileNotFoundError, KeyError) as exc:
+    except (ConfigError, LayoutError, ValueError, FileNotFoundError, KeyError) as exc:
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 2
     except Exception as exc:  # hydra's own config errors
@@ -123,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
+    text = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
     return text[0] if text else type(exc).__name__
 
 

@@ -202,7 +202,8 @@ class RefitDriver:
             replies = self.trainers.collect()
         except Exception as exc:  # noqa: BLE001 - the trainers' error names every failing rank
             self._shipped = ""  # the group is broken on every rank: rejoin next time
-            raise RefitFailed("; ".join([first_error_line(exc)] + errors)) from exc
+            dead = getattr(self.trainers, "dead", lambda: [])()
+            raise RefitFailed("; ".join(dead + [first_error_line(exc)] + errors)) from exc
         seconds = time.perf_counter() - t0
         if errors:
             self._shipped = ""

@@ -196,7 +196,7 @@ def refit_hf_broadcast(driver: Any, state: dict) -> Any:
     """Run the baseline with a driver's trainers and engines (the refit group must exist: the
     gather runs over it). ``state`` keeps the broadcast group and gather plan between calls."""
 
-    from .driver import RefitMetrics, engine_world
+    from .driver import RefitMetrics
     from .plan import get_plan
     from .ports import free_port
 
@@ -207,11 +207,15 @@ def refit_hf_broadcast(driver: Any, state: dict) -> Any:
     if not state.get("joined"):
         port, world = free_port(driver.host), 1 + driver.dst.world_size
         driver.trainers.submit("hf_join", driver.host, port, world, cfg.timeout_s, driver.secret)
-        offset = 0
-        for llm in driver.engines:
-            llm.collective_rpc("mr_hf_join", args=(driver.host, port, world, cfg.timeout_s, offset, driver.secret))
-            offset += engine_world(llm)
+        # Every engine joins at once: creating the group is a rendezvous of all its ranks.
+        errors = driver._on_engines(
+            lambda llm, offset: llm.collective_rpc("mr_hf_join", args=(driver.host, port, world, cfg.timeout_s, offset,
+                                                                       driver.secret)), driver._offsets)
         driver.trainers.collect()
+        if errors:
+            from .errors import RefitFailed
+
+            raise RefitFailed("hf_broadcast join: " + "; ".join(errors))
         state["joined"] = True
     t0 = time.perf_counter()
     driver.trainers.submit("hf_send", state["gather_plan"], cfg.buffer_bytes, cfg.timeout_s)

@@ -63,10 +63,24 @@ class LocalCluster:
     def step(self, tokens: Sequence[int]) -> float:
         return self.pool.call("step", [list(tokens)])[0]
 
+    def raw_bandwidth(self, pairs: Sequence[tuple[int, int]], nbytes: int) -> float:
+        """The local floor: one ``nbytes`` gloo message per (source, destination) group-rank
+        pair over the refit group, all pairs at once; bytes/s of the slowest pair."""
+        t = self.refit.timeout_s
+        pairs = [tuple(p) for p in pairs]
+        self.pool.submit("raw_bandwidth", pairs, nbytes, t)
+        got: list = []
+        errors = self.driver._on_engines(lambda llm, _: got.extend(llm.collective_rpc("mr_raw_bandwidth", args=(pairs, nbytes, t))))
+        got += self.pool.collect()
+        if errors:
+            raise RefitFailed("raw bandwidth probe: " + "; ".join(errors))
+        return min(float(g) for g in got if g is not None)
+
 
 @contextmanager
 def local_cluster(spec: ModelSpec, checkpoint: Path, training: Any, vllm: Any, refit: Any, *,
-                  train: dict | None = None, engines: list | None = None) -> Iterator[LocalCluster]:
+                  train: dict | None = None, engines: list | None = None,
+                  sync_before_refit: bool = True) -> Iterator[LocalCluster]:
     """Start ``vllm.replicas`` engines (weight-transfer backend ``mcore_reshard`` plus the
     diagnostics extension) and the trainer pool, open a driver on them, and close all of it.
     ``engines``: use these running engines instead (they are left running: several trainer
@@ -87,7 +101,8 @@ def local_cluster(spec: ModelSpec, checkpoint: Path, training: Any, vllm: Any, r
                                           direct=refit.apply_mode == "direct", worker_extension_cls=REFIT_EXTENSION,
                                           weight_transfer_config={"backend": BACKEND}))
         c.pool = TrainerPool(TrainerSetup(spec, training, str(checkpoint), free_port(),
-                                          timeout_s=max(refit.timeout_s, 120.0), train=dict(train or {})))
+                                          timeout_s=max(refit.timeout_s, 120.0), train=dict(train or {}),
+                                          sync_before_refit=sync_before_refit))
         c.driver = RefitDriver(c.pool, c.engines, refit, spec)
         with c.driver:
             yield c

@@ -36,6 +36,10 @@ class TrainerSetup:
     threads: int = 1
     #: ``TrainSettings`` fields (dtype, use_distributed_optimizer, lr, ...); dtype defaults to the spec's.
     train: dict = field(default_factory=dict)
+    #: Force the distributed optimizer's parameter all-gather before a refit reads the weights.
+    #: False only to show the hazard it prevents (tests): with ``overlap_param_gather`` the
+    #: model weights are whole only after the next forward.
+    sync_before_refit: bool = True
 
 
 class _Rank:
@@ -55,7 +59,8 @@ class _Rank:
         settings = TrainSettings(**{"dtype": self.spec.dtype, **setup.train})
         self.policy = build_policy(self.spec, setup.par, settings)
         self.policy.load_canonical(load_canonical(setup.checkpoint))
-        self.endpoint = TrainerEndpoint(self.policy.chunks, self.spec, rank=rank, sync_params=self.policy.sync_params)
+        sync = self.policy.sync_params if setup.sync_before_refit else (lambda: None)
+        self.endpoint = TrainerEndpoint(self.policy.chunks, self.spec, rank=rank, sync_params=sync)
         self.hf_group = None
 
     # -- the refit protocol (trainer endpoint) -----------------------------------------------
@@ -68,10 +73,15 @@ class _Rank:
     def set_plan(self, slice_wire: dict, digest: str) -> str:
         return self.endpoint.set_plan(slice_wire, digest)
 
-    def refit(self, request: RefitRequest, progress: bool = False):
+    def refit(self, request: RefitRequest, progress: bool = False, fault: Any = None):
         """This rank's report, plus every rank's (from the vote) on rank 0."""
-        report = self.endpoint.refit(request, progress=progress and self.rank == 0)
+        report = self.endpoint.refit(request, progress=progress and self.rank == 0, fault=fault)
         return report, (self.endpoint.last_reports if self.rank == 0 else None)
+
+    def refit_with_fault(self, request: RefitRequest, fault_rank: int, fault: Any):
+        """Fault injection: like :meth:`refit`, with ``fault`` (``transport.executor.Fault``,
+        e.g. one bit flipped in flight) on training rank ``fault_rank`` only."""
+        return self.refit(request, fault=fault if self.rank == fault_rank else None)
 
     def refit_and_die(self, request: RefitRequest, die_rank: int, after_reads: int):
         """Fault injection (tests, ``scripts/soak.py``): like :meth:`refit`, but rank
@@ -245,6 +255,11 @@ class TrainerPool:
                 raise TrainerError(f"training rank {rank} failed {value}")
             out[rank] = pickle.loads(value) if isinstance(value, bytes) else value
         return [out[r] for r in range(self.world)]
+
+    def dead(self) -> list[str]:
+        """One line per rank whose process is gone (named in a failed refit's error)."""
+        return [f"training rank {r} died (exit code {p.exitcode})" for r, p in enumerate(self.procs)
+                if not p.is_alive()]
 
     def kill(self, rank: int) -> None:
         """Kill one rank (failure tests)."""

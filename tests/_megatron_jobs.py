@@ -18,7 +18,7 @@ from mcore_reshard.adapters.megatron.live import describe, describe_world, named
 from mcore_reshard.adapters.megatron.rules import MegatronParallel
 from mcore_reshard.layout import ModelSpec, spec_from_hf_config
 from mcore_reshard.layout.torch_views import local_view
-from mcore_reshard.trainer import forward_logits
+from mcore_reshard.adapters.megatron.train import forward_logits
 
 
 def canonical_ids(spec: ModelSpec) -> dict[str, torch.Tensor]:

@@ -94,3 +94,35 @@ def test_mismatched_engine_model_is_named(tmp_path, capsys, field, value, tensor
     assert main(["plan", "model=qwen3-8b", "training.ep=1", "vllm.tp=4", f"vllm_model={tmp_path}"]) == 2
     err = capsys.readouterr().err
     assert tensor in err and "source shape" in err
+
+
+def test_config_sections_match_the_dataclasses():
+    """Every key of configs/*.yaml's sections is a field of the dataclass it builds, and the refit
+    job exposes the sizes it runs (pipeline, replicas) and the commit mode."""
+    from dataclasses import fields
+
+    import yaml
+
+    from mcore_reshard.adapters.megatron.rules import MegatronParallel
+    from mcore_reshard.adapters.vllm.rules import VllmParallel
+    from mcore_reshard.policy import RefitConfig
+
+    for name in ("plan", "refit"):
+        cfg = yaml.safe_load((REPO / "configs" / f"{name}.yaml").read_text())
+        for section, cls in (("training", MegatronParallel), ("vllm", VllmParallel), ("refit", RefitConfig)):
+            assert set(cfg[section]) <= {f.name for f in fields(cls)}, (name, section)
+        assert cfg["refit"]["atomic"] is True
+    refit = yaml.safe_load((REPO / "configs" / "refit.yaml").read_text())
+    assert {"pp", "vpp", "first_stage_layers", "last_stage_layers"} <= set(refit["training"])
+    assert refit["vllm"]["replicas"] == 1 and refit["vllm"]["pp"] == refit["vllm"]["dp"] == 1
+
+
+def test_refit_rejects_bad_input_before_starting_anything():
+    """The console entry point: one line, exit 2, in well under the ~35 s a vLLM start takes."""
+    import time
+
+    t0 = time.monotonic()
+    out = run_cli("refit", "refit.buffer_bytes=1")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip().startswith("error: refit.buffer_bytes=1") and "\n" not in out.stderr.strip()
+    assert time.monotonic() - t0 < 20

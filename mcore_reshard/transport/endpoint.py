@@ -16,7 +16,7 @@ from ..errors import RefitError, RefitFailed
 from ..plan.types import RankPlan
 from ..plan.wire import slice_from_wire
 from ..protocol import JoinInfo, RankReport, RefitRequest, first_error_line
-from .executor import TransferStats, execute_plan, raw_send_bandwidth
+from .executor import Fault, TransferStats, execute_plan, raw_send_bandwidth
 from .group import RefitGroup
 
 __all__ = ["RefitEndpoint", "Outcome"]
@@ -81,17 +81,25 @@ class RefitEndpoint:
         return self._slice
 
     def run(self, request: RefitRequest, src_tensors: Mapping[str, torch.Tensor], sink: Any,
-            progress: bool = False) -> TransferStats:
-        """Move this rank's bytes. A failure leaves the group broken (closed after the vote)."""
+            progress: bool = False, fault: Fault | None = None) -> TransferStats:
+        """Move this rank's bytes. A failure posts the group's abort signal (every other rank
+        stops within a poll interval) and leaves the group broken (closed after the vote)."""
+        if self.group is not None:
+            self.group.begin_refit()  # before any check, so even a refused refit aborts this one
         s = self.plan_slice(request)
         src, dst = (s, None) if self.side == "src" else (None, s)
         return execute_plan(src, dst, src_tensors, sink, self.group, timeout_s=request.timeout_s,
-                            verify=request.verify, progress=progress, plan_digest=request.plan_digest)
+                            verify=request.verify, progress=progress, plan_digest=request.plan_digest, fault=fault,
+                            begin=False)
 
     def vote(self, request: RefitRequest, report: RankReport | None, error: BaseException | None) -> Outcome:
         """Every rank of the group (both sides, every engine) votes; all commit or none does.
         A failed group is closed afterwards (``join`` makes a new one)."""
         ok = error is None
+        if self.group is None:  # never joined (or already closed): no one to vote with
+            raise RefitError(f"{self.who}: refit without a refit group") from error
+        if not ok:  # ranks still inside their transfer stop at this signal, not at their timeout
+            self.group.post_abort(f"{self.who}: {type(error).__name__}: {first_error_line(error)}")
         payload = {"report": report.to_wire() if report is not None else None,
                    "error": "" if ok else f"{self.who}: {type(error).__name__}: {first_error_line(error)}"}
         try:
@@ -101,9 +109,12 @@ class RefitEndpoint:
             payload["error"] = payload["error"] or f"{self.who}: vote failed: {first_error_line(exc)}"
             payloads[self.group.rank] = payload
         reports, errors = [], []
+        early = any(p is not None and p["error"] for p in payloads)  # aborted at the first "no"
         for g, p in enumerate(payloads):
             if p is None:
-                errors.append(f"{self.group.rank_map.describe_group_rank(g)}: no vote (dead or silent)")
+                if not early:
+                    errors.append(f"{self.group.rank_map.describe_group_rank(g)}: no vote within "
+                                  f"{request.timeout_s}s (dead or silent)")
                 reports.append(None)
                 continue
             reports.append(RankReport.from_wire(p["report"]) if p["report"] else None)

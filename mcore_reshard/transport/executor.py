@@ -38,10 +38,12 @@ from ..layout.torch_views import TORCH_DTYPES, local_view, zero_padding
 from ..plan.types import RankPlan, Transfer
 from ..protocol import VerifyMode
 from .checksum import checksums
+from ..errors import RefitAborted
 from .group import RankMap, RefitError, RefitGroup, error_class
 from .packing import message_numel, pack, unpack
 
 __all__ = [
+    "Fault",
     "Sink",
     "TensorSink",
     "TransferStats",
@@ -76,6 +78,16 @@ class TensorSink:
 class _CallableSink:
     def __init__(self, fn: Callable[[str, View, torch.Tensor], None]) -> None:
         self.write = fn
+
+
+@dataclass(frozen=True)
+class Fault:
+    """Fault injection (tests, ``scripts/soak.py``): ``bitflip`` flips the lowest bit of the
+    first element a sender packs for bucket ``bucket``, after its checksum was taken -- a
+    corrupted wire, which the destination's checksums must catch."""
+
+    kind: str = "bitflip"
+    bucket: int = 0
 
 
 @dataclass(frozen=True)
@@ -125,6 +137,8 @@ def execute_plan(
     progress: bool = False,
     plan_digest: str | None = None,
     wire_dtype: torch.dtype | None = None,
+    fault: "Fault | None" = None,
+    begin: bool = True,
 ) -> TransferStats:
     """Run this group rank's sends (``plan_slice_src``) and receives (``plan_slice_dst``).
 
@@ -132,19 +146,34 @@ def execute_plan(
     ``full``'s element-wise comparison is the driver's, ``verify.py``); a bool means on/off.
     ``plan_digest``: when given, every rank's (digest, verify) must agree before a byte moves.
     ``progress``: show a progress bar on this rank if the refit runs longer than a second.
-    Raises ``RefitTimeout``/``RefitError`` naming the peer and bucket; the group is then broken.
+    ``fault``: fault injection for tests and soak runs (see :class:`Fault`).
+    ``begin``: this call starts a new refit on the group (a caller that already did, e.g. an
+    endpoint that checks its slice first, passes False).
+    Raises ``RefitTimeout``/``RefitError`` naming the peer and bucket (and posts the group's
+    abort signal, so every other rank stops too); the group is then broken.
     """
     t_start = time.perf_counter()
     mode = verify if isinstance(verify, VerifyMode) else (VerifyMode.CHECKSUM if verify else VerifyMode.OFF)
     verify = mode.checksums
     rank_map = rank_map or group.rank_map
+    if begin:
+        group.begin_refit()
     _check_roles(plan_slice_src, plan_slice_dst, group.rank, rank_map)
     if plan_digest is not None:
         group.check_agreement([plan_digest, mode.value], what="(plan digest, verify)", timeout_s=timeout_s)
     sink = _as_sink(dst_tensors_or_sink) if plan_slice_dst is not None else None
     dtype = wire_dtype or _wire_dtype(plan_slice_src, plan_slice_dst, src_tensors, dst_tensors_or_sink, sink)
     run = _Run(plan_slice_src, plan_slice_dst, src_tensors, sink, group, rank_map, dtype, timeout_s, verify)
-    run.execute(progress)
+    run.fault = fault
+    try:
+        run.execute(progress)
+    except RefitAborted:
+        raise
+    except BaseException as exc:
+        # Every other rank of the refit stops at this signal instead of its own timeout.
+        group.post_abort(f"{rank_map.describe_group_rank(group.rank)}: {type(exc).__name__}: "
+                         f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}")
+        raise
     p = run.phase
     return TransferStats(
         bytes_sent=run.bytes_sent,
@@ -305,6 +334,11 @@ class _Run:
                 self.expected.setdefault(peer, []).append(torch.cat(sums))
             out[peer] = msg
             pos += msg.numel()
+        fault = getattr(self, "fault", None)
+        if fault is not None and fault.kind == "bitflip" and fault.bucket == k and out:
+            first = next(iter(out.values()))
+            bits = first[:1].view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[first.element_size()])
+            bits ^= 1
         return out
 
     def _post_bucket(self, k: int, packed: dict[int, torch.Tensor]) -> list[_Op]:
@@ -350,7 +384,9 @@ class _Run:
         for side, peer, t, work in ops:
             left = max(deadline - time.perf_counter(), 1e-3)
             try:
-                work.wait(timedelta(seconds=left))
+                self.group.wait_work(work, left)
+            except RefitAborted:
+                raise
             except RuntimeError as e:
                 raise self._error(k, side, peer, side == "dst", e) from e
             nbytes = t.numel() * t.element_size()
@@ -434,7 +470,9 @@ class _Run:
         got: dict[int, torch.Tensor] = {}
         for side, peer, t, work in ops:
             try:
-                work.wait(timedelta(seconds=max(deadline - time.perf_counter(), 1e-3)))
+                self.group.wait_work(work, max(deadline - time.perf_counter(), 1e-3))
+            except RefitAborted:
+                raise
             except RuntimeError as e:
                 raise self._error(tag, side, peer, side == "dst", e) from e
             if side == "src":
@@ -449,11 +487,12 @@ class _Run:
             diff = (actual != got[peer]).any(dim=1).nonzero().flatten().tolist()
             bad += [ts[i] for i in diff]
         if bad:
-            lines = [f"  {t.dst_name} ({t.canonical} box offsets={t.box.offsets} sizes={t.box.sizes}) "
+            # One line (it travels in votes and error summaries), naming each parameter.
+            lines = [f"{t.dst_name} ({t.canonical} box offsets={t.box.offsets} sizes={t.box.sizes}) "
                      f"from {self.rank_map.describe('src', t.src)} to {self.rank_map.describe('dst', t.dst)}, "
-                     f"bucket {t.bucket}" for t in bad[:20]]
-            more = f"\n  ... and {len(bad) - 20} more" if len(bad) > 20 else ""
-            raise RefitError(f"checksum mismatch in {len(bad)} transfer(s):\n" + "\n".join(lines) + more)
+                     f"bucket {t.bucket}" for t in bad[:5]]
+            more = f"; ... and {len(bad) - 5} more" if len(bad) > 5 else ""
+            raise RefitError(f"checksum mismatch in {len(bad)} transfer(s): " + "; ".join(lines) + more)
 
 
 def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -19,13 +19,15 @@ import logging
 import socket
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import timedelta
 from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
 
-from ..errors import RefitError, RefitTimeout
+from ..errors import RefitAborted, RefitError, RefitTimeout
 from ..ports import free_port
 from ..protocol import RankMap
 
@@ -78,6 +80,9 @@ class RefitGroup:
         self._key = hashlib.sha256(b"hmac|").digest()
         #: Store keys whose value failed authentication (reported, never used).
         self.rejected: list[str] = []
+        self._waiter: ThreadPoolExecutor | None = None
+        self._posted_abort = False
+        self._epoch = 0
 
     @classmethod
     def create(cls, host: str, port: int, rank: int, world_size: int, timeout_s: float, is_master: bool,
@@ -214,12 +219,68 @@ class RefitGroup:
             if time.monotonic() > deadline:
                 who = ", ".join(self.rank_map.describe_group_rank(r) for r in missing)
                 raise RefitTimeout(f"control exchange #{seq}: no answer from {who} within {timeout_s}s")
+            msg = self.abort_message()
+            if msg is not None:
+                raise RefitAborted(f"aborted by another rank: {msg}")
             time.sleep(0.005)
         if seq:
             # Every rank posted #seq only after reading all of #seq-1: this rank's old key is
             # dead, so the store does not grow with every refit of a long run.
             self.store.delete_key(f"ctl/{seq - 1}/{self.rank}")
         return values
+
+    # -- abort signal: a failing rank stops every other rank in well under a second ----------
+
+    def begin_refit(self) -> None:
+        """A new refit on this group (every rank calls it once per refit, in step): aborts
+        are per refit, so a group that survived a failed refit can run the next one."""
+        self._epoch += 1
+        self._posted_abort = False
+
+    def post_abort(self, message: str) -> None:
+        """Tell every rank of the group to stop (authenticated; the first message wins)."""
+        if self.store is None:
+            return
+        key = f"abort/{self._epoch}"
+        body = self._sign(key, json.dumps(message))
+        self._posted_abort = True
+        try:
+            self.store.compare_set(key, "", body)
+        except Exception:  # noqa: BLE001 - the master (and so the store) may be gone already
+            pass
+
+    def abort_message(self) -> str | None:
+        """The abort another rank posted in this group, or None (this rank knows its own)."""
+        if self._posted_abort:
+            return None
+        key = f"abort/{self._epoch}"
+        try:
+            if not self.store.check([key]):
+                return None
+            value = self._open(key, self.store.get(key))
+        except Exception:  # noqa: BLE001 - the store is gone: the master died
+            return "the refit group's store is gone (its master rank died)"
+        return None if value is _REJECTED else str(value)
+
+    def wait_work(self, work: Any, timeout_s: float, poll_s: float = 0.05) -> None:
+        """``work.wait`` with a deadline that also stops at another rank's abort signal.
+
+        Gloo cannot cancel a posted receive, so the wait runs on a helper thread while this
+        one watches the store; on an abort it raises ``RefitAborted`` at once and leaves the
+        blocked wait behind (the group is broken and will be closed anyway)."""
+        if self._waiter is None:
+            self._waiter = ThreadPoolExecutor(1, thread_name_prefix="refit-wait")
+        fut = self._waiter.submit(work.wait, timedelta(seconds=timeout_s))
+        while True:
+            try:
+                fut.result(timeout=poll_s)
+                return
+            except FutureTimeout:
+                msg = self.abort_message()
+                if msg is not None:
+                    self._waiter.shutdown(wait=False)  # its thread is stuck in the wait
+                    self._waiter = None
+                    raise RefitAborted(f"aborted by another rank: {msg}") from None
 
     def check_agreement(self, value: Any, what: str = "plan digest", timeout_s: float | None = None) -> None:
         """Every rank contributes ``value``; all must agree before the first byte moves.
@@ -276,9 +337,15 @@ class RefitGroup:
             return
         try:
             if barrier:
-                self.barrier()
+                try:
+                    self.barrier()
+                except RefitAborted:
+                    pass  # the refit failed on some rank; nobody waits for this group any more
         finally:
             pg, self.pg = self.pg, None
+            if self._waiter is not None:
+                self._waiter.shutdown(wait=False)
+                self._waiter = None
             try:
                 pg.shutdown()
             except Exception:  # noqa: BLE001 -- shutdown is best-effort on every backend

@@ -3,12 +3,48 @@
 Applied only in trainer processes, only when CUDA is absent (a no-op on GPU machines), and
 idempotent. Each patch replaces a CUDA-only call with its CPU equivalent; nothing else
 changes, so layouts and numerics are megatron's own.
+
+The patches (``apply_cpu_patches``):
+
+Model forward / backward
+  1. ``torch.cuda.current_device`` -> the CPU device (~60 call sites build tensors on it:
+     rotary ``inv_freq``, all-to-all outputs, DDP grad / param buffers, p2p shape buffers).
+  2. The RNG tracker (``tensor_parallel.random``): CUDA RNG get/set state and
+     ``CudaRNGStatesTracker.add`` use the CPU generator; ``torch.cuda.manual_seed`` seeds the
+     CPU one (``model_parallel_cuda_manual_seed``).
+  3. ``get_default_causal_mask`` hard-codes ``device="cuda"``: a CPU mask where it is looked up.
+  4. MoE alltoall dispatcher: ``torch.cuda.Stream/Event/current_stream/stream`` become null
+     objects (CPU work is synchronous), and ``maybe_move_tensor_to_cpu`` returns numpy split
+     sizes for CPU tensors too (``all_to_all_single`` wants lists). The DDP grad-sync path uses
+     the same null ``current_stream``.
+
+Training stack (``Float16Module`` + ``DistributedDataParallel`` + ``get_megatron_optimizer`` +
+``get_forward_backward_func``)
+  5. ``device='cuda'`` tensor factories (``torch.tensor/zeros/ones/empty/full``) in the modules
+     on that path -- the optimizer's ``found_inf`` / ``_scale_one`` / ``_dummy_overflow_buf``,
+     the grad scaler, ``clip_grads`` norms, the schedules' ``total_num_tokens``, the rerun state
+     machine, ``utils`` l2 norm, ``tensor_parallel.data`` -- see ``_CUDA_FACTORY_MODULES``: each
+     such module's ``torch`` global is replaced by a proxy whose factories map a CUDA device to
+     the CPU (everything else is torch itself).
+  6. ``Tensor.type()`` (no arguments) answers the CUDA type name (``torch.cuda.BFloat16Tensor``)
+     for CPU tensors *only when called from ``megatron.core.optimizer``*: the (distributed)
+     mixed-precision optimizers pick fp32 main params for bf16 params and ``clip_grads`` asserts
+     fp32 grads by comparing those strings; elsewhere ``type()`` is unchanged.
+  7. ``torch.cuda.synchronize`` -> a no-op: the pipeline p2p layer calls it after every
+     ``batch_isend_irecv`` (gloo's requests are waited on before it; CPU work is synchronous).
+  8. ``Tensor.cuda()`` called from ``megatron.core`` returns the CPU tensor itself: tied
+     embeddings with PP > 1 move the last stage's output-layer copy to the GPU before the
+     first/last-stage all-reduce (``LanguageModule.setup_embeddings_and_output_layer``);
+     elsewhere ``.cuda()`` is unchanged.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
+import sys
+import types
 
 __all__ = ["apply_cpu_patches"]
 
@@ -57,8 +93,86 @@ def apply_cpu_patches() -> bool:
 
     moe_utils.maybe_move_tensor_to_cpu = _move
     token_dispatcher.maybe_move_tensor_to_cpu = _move
+    # The p2p layer synchronises the device after batched send/recv (already waited on here).
+    torch.cuda.synchronize = lambda *a, **k: None
+    # The training stack's device='cuda' factories: a CPU-mapping torch proxy in those modules.
+    proxy = _CpuTorch(torch)
+    for mod_name in _CUDA_FACTORY_MODULES:
+        mod = importlib.import_module(mod_name)
+        if getattr(mod, "torch", None) is torch:
+            mod.torch = proxy
+    # The optimizers' dtype checks by CUDA type name.
+    _orig_type = torch.Tensor.type
+
+    def _type(self, *args, **kwargs):
+        if args or kwargs or self.is_cuda:
+            return _orig_type(self, *args, **kwargs)
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        name = _orig_type(self)
+        if caller.startswith("megatron.core.optimizer") and name.startswith("torch."):
+            return "torch.cuda." + name.removeprefix("torch.")
+        return name
+
+    torch.Tensor.type = _type
+    # Tensor.cuda() inside megatron-core (tied embeddings with PP > 1): stay on the CPU.
+    _orig_cuda = torch.Tensor.cuda
+
+    def _cuda(self, *args, **kwargs):
+        if sys._getframe(1).f_globals.get("__name__", "").startswith("megatron.core"):
+            return self
+        return _orig_cuda(self, *args, **kwargs)
+
+    torch.Tensor.cuda = _cuda
     _APPLIED = True
     return True
+
+
+#: megatron-core modules on the training path that create tensors with ``device='cuda'``.
+_CUDA_FACTORY_MODULES = (
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.grad_scaler",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.rerun_state_machine",
+    "megatron.core.utils",
+    "megatron.core.tensor_parallel.data",
+)
+
+_FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange")
+
+
+def _cpu_device(device):
+    """A CUDA device (string, index or torch.device) -> the CPU device; anything else unchanged."""
+    import torch
+
+    if isinstance(device, int) or (isinstance(device, str) and device.startswith("cuda")) or (
+            isinstance(device, torch.device) and device.type == "cuda"):
+        return torch.device("cpu")
+    return device
+
+
+class _CpuTorch(types.ModuleType):
+    """``torch`` for one module: the tensor factories map CUDA devices to the CPU."""
+
+    def __init__(self, torch_mod) -> None:
+        super().__init__("torch")
+        self.__dict__["_torch"] = torch_mod
+        for fname in _FACTORIES:
+            self.__dict__[fname] = self._wrap(getattr(torch_mod, fname))
+
+    @staticmethod
+    def _wrap(fn):
+        @functools.wraps(fn)
+        def factory(*args, **kwargs):
+            if "device" in kwargs:
+                kwargs["device"] = _cpu_device(kwargs["device"])
+            return fn(*args, **kwargs)
+
+        return factory
+
+    def __getattr__(self, name: str):
+        return getattr(self.__dict__["_torch"], name)
 
 
 def _cpu_tracker_add(self, name: str, seed: int) -> None:

@@ -1,0 +1,369 @@
+"""The production training stack on megatron-core, as Megatron-LM / NeMo RL build it.
+
+``build_policy`` (after :func:`~.build.init_megatron`) builds one ``GPTModel`` per virtual
+pipeline stage, wraps each in megatron-core's ``Float16Module`` (bf16 only) and
+``DistributedDataParallel`` (``DistributedDataParallelConfig`` as NeMo RL sets it:
+``overlap_grad_reduce``, ``overlap_param_gather``, ``use_distributed_optimizer``,
+``average_in_collective``), and builds the optimizer with ``get_megatron_optimizer``
+(``OptimizerConfig(optimizer="adam", bf16=..., use_distributed_optimizer=...)``). Training and
+log-probabilities go through megatron-core's own pipeline schedule
+(``get_forward_backward_func()``: no pipelining, 1F1B, or interleaved for virtual stages), with
+``finalize_model_grads`` as the gradient finaliser (DP reduce-scatter / all-reduce, q/k
+layernorm grads summed over TP, embedding grads).
+
+On CPU the CUDA-only calls on this path are patched in :mod:`.runtime` (one module, listed there).
+
+Losses and log-probabilities are computed on the last pipeline stage from vocab-parallel logits
+(``vocab_parallel_cross_entropy``: no TP gather), with the padded vocab rows masked out, and
+then shared with every rank of the world.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from ...layout import LocalParam, ModelSpec
+from .rules import MegatronParallel
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "TrainSettings",
+    "Policy",
+    "build_policy",
+    "forward_logits",
+    "LossFn",
+]
+
+#: ``loss_fn(logprobs, index_of_sequence) -> scalar``: ``logprobs`` is ``Tensor[T-1]`` (fp32,
+#: requires grad) of log p(token_i | tokens_<i), i >= 1, for the sequence ``index_of_sequence``
+#: of the batch given to :meth:`Policy.train_step`. The step minimises the mean over sequences.
+LossFn = Callable[["torch.Tensor", int], "torch.Tensor"]
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """How the trainer is built (defaults: NeMo RL's Megatron policy settings)."""
+
+    dtype: str = "bfloat16"  # "bfloat16" (Float16Module, fp32 main params) | "float32"
+    use_distributed_optimizer: bool = True
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = True  # needs use_distributed_optimizer
+    average_in_collective: bool = True
+    grad_reduce_in_fp32: bool = False
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0  # 0: no clipping
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"dtype must be 'bfloat16' or 'float32', not {self.dtype!r}")
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ValueError("overlap_param_gather needs use_distributed_optimizer")
+
+
+def forward_logits(model, tokens: "torch.Tensor", vocab: int) -> "torch.Tensor":
+    """Single-stage megatron forward: logits ``[b, s, vocab]`` gathered over TP, padding dropped.
+
+    ``model`` may be a bare ``GPTModel`` or wrapped (``Float16Module``, DDP). No pipeline: use
+    :meth:`Policy.logprobs` for PP > 1.
+    """
+    import torch
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    pos = torch.arange(tokens.shape[1])[None]
+    out = model(tokens, pos, attention_mask=None)
+    return gather_from_tensor_model_parallel_region(out)[..., :vocab]
+
+
+def _masked_vocab_parallel_logits(logits: "torch.Tensor", vocab: int) -> "torch.Tensor":
+    """fp32 vocab-parallel logits with the padded vocab columns (global index >= vocab) at -inf."""
+    import torch
+    from megatron.core import parallel_state as ps
+
+    logits = logits.float()
+    local = logits.shape[-1]
+    start = ps.get_tensor_model_parallel_rank() * local
+    if start + local <= vocab:
+        return logits
+    keep = torch.arange(start, start + local) < vocab
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+def _target_logprobs(logits: "torch.Tensor", tokens: "torch.Tensor", vocab: int) -> "torch.Tensor":
+    """log p(tokens[:, i] | tokens[:, :i]) for i >= 1 from vocab-parallel logits ``[b, s, V/tp]``:
+    ``[b, s-1]`` fp32, differentiable, summed over TP by megatron's vocab-parallel CE."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    masked = _masked_vocab_parallel_logits(logits[:, :-1], vocab)
+    return -vocab_parallel_cross_entropy(masked.contiguous(), tokens[:, 1:].contiguous())
+
+
+class Policy:
+    """A megatron-core policy on this rank: wrapped model chunks, the megatron optimizer, config.
+
+    ``chunks`` are the DDP-wrapped chunks (one per virtual pipeline stage, as Megatron-LM keeps
+    them); ``optimizer`` is the ``MegatronOptimizer`` (distributed / chained for MoE);
+    ``config`` the ``TransformerConfig``. Every method is collective over the world.
+    """
+
+    def __init__(self, spec: ModelSpec, par: MegatronParallel, settings: TrainSettings, chunks: list,
+                 optimizer, config) -> None:
+        self.spec, self.par, self.settings = spec, par, settings
+        self.chunks = chunks
+        self.optimizer = optimizer
+        self.config = config
+        self._descs: list[LocalParam] | None = None
+
+    # -- weights -----------------------------------------------------------------------------
+    def local_params(self) -> dict[str, "torch.Tensor"]:
+        """This rank's parameters by the names :func:`.live.describe` uses (wrappers stripped).
+
+        With the distributed optimizer and overlapped param gather they are only whole after
+        :meth:`sync_params` (or the next forward)."""
+        from .live import named_local_params
+
+        return named_local_params(self.chunks)
+
+    def describe(self) -> list[LocalParam]:
+        """Descriptors of this rank's parameters (cached; the layout never changes)."""
+        from .live import describe
+
+        if self._descs is None:
+            self._descs = describe(self.chunks, self.spec)
+        return self._descs
+
+    def load_canonical(self, tensors: dict[str, "torch.Tensor"]) -> None:
+        """Write HF tensors into the model params through the descriptors (padding rows zero),
+        then reload the optimizer's fp32 main params from them."""
+        import torch
+
+        from ...layout.torch_views import write_pieces
+
+        params = self.local_params()
+        with torch.no_grad():
+            for lp in self.describe():
+                t = params[lp.name].data
+                t.zero_()
+                write_pieces(t, lp.pieces, tensors)
+            if self.spec.tied and self.par.pp > 1:
+                # The last stage's output_layer is a copy of the first stage's embedding.
+                for name, p in params.items():
+                    if name.endswith("output_layer.weight"):
+                        _write_tied_output(p, self.spec, tensors)
+        self.optimizer.reload_model_params()
+
+    def sync_params(self) -> None:
+        """Make the model weights whole (call before a refit reads them).
+
+        With the distributed optimizer each DP rank updates only its own shard of the bf16 /
+        fp32 model params in ``optimizer.step()``; with ``overlap_param_gather`` the all-gather
+        of the others' shards is left to the next forward's pre-hooks. This forces it now
+        (``DistributedDataParallel.start_param_sync(force_sync=True)`` per chunk: waits for an
+        in-flight gather or runs a synchronous one). The next forward then does not gather again.
+        Without ``overlap_param_gather`` the step itself gathers, and this is a no-op.
+        """
+        import torch
+
+        if not (self.settings.use_distributed_optimizer and self.settings.overlap_param_gather):
+            return
+        with torch.no_grad():
+            for chunk in self.chunks:
+                chunk.start_param_sync(force_sync=True)
+
+    # -- schedule ------------------------------------------------------------------------------
+    def _dp_slice(self, token_ids: Sequence[Sequence[int]]) -> list[tuple[int, list[int]]]:
+        from megatron.core import parallel_state as ps
+
+        dp = ps.get_data_parallel_world_size()
+        if not token_ids:
+            raise ValueError("no sequences")
+        if len(token_ids) % dp:
+            raise ValueError(f"{len(token_ids)} sequences do not split over data-parallel size {dp}")
+        lengths = {len(t) for t in token_ids}
+        if len(lengths) != 1 or min(lengths) < 2:
+            raise ValueError(f"sequences must have one common length >= 2, got lengths {sorted(lengths)}")
+        r = ps.get_data_parallel_rank()
+        return [(i, list(token_ids[i])) for i in range(r, len(token_ids), dp)]
+
+    def _run_schedule(self, mine: list[tuple[int, list[int]]], forward_only: bool, per_seq):
+        """Run megatron's schedule over ``mine`` (one sequence per micro-batch). ``per_seq(lp,
+        index)`` maps the ``[T-1]`` target log-probs of a sequence to ``(loss, payload)``.
+        Returns the payloads this rank computed (last stage only) by sequence index."""
+        import torch
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        spec = self.spec
+        batches = [{"index": i, "tokens": torch.tensor([t], dtype=torch.long)} for i, t in mine]
+        seq_len = len(mine[0][1])
+
+        def forward_step(data_iterator, model):
+            b = next(data_iterator)
+            x = b["tokens"]
+            pos = torch.arange(x.shape[1])[None]
+            out = model(x, pos, attention_mask=None)
+
+            def loss_func(output_tensor):
+                lp = _target_logprobs(output_tensor, x, spec.vocab)[0]
+                loss, payload = per_seq(lp, b["index"])
+                return loss, {"index": b["index"], "loss": loss.detach().clone(), "payload": payload}
+
+            return out, loss_func
+
+        iters = [iter(batches) for _ in self.chunks] if len(self.chunks) > 1 else iter(batches)
+        train_mode = not forward_only and self._train_mode_allowed()
+        for chunk in self.chunks:
+            chunk.train(train_mode)
+        out = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iters,
+            model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
+            num_microbatches=len(batches),
+            seq_length=seq_len,
+            micro_batch_size=1,
+            forward_only=forward_only,
+        )
+        return {d["index"]: d for d in (out or [])}
+
+    def _train_mode_allowed(self) -> bool:
+        """Train steps run the chunks in train mode, except MoE with TP > 1 and no sequence
+        parallelism: megatron's ``MoELayer.forward`` refuses that in train mode ("During
+        training, performance may degrade if MoE and tensor parallelism are enabled without also
+        enabling sequence parallelism"), and sequence parallelism needs a fused (Apex / TE, GPU)
+        norm ("sequence parallel not supported by torch LayerNorm"). Those steps run in eval
+        mode: dropout is 0 and the router has no train-only behaviour here (no aux loss, no
+        jitter, no token dropping), so the loss and its gradients are the same."""
+        cfg = self.config
+        return not (cfg.num_moe_experts and cfg.tensor_model_parallel_size > 1 and not cfg.sequence_parallel)
+
+    def train_step(self, token_ids: Sequence[Sequence[int]], loss_fn: LossFn | None = None) -> float:
+        """One optimizer step on ``token_ids`` (the global batch: sequence i goes to data-parallel
+        rank ``i % dp``; one sequence per micro-batch; equal lengths). Default loss: next-token
+        cross-entropy averaged over positions. Returns the mean loss over the batch, on every rank."""
+        import torch
+
+        mine = self._dp_slice(token_ids)
+
+        def per_seq(lp, index):
+            loss = -lp.mean() if loss_fn is None else loss_fn(lp, index)
+            return loss, None
+
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        res = self._run_schedule(mine, forward_only=False, per_seq=per_seq)
+        update_ok, _grad_norm, _ = self.optimizer.step()
+        if not update_ok:
+            raise RuntimeError("megatron optimizer skipped the step (non-finite gradients)")
+        total = torch.tensor([sum(float(d["loss"]) for d in res.values()), float(len(res))], dtype=torch.float64)
+        torch.distributed.all_reduce(total)  # last-stage ranks only contribute; TP copies cancel out
+        return float(total[0] / total[1])
+
+    def logprobs(self, token_ids: Sequence[Sequence[int]]) -> list[list[float]]:
+        """log p(token_i | tokens_<i) for i >= 1 of every sequence (fp32 log-softmax over the real
+        vocab), forward only through the schedule; the same lists on every rank."""
+        import torch
+        from megatron.core import parallel_state as ps
+
+        mine = self._dp_slice(token_ids)
+
+        def per_seq(lp, index):
+            return lp.sum() * 0.0, lp.detach().tolist()
+
+        with torch.no_grad():
+            res = self._run_schedule(mine, forward_only=True, per_seq=per_seq)
+        local = {i: d["payload"] for i, d in res.items()} if ps.get_tensor_model_parallel_rank() == 0 else {}
+        gathered: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(gathered, local)
+        merged: dict[int, list[float]] = {}
+        for g in gathered:
+            merged.update(g)
+        missing = [i for i in range(len(token_ids)) if i not in merged]
+        if missing:
+            raise RuntimeError(f"no rank returned log-probs for sequences {missing}")
+        return [merged[i] for i in range(len(token_ids))]
+
+
+def _write_tied_output(p, spec: ModelSpec, tensors) -> None:
+    """Copy this TP rank's rows of the HF embedding into a tied last-stage output layer."""
+    from megatron.core import parallel_state as ps
+
+    emb = tensors["model.embed_tokens.weight"]
+    rows = p.shape[0]
+    start = ps.get_tensor_model_parallel_rank() * rows
+    n = max(0, min(rows, spec.vocab - start))
+    p.data.zero_()
+    if n:
+        p.data[:n].copy_(emb[start:start + n])
+
+
+def build_policy(spec: ModelSpec, par: MegatronParallel, settings: TrainSettings = TrainSettings(),
+                 max_seq: int = 512) -> Policy:
+    """Build the policy on this rank (call after :func:`.build.init_megatron`; collective).
+
+    Megatron-LM's ``get_model`` + ``setup_model_and_optimizer``: ``GPTModel`` chunks in
+    ``settings.dtype`` -> ``Float16Module`` (bf16) -> ``DistributedDataParallel`` (bucketing
+    only on the first chunk) -> ``broadcast_params`` -> ``get_megatron_optimizer``; the schedule
+    hooks (``grad_scale_func``, ``no_sync_func``, ``grad_sync_func``,
+    ``finalize_model_grads_func``) are set on the config as Megatron-LM's ``train`` sets them.
+    """
+    import torch
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, \
+        finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.module import Float16Module
+
+    from .build import build_gpt
+    from .runtime import apply_cpu_patches
+
+    apply_cpu_patches()
+    torch.manual_seed(settings.seed)
+    model_parallel_cuda_manual_seed(settings.seed, force_reset_rng=True)
+    bf16 = settings.dtype == "bfloat16"
+    raw = build_gpt(spec, par, dtype=settings.dtype, max_seq=max_seq)
+    config = raw[0].config
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=settings.grad_reduce_in_fp32,
+        overlap_grad_reduce=settings.overlap_grad_reduce,
+        overlap_param_gather=settings.overlap_param_gather,
+        average_in_collective=settings.average_in_collective,
+        use_distributed_optimizer=settings.use_distributed_optimizer,
+        check_for_nan_in_grad=True,
+    )
+    chunks = []
+    for i, m in enumerate(raw):
+        if bf16:
+            m = Float16Module(config, m)
+        chunks.append(DistributedDataParallel(config=config, ddp_config=ddp_config, module=m,
+                                              disable_bucketing=i > 0))
+    for c in chunks:
+        c.broadcast_params()
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=settings.lr,
+        min_lr=settings.lr,
+        weight_decay=settings.weight_decay,
+        adam_beta1=settings.adam_beta1,
+        adam_beta2=settings.adam_beta2,
+        adam_eps=settings.adam_eps,
+        clip_grad=settings.clip_grad,
+        bf16=bf16,
+        params_dtype=torch.float32,
+        use_distributed_optimizer=settings.use_distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(opt_config, chunks)
+    config.grad_scale_func = optimizer.scale_loss
+    if settings.overlap_grad_reduce:
+        syncs = [c.no_sync for c in chunks]
+        config.no_sync_func = syncs[0] if len(chunks) == 1 else syncs
+        grads = [c.start_grad_sync for c in chunks]
+        config.grad_sync_func = grads[0] if len(chunks) == 1 else grads
+    config.finalize_model_grads_func = finalize_model_grads
+    return Policy(spec, par, settings, chunks, optimizer, config)

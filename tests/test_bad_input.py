@@ -1,0 +1,348 @@
+"""Every bad input is one line ``error: ...`` naming the setting, exit 2, nothing on stdout,
+before any process starts or any file is written (``mcore-reshard plan|refit``, ``--recipe``).
+
+``refit`` never reaches the job here: ``mcore_reshard.refit`` is replaced by a stub that fails
+the test if it is called, and no child process may appear.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing
+import os
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mcore_reshard.cli import main
+from mcore_reshard.config import MAX_PLAN_TRANSFERS, RefitJob, load_refit_job
+from mcore_reshard.errors import ConfigError
+from mcore_reshard.layout import LayoutError
+from mcore_reshard.policy import MAX_BUFFER_BYTES, MIN_BUFFER_BYTES, RefitConfig
+from mcore_reshard.protocol import VerifyMode
+
+try:
+    import psutil
+except ImportError:  # pragma: no cover - psutil comes with vllm
+    psutil = None
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "recipes" / "grpo-qwen3-30b-a3b-megatron-reshard.yaml"
+
+
+@pytest.fixture
+def no_job(monkeypatch):
+    """``mcore_reshard.refit`` as a stub: the CLI's refit gets a RefitJob and starts nothing."""
+    calls = []
+    stub = types.ModuleType("mcore_reshard.refit")
+
+    def run_refit_job(job, *, as_json=False):
+        calls.append((job, as_json))
+        return 0
+
+    stub.run_refit_job = run_refit_job
+    monkeypatch.setitem(sys.modules, "mcore_reshard.refit", stub)
+    return calls
+
+
+def _children() -> set[int]:
+    if psutil is not None:
+        return {p.pid for p in psutil.Process(os.getpid()).children(recursive=True)}
+    return {p.pid for p in multiprocessing.active_children()}
+
+
+def check_one_line(capsys, argv, key, *, limit_s=20.0):
+    before = _children()
+    t0 = time.monotonic()
+    rc = main(argv)
+    seconds = time.monotonic() - t0
+    out, err = capsys.readouterr()
+    assert rc == 2, (argv, rc, err)
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and lines[0].strip() != "error:", (argv, err)
+    assert key in lines[0], (argv, key, lines[0])
+    assert "'None'" not in lines[0], lines[0]  # a missing key is named, never shown as model 'None'
+    assert out == "", (argv, out)
+    assert seconds < limit_s, (argv, seconds)
+    assert _children() <= before, (argv, "started a process")
+    return lines[0]
+
+
+# (arguments after the command, text the error line must contain: the offending key)
+PLAN_CASES = [
+    (["training.tp=two"], "training.tp='two' is not an integer"),
+    (["vllm.tp=1.5"], "vllm.tp=1.5 is not an integer"),
+    (["training.tp=true"], "training.tp=True is not an integer"),
+    (["training.sequence_parallel=yes"], "training.sequence_parallel"),
+    (["+bogus=1"], "bogus"),
+    (["+training.bogus=1"], "training.bogus"),
+    (["training.foo=1"], "training.foo"),
+    (["+training.tp=3"], "training.tp"),
+    (["~training.tp"], "training.tp"),
+    (["training.tp=[1"], "training.tp"),
+    (["training.tp=${nope}"], "training.tp"),
+    (["refit.buffer_bytes=10**21"], "refit.buffer_bytes"),
+    (["refit.buffer_bytes=1000000000000000000000"], "refit.buffer_bytes"),
+    (["refit.buffer_bytes=4"], "refit.buffer_bytes=4"),
+    (["refit.buffer_bytes=65536"], "refit.buffer_bytes=65536 is too small"),  # 30B model: 15M transfers
+    (["refit.timeout_s=0"], "refit.timeout_s"),
+    (["refit.verify=ful"], "refit.verify='ful'"),
+    (["refit.atomic=sometimes"], "refit.atomic"),
+    (["dtype=float13"], "dtype='float13'"),
+    (["training.pp=0"], "training.pp=0"),
+    (["training.etp=0"], "training.etp=0"),
+    (["vllm.replicas=0"], "vllm.replicas=0"),
+    (["vllm.num_redundant_experts=-1"], "vllm.num_redundant_experts"),
+    (["training.layer_spec=xla"], "training.layer_spec"),
+    (["vllm.expert_placement=random"], "vllm.expert_placement"),
+    (["training.dp=100000000"], "training world"),
+    (["training.tp=3"], "num_attention_heads=32 must be a multiple of tp=3"),
+    (["model=no-such-model"], "model='no-such-model'"),
+    (["model=123"], "model=123"),
+    (["vllm_model=no-such-model"], "vllm_model='no-such-model'"),
+]
+
+REFIT_CASES = [
+    (["training.tp=two"], "training.tp='two' is not an integer"),
+    (["vllm.tp=1.5"], "vllm.tp=1.5"),
+    (["+bogus=1"], "bogus"),
+    (["+refit.foo=1"], "refit.foo"),
+    (["+job.foo=1"], "job.foo"),
+    (["training.foo=1"], "training.foo"),
+    (["refit.buffer_bytes=10**21"], "refit.buffer_bytes"),
+    (["refit.buffer_bytes=1000000000000000000000"], "refit.buffer_bytes"),
+    (["refit.buffer_bytes=4"], "refit.buffer_bytes=4"),
+    (["refit.buffer_bytes=1"], "refit.buffer_bytes=1"),
+    (["refit.buffer_bytes=-1"], "refit.buffer_bytes=-1"),
+    (["refit.buffer_bytes=abc"], "refit.buffer_bytes='abc'"),
+    (["dtype=float13"], "dtype='float13'"),
+    (["dtype=int8"], "dtype='int8'"),
+    (["refit.timeout_s=0"], "refit.timeout_s"),
+    (["refit.timeout_s=-1"], "refit.timeout_s"),
+    (["refit.timeout_s=nan"], "refit.timeout_s"),
+    (["refit.timeout_s=inf"], "refit.timeout_s"),
+    (["refit.timeout_s=soon"], "refit.timeout_s"),
+    (["refit.verify=ful"], "refit.verify='ful'"),
+    (["refit.transport=x"], "refit.transport='x'"),
+    (["refit.apply_mode=y"], "refit.apply_mode='y'"),
+    (["refit.atomic=2"], "refit.atomic"),
+    (["training.pp=0"], "training.pp=0"),
+    (["training.tp=3"], "tp=3"),
+    (["training.pp=3"], "training layout"),  # 4 layers do not split over 3 stages
+    (["model=no-such-model"], "model='no-such-model'"),
+    (["model=tiny-dense"], "expert_model_parallel_size=2"),  # training.ep=2 on a dense model
+    (["job.steps=0"], "job.steps=0"),
+    (["job.steps=one"], "job.steps"),
+    (["job.lr=0"], "job.lr"),
+    (["job.lr=nan"], "job.lr"),
+    (["job.tokens=[1,1000]"], "job.tokens[1]=1000"),
+    (["job.tokens=[-1]"], "job.tokens[0]=-1"),
+    (["job.tokens=[]"], "job.tokens"),
+    (["job.tokens=5"], "job.tokens"),
+    (["job.tokens=[1,a]"], "job.tokens[1]"),
+    (["job.compare_hf=maybe"], "job.compare_hf"),
+    (["seed=-1"], "seed=-1"),
+    (["vllm.pp=2"], "vllm.pp/vllm.dp > 1: one engine per replica with pp=dp=1 runs on this machine"),
+    (["vllm.dp=2"], "vllm.dp=2"),
+    (["vllm.enable_ep=true"], "vllm.enable_ep"),
+    (["training.layer_spec=te"], "training.layer_spec='te'"),
+    (["training.experts=grouped"], "training.experts='grouped'"),
+    (["training.dp=1000"], "training world"),
+    (["vllm.replicas=0"], "vllm.replicas=0"),
+    (["refit.enabled=false"], "refit.enabled"),
+    (["--recipe", str(RECIPE)], "--recipe"),
+]
+
+
+@pytest.mark.parametrize("args, key", PLAN_CASES, ids=[" ".join(a) for a, _ in PLAN_CASES])
+def test_plan_bad_input(args, key, capsys):
+    check_one_line(capsys, ["plan", *args], key)
+    check_one_line(capsys, ["plan", "--json", *args], key)
+
+
+@pytest.mark.parametrize("args, key", REFIT_CASES, ids=[" ".join(a) for a, _ in REFIT_CASES])
+def test_refit_bad_input_starts_nothing(args, key, capsys, no_job):
+    check_one_line(capsys, ["refit", *args], key, limit_s=10.0)
+    assert no_job == []
+
+
+def test_tiny_buffer_is_rejected_at_once(capsys):
+    """``plan refit.buffer_bytes=4`` used to grow past 6 GiB planning 4-byte buckets."""
+    t0 = time.monotonic()
+    check_one_line(capsys, ["plan", "refit.buffer_bytes=4"], "refit.buffer_bytes=4")
+    assert time.monotonic() - t0 < 5.0
+
+
+@pytest.mark.parametrize("argv, key", [
+    (["bogus"], "bogus"),
+    (["plan", "--nope"], "--nope"),
+    ([], "command"),
+    (["plan", "--recipe", str(RECIPE), "vllm.tp=4"], "--recipe"),
+])
+def test_bad_command_line(argv, key, capsys):
+    check_one_line(capsys, argv, key)
+
+
+# --------------------------------------------------------------------------- recipes
+
+
+def _recipe() -> dict:
+    return yaml.safe_load(RECIPE.read_text())
+
+
+def _edit(path: str, value):
+    def apply(d):
+        *parents, leaf = path.split(".")
+        node = d
+        for p in parents:
+            node = node[p]
+        if value is _DROP:
+            del node[leaf]
+        else:
+            node[leaf] = value
+    return apply
+
+
+_DROP = object()
+RECIPE_CASES = [
+    ("not-yaml", "a: b: c\n", "is not YAML"),
+    ("binary", b"\x00\x01\x02\xff binary", "recipe"),
+    ("list", "- a\n- b\n", "not a mapping"),
+    ("scalar", "hello\n", "not a mapping"),
+    ("empty", "", "not a mapping"),
+    ("no-model", [_edit("policy.model_config", _DROP), _edit("policy.model_name", _DROP)], "policy.model_config is missing"),
+    ("no-cluster-nodes", [_edit("cluster.num_nodes", _DROP)], "cluster.num_nodes is missing"),
+    ("no-generation-resources", [_edit("policy.generation.colocated.resources", _DROP)],
+     "policy.generation.colocated.resources.gpus_per_node is missing"),
+    ("no-megatron-cfg", [_edit("policy.megatron_cfg", _DROP)], "policy.megatron_cfg is missing"),
+    ("generation-takes-every-gpu", [_edit("policy.generation.colocated.resources.num_nodes", 4)],
+     "policy.generation.colocated.resources"),
+    ("generation-more-gpus-per-node", [_edit("policy.generation.colocated.resources.gpus_per_node", 16)],
+     "policy.generation.colocated.resources.gpus_per_node=16"),
+    ("vllm-ep-contradicts-tp", [_edit("policy.generation.vllm_cfg.expert_parallel_size", 3)],
+     "expert_parallel_size=3"),
+    ("tp-two", [_edit("policy.megatron_cfg.tensor_model_parallel_size", "two")],
+     "policy.megatron_cfg.tensor_model_parallel_size='two'"),
+    ("verify-ful", [_edit("policy.megatron_cfg.mcore_reshard.verify", "ful")],
+     "policy.megatron_cfg.mcore_reshard.verify='ful'"),
+    ("atomic-yes-string", [_edit("policy.megatron_cfg.mcore_reshard.atomic", "yes")],
+     "policy.megatron_cfg.mcore_reshard.atomic"),
+    ("buffer-4", [_edit("policy.megatron_cfg.mcore_reshard.buffer_bytes", 4)],
+     "policy.megatron_cfg.mcore_reshard.buffer_bytes=4"),
+    ("unknown-key", [_edit("policy.megatron_cfg.mcore_reshard.bogus", 1)], "policy.megatron_cfg.mcore_reshard.bogus"),
+    ("no-such-model", [_edit("policy.model_config", "no-such-model")], "policy.model_config='no-such-model'"),
+    ("bad-precision", [_edit("policy.precision", "float13")], "policy.precision='float13'"),
+    ("colocated", [_edit("policy.generation.colocated.enabled", True)], "policy.generation.colocated.enabled"),
+    ("interpolation", [_edit("policy.precision", "${nope.x}")], "policy.precision"),
+    ("tp-3", [_edit("policy.megatron_cfg.tensor_model_parallel_size", 3)], "tensor_model_parallel_size"),
+]
+
+
+@pytest.mark.parametrize("name, content, key", RECIPE_CASES, ids=[c[0] for c in RECIPE_CASES])
+def test_recipe_bad_input(name, content, key, tmp_path, capsys):
+    path = tmp_path / f"{name}.yaml"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif isinstance(content, str):
+        path.write_text(content)
+    else:
+        d = _recipe()
+        for edit in content:
+            edit(d)
+        path.write_text(yaml.safe_dump(d))
+    check_one_line(capsys, ["plan", "--recipe", str(path)], key)
+
+
+def test_recipe_file_missing_or_a_directory(tmp_path, capsys):
+    check_one_line(capsys, ["plan", "--recipe", str(tmp_path / "nope.yaml")], "nope.yaml")
+    check_one_line(capsys, ["plan", "--recipe", str(tmp_path)], "directory")
+
+
+# --------------------------------------------------------------------------- the good path
+
+
+def test_refit_cli_hands_a_checked_job_to_run_refit_job(capsys, no_job):
+    assert main(["refit", "--json", "refit.verify=full", "refit.atomic=false", "job.tokens=[0,999]"]) == 0
+    (job, as_json), = no_job
+    assert as_json is True and isinstance(job, RefitJob)
+    assert job.refit.verify is VerifyMode.FULL and job.refit.atomic is False
+    assert job.tokens == (0, 999)
+
+
+def test_load_refit_job_defaults():
+    job = load_refit_job([])
+    assert job.model == "tiny-moe" and job.tiny and job.checkpoint is None
+    assert job.spec.vocab == 1000 and job.spec.num_experts == 8 and job.spec.dtype == job.dtype == "float32"
+    assert (job.training.tp, job.training.ep, job.vllm.tp, job.vllm.replicas) == (2, 2, 2, 1)
+    assert job.refit.verify is VerifyMode.CHECKSUM and job.refit.atomic is True
+    assert job.refit.bucket_bytes == job.refit.buffer_bytes // 2
+    assert job.steps == 1 and isinstance(job.lr, float) and job.compare_hf is True and job.workdir is None
+    assert all(isinstance(t, int) for t in job.tokens)
+    assert job.plan is not None and job.plan.bytes_planned == job.plan.bytes_min
+    with pytest.raises(Exception):
+        job.steps = 2  # frozen
+
+
+@pytest.mark.parametrize("args", [["training.pp=2"], ["training.pp=2", "training.vpp=2"],
+                                  ["training.pp=2", "training.first_stage_layers=1", "training.last_stage_layers=3"],
+                                  ["vllm.replicas=2"], ["model=tiny-dense", "training.ep=1"],
+                                  ["refit.buffer_bytes=65536"], ["refit.verify=off", "refit.atomic=false"]])
+def test_refit_job_accepts_what_the_lead_runs(args):
+    job = load_refit_job(args)
+    assert job.plan is not None
+
+
+def test_refit_job_errors_are_config_or_layout_errors():
+    with pytest.raises(ConfigError, match="refit.verify"):
+        load_refit_job(["refit.verify=ful"])
+    with pytest.raises(LayoutError, match="tp=3"):
+        load_refit_job(["training.tp=3"])
+    assert issubclass(ConfigError, ValueError) and issubclass(LayoutError, ValueError)
+
+
+def test_refit_config_types():
+    rc = RefitConfig(verify="full", timeout_s=5)
+    assert rc.verify is VerifyMode.FULL and rc.verify == "full" and rc.timeout_s == 5.0 and rc.atomic is True
+    assert RefitConfig(buffer_bytes=MIN_BUFFER_BYTES).bucket_bytes == MIN_BUFFER_BYTES // 2
+    RefitConfig(buffer_bytes=MAX_BUFFER_BYTES)
+    for bad in (dict(verify="ful"), dict(buffer_bytes=MIN_BUFFER_BYTES - 1), dict(buffer_bytes=MAX_BUFFER_BYTES + 1),
+                dict(buffer_bytes=True), dict(buffer_bytes=1.5e6), dict(timeout_s=math.nan), dict(timeout_s=0),
+                dict(atomic="yes"), dict(transport="x"), dict(apply_mode="y")):
+        with pytest.raises(ConfigError):
+            RefitConfig(**bad)
+    assert MAX_PLAN_TRANSFERS > 328_000  # the largest plan benchmarked fits
+
+
+def test_recipe_atomic_maps_to_refit_config(tmp_path, capsys):
+    d = _recipe()
+    d["policy"]["megatron_cfg"]["mcore_reshard"]["atomic"] = False
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(d))
+    from mcore_reshard.config import load_recipe_file
+
+    assert load_recipe_file(path).refit.atomic is False
+    assert load_recipe_file(RECIPE).refit.atomic is True
+    assert json.dumps({"verify": load_recipe_file(RECIPE).refit.verify}) == '{"verify": "checksum"}'
+
+
+
+def test_tiny_specs_match_the_written_checkpoints(tmp_path):
+    """load_refit_job builds a tiny model's spec from its config dict, writing nothing: it must
+    equal the spec of the checkpoint the job writes later."""
+    from mcore_reshard.config import TINY_MODELS
+    from mcore_reshard.layout import load_model_spec
+
+    try:
+        from mcore_reshard.checkpoint import make_tiny_checkpoint
+    except ImportError:
+        from mcore_reshard.testing.tiny import make_tiny_checkpoint
+    for name, family in TINY_MODELS.items():
+        job = load_refit_job([f"model={name}", *([] if family == "qwen3_moe" else ["training.ep=1"])])
+        ckpt = make_tiny_checkpoint(tmp_path / name, family=family, dtype=job.dtype)
+        assert load_model_spec(ckpt, dtype=job.dtype) == job.spec, name
+        assert load_refit_job([f"model={ckpt}", *([] if family == "qwen3_moe" else ["training.ep=1"])]).checkpoint == ckpt
