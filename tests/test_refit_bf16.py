@@ -80,5 +80,9 @@ def test_refit_without_the_param_sync_is_caught(moe):
     weights without forcing the gather sends stale boxes. verify=full (gathered after the
     sync) catches it; with the sync (the default, previous tests) it passes."""
     spec, ckpt, llm = moe
-    with pytest.raises(RefitError, match="full verification"):
-        _train_and_refit(spec, ckpt, llm, MegatronParallel(dp=2), sync_before_refit=False)
+    with local_cluster(spec, ckpt, MegatronParallel(dp=2), VllmParallel(tp=1), CFG, train={"lr": 0.05},
+                       engines=[llm], sync_before_refit=False) as c:
+        c.refit_once()
+        c.step(TOKENS)  # no forward after it: each DP rank's model holds the other shard stale
+        with pytest.raises(RefitError, match="full verification"):
+            c.refit_once()
