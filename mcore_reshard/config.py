@@ -56,7 +56,7 @@ CONFIG_DIR = Path(os.environ.get("MCORE_RESHARD_CONFIG_DIR", Path(__file__).reso
 TINY_MODELS: dict[str, str] = {"tiny-moe": "qwen3_moe", "tiny-dense": "qwen3", "tiny-llama": "llama",
                                "tiny-qwen2": "qwen2"}
 #: Dtypes the local CPU job can train and serve in.
-LOCAL_DTYPES = ("float32", "bfloat16", "float16")
+LOCAL_DTYPES = ("float32", "bfloat16")  # what the CPU training stack builds (TrainSettings)
 #: Ranks per side the metadata planner describes. Layouts are built rank by rank in memory
 #: (about 1.6k pieces per rank for a large MoE), so a typo such as ``training.dp=100000000``
 #: would exhaust memory; 4096 is 16x the largest layout benchmarked (256 ranks).
@@ -344,7 +344,7 @@ def recipe_from_config(cfg: Any) -> RecipeLayout:
     training = build_dataclass(MegatronParallel, data.get("training"), "training")
     vllm = build_dataclass(VllmParallel, data.get("vllm"), "vllm")
     refit = build_dataclass(RefitConfig, data.get("refit"), "refit")
-    _check_world(training.world, vllm.world_size)
+    _check_world(training.world_size, vllm.world_size)
     spec = resolve_model(model, dtype=dtype)
     vllm_spec = resolve_model(vllm_model, dtype=dtype, what="vllm_model") if vllm_model else None
     return RecipeLayout(spec, training, vllm, refit, vllm_spec)
@@ -379,7 +379,7 @@ def load_recipe_file(path: str | Path) -> RecipeLayout:
         raise ConfigError(f"--recipe {str(path)!r}: {_one_line(exc)}") from None
     raw = _container(node, f"--recipe {str(path)!r}")
     recipe = from_policy_config(raw)
-    _check_world(recipe.training.world, recipe.vllm.world_size)
+    _check_world(recipe.training.world_size, recipe.vllm.world_size)
     return recipe
 
 
@@ -408,7 +408,7 @@ def plan_layouts(spec: ModelSpec, training: MegatronParallel, vllm: VllmParallel
     from .adapters.vllm.rules import vllm_layout
     from .plan import get_plan
 
-    _check_world(training.world, vllm.world_size)
+    _check_world(training.world_size, vllm.world_size)
     try:
         src = megatron_layout(spec, training)
     except LayoutError as exc:
@@ -527,9 +527,9 @@ def load_refit_job(overrides: Sequence[str] = ()) -> RefitJob:
     if vllm.enable_ep:
         raise ConfigError("vllm.enable_ep=true: vLLM's CPU fused-MoE kernel segfaults on an expert-parallel "
                           "forward; the local job runs the experts under TP")
-    procs = training.world + vllm.world_size
+    procs = training.world_size + vllm.world_size
     if procs > MAX_LOCAL_PROCESSES:
-        raise ConfigError(f"training world {training.world} + vllm world {vllm.world_size} = {procs} processes: "
+        raise ConfigError(f"training world {training.world_size} + vllm world {vllm.world_size} = {procs} processes: "
                           f"the local job starts at most {MAX_LOCAL_PROCESSES} on this machine")
 
     checkpoint: Path | None = None

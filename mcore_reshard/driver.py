@@ -31,7 +31,7 @@ from .policy import RefitConfig
 from .ports import free_port
 from .protocol import JoinInfo, RankMap, RankReport, RefitRequest, first_error_line
 
-__all__ = ["RefitDriver", "RefitMetrics", "engine_world", "dst_layout_of"]
+__all__ = ["RefitDriver", "RefitMetrics", "engine_world", "engine_dtype", "dst_layout_of"]
 
 _log = logging.getLogger("mcore_reshard.driver")
 
@@ -61,6 +61,11 @@ def engine_world(llm: Any) -> int:
     """Workers of one engine (tp * pp * dp)."""
     par = llm.llm_engine.vllm_config.parallel_config
     return int(par.world_size) * int(getattr(par, "data_parallel_size", 1) or 1)
+
+
+def engine_dtype(llm: Any) -> str:
+    """The element type an engine serves (``torch.bfloat16`` -> ``"bfloat16"``)."""
+    return str(llm.llm_engine.vllm_config.model_config.dtype).replace("torch.", "")
 
 
 def _restamp(params: Sequence[LocalParam], offset: int) -> list[LocalParam]:
@@ -116,11 +121,14 @@ class RefitDriver:
         tensors = self.spec.tensor_table()
         if self.src is None:
             params = tuple(p for rank in self.trainers.call("describe") for p in rank)
-            self.src = SideLayout("megatron-live", self.trainers.world, params, tensors)
+            self.src = SideLayout("megatron-live", self.trainers.world_size, params, tensors)
         sizes = [engine_world(llm) for llm in self.engines]
         self._offsets = [sum(sizes[:e]) for e in range(len(sizes))]
         if self.dst is None:
-            self.dst = dst_layout_of(self.engines, tensors, name=f"vllm({len(self.engines)} engine(s) of {sizes[0]})")
+            # The engine's own dtype: a trainer in another one (fp32 main weights, a bf16 model
+            # into an fp32 engine) is planned as a cast, allowed only with refit.allow_cast.
+            dst_tensors = self.spec.with_dtype(engine_dtype(self.engines[0])).tensor_table()
+            self.dst = dst_layout_of(self.engines, dst_tensors, name=f"vllm({len(self.engines)} engine(s) of {sizes[0]})")
         not_direct: tuple = ()
         try:
             self.modes = {}

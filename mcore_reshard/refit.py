@@ -165,7 +165,7 @@ def _run_job(job: Any, workdir: Path, as_json: bool) -> int:
         out = {k: v for k, v in asdict(second).items() if k != "notes"}
         out.update(stale_token_mult_prob_error=stale, plan=report.to_json(),
                    refits=[dict(asdict(m), label=label) for label, m in results],
-                   engines=job.vllm.replicas, training_ranks=job.training.world)
+                   engines=job.vllm.replicas, training_ranks=job.training.world_size)
         if baseline is not None:
             out["hf_broadcast"] = asdict(baseline)
             out["speedup_vs_hf_broadcast"] = baseline.seconds / second.seconds

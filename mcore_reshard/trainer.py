@@ -55,7 +55,7 @@ class _Rank:
 
         torch.set_num_threads(setup.threads)
         self.rank, self.setup, self.spec = rank, setup, setup.spec
-        init_megatron(setup.par, rank, setup.par.world, "127.0.0.1", setup.port, setup.timeout_s)
+        init_megatron(setup.par, rank, setup.par.world_size, "127.0.0.1", setup.port, setup.timeout_s)
         settings = TrainSettings(**{"dtype": self.spec.dtype, **setup.train})
         self.policy = build_policy(self.spec, setup.par, settings)
         self.policy.load_canonical(load_canonical(setup.checkpoint))
@@ -134,7 +134,7 @@ class _Rank:
         from .hf_broadcast import hf_send
 
         self.policy.sync_params()
-        return hf_send(gather_plan, self.rank, self.setup.par.world, self.endpoint.local_tensors(),
+        return hf_send(gather_plan, self.rank, self.setup.par.world_size, self.endpoint.local_tensors(),
                        self.spec.tensor_table(), self.endpoint.group, self.hf_group, buffer_bytes=buffer_bytes,
                        timeout_s=timeout_s)
 
@@ -194,12 +194,12 @@ class TrainerPool:
         import torch.multiprocessing as mp
 
         self.setup = setup
-        self.world = setup.par.world
+        self.world_size = setup.par.world_size
         ctx = mp.get_context("spawn")
         self._results = ctx.Queue()
-        self._cmds = [ctx.Queue() for _ in range(self.world)]
+        self._cmds = [ctx.Queue() for _ in range(self.world_size)]
         self.procs = [ctx.Process(target=_rank_main, args=(r, setup, self._cmds[r], self._results), daemon=True)
-                      for r in range(self.world)]
+                      for r in range(self.world_size)]
         for p in self.procs:
             p.start()
         self._pending: str | None = None
@@ -212,7 +212,7 @@ class TrainerPool:
 
     def submit(self, cmd: str, *args: Any) -> None:
         """Start ``cmd`` on every rank without waiting (pair with :meth:`collect`)."""
-        self.submit_each(cmd, [args] * self.world)
+        self.submit_each(cmd, [args] * self.world_size)
 
     def submit_each(self, cmd: str, args_per_rank: Sequence[tuple]) -> None:
         """Start ``cmd`` with rank-specific arguments (e.g. each rank's plan slice)."""
@@ -236,10 +236,10 @@ class TrainerPool:
     def _collect(self, cmd: str, timeout_s: float) -> list[Any]:
         out: dict[int, Any] = {}
         deadline = time.monotonic() + timeout_s
-        while len(out) < self.world:
+        while len(out) < self.world_size:
             left = deadline - time.monotonic()
             if left <= 0:
-                missing = sorted(set(range(self.world)) - set(out))
+                missing = sorted(set(range(self.world_size)) - set(out))
                 raise TrainerError(f"training rank(s) {missing} did not finish {cmd!r} within {timeout_s:.0f}s")
             try:
                 rank, seq, ok, value = self._results.get(timeout=min(left, 0.5))
@@ -254,7 +254,7 @@ class TrainerPool:
             if not ok:
                 raise TrainerError(f"training rank {rank} failed {value}")
             out[rank] = pickle.loads(value) if isinstance(value, bytes) else value
-        return [out[r] for r in range(self.world)]
+        return [out[r] for r in range(self.world_size)]
 
     def dead(self) -> list[str]:
         """One line per rank whose process is gone (named in a failed refit's error)."""

@@ -25,16 +25,16 @@ def endpoint_refit_job(ctx: WorldCtx, ckpt: str, dtype: str, par: MegatronParall
     import torch.distributed as dist
 
     spec = load_model_spec(ckpt, dtype=dtype)
-    init_megatron(par, ctx.rank, ctx.world, ctx.master_addr, ctx.master_port)
+    init_megatron(par, ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)
     policy = build_policy(spec, par, TrainSettings(dtype=dtype, lr=0.05))
     policy.load_canonical(load_canonical(ckpt))
     loss = policy.train_step([tokens])  # the trainer's weights now differ from the engine's checkpoint
 
     ep = TrainerEndpoint(policy.chunks, spec, sync_params=policy.sync_params)
     mine = ep.describe()
-    every: list = [None] * ctx.world
+    every: list = [None] * ctx.world_size
     dist.all_gather_object(every, mine)
-    src = SideLayout("megatron", ctx.world, tuple(p for r in every for p in r), spec.tensor_table())
+    src = SideLayout("megatron", ctx.world_size, tuple(p for r in every for p in r), spec.tensor_table())
     dst = vllm_layout(spec, vllm)  # a plain engine: its layout from the rules (it checks its slice itself)
     plan = build_plan(src, dst, bucket_bytes=1 << 16)
     digest = plan.digest()

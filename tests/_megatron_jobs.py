@@ -142,7 +142,7 @@ def layout_job(ctx: WorldCtx, par: MegatronParallel, cfg: dict[str, Any], ckpt: 
     """Build the model, describe it, cross-check against sharded_state_dict, optionally load
     ``ckpt`` through the descriptors and run forward (and a few AdamW steps)."""
     spec = spec_from_hf_config(cfg, dtype="float32")
-    init_megatron(par, ctx.rank, ctx.world, ctx.master_addr, ctx.master_port)
+    init_megatron(par, ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)
     chunks = build_gpt(spec, par, dtype="float32")
     ids = canonical_ids(spec)
     descs = describe(chunks, spec)

@@ -277,7 +277,7 @@ def test_refit_cli_hands_a_checked_job_to_run_refit_job(capsys, no_job):
 def test_load_refit_job_defaults():
     job = load_refit_job([])
     assert job.model == "tiny-moe" and job.tiny and job.checkpoint is None
-    assert job.spec.vocab == 1000 and job.spec.num_experts == 8 and job.spec.dtype == job.dtype == "float32"
+    assert job.spec.vocab == 1000 and job.spec.num_experts == 8 and job.spec.dtype == job.dtype == "bfloat16"  # the demo trains and serves bf16
     assert (job.training.tp, job.training.ep, job.vllm.tp, job.vllm.replicas) == (2, 2, 2, 1)
     assert job.refit.verify is VerifyMode.CHECKSUM and job.refit.atomic is True
     assert job.refit.bucket_bytes == job.refit.buffer_bytes // 2

@@ -14,7 +14,8 @@ import pytest
 import torch.distributed as dist
 
 from mcore_reshard.errors import RefitAborted
-from mcore_reshard.transport.group import RankMap, RefitGroup, free_port
+from mcore_reshard.ports import free_port
+from mcore_reshard.transport.group import RankMap, RefitGroup
 
 
 def _pair(secret: str = "s3cret", timeout_s: float = 10.0):

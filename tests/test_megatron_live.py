@@ -26,7 +26,7 @@ TIED = dict(TINY_DENSE, tie_word_embeddings=True, num_key_value_heads=1)
 
 
 def _run(par: MegatronParallel, cfg, ckpt=None, train_steps: int = 0):
-    return run_world(layout_job, par.world, (par, cfg, str(ckpt) if ckpt else None, TOKENS, train_steps),
+    return run_world(layout_job, par.world_size, (par, cfg, str(ckpt) if ckpt else None, TOKENS, train_steps),
                      timeout_s=240)
 
 

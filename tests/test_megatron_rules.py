@@ -214,7 +214,7 @@ LAYOUTS = [
 def test_every_element_covered_and_replicas_agree(cfg, par):
     spec = spec_from_hf_config(cfg, dtype="float32")
     layout = megatron_layout(spec, par)
-    assert layout.world_size == par.world and {p.rank for p in layout.params} == set(range(par.world))
+    assert layout.world_size == par.world_size and {p.rank for p in layout.params} == set(range(par.world_size))
     boxes = defaultdict(lambda: defaultdict(int))
     for lp in layout.params:
         local = set()
@@ -228,7 +228,7 @@ def test_every_element_covered_and_replicas_agree(cfg, par):
             boxes[pc.canonical][pc.box] += 1
         assert lp.padding == lp.numel - len(local) >= 0
     assert set(boxes) == set(layout.tensors)
-    edp = par.world // (par.etp_size * par.ep * par.pp)
+    edp = par.world_size // (par.etp_size * par.ep * par.pp)
     for name, reps in boxes.items():
         shape = layout.tensors[name][0]
         distinct = list(reps)

@@ -38,7 +38,7 @@ def train_job(ctx: WorldCtx, par: MegatronParallel, ckpt: str, settings_kw: dict
     from mcore_reshard.adapters.megatron.train import TrainSettings, build_policy
 
     settings = TrainSettings(**settings_kw)
-    init_megatron(par, ctx.rank, ctx.world, ctx.master_addr, ctx.master_port)
+    init_megatron(par, ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)
     spec = load_model_spec(ckpt, dtype=settings.dtype)
     pol = build_policy(spec, par, settings)
     pol.load_canonical(load_canonical(ckpt))
@@ -83,7 +83,7 @@ def stale_job(ctx: WorldCtx, par: MegatronParallel, ckpt: str, overlap_param_gat
     from mcore_reshard.adapters.megatron.train import TrainSettings, build_policy
 
     settings = TrainSettings(dtype="bfloat16", overlap_param_gather=overlap_param_gather, lr=1e-2)
-    init_megatron(par, ctx.rank, ctx.world, ctx.master_addr, ctx.master_port)
+    init_megatron(par, ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)
     spec = load_model_spec(ckpt, dtype="bfloat16")
     pol = build_policy(spec, par, settings)
     pol.load_canonical(load_canonical(ckpt))
@@ -185,7 +185,7 @@ def _check_tp_replicas(res) -> None:
 @pytest.mark.parametrize("kind,par", [("dense", MegatronParallel(tp=2)),
                                       ("moe", MegatronParallel(tp=2, ep=2, etp=1))], ids=["tp2", "tp2xep2-moe"])
 def test_bf16_float16module_ddp_distributed_optimizer(ckpts, hf_lp, kind, par):
-    res = run_world(train_job, par.world, (par, ckpts[kind], dict(dtype="bfloat16"), BATCH, STEPS), timeout_s=240)
+    res = run_world(train_job, par.world_size, (par, ckpts[kind], dict(dtype="bfloat16"), BATCH, STEPS), timeout_s=240)
     r0 = res[0]
     assert r0["chunk_types"] == ["DistributedDataParallel(Float16Module)"]
     assert r0["optimizer"] in ("DistributedOptimizer", "ChainedOptimizer")
@@ -245,7 +245,7 @@ def test_pipeline_schedule_matches_pp1(ckpts, case):
     weights."""
     kind, dtype, par = _PP_CASES[case]
     batch = BATCH * par.dp if par.dp > 1 else BATCH  # every DP rank sees the same two sequences
-    res = run_world(train_job, par.world, (par, ckpts[kind], dict(dtype=dtype), batch, STEPS), timeout_s=240)
+    res = run_world(train_job, par.world_size, (par, ckpts[kind], dict(dtype=dtype), batch, STEPS), timeout_s=240)
     ref = _reference(ckpts, kind, dtype)
     tol = 1e-4 if dtype == "float32" else 2e-2
     _check_training(res, batch)

@@ -86,3 +86,27 @@ def test_refit_without_the_param_sync_is_caught(moe):
         c.step(TOKENS)  # no forward after it: each DP rank's model holds the other shard stale
         with pytest.raises(RefitError, match="full verification"):
             c.refit_once()
+
+
+def test_fp32_trainer_into_a_bf16_engine_casts_while_packing(moe, tmp_path):
+    """fp32 source weights into a bf16 engine: the plan records every cast, the wire carries
+    bf16 (bytes = the bf16 minimum), checksums compare the cast values; without
+    refit.allow_cast it is a one-line error naming a tensor and both dtypes."""
+    from dataclasses import replace
+
+    from mcore_reshard.plan import PlanError
+
+    _, ckpt, llm = moe
+    spec32 = load_model_spec(ckpt, dtype="float32")
+    with pytest.raises(PlanError, match=r"model\..* float32 .* bfloat16"):
+        with local_cluster(spec32, ckpt, MegatronParallel(tp=2), VllmParallel(tp=1), CFG, engines=[llm]):
+            pass
+    cast = replace(CFG, allow_cast=True)
+    with local_cluster(spec32, ckpt, MegatronParallel(tp=2), VllmParallel(tp=1), cast, train={"lr": 0.05},
+                       engines=[llm]) as c:
+        plan = c.driver.plan
+        assert plan.itemsize == 2 and plan.casts and all(f == "float32" and t == "bfloat16" for _, f, t in plan.casts)
+        c.step(TOKENS)
+        m = c.refit_once()
+        assert m.verified and m.bytes_moved == plan.bytes_min
+        assert c.logprob_error(TOKENS) <= BF16

@@ -64,7 +64,7 @@ def moe(tmp_path_factory):
 def test_pipeline_parallel_trainers_refit_one_engine(moe, training):
     spec, ckpt, llm = moe
     plan = _refit_train_refit(spec, ckpt, training, [llm])
-    assert plan.num_src == training.world
+    assert plan.num_src == training.world_size
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

@@ -20,7 +20,8 @@ from mcore_reshard.layout.torch_views import TORCH_DTYPES, materialize_local
 from mcore_reshard.plan import build_plan
 from mcore_reshard.transport.checksum import checksum, checksums
 from mcore_reshard.transport.executor import TensorSink, execute_plan, raw_send_bandwidth, zero_fill_padding
-from mcore_reshard.transport.group import RankMap, RefitError, RefitGroup, RefitTimeout, free_port
+from mcore_reshard.transport.group import RankMap, RefitError, RefitGroup, RefitTimeout
+from mcore_reshard.ports import free_port
 from toy_layouts import split_layout
 
 T = {"a": ((12, 8), "float32"), "b": ((8,), "float32"), "c": ((6, 4, 4), "float32")}

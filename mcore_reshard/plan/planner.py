@@ -4,7 +4,10 @@ Pure and deterministic: it imports neither megatron nor vllm and works on descri
 so full-size plans can be computed and checked anywhere. Phases, in the spirit of DCP's
 planner (local plan -> global plan -> finish):
 
-1. ``check_sides``     both sides describe the same canonical tensors (name, shape, dtype).
+1. ``check_sides``     both sides describe the same canonical tensors (name, shape, dtype);
+                       a dtype that differs is an error unless casts are allowed, then it is
+                       recorded in ``TransferPlan.casts`` (the sender casts while packing, the
+                       wire carries the destination's dtype, bytes stay at its minimum).
 2. ``index_sources``   unique source boxes per tensor, each with its replicas; the boxes must
                        tile every tensor exactly (no gap, no overlap).
 3. ``check_dest``      every destination piece lies inside its tensor and no two pieces of one
@@ -49,8 +52,14 @@ class _Replica(NamedTuple):
     view: View
 
 
-def check_sides(src: SideLayout, dst: SideLayout, *, allow_cast: bool = False) -> None:
-    """Both sides must describe the same canonical tensors, or the refit would be wrong."""
+def check_sides(src: SideLayout, dst: SideLayout, *, allow_cast: bool = False) -> tuple[tuple[str, str, str], ...]:
+    """Both sides must describe the same canonical tensors, or the refit would be wrong.
+
+    Element types may differ per tensor only with ``allow_cast`` (the sender casts while
+    packing). Returns the casts, (tensor, source dtype, destination dtype), in the
+    destination's tensor order.
+    """
+    casts: list[tuple[str, str, str]] = []
     missing = sorted(set(dst.tensors) - set(src.tensors))
     if missing:
         raise PlanError(
@@ -60,13 +69,19 @@ def check_sides(src: SideLayout, dst: SideLayout, *, allow_cast: bool = False) -
         s_shape, s_dtype = src.tensors[name]
         if tuple(s_shape) != tuple(shape):
             raise PlanError(f"{name}: source shape {tuple(s_shape)} != destination shape {tuple(shape)}")
-        if s_dtype != dtype and not allow_cast:
-            raise PlanError(f"{name}: source dtype {s_dtype} != destination dtype {dtype} (no explicit cast)")
+        if s_dtype != dtype:
+            if not allow_cast:
+                raise PlanError(
+                    f"{name}: source dtype {s_dtype} != destination dtype {dtype} "
+                    f"(no explicit cast; set refit.allow_cast=true to cast while packing)"
+                )
+            casts.append((name, s_dtype, dtype))
     unneeded = sorted(set(src.tensors) - set(dst.tensors))
     if unneeded:
         raise PlanError(
             f"source tensor {unneeded[0]!r} (and {len(unneeded) - 1} more) has no place on the destination"
         )
+    return tuple(casts)
 
 
 def index_sources(src: SideLayout) -> dict[str, dict[Box, list[_Replica]]]:
@@ -153,9 +168,15 @@ def check_dest(dst: SideLayout) -> list[tuple[int, str, int]]:
 
 
 def _check_param_dtype(param: LocalParam, side: SideLayout, what: str) -> None:
-    if param.pieces:
-        canonical = param.pieces[0].canonical
-        _, dtype = side.tensors.get(canonical, (None, param.dtype))
+    """A local tensor holds its side's element type of every canonical tensor it carries
+    (checked against that side's own table: a source may mix dtypes, e.g. an fp32 router)."""
+    tensors, prev = side.tensors, None
+    for piece in param.pieces:
+        canonical = piece.canonical
+        if canonical == prev:
+            continue
+        prev = canonical
+        _, dtype = tensors.get(canonical, (None, param.dtype))
         if dtype != param.dtype:
             raise PlanError(f"{param.name} ({what} rank {param.rank}) holds {param.dtype} but {canonical} is {dtype}")
 
@@ -232,7 +253,7 @@ def _build_plan(
 ) -> TransferPlan:
     if bucket_bytes <= 0:
         raise PlanError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    check_sides(src, dst, allow_cast=allow_cast)
+    casts = check_sides(src, dst, allow_cast=allow_cast)
     index = index_sources(src)
     padding = check_dest(dst)
     dtype = _dtype(dst)
@@ -260,6 +281,7 @@ def _build_plan(
         bucket_bytes=bucket_bytes,
         padding=tuple(padding),
         not_direct=tuple(not_direct),
+        casts=casts,
         notes=tuple(src.notes) + tuple(dst.notes),
     )
     if plan.bytes_planned != plan.bytes_min:

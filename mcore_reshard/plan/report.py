@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from .types import TransferPlan
 
@@ -28,6 +28,8 @@ class PlanReport:
     digest: str
     not_direct: list[dict[str, str]]
     notes: list[str]
+    #: Every tensor whose source dtype differs from the destination's: {"tensor", "from", "to"}.
+    casts: list[dict[str, str]] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -49,8 +51,16 @@ class PlanReport:
         ]
         width = max(len(k) for k, _ in rows)
         lines = [title, "-" * len(title)] + [f"{k.ljust(width)}  {v}" for k, v in rows]
-        for (pattern, reason), count in _group_not_direct(self.not_direct).items():
+        for (pattern, reason), count in _group_names(self.not_direct, "param", "reason").items():
             lines.append(f"  not direct: {pattern} (x{count}): {reason}")
+        lines.append(f"casts (sender converts while packing): {len(self.casts)} tensor(s)" if self.casts
+                     else "casts (sender converts while packing): none")
+        groups = list(_group_names(self.casts, "tensor", "from", "to").items())
+        for (pattern, src, dst), count in groups[:_MAX_CAST_LINES]:
+            lines.append(f"  cast: {pattern} (x{count}): {src} -> {dst}")
+        if len(groups) > _MAX_CAST_LINES:
+            rest = sum(count for _, count in groups[_MAX_CAST_LINES:])
+            lines.append(f"  cast: ... {len(groups) - _MAX_CAST_LINES} more pattern(s), {rest} tensor(s) (all in the JSON form)")
         for note in self.notes:
             lines.append(f"  note: {note}")
         return "\n".join(lines)
@@ -76,15 +86,20 @@ def plan_report(plan: TransferPlan) -> PlanReport:
         digest=plan.digest(),
         not_direct=[{"param": p, "reason": r} for p, r in plan.not_direct],
         notes=list(plan.notes),
+        casts=[{"tensor": t, "from": s, "to": d} for t, s, d in plan.casts],
     )
 
 
-def _group_not_direct(items: list[dict[str, str]]) -> dict[tuple[str, str], int]:
-    """Group per-layer parameters (``layers.3.`` -> ``layers.*.``) so the table stays short;
-    the JSON form keeps every parameter."""
-    groups: dict[tuple[str, str], int] = {}
+#: Grouped cast lines shown in the table (a bf16 model into an fp32 engine casts every tensor).
+_MAX_CAST_LINES = 6
+
+
+def _group_names(items: list[dict[str, str]], name: str, *fields: str) -> dict[tuple[str, ...], int]:
+    """Group per-layer names (``layers.3.`` -> ``layers.*.``) with the same ``fields`` so the
+    table stays short (not-direct parameters, cast tensors); the JSON form keeps every one."""
+    groups: dict[tuple[str, ...], int] = {}
     for item in items:
-        key = (re.sub(r"\.(\d+)\.", ".*.", item["param"]), item["reason"])
+        key = (re.sub(r"\.(\d+)\.", ".*.", item[name]), *(item[f] for f in fields))
         groups[key] = groups.get(key, 0) + 1
     return groups
 

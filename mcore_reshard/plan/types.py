@@ -85,6 +85,10 @@ class TransferPlan:
     padding: tuple[tuple[int, str, int], ...] = ()
     #: (parameter, reason) for anything not on the direct shard-to-shard path.
     not_direct: tuple[tuple[str, str], ...] = ()
+    #: (canonical tensor, source dtype, destination dtype) for every tensor whose dtypes differ
+    #: (``refit.allow_cast=true``), in the destination's tensor order. The sender casts while
+    #: packing: the wire carries ``dtype`` and ``bytes_min`` stays in it.
+    casts: tuple[tuple[str, str, str], ...] = ()
     notes: tuple[str, ...] = ()
     plan_seconds: float = 0.0
     _by_src: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
@@ -120,15 +124,20 @@ class TransferPlan:
         return RankPlan(side, rank, self.num_buckets, tuple(self.transfers[i] for i in index.get(rank, ())), self.dtype)
 
     def digest(self) -> str:
-        """Stable hash of everything that moves; checked on every rank before the first byte."""
-        return plan_digest(self.transfers, self.num_buckets, self.dtype)
+        """Stable hash of everything that moves; checked on every rank before the first byte.
+        Casts are hashed only when there are any, so plans without casts keep their digests."""
+        return plan_digest(self.transfers, self.num_buckets, self.dtype, self.casts)
 
 
-def plan_digest(transfers: Iterable[Transfer], num_buckets: int, dtype: str) -> str:
+def plan_digest(
+    transfers: Iterable[Transfer], num_buckets: int, dtype: str, casts: Iterable[tuple[str, str, str]] = ()
+) -> str:
     h = hashlib.sha256(f"{num_buckets}|{dtype}".encode())
     for t in transfers:
         h.update(
             f"{t.bucket}|{t.src}|{t.dst}|{t.canonical}|{t.box.offsets}{t.box.sizes}|{t.nbytes}|{t.src_name}|"
             f"{t.src_view.offset}{t.src_view.stride}|{t.dst_name}|{t.dst_view.offset}{t.dst_view.stride}\n".encode()
         )
+    for name, s_dtype, d_dtype in casts:  # nothing hashed without casts: older digests stay valid
+        h.update(f"cast|{name}|{s_dtype}|{d_dtype}\n".encode())
     return h.hexdigest()[:16]

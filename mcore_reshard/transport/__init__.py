@@ -1,7 +1,7 @@
 """Transport: moves a plan's bytes (in-process for tests, torch.distributed P2P for refits)."""
 
 from .executor import Sink, TensorSink, TransferStats, execute_plan, raw_send_bandwidth, zero_fill_padding
-from .group import RankMap, RefitError, RefitGroup, RefitTimeout, free_port
+from .group import RankMap, RefitError, RefitGroup, RefitTimeout
 
 __all__ = [
     "RankMap",
@@ -12,7 +12,6 @@ __all__ = [
     "TensorSink",
     "TransferStats",
     "execute_plan",
-    "free_port",
     "raw_send_bandwidth",
     "zero_fill_padding",
 ]

@@ -28,10 +28,9 @@ import torch
 import torch.distributed as dist
 
 from ..errors import RefitAborted, RefitError, RefitTimeout
-from ..ports import free_port
 from ..protocol import RankMap
 
-__all__ = ["RefitError", "RefitTimeout", "RankMap", "RefitGroup", "free_port"]
+__all__ = ["RefitError", "RefitTimeout", "RankMap", "RefitGroup"]
 
 _CONNECT_TAG = (1 << 30) + 1  # never a bucket's tag
 _REJECTED = object()  # a control value that is missing or failed authentication
@@ -83,6 +82,7 @@ class RefitGroup:
         self._waiter: ThreadPoolExecutor | None = None
         self._posted_abort = False
         self._epoch = 0
+        self._store_errors = 0
 
     @classmethod
     def create(cls, host: str, port: int, rank: int, world_size: int, timeout_s: float, is_master: bool,
@@ -256,10 +256,15 @@ class RefitGroup:
         key = f"abort/{self._epoch}"
         try:
             if not self.store.check([key]):
+                self._store_errors = 0
                 return None
             value = self._open(key, self.store.get(key))
-        except Exception:  # noqa: BLE001 - the store is gone: the master died
+        except Exception:  # noqa: BLE001 - a loaded store may miss a poll; a dead one misses all
+            self._store_errors += 1
+            if self._store_errors < 20:  # about a second of polls
+                return None
             return "the refit group's store is gone (its master rank died)"
+        self._store_errors = 0
         return None if value is _REJECTED else str(value)
 
     def wait_work(self, work: Any, timeout_s: float, poll_s: float = 0.05) -> None:

@@ -2,7 +2,7 @@
 a multi-process harness, and the live adapter. Importing the package imports neither torch nor
 megatron: those are imported inside the functions that need them."""
 
-from .build import WorldCtx, build_gpt, free_port, init_megatron, megatron_config, run_world
+from .build import WorldCtx, build_gpt, init_megatron, megatron_config, run_world
 from .live import describe, describe_world, live_parallel, named_local_params
 from .rules import (
     TIED_OUTPUT_NOTE,
@@ -25,7 +25,6 @@ __all__ = [
     "TIED_OUTPUT_NOTE",
     "apply_cpu_patches",
     "WorldCtx",
-    "free_port",
     "run_world",
     "init_megatron",
     "build_gpt",

@@ -19,7 +19,7 @@ from ...layout import ModelSpec
 from ...ports import free_port
 from .rules import MegatronParallel, padded_vocab
 
-__all__ = ["WorldCtx", "free_port", "run_world", "init_megatron", "build_gpt", "megatron_config"]
+__all__ = ["WorldCtx", "run_world", "init_megatron", "build_gpt", "megatron_config"]
 
 
 # --------------------------------------------------------------------------- harness
@@ -30,7 +30,7 @@ class WorldCtx:
     """What a spawned rank needs to join the default process group."""
 
     rank: int
-    world: int
+    world_size: int
     master_addr: str
     master_port: int
 
@@ -117,8 +117,8 @@ def init_megatron(par: MegatronParallel, rank: int, world: int, master_addr: str
 
     from .runtime import apply_cpu_patches
 
-    if world != par.world:
-        raise ValueError(f"world {world} != tp*cp*dp*pp = {par.world}")
+    if world != par.world_size:
+        raise ValueError(f"world {world} != tp*cp*dp*pp = {par.world_size}")
     apply_cpu_patches()
     os.environ.setdefault("MASTER_ADDR", master_addr)
     if not dist.is_initialized():

@@ -72,7 +72,7 @@ class MegatronParallel:
     vocab_padded: int | None = None
 
     @property
-    def world(self) -> int:
+    def world_size(self) -> int:
         return self.tp * self.cp * self.dp * self.pp
 
     @property
@@ -83,7 +83,7 @@ class MegatronParallel:
     @property
     def edp(self) -> int:
         """Expert data-parallel size = world / (etp * ep * pp)."""
-        return self.world // (self.etp_size * self.ep * self.pp)
+        return self.world_size // (self.etp_size * self.ep * self.pp)
 
 
 # --------------------------------------------------------------------------- validation
@@ -133,7 +133,7 @@ def _check(spec: ModelSpec, par: MegatronParallel) -> None:
             raise LayoutError(f"moe_ffn_hidden_size={spec.moe_intermediate} must be divisible by etp={etp}")
     if (par.tp * par.cp * par.dp) % (etp * par.ep):
         raise LayoutError(
-            f"world_size={par.world} is not divisible by expert_tensor_model_pipeline_parallel size "
+            f"world_size={par.world_size} is not divisible by expert_tensor_model_pipeline_parallel size "
             f"etp*ep*pp={etp * par.ep * par.pp}"
         )
     if par.vpp > 1 and par.pp == 1:
@@ -210,14 +210,14 @@ def _stage_layers(num_layers, pp, vpp, first, last):
 
 def rank_coords(par: MegatronParallel, rank: int) -> dict[str, int]:
     """Coordinates of ``rank`` in the dense (tp-cp-dp-pp) and expert (etp-ep-edp-pp) grids."""
-    if not 0 <= rank < par.world:
-        raise LayoutError(f"rank {rank} outside world of size {par.world} (tp*cp*dp*pp)")
+    if not 0 <= rank < par.world_size:
+        raise LayoutError(f"rank {rank} outside world of size {par.world_size} (tp*cp*dp*pp)")
     tp_r = rank % par.tp
     cp_r = rank // par.tp % par.cp
     dp_r = rank // (par.tp * par.cp) % par.dp
     pp_r = rank // (par.tp * par.cp * par.dp)
     etp, ep = par.etp_size, par.ep
-    within = rank % (par.world // par.pp)
+    within = rank % (par.world_size // par.pp)
     return dict(tp=tp_r, cp=cp_r, dp=dp_r, pp=pp_r, etp=within % etp, ep=within // etp % ep, edp=within // (etp * ep))
 
 
@@ -412,14 +412,14 @@ def megatron_layout(spec: ModelSpec, par: MegatronParallel) -> SideLayout:
     """All ranks of the training world; every DP / CP / expert-DP replica is listed."""
     _check(spec, par)
     params: list[LocalParam] = []
-    for rank in range(par.world):
+    for rank in range(par.world_size):
         params.extend(megatron_rank_params(spec, par, rank))
     notes = []
     if spec.tied and par.pp > 1:
         notes.append(TIED_OUTPUT_NOTE)
     return SideLayout(
         name=f"megatron(tp={par.tp},pp={par.pp},vpp={par.vpp},ep={par.ep},etp={par.etp_size},cp={par.cp},dp={par.dp})",
-        world_size=par.world,
+        world_size=par.world_size,
         params=tuple(params),
         tensors=spec.tensor_table(),
         notes=tuple(notes),
