@@ -18,6 +18,7 @@ from typing import Sequence
 
 from .errors import ConfigError
 from .layout import LayoutError
+from .protocol import one_line as _one_line
 
 __all__ = ["main", "recipe_from_config", "plan_from_recipe"]
 
@@ -116,11 +117,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"error: {_one_line(exc)}", file=sys.stderr)
             return 2
         raise
-
-
-def _one_line(exc: BaseException) -> str:
-    text = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
-    return text[0] if text else type(exc).__name__
 
 
 if __name__ == "__main__":

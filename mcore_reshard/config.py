@@ -27,6 +27,7 @@ from .adapters.vllm.rules import VllmParallel
 from .errors import ConfigError
 from .layout import DTYPE_BYTES, LayoutError, ModelSpec, SideLayout, load_model_spec
 from .policy import RecipeLayout, RefitConfig
+from .protocol import one_line as _one_line
 
 __all__ = [
     "CONFIG_DIR",
@@ -79,11 +80,6 @@ _CHOICES: dict[type, dict[str, tuple[str, ...]]] = {
     MegatronParallel: dict(layer_spec=("local", "te"), experts=("sequential", "grouped")),
     VllmParallel: dict(expert_placement=("linear", "round_robin")),
 }
-
-
-def _one_line(exc: BaseException) -> str:
-    text = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
-    return text[0] if text else type(exc).__name__
 
 
 # --------------------------------------------------------------------------- Hydra

@@ -189,14 +189,17 @@ class RefitDriver:
         cfg = self.refit_config
         return RefitRequest(self.plan.digest(), cfg.verify, cfg.timeout_s, cfg.atomic)
 
-    def refit(self, *, trainer_command: str = "refit", trainer_args: tuple = ()) -> RefitMetrics:
+    def refit(self, *, trainer_command: str = "refit", trainer_args: tuple = (),
+              request: RefitRequest | None = None) -> RefitMetrics:
         """One refit: every trainer endpoint and every engine at once; they vote, all commit or
         none does. Raises ``RefitFailed`` naming every failing rank of either side. After a
-        failure the refit group is rebuilt at the next refit."""
+        failure the refit group is rebuilt at the next refit. ``trainer_command`` /
+        ``trainer_args`` / ``request`` let fault tests run a variant (a fault injected on one
+        rank, a digest no rank holds)."""
         cached = self._shipped == self.plan.digest()
         if not cached:
             self.connect()
-        request = self.request()
+        request = request or self.request()
         t0 = time.perf_counter()
         self.trainers.submit(trainer_command, request, *trainer_args)
 

@@ -10,8 +10,9 @@ own controller -- moves these messages between them, over whatever control chann
 
 Every message is a frozen dataclass with ``to_wire()`` / ``from_wire()`` to plain JSON-able
 values: nothing here is ever unpickled, and a setting (e.g. ``VerifyMode``) reaches the rank
-that uses it whole. Replies are ``Reply`` objects: ``ok`` with a value, or an error line.
-Bytes never travel in these messages; they move over the refit group (``transport``).
+that uses it whole. Both ends answer a refit the same way: a vote over the refit group carrying
+their ``RankReport`` or one error line (``transport/endpoint.py``). Bytes never travel in these
+messages; they move over the refit group (``transport``).
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ __all__ = [
     "JoinInfo",
     "RefitRequest",
     "RankReport",
-    "Reply",
     "first_error_line",
+    "one_line",
 ]
 
 
@@ -200,6 +201,12 @@ class RankReport:
         return RankReport(**dict(d))
 
 
+def one_line(exc: BaseException) -> str:
+    """The first non-empty line of an error (what a CLI prints after ``error:``)."""
+    text = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    return text[0] if text else type(exc).__name__
+
+
 def first_error_line(exc: BaseException | str) -> str:
     """The most specific line of an error: tracebacks end with the raised message, so the
     last line that names an error wins; else the last line."""
@@ -210,37 +217,3 @@ def first_error_line(exc: BaseException | str) -> str:
     if lines:
         return lines[-1]
     return type(exc).__name__ if isinstance(exc, BaseException) else "error"
-
-
-@dataclass(frozen=True)
-class Reply:
-    """An endpoint's answer to any call: a value, or the error as data (one format, both
-    sides). A rank that raised inside a collective RPC would leave its peers' replies queued;
-    an error as data keeps every control channel in step."""
-
-    ok: bool
-    value: Any = None
-    error: str = ""
-    where: str = ""  # e.g. "vLLM worker 1" / "training rank 0"
-
-    def to_wire(self) -> dict:
-        return {"ok": self.ok, "value": self.value, "error": self.error, "where": self.where}
-
-    @staticmethod
-    def from_wire(d: Mapping[str, Any]) -> "Reply":
-        return Reply(bool(d["ok"]), d.get("value"), str(d.get("error", "")), str(d.get("where", "")))
-
-    @staticmethod
-    def call(where: str, fn, *args: Any, **kwargs: Any) -> "Reply":
-        """Run ``fn`` and always answer (the error keeps its type name and first line)."""
-        try:
-            return Reply(True, fn(*args, **kwargs), where=where)
-        except BaseException as exc:  # noqa: BLE001 - returned as data; the driver raises
-            return Reply(False, error=f"{type(exc).__name__}: {first_error_line(exc)}", where=where)
-
-    def unwrap(self) -> Any:
-        if not self.ok:
-            from .errors import RefitError
-
-            raise RefitError(f"{self.where}: {self.error}")
-        return self.value

@@ -35,6 +35,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
+from bench_refit import stdout_to_stderr  # scripts/ is on sys.path when run as a script
+
 #: A refused refit (nothing moved) must stop every rank within this; a bit flip too (an abort
 #: signal, not the timeout).
 FAST_ERROR_S = 10.0
@@ -51,20 +53,6 @@ def parse_args() -> argparse.Namespace:
     if args.refits < 1 or args.step_every < 1:
         ap.error("--refits and --step-every must be >= 1")
     return args
-
-
-def stdout_to_stderr() -> Callable[[str], None]:
-    """Point fd 1 at stderr for this process and every child it starts (vLLM logs to stdout);
-    returns a writer to the real stdout, for the results only."""
-    sys.stdout.flush()
-    real = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-
-    def write(text: str) -> None:
-        real.write(text + "\n")
-        real.flush()
-
-    return write
 
 
 # -- RSS -----------------------------------------------------------------------------------------
@@ -167,31 +155,8 @@ def soak(c: Any, tokens: list[int], args: argparse.Namespace, log: Callable[...,
 # -- the fault matrix ----------------------------------------------------------------------------
 
 def refit_with_digest(d: Any, digest: str) -> Any:
-    """``RefitDriver.refit``'s body with a request naming ``digest`` (a plan no rank holds)."""
-    from mcore_reshard.errors import RefitFailed
-    from mcore_reshard.protocol import first_error_line
-
-    if d._shipped != d.plan.digest():
-        d.connect()
-    request = replace(d.request(), plan_digest=digest)
-    d.trainers.submit("refit", request)
-
-    def update(llm: Any, _: Any) -> None:
-        llm.start_weight_update()
-        llm.update_weights({"update_info": {"request": request.to_wire()}})
-        llm.finish_weight_update()
-
-    errors = d._on_engines(update)
-    try:
-        d.trainers.collect()
-    except Exception as exc:  # noqa: BLE001 - as the driver does
-        d._shipped = ""
-        dead = getattr(d.trainers, "dead", lambda: [])()
-        raise RefitFailed("; ".join(dead + [first_error_line(exc)] + errors)) from exc
-    if errors:
-        d._shipped = ""
-        raise RefitFailed("; ".join(errors))
-    return None
+    """A refit whose request names ``digest`` (a plan no rank holds): every rank must refuse."""
+    return d.refit(request=replace(d.request(), plan_digest=digest))
 
 
 def fault_row(c: Any, tokens: list[int], name: str, provoke: Callable[[], Any], names_ok: Callable[[str], bool],

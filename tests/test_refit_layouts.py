@@ -76,3 +76,22 @@ def test_every_dense_family_refits_live(tmp_path, family):
         _refit_train_refit(spec, ckpt, MegatronParallel(tp=2), [llm])
     finally:
         stop_engine(llm)
+
+
+def test_two_engines_take_one_refit_in_one_vote(moe):
+    """The destination rank space spans two independent engines (destination offsets 0 and 1);
+    the plan feeds both from the trainers at once and every worker of both votes."""
+    spec, ckpt, llm = moe
+    second = _engine(ckpt)
+    try:
+        with local_cluster(spec, ckpt, MegatronParallel(tp=2, ep=2, etp=1), VllmParallel(tp=1, replicas=2), CFG,
+                           train={"lr": 0.05}, engines=[llm, second]) as c:
+            plan = c.driver.plan
+            assert plan.num_dst == 2 and plan.recv_bytes()[0] == plan.recv_bytes()[1] == plan.bytes_min // 2
+            assert {t.src for t in plan.transfers if t.dst == 0} == {t.src for t in plan.transfers if t.dst == 1} == {0, 1}
+            c.step(TOKENS)
+            m = c.refit_once()
+            assert m.verified and m.bytes_moved == m.bytes_min and any("full verification" in n for n in m.notes)
+            assert c.logprob_error(TOKENS) < BOUND  # the worst of the two engines
+    finally:
+        stop_engine(second)
