@@ -63,6 +63,24 @@ def engine_world(llm: Any) -> int:
     return int(par.world_size) * int(getattr(par, "data_parallel_size", 1) or 1)
 
 
+def _gate(llm: Any, reason: str) -> None:
+    """Make ``llm.generate`` refuse until ``_ungate`` (this engine object only)."""
+    from .errors import RefitIncomplete
+
+    if "generate" in vars(llm):
+        return  # already gated
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise RefitIncomplete(f"this engine is not serving: a streaming refit failed after it had committed part "
+                              f"of the new weights ({reason}); run a refit that succeeds first")
+
+    llm.generate = refuse
+
+
+def _ungate(llm: Any) -> None:
+    vars(llm).pop("generate", None)
+
+
 def engine_dtype(llm: Any) -> str:
     """The element type an engine serves (``torch.bfloat16`` -> ``"bfloat16"``)."""
     return str(llm.llm_engine.vllm_config.model_config.dtype).replace("torch.", "")
@@ -190,12 +208,31 @@ class RefitDriver:
         return RefitRequest(self.plan.digest(), cfg.verify, cfg.timeout_s, cfg.atomic)
 
     def refit(self, *, trainer_command: str = "refit", trainer_args: tuple = (),
-              request: RefitRequest | None = None) -> RefitMetrics:
+              request: RefitRequest | None = None, engine_fault: dict | None = None) -> RefitMetrics:
         """One refit: every trainer endpoint and every engine at once; they vote, all commit or
         none does. Raises ``RefitFailed`` naming every failing rank of either side. After a
-        failure the refit group is rebuilt at the next refit. ``trainer_command`` /
-        ``trainer_args`` / ``request`` let fault tests run a variant (a fault injected on one
-        rank, a digest no rank holds)."""
+        failure the refit group is rebuilt at the next refit.
+
+        Never serve a model no one trained: in atomic mode a failed refit leaves every engine
+        on its previous weights; in streaming mode (``atomic=false``) a worker may already have
+        committed some layers, so the engines that cannot vouch for their weights are gated --
+        their ``generate`` raises ``RefitIncomplete`` -- until a later refit succeeds.
+
+        ``trainer_command`` / ``trainer_args`` / ``request`` / ``engine_fault`` let fault tests
+        run a variant (a fault injected on one rank, a digest no rank holds, a vLLM worker that
+        dies mid-refit: ``ReshardUpdateInfo.fault``)."""
+        try:
+            metrics = self._refit(trainer_command, trainer_args, request, engine_fault)
+        except BaseException as exc:
+            if not (request or self.request()).atomic:
+                self._gate_unsure_engines(first_error_line(exc))
+            raise
+        for llm in self.engines:
+            _ungate(llm)
+        return metrics
+
+    def _refit(self, trainer_command: str, trainer_args: tuple, request: RefitRequest | None,
+               engine_fault: dict | None) -> RefitMetrics:
         cached = self._shipped == self.plan.digest()
         if not cached:
             self.connect()
@@ -203,9 +240,11 @@ class RefitDriver:
         t0 = time.perf_counter()
         self.trainers.submit(trainer_command, request, *trainer_args)
 
+        update_info = {"request": request.to_wire(), "fault": dict(engine_fault or {})}
+
         def update(llm: Any, _: Any) -> None:
             llm.start_weight_update()
-            llm.update_weights({"update_info": {"request": request.to_wire()}})
+            llm.update_weights({"update_info": update_info})
             llm.finish_weight_update()
 
         errors = self._on_engines(update)
@@ -246,6 +285,17 @@ class RefitDriver:
             plan_cached=cached,
             phases=phases,
         )
+
+    def _gate_unsure_engines(self, reason: str) -> None:
+        """After a failed streaming refit: gate every engine that has a worker not serving
+        (per the diagnostics extension), or every engine when it cannot tell."""
+        for llm in self.engines:
+            try:
+                unsure = any(st["state"] != "serving" for st in llm.collective_rpc("mr_status"))
+            except Exception:  # noqa: BLE001 - no extension, or the engine is gone
+                unsure = True
+            if unsure:
+                _gate(llm, reason)
 
     def status(self) -> list[dict]:
         """Every worker's serving state and last outcome (diagnostics extension)."""

@@ -132,6 +132,31 @@ def test_bit_flipped_in_flight_aborts_every_rank_fast_and_the_old_model_keeps_se
     assert m.verified and cluster.logprob_error(TOKENS) < EXACT
 
 
+def test_failed_streaming_refit_refuses_generation_until_a_refit_succeeds(cluster):
+    """atomic=false commits layers as they complete, so a refit that fails at the end has
+    already replaced part of the model: generate must refuse, not serve that mix."""
+    from mcore_reshard.errors import RefitIncomplete
+    from mcore_reshard.transport.executor import Fault
+
+    llm = cluster.engines[0]
+    cluster.refit_once()
+    cluster.step(TOKENS)
+    streaming = replace(cluster.refit, atomic=False)
+    cluster.driver.refit_config = streaming
+    try:
+        with pytest.raises(RefitFailed, match="checksum mismatch"):
+            cluster.driver.refit(trainer_command="refit_with_fault", trainer_args=(0, Fault("bitflip", bucket=2)))
+        assert any(st["state"] == "not_serving" for st in cluster.driver.status())
+        with pytest.raises(RefitIncomplete, match="not serving"):
+            prompt_logprobs(llm, TOKENS)
+        with pytest.raises(RefitIncomplete):
+            greedy(llm, [TOKENS], 4)
+        m = cluster.driver.refit()  # a refit that succeeds restores service
+    finally:
+        cluster.driver.refit_config = cluster.refit
+    assert m.verified and cluster.logprob_error(TOKENS) < EXACT
+
+
 def test_trainer_dying_mid_refit_aborts_every_rank_and_the_engine_keeps_the_old_model(cluster):
     llm = cluster.engines[0]
     cluster.refit_once()
@@ -140,7 +165,7 @@ def test_trainer_dying_mid_refit_aborts_every_rank_and_the_engine_keeps_the_old_
     t0 = time.monotonic()
     with pytest.raises(RefitFailed) as err:
         cluster.driver.refit(trainer_command="refit_and_die", trainer_args=(1, 5))
-    assert time.monotonic() - t0 < cluster.refit.timeout_s + 15
+    assert time.monotonic() - t0 < 10  # the peer that saw the connection close aborted every rank
     assert "training rank 1 died" in str(err.value)
     # atomic (the default): every worker voted abort, none committed -> generation serves the
     # old model exactly, not a half-written one
@@ -148,3 +173,8 @@ def test_trainer_dying_mid_refit_aborts_every_rank_and_the_engine_keeps_the_old_
         assert st["state"] == "serving" and st["committed"] is False, st
     assert prompt_logprobs(llm, TOKENS) == old
     assert greedy(llm, [TOKENS], 4) == greedy(llm, [TOKENS], 4)
+    # a new trainer pool (a restarted job) refits the same engine and restores service
+    with local_cluster(cluster.spec, cluster.checkpoint, cluster.training, cluster.vllm, cluster.refit,
+                       engines=cluster.engines) as again:
+        m = again.refit_once()
+        assert m.verified and again.logprob_error(TOKENS) < EXACT

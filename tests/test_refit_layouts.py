@@ -5,16 +5,17 @@ own pipeline schedule."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+import time
 
 import pytest
 
 from mcore_reshard.adapters.megatron.rules import MegatronParallel
-from mcore_reshard.adapters.vllm.engine import start_engine, stop_engine
+from mcore_reshard.adapters.vllm.engine import prompt_logprobs, start_engine, stop_engine
 from mcore_reshard.adapters.vllm.plugin import BACKEND
 from mcore_reshard.adapters.vllm.rules import VllmParallel
 from mcore_reshard.adapters.vllm.worker import REFIT_EXTENSION
 from mcore_reshard.checkpoint import make_tiny_checkpoint
+from mcore_reshard.errors import RefitFailed
 from mcore_reshard.layout import load_model_spec
 from mcore_reshard.policy import RefitConfig
 from mcore_reshard.protocol import VerifyMode
@@ -93,5 +94,23 @@ def test_two_engines_take_one_refit_in_one_vote(moe):
             m = c.refit_once()
             assert m.verified and m.bytes_moved == m.bytes_min and any("full verification" in n for n in m.notes)
             assert c.logprob_error(TOKENS) < BOUND  # the worst of the two engines
+
+            # A vLLM worker dies mid-refit (engine 2's only worker, destination rank 1): every
+            # rank stops within seconds, the error names it, engine 1 keeps exactly its old
+            # weights (atomic), and the dead engine refuses generation.
+            c.step(TOKENS)
+            old = prompt_logprobs(llm, TOKENS)
+            t0 = time.monotonic()
+            with pytest.raises(RefitFailed, match="destination rank 1"):
+                c.driver.refit(engine_fault={"rank": 1, "exit_after_writes": 3})
+            assert time.monotonic() - t0 < 20
+            assert prompt_logprobs(llm, TOKENS) == old
+            with pytest.raises(Exception):
+                prompt_logprobs(second, TOKENS)
     finally:
         stop_engine(second)
+    # a new refit group without the dead engine restores service with the trained weights
+    with local_cluster(spec, ckpt, MegatronParallel(tp=2, ep=2, etp=1), VllmParallel(tp=1), CFG,
+                       engines=[llm]) as c:
+        m = c.refit_once()
+        assert m.verified and c.logprob_error(TOKENS) < BOUND

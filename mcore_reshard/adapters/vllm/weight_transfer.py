@@ -57,9 +57,12 @@ class ReshardInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class ReshardUpdateInfo(WeightTransferUpdateInfo):
-    """``request``: ``RefitRequest.to_wire()``."""
+    """``request``: ``RefitRequest.to_wire()``. ``fault``: fault injection for tests and soak
+    runs only, e.g. ``{"rank": 1, "exit_after_writes": 3}``: destination rank 1's worker process
+    exits abruptly after its third write (a vLLM worker dying mid-refit)."""
 
     request: dict[str, Any] = field(default_factory=dict)
+    fault: dict[str, Any] = field(default_factory=dict)
 
 
 def canonical_tensors(vllm_config: Any) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -156,6 +159,9 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         if request.verify is VerifyMode.FULL:
             sink = _Tee(applier)
             self.received = sink.copies
+        fault = update_info.fault or {}
+        if fault.get("rank") == self.endpoint.rank and "exit_after_writes" in fault:
+            sink = _ExitAfter(sink, int(fault["exit_after_writes"]))
         report, error = None, None
         applier.begin()
         try:
@@ -210,3 +216,18 @@ class _Tee:
 
         self.applier.write(local_name, view, tensor)
         local_view(self.copies[local_name], view).copy_(tensor)
+
+
+class _ExitAfter:
+    """Fault injection: a sink whose worker process exits abruptly after ``n`` writes."""
+
+    def __init__(self, sink: Any, n: int) -> None:
+        self.sink, self.params, self._left = sink, sink.params, n
+
+    def write(self, local_name: str, view: Any, tensor: torch.Tensor) -> None:
+        import os
+
+        if self._left <= 0:
+            os._exit(19)
+        self._left -= 1
+        self.sink.write(local_name, view, tensor)
