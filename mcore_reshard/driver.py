@@ -229,6 +229,9 @@ class RefitDriver:
             raise
         for llm in self.engines:
             _ungate(llm)
+        _log.info("refit %s: %d bytes moved (minimum %d) in %.3fs, peak extra %d bytes, verified=%s, phases %s",
+                  metrics.transport, metrics.bytes_moved, metrics.bytes_min, metrics.seconds,
+                  metrics.peak_extra_bytes, metrics.verified, metrics.phases)
         return metrics
 
     def _refit(self, trainer_command: str, trainer_args: tuple, request: RefitRequest | None,

@@ -19,7 +19,7 @@ from mcore_reshard.checkpoint import make_tiny_checkpoint
 from mcore_reshard.errors import RefitFailed
 from mcore_reshard.layout import load_model_spec
 from mcore_reshard.policy import RefitConfig
-from mcore_reshard.protocol import RefitRequest, VerifyMode
+from mcore_reshard.protocol import VerifyMode
 from mcore_reshard.refit import local_cluster
 
 pytestmark = pytest.mark.slow

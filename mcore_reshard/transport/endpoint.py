@@ -43,7 +43,6 @@ class RefitEndpoint:
             raise ValueError(f"side must be 'src' or 'dst', got {side!r}")
         self.side, self.rank, self.device = side, rank, torch.device(device)
         self.group: RefitGroup | None = None
-        self.join_info: JoinInfo | None = None
         self._slice: RankPlan | None = None
         self._digest: str | None = None
 
@@ -60,7 +59,6 @@ class RefitEndpoint:
         self.group = RefitGroup.create(info.host, info.port, me, info.world_size, info.timeout_s, is_master=me == 0,
                                        device="cuda" if self.device.type == "cuda" else "cpu",
                                        rank_map=info.rank_map, prefix=info.prefix, secret=info.secret)
-        self.join_info = info
         return me
 
     def set_plan(self, wire: Mapping[str, Any], plan_digest: str) -> str:
