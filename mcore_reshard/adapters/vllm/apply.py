@@ -225,6 +225,13 @@ class VllmApplier:
         if self.state == "not_serving":
             raise RefitIncomplete(self.reason)
 
+    def invalidate(self, reason: str) -> None:
+        """A refit this worker finished (streaming) was aborted by another rank: if it changed
+        live weights, the engine now mixes two models, so this worker stops serving."""
+        if self._live_changed:
+            self.state = "not_serving"
+            self.reason = f"refit {reason}; this worker had already committed new weights"
+
     def check_serving(self) -> None:
         if self.state == "not_serving":
             raise RefitIncomplete(self.reason)

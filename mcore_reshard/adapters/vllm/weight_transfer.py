@@ -181,11 +181,15 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
                 applier.finish()  # everyone staged and verified: commit together
             except BaseException as exc:  # noqa: BLE001 - this engine no longer serves
                 outcome = Outcome(False, outcome.reports, outcome.errors + [f"{self.endpoint.who}: commit failed: {exc}"])
-        elif not outcome.commit and applier.state == "updating":
-            try:
-                applier.abort(f"refit aborted: {'; '.join(outcome.errors)[:500]}")
-            except RefitError:
-                pass  # streaming mode after a partial commit: the applier now refuses to serve
+        elif not outcome.commit:
+            reason = f"aborted: {'; '.join(outcome.errors)[:500]}"
+            if applier.state == "updating":
+                try:
+                    applier.abort(reason)
+                except RefitError:
+                    pass  # streaming mode after a partial commit: the applier now refuses to serve
+            else:
+                applier.invalidate(reason)  # streaming: finished here, failed elsewhere
         self.last_outcome, self.last_report = outcome, report
 
     def finish_weight_update(self) -> None:
