@@ -13,7 +13,7 @@ from mcore_reshard.adapters.vllm.rules import VllmParallel, vllm_layout
 from mcore_reshard.config import resolve_model
 from mcore_reshard.layout import Box, LayoutError, LocalParam, Piece, SideLayout, View
 from mcore_reshard.plan import build_plan
-from toy_layouts import split_layout, tiny_spec
+from toy_layouts import NAMED_LAYOUTS, split_layout, tiny_spec
 
 TOY = {"a.weight": ((12, 8), "float32"), "b.weight": ((8,), "float32"), "c.weight": ((6, 4, 4), "float32")}
 
@@ -41,20 +41,7 @@ def _toy_cases():
     yield "toy duplicate destination boxes", split_layout({"w": (shape, "float32")}, parts=2, dim=0, replicas=2), dst, 48
 
 
-#: The named corner cases of ``test_plan_properties`` (repeated here: that module needs torch).
-NAMED = {
-    "dense tp2 -> tp1": (dict(moe=False), MegatronParallel(tp=2), VllmParallel(tp=1)),
-    "ng<tp split inside a head": (dict(moe=False, nkv=1, p=4), MegatronParallel(tp=4), VllmParallel(tp=4)),
-    "ng<tp, kv replicated in vLLM": (dict(moe=False, nkv=1, p=4), MegatronParallel(tp=2), VllmParallel(tp=4)),
-    "qkv bias, tied, dp replicas": (dict(moe=False, bias=True, tied=True), MegatronParallel(tp=2, dp=2), VllmParallel(tp=2, replicas=2)),
-    "uneven pp + vpp": (dict(moe=False, layers=6), MegatronParallel(pp=2, vpp=3), VllmParallel(pp=2)),
-    "moe ep2 etp1 -> vllm tp2": (dict(), MegatronParallel(tp=2, ep=2, etp=1), VllmParallel(tp=2)),
-    "moe etp2 != tp1 grouped te": (dict(), MegatronParallel(tp=1, ep=2, etp=2, dp=4, layer_spec="te", experts="grouped"), VllmParallel(tp=4)),
-    "moe -> vllm ep + redundant": (dict(), MegatronParallel(ep=4, dp=4), VllmParallel(tp=2, dp=2, enable_ep=True, num_redundant_experts=4)),
-    "moe -> vllm dp moe-tp flatten": (dict(), MegatronParallel(tp=2, pp=2, ep=2, etp=1), VllmParallel(tp=2, dp=2)),
-    "mixed dense/moe bf16": (dict(moe_layers=(1, 3), dtype="bfloat16"), MegatronParallel(tp=2, ep=2, etp=1, pp=2), VllmParallel(tp=2, pp=2)),
-    "padded vocab both sides": (dict(vocab=1000), MegatronParallel(tp=4), VllmParallel(tp=2, replicas=2)),
-}
+NAMED = NAMED_LAYOUTS  # the named corner cases shared with test_plan_properties
 
 
 def _random_case(rng: random.Random):
@@ -123,7 +110,7 @@ REFERENCE_DIGESTS = {
     'toy merge adjacent': 'dd83f29baa04fd97',  # 1 transfers, 1 buckets
     'toy duplicate destination boxes': '6bae594e6d219e03',  # 10 transfers, 7 buckets
     'dense tp2 -> tp1': '6c7c96cd83ad29d9',  # 81 transfers, 20 buckets
-    'ng<tp split inside a head': 'e9407cdff3adf2ba',  # 208 transfers, 7 buckets
+    'ng<tp split inside a head (ng=1, P=4, tp=4)': 'e9407cdff3adf2ba',  # 208 transfers, 7 buckets
     'ng<tp, kv replicated in vLLM': '000c84cc460078e4',  # 188 transfers, 10 buckets
     'qkv bias, tied, dp replicas': 'e5e750765677eb50',  # 236 transfers, 8 buckets
     'uneven pp + vpp': '509cae85a411a232',  # 93 transfers, 14 buckets
@@ -131,8 +118,9 @@ REFERENCE_DIGESTS = {
     'moe etp2 != tp1 grouped te': 'bde31a2c5568098c',  # 540 transfers, 9 buckets
     'moe -> vllm ep + redundant': '77b21e399291a1f6',  # 308 transfers, 16 buckets
     'moe -> vllm dp moe-tp flatten': 'cc60adde65548fa6',  # 548 transfers, 14 buckets
-    'mixed dense/moe bf16': '9d2086e234f20d2b',  # 188 transfers, 5 buckets
+    'mixed dense/moe layers bf16': '9d2086e234f20d2b',  # 188 transfers, 5 buckets
     'padded vocab both sides': 'e75a4bb35852b435',  # 1012 transfers, 26 buckets
+    'uneven first/last stage': 'e77bd1f919bc8d30',  # 79 transfers, 22 buckets
     'random 0': '1c5bd3d22c2a6b67',  # 304 transfers, 28 buckets
     'random 1': '3cea2c7746b5c372',  # 776 transfers, 27 buckets
     'random 2': '4f76c475bfc69616',  # 552 transfers, 13 buckets

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from mcore_reshard.adapters.megatron.rules import MegatronParallel
+from mcore_reshard.adapters.vllm.rules import VllmParallel
 from mcore_reshard.layout import Box, LocalParam, ModelSpec, Piece, SideLayout, View, contiguous_strides
 
 
@@ -40,3 +42,20 @@ def tiny_spec(*, moe: bool = True, tied: bool = False, nkv: int = 2, p: int = 4,
         moe_topk=2 if moe else 0,
         moe_layers=(tuple(range(layers)) if moe_layers is None else moe_layers) if moe else (), dtype=dtype,
     )
+
+
+#: Named corner cases of both rule sets: (tiny_spec kwargs, training sizes, vLLM sizes).
+NAMED_LAYOUTS = {
+    "dense tp2 -> tp1": (dict(moe=False), MegatronParallel(tp=2), VllmParallel(tp=1)),
+    "ng<tp split inside a head (ng=1, P=4, tp=4)": (dict(moe=False, nkv=1, p=4), MegatronParallel(tp=4), VllmParallel(tp=4)),
+    "ng<tp, kv replicated in vLLM": (dict(moe=False, nkv=1, p=4), MegatronParallel(tp=2), VllmParallel(tp=4)),
+    "qkv bias, tied, dp replicas": (dict(moe=False, bias=True, tied=True), MegatronParallel(tp=2, dp=2), VllmParallel(tp=2, replicas=2)),
+    "uneven pp + vpp": (dict(moe=False, layers=6), MegatronParallel(pp=2, vpp=3), VllmParallel(pp=2)),
+    "uneven first/last stage": (dict(moe=False, layers=5), MegatronParallel(pp=2, first_stage_layers=2), VllmParallel(pp=1)),
+    "moe ep2 etp1 -> vllm tp2": (dict(), MegatronParallel(tp=2, ep=2, etp=1), VllmParallel(tp=2)),
+    "moe etp2 != tp1 grouped te": (dict(), MegatronParallel(tp=1, ep=2, etp=2, dp=4, layer_spec="te", experts="grouped"), VllmParallel(tp=4)),
+    "moe -> vllm ep + redundant": (dict(), MegatronParallel(ep=4, dp=4), VllmParallel(tp=2, dp=2, enable_ep=True, num_redundant_experts=4)),
+    "moe -> vllm dp moe-tp flatten": (dict(), MegatronParallel(tp=2, pp=2, ep=2, etp=1), VllmParallel(tp=2, dp=2)),
+    "mixed dense/moe layers bf16": (dict(moe_layers=(1, 3), dtype="bfloat16"), MegatronParallel(tp=2, ep=2, etp=1, pp=2), VllmParallel(tp=2, pp=2)),
+    "padded vocab both sides": (dict(vocab=1000), MegatronParallel(tp=4), VllmParallel(tp=2, replicas=2)),
+}
