@@ -75,14 +75,13 @@ class RefitGroup:
         #: refit, at the price of holding them); ``release_buffers()`` frees them.
         self.keep_buffers = True
         self._connected: set[int] = set()
-        self._listener: socket.socket | None = None
         self._key = hashlib.sha256(b"hmac|").digest()
         #: Store keys whose value failed authentication (reported, never used).
         self.rejected: list[str] = []
         self._waiter: ThreadPoolExecutor | None = None
         self._posted_abort = False
         self._epoch = 0
-        self._store_errors = 0
+        self._store_dead = False
 
     @classmethod
     def create(cls, host: str, port: int, rank: int, world_size: int, timeout_s: float, is_master: bool,
@@ -112,8 +111,9 @@ class RefitGroup:
             pg = _nccl_group(store, rank, world_size, timeout, device)
         else:
             pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        if listener is not None:
+            listener.detach()  # the store's server owns (and closes) the fd now: never close it twice
         group = cls(store, pg, rank, world_size, timeout_s, device, rank_map, tcp)
-        group._listener = listener
         group._key = hashlib.sha256(f"hmac|{secret}".encode()).digest()
         return group
 
@@ -239,7 +239,7 @@ class RefitGroup:
 
     def post_abort(self, message: str) -> None:
         """Tell every rank of the group to stop (authenticated; the first message wins)."""
-        if self.store is None:
+        if self.store is None or self._store_dead:
             return
         key = f"abort/{self._epoch}"
         body = self._sign(key, json.dumps(message))
@@ -254,17 +254,17 @@ class RefitGroup:
         if self._posted_abort:
             return None
         key = f"abort/{self._epoch}"
+        if self._store_dead:
+            return None
         try:
             if not self.store.check([key]):
-                self._store_errors = 0
                 return None
             value = self._open(key, self.store.get(key))
-        except Exception:  # noqa: BLE001 - a loaded store may miss a poll; a dead one misses all
-            self._store_errors += 1
-            if self._store_errors < 20:  # about a second of polls
-                return None
-            return "the refit group's store is gone (its master rank died)"
-        self._store_errors = 0
+        except Exception:  # noqa: BLE001 - the master (and its store) is gone
+            # Never poll a dead store again: its peers' data-plane waits end on their own
+            # (the master's connections closed with it) and name the real failure.
+            self._store_dead = True
+            return None
         return None if value is _REJECTED else str(value)
 
     def wait_work(self, work: Any, timeout_s: float, poll_s: float = 0.05) -> None:
@@ -357,9 +357,6 @@ class RefitGroup:
                 pass
             self.store = None
             self._tcp_store = None
-            if self._listener is not None:
-                self._listener.close()
-                self._listener = None
 
 
 def _nccl_group(store: dist.Store, rank: int, world: int, timeout: timedelta, device: torch.device) -> Any:
