@@ -99,12 +99,12 @@ def _restamp(params: Sequence[LocalParam], offset: int) -> list[LocalParam]:
 
 def dst_layout_of(engines: Sequence[Any], tensors: dict, name: str = "vllm") -> SideLayout:
     """Every engine's recorded destination pieces (diagnostics extension), ranks offset per engine."""
-    import pickle
+    from .adapters.vllm.engine import describe
 
     params: list[LocalParam] = []
     offset = 0
     for llm in engines:
-        per_worker = [pickle.loads(b) for b in llm.collective_rpc("mr_describe")]
+        per_worker = describe(llm)
         for worker_params in per_worker:
             params.extend(_restamp(worker_params, offset))
         offset += len(per_worker)

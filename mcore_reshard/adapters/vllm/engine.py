@@ -10,11 +10,9 @@ import os
 from typing import Any, Sequence
 
 from .worker import PLAIN_LINEAR_ENV
+from .worker import REFIT_EXTENSION as EXTENSION
 
 __all__ = ["EXTENSION", "start_engine", "stop_engine", "greedy", "prompt_logprobs", "after_refit", "describe"]
-
-EXTENSION = "mcore_reshard.adapters.vllm.worker.ReshardWorkerExtension"
-
 
 def start_engine(model_dir: str, tp: int = 1, dtype: str = "float32", enable_ep: bool = False,
                  direct: bool = False, **kw: Any):
