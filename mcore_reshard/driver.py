@@ -4,8 +4,9 @@
     -> every rank's RankReport gathered into RefitMetrics
 
 It holds handles to trainer endpoints (a :class:`~.trainer.TrainerPool` here; any object with
-the same ``submit``/``collect`` calls works) and to vLLM engines (``LLM`` objects started with
-``weight_transfer_config={"backend": "mcore_reshard"}``), and talks to the engines only through
+the same ``submit``/``collect`` calls works, e.g. ``grpo.ray_cluster.RayTrainerGroup``) and to
+vLLM engines (``LLM`` objects started with ``weight_transfer_config={"backend": "mcore_reshard"}``,
+or handles with the same methods plus ``world_size`` and ``dtype``), and talks to the engines only through
 vLLM's own weight-transfer calls (plus the diagnostics extension for recording and status).
 Opened as one context manager::
 
@@ -58,7 +59,9 @@ class RefitMetrics:
 
 
 def engine_world(llm: Any) -> int:
-    """Workers of one engine (tp * pp * dp)."""
+    """Workers of one engine (tp * pp * dp); a remote engine's handle states it (``world_size``)."""
+    if "world_size" in vars(llm):
+        return int(vars(llm)["world_size"])
     par = llm.llm_engine.vllm_config.parallel_config
     return int(par.world_size) * int(getattr(par, "data_parallel_size", 1) or 1)
 
@@ -83,6 +86,8 @@ def _ungate(llm: Any) -> None:
 
 def engine_dtype(llm: Any) -> str:
     """The element type an engine serves (``torch.bfloat16`` -> ``"bfloat16"``)."""
+    if "dtype" in vars(llm):
+        return str(vars(llm)["dtype"])
     return str(llm.llm_engine.vllm_config.model_config.dtype).replace("torch.", "")
 
 
@@ -115,9 +120,13 @@ class RefitDriver:
     """Plans once per layout, ships each rank its slice once, then refits by digest."""
 
     def __init__(self, trainers: Any, engines: Sequence[Any], refit: RefitConfig, spec: ModelSpec, *,
-                 src: SideLayout | None = None, dst: SideLayout | None = None, host: str = "127.0.0.1") -> None:
+                 src: SideLayout | None = None, dst: SideLayout | None = None, host: str = "127.0.0.1",
+                 port: Any = None) -> None:
         self.trainers, self.engines, self.refit_config, self.spec = trainers, list(engines), refit, spec
+        #: The refit group's master: training rank 0's address, and a function giving a port free
+        #: there (default: free here, for trainers on this machine).
         self.host = host
+        self._port = port or (lambda: free_port(host))
         self.src, self.dst = src, dst
         self.plan: TransferPlan | None = None
         self.modes: dict[str, str] = {}
@@ -168,7 +177,7 @@ class RefitDriver:
         plan = self.plan
         digest = plan.digest()
         rank_map = RankMap.disaggregated(self.src.world_size, self.dst.world_size)
-        info = JoinInfo(self.host, free_port(self.host), rank_map.world_size, rank_map, self.refit_config.timeout_s,
+        info = JoinInfo(self.host, self._port(), rank_map.world_size, rank_map, self.refit_config.timeout_s,
                         secret=self.secret)
         self.trainers.submit("join", info)
         inits = []

@@ -151,7 +151,7 @@ def _typed(cfg: Any, path: str, tp: Any, default: Any = _MISSING, minimum: int |
 
 def from_policy_config(cfg: Mapping[str, Any]) -> RecipeLayout:
     """Map a NeMo-RL-shaped GRPO config onto training / vLLM layouts and a refit config."""
-    from .config import build_dataclass, resolve_model
+    from .config import TINY_MODELS, _tiny_spec, build_dataclass, resolve_model
 
     if not isinstance(cfg, Mapping):
         raise ConfigError(f"recipe: the top level is a {type(cfg).__name__}, not a mapping (policy:, cluster:, ...)")
@@ -179,13 +179,16 @@ def from_policy_config(cfg: Mapping[str, Any]) -> RecipeLayout:
     elif _get(cfg, "policy.model_name", None) is not None:
         model_key = "policy.model_name"
     else:
-        raise ConfigError("recipe: policy.model_config is missing (a name under configs/models/ or a HF config "
-                          "path), and so is policy.model_name")
+        raise ConfigError("recipe: policy.model_config is missing (a name under configs/models/, a HF config "
+                          "path or a built-in tiny model such as tiny-moe), and so is policy.model_name")
     model_ref = _typed(cfg, model_key, str)
     precision = _typed(cfg, "policy.precision", str, "bfloat16")
     if precision not in DTYPE_BYTES:
         raise ConfigError(f"policy.precision={precision!r} is not one of {sorted(DTYPE_BYTES)}")
-    spec = resolve_model(model_ref, dtype=precision, what=model_key)
+    if model_ref in TINY_MODELS:  # a built-in random-weight model of the local jobs ("tiny-moe")
+        spec = _tiny_spec(model_ref, precision)
+    else:
+        spec = resolve_model(model_ref, dtype=precision, what=model_key)
 
     gpn = _typed(cfg, "cluster.gpus_per_node", int, minimum=1)
     nodes = _typed(cfg, "cluster.num_nodes", int, minimum=1)

@@ -32,6 +32,8 @@ class TrainerSetup:
     par: MegatronParallel
     checkpoint: str  # HF checkpoint directory, loaded through the descriptors
     port: int  # megatron's own default group rendezvous
+    #: Where rank 0 listens for that rendezvous (a Ray job: the first training bundle's node IP).
+    host: str = "127.0.0.1"
     timeout_s: float = 300.0
     threads: int = 1
     #: ``TrainSettings`` fields (dtype, use_distributed_optimizer, lr, ...); dtype defaults to the spec's.
@@ -55,13 +57,14 @@ class _Rank:
 
         torch.set_num_threads(setup.threads)
         self.rank, self.setup, self.spec = rank, setup, setup.spec
-        init_megatron(setup.par, rank, setup.par.world_size, "127.0.0.1", setup.port, setup.timeout_s)
+        init_megatron(setup.par, rank, setup.par.world_size, setup.host, setup.port, setup.timeout_s)
         settings = TrainSettings(**{"dtype": self.spec.dtype, **setup.train})
         self.policy = build_policy(self.spec, setup.par, settings)
         self.policy.load_canonical(load_canonical(setup.checkpoint))
         sync = self.policy.sync_params if setup.sync_before_refit else (lambda: None)
         self.endpoint = TrainerEndpoint(self.policy.chunks, self.spec, rank=rank, sync_params=sync)
         self.hf_group = None
+        self.reference: dict[str, Any] | None = None  # frozen initial weights (GRPO's KL reference)
 
     # -- the refit protocol (trainer endpoint) -----------------------------------------------
     def describe(self):
@@ -112,6 +115,37 @@ class _Rank:
 
     def logprobs(self, token_ids: Sequence[Sequence[int]]) -> list[list[float]]:
         return self.policy.logprobs(self._batch(token_ids))[: len(token_ids)]
+
+    def grpo_step(self, token_ids: Sequence[Sequence[int]], batch: Any, loss: Any) -> float:
+        """One GRPO optimizer step: ``batch`` (``grpo.algorithm.GrpoBatch``) holds per sequence
+        its advantage, the previous and reference logprobs and the completion mask; ``loss``
+        (``grpo.recipe.LossSettings``) the clipping and KL settings."""
+        from .grpo.algorithm import clipped_pg_loss
+
+        n = len(token_ids)
+
+        def loss_fn(lp, index):
+            return clipped_pg_loss(lp, batch, index % n, loss)
+
+        return self.policy.train_step(self._batch(token_ids), loss_fn)
+
+    def reference_logprobs(self, token_ids: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Logprobs under the frozen initial weights (kept at the first call: GRPO's reference
+        policy), computed by swapping them in and the trained weights back."""
+        import torch
+
+        params = self.policy.local_params()
+        if self.reference is None:
+            self.reference = {n: t.detach().clone() for n, t in params.items()}
+        trained = {n: t.detach().clone() for n, t in params.items()}
+        with torch.no_grad():
+            for n, t in params.items():
+                t.copy_(self.reference[n])
+            try:
+                return self.logprobs(token_ids)
+            finally:
+                for n, t in params.items():
+                    t.copy_(trained[n])
 
     def local_tensors(self) -> dict[str, Any]:
         """Copies of the synced local parameters (``verify=full`` gathers them)."""

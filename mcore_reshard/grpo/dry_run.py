@@ -1,0 +1,219 @@
+"""``mcore-reshard grpo --dry-run``: what a GRPO recipe would place, move and cost, from
+metadata alone (no process, no Ray, no torch tensors).
+
+Placement follows NeMo RL's split of a non-colocated cluster; the plan is the one the refits
+would run (``config.plan_layouts``); the refit time is a model, not a measurement: the busiest
+rank's bytes over one link, with the bandwidths stated next to it, and NeMo RL's published
+figure for the same layout beside it where one exists.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+
+from ..errors import ConfigError
+from ..layout import ModelSpec
+from ..plan.report import PlanReport, format_bytes, plan_report
+from .recipe import GrpoRecipe
+
+__all__ = ["Placement", "PublishedFigure", "DryRunReport", "placement", "modelled_refit_seconds",
+           "published_figure", "dry_run", "PUBLISHED"]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Ranks and nodes of each side. One node: both sides share it (training takes the slots
+    generation leaves); several nodes: each side takes whole nodes."""
+
+    num_nodes: int
+    gpus_per_node: int
+    training_ranks: int
+    generation_ranks: int
+    engines: int
+    training_nodes: int
+    generation_nodes: int
+
+    @property
+    def slots(self) -> int:
+        return self.num_nodes * self.gpus_per_node
+
+    @property
+    def shared_node(self) -> bool:
+        """Trainers and engines on one node: the refit stays inside it (NVLink / shared memory)."""
+        return self.num_nodes == 1
+
+    @property
+    def nodes_used(self) -> int:
+        return 1 if self.shared_node else self.training_nodes + self.generation_nodes
+
+
+def placement(recipe: GrpoRecipe) -> Placement:
+    """Where the ranks go; ``ConfigError`` when they do not fit the cluster."""
+    c, t, g = recipe.cluster, recipe.training.world_size, recipe.vllm.world_size
+    gpn = c.gpus_per_node
+    p = Placement(c.num_nodes, gpn, t, g, recipe.vllm.replicas,
+                  training_nodes=1 if c.num_nodes == 1 else -(-t // gpn),
+                  generation_nodes=1 if c.num_nodes == 1 else -(-g // gpn))
+    if t + g > p.slots or p.nodes_used > c.num_nodes:
+        raise ConfigError(f"placement: {t} training + {g} generation ranks on {p.nodes_used} node(s) do not fit "
+                          f"cluster.num_nodes*cluster.gpus_per_node={c.num_nodes}*{gpn}")
+    return p
+
+
+def modelled_refit_seconds(busiest_rank_bytes: int, gbps: float) -> float:
+    """A refit's time if every rank moves its bytes at once over its own ``gbps`` GB/s
+    (10^9 bytes/s) link: the busiest rank finishes last. A floor: no per-message cost, no
+    contention, no overlap with packing."""
+    if not (math.isfinite(gbps) and gbps > 0):
+        raise ConfigError(f"bandwidth {gbps!r} GB/s must be a positive, finite number")
+    return busiest_rank_bytes / (gbps * 1e9)
+
+
+@dataclass(frozen=True)
+class PublishedFigure:
+    """A refit time someone published (``shared/reference/peers-and-numbers.md``)."""
+
+    system: str
+    what: str  # model, layout, hardware
+    seconds: str  # as published (a range or a share of a step)
+    source: str
+
+
+def _qwen3_30b_a3b(spec: ModelSpec) -> bool:
+    from ..config import resolve_model
+
+    ref = resolve_model("qwen3-30b-a3b", dtype="bfloat16")
+    return replace(spec, name="") == replace(ref, name="")
+
+
+#: (match, figure): ``match(recipe)`` says whether the figure is for this recipe's layout.
+PUBLISHED: tuple = (
+    (lambda r: _qwen3_30b_a3b(r.spec) and (r.training.tp, r.training.pp, r.training.ep, r.training.cp) == (1, 2, 8, 1)
+     and (r.vllm.tp, r.vllm.pp) == (8, 1) and r.vllm.replicas * r.vllm.dp == 2,
+     PublishedFigure("NeMo RL nccl_reshard", "Qwen3-30B-A3B bf16, EP8xPP2 -> TP8xDP2, H100", "0.74-1.00 s",
+                     "NeMo RL docs/design-docs/nccl-reshard-refit.md")),
+    (lambda r: _qwen3_30b_a3b(r.spec) and (r.cluster.num_nodes, r.cluster.gpus_per_node) == (8, 8),
+     PublishedFigure("NeMo RL GRPO step table", "Qwen3-30B-A3B Megatron, 8 nodes x 8 GPUs (its own layout and "
+                     "refit path, not this recipe's)", "refit 12 s of a 167 s step", "NeMo RL performance table")),
+)
+
+
+def published_figure(recipe: GrpoRecipe) -> PublishedFigure | None:
+    """NeMo RL's published refit figure for this recipe's model and layout, if there is one."""
+    if recipe.dtype != "bfloat16":
+        return None
+    return next((fig for match, fig in PUBLISHED if match(recipe)), None)
+
+
+@dataclass(frozen=True)
+class DryRunReport:
+    recipe: str
+    model: str
+    dtype: str
+    placement: Placement
+    training_layout: str
+    vllm_layout: str
+    plan: PlanReport
+    busiest_dst_rank: int
+    busiest_dst_bytes: int
+    #: max over both sides of the bytes one rank sends or receives (what its link carries).
+    busiest_rank_bytes: int
+    buffer_bytes_per_rank: int
+    transport: str  # refit.transport: which of the two modelled times the loop's refits take
+    link: str  # "intra-node" | "inter-node"
+    link_gbps: float
+    intra_node_gbps: float
+    inter_node_gbps: float
+    modelled_refit_seconds: float
+    modelled_hf_broadcast_seconds: float
+    published: PublishedFigure | None
+    samples_per_step: int
+    max_num_steps: int
+    local_problem: str | None
+
+    def to_json(self) -> dict:
+        p = self.placement
+        out = {k: v for k, v in asdict(self).items() if k not in ("placement", "plan", "published")}
+        out.update(
+            num_nodes=p.num_nodes, gpus_per_node=p.gpus_per_node, slots=p.slots, training_ranks=p.training_ranks,
+            generation_ranks=p.generation_ranks, engines=p.engines, training_nodes=p.training_nodes,
+            generation_nodes=p.generation_nodes, nodes_used=p.nodes_used, shared_node=p.shared_node,
+            bytes_min=self.plan.bytes_min, bytes_planned=self.plan.bytes_planned,
+            bytes_hf_broadcast=self.plan.bytes_hf_broadcast,
+            buffer_bytes_training=self.buffer_bytes_per_rank * p.training_ranks,
+            buffer_bytes_generation=self.buffer_bytes_per_rank * p.generation_ranks,
+            published=asdict(self.published) if self.published else None,
+            plan=self.plan.to_json(),
+        )
+        return out
+
+    def table(self) -> str:
+        p, r = self.placement, self.plan
+        title = f"GRPO dry run: {self.recipe} ({self.model}, {self.dtype})"
+        share = (f"{p.nodes_used} node shared" if p.shared_node
+                 else f"{p.training_nodes} + {p.generation_nodes} of {p.num_nodes} nodes")
+        pub = (f"{self.published.seconds}  ({self.published.system}: {self.published.what}; {self.published.source})"
+               if self.published else "no published figure for this layout")
+        rows = [
+            ("cluster", f"{p.num_nodes} node(s) x {p.gpus_per_node} slots = {p.slots}"),
+            ("placement", f"{p.training_ranks} training + {p.generation_ranks} generation ranks "
+                          f"({p.engines} engine(s)) on {share}"),
+            ("training -> vLLM", f"{self.training_layout} -> {self.vllm_layout}"),
+            ("step", f"{self.samples_per_step} samples, {self.max_num_steps} steps"),
+            ("refit bytes moved", format_bytes(r.bytes_planned) + ("  (= minimum)" if r.bytes_planned == r.bytes_min
+                                                                   else f"  (minimum {format_bytes(r.bytes_min)})")),
+            ("HF-broadcast baseline bytes", f"{format_bytes(r.bytes_hf_broadcast)}  "
+                                            f"({r.bytes_hf_broadcast / max(r.bytes_planned, 1):.1f}x moved)"),
+            ("busiest destination rank", f"rank {self.busiest_dst_rank}: {format_bytes(self.busiest_dst_bytes)}"),
+            ("busiest rank, either side", format_bytes(self.busiest_rank_bytes)),
+            ("refit buffer per rank", f"{format_bytes(self.buffer_bytes_per_rank)}  (at most; "
+                                      f"{format_bytes(r.bucket_bytes)} buckets, {r.num_buckets} rounds)"),
+            ("modelled refit time", f"{_seconds(self.modelled_refit_seconds)}  (busiest rank / {self.link} "
+                                    f"{self.link_gbps:g} GB/s)" + ("" if self.transport == "reshard" else
+                                                                   "  (not used: transport hf_broadcast)")),
+            ("modelled HF broadcast", f"{_seconds(self.modelled_hf_broadcast_seconds)}  (one root sends every copy "
+                                      f"at {self.link_gbps:g} GB/s)"),
+            ("bandwidths assumed", f"intra-node {self.intra_node_gbps:g} GB/s, inter-node {self.inter_node_gbps:g} GB/s"),
+            ("published", pub),
+            ("runs on this machine", "yes" if self.local_problem is None else f"no: {self.local_problem}"),
+        ]
+        width = max(len(k) for k, _ in rows)
+        return "\n".join([title, "-" * len(title)] + [f"{k.ljust(width)}  {v}" for k, v in rows])
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.3f} s" if s >= 0.1 else f"{s * 1e3:.3f} ms"
+
+
+def dry_run(recipe: GrpoRecipe, *, intra_node_gbps: float = 400.0, inter_node_gbps: float = 50.0) -> DryRunReport:
+    """Placement, plan and modelled refit time of ``recipe`` (bandwidths in GB/s per rank).
+
+    Trainers and engines on separate nodes refit over the inter-node link; on one shared
+    node, over the intra-node one. Raises ``ConfigError`` / ``LayoutError`` / ``PlanError``
+    (one line) where the layouts cannot be planned.
+    """
+    from ..config import plan_layouts
+
+    place = placement(recipe)
+    src, _, plan = plan_layouts(recipe.spec, recipe.training, recipe.vllm, recipe.refit)
+    report = plan_report(plan)
+    recv = plan.recv_bytes()
+    busiest_dst = max(range(len(recv)), key=recv.__getitem__) if recv else 0
+    busiest = max(report.max_send_bytes, report.max_recv_bytes)
+    link, gbps = ("intra-node", intra_node_gbps) if place.shared_node else ("inter-node", inter_node_gbps)
+    for g in (intra_node_gbps, inter_node_gbps):  # both checked, whichever the placement uses
+        modelled_refit_seconds(0, g)
+    v = recipe.vllm
+    vllm_name = f"vllm(tp={v.tp},pp={v.pp},dp={v.dp},replicas={v.replicas}{',ep' if v.enable_ep else ''})"
+    return DryRunReport(
+        recipe=recipe.path, model=recipe.model, dtype=recipe.dtype, placement=place, training_layout=src.name,
+        vllm_layout=vllm_name, plan=report, busiest_dst_rank=busiest_dst,
+        busiest_dst_bytes=recv[busiest_dst] if recv else 0, busiest_rank_bytes=busiest,
+        buffer_bytes_per_rank=recipe.refit.buffer_bytes, transport=recipe.refit.transport, link=link, link_gbps=float(gbps),
+        intra_node_gbps=float(intra_node_gbps), inter_node_gbps=float(inter_node_gbps),
+        modelled_refit_seconds=modelled_refit_seconds(busiest, gbps),
+        modelled_hf_broadcast_seconds=modelled_refit_seconds(report.bytes_hf_broadcast, gbps),
+        published=published_figure(recipe), samples_per_step=recipe.grpo.samples_per_step,
+        max_num_steps=recipe.grpo.max_num_steps, local_problem=recipe.local_problem,
+    )

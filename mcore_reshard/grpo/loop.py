@@ -1,0 +1,321 @@
+"""The GRPO loop on Ray: a Megatron-Core policy, vLLM generation, a refit after every step.
+
+Per step, as NeMo RL's ``grpo_train``: generate ``num_generations_per_prompt`` completions per
+prompt (sampled, with generation logprobs) -> rewards -> group-normalised advantages -> the
+policy's logprobs of the same tokens (``logprob_inference``) -> ``token_mult_prob_error``
+(generation vs policy logprobs: the engine serves the weights the trainer holds) -> optional
+reference logprobs (KL) -> one optimizer step (``policy_training``) -> refit through
+mcore-reshard, checksums verified, ``verify=full`` every N steps (``refit``).
+
+A refit that fails or is not verified, or a ``token_mult_prob_error`` above the dtype's bound,
+stops the run with an error naming the parameter / rank: it never trains on a wrong engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from ..errors import RefitError, RefitFailed
+from ..protocol import VerifyMode, one_line
+from .algorithm import GrpoBatch, TargetTokensTask, completion_logprobs, group_advantages
+
+__all__ = ["GrpoRun", "StepMetrics", "run_grpo"]
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """One step's metrics (NeMo RL's names where it has them); one JSONL line each."""
+
+    step: int
+    reward: float  # mean reward of this step's completions
+    loss: float
+    token_mult_prob_error: float  # generation vs policy logprobs of this step's tokens
+    refit_verified: bool  # checksums on every destination rank
+    refit_full_verified: bool  # verify=full ran this step and passed
+    refit_bytes_moved: int
+    refit_bytes_min: int
+    timing: dict[str, float] = field(default_factory=dict)  # generation, logprob_inference, policy_training, refit, total
+
+
+class GrpoRun:
+    """One GRPO job's processes and state: Ray actors for the trainers and engines, the refit
+    driver on them. ``with GrpoRun(recipe) as run: run.step(0); ...`` (tests drive it a step at
+    a time; :func:`run_grpo` runs the recipe)."""
+
+    def __init__(self, recipe: Any, *, address: str | None = None, workdir: str | Path | None = None) -> None:
+        self.recipe = recipe
+        self.address = address if address is not None else recipe.ray.address
+        self.workdir = Path(workdir) if workdir else None
+        self.history: list[StepMetrics] = []
+        self._closers: list[Callable[[], None]] = []
+        self.trainers = self.engines = self.driver = None
+        self.initial_refit = None
+
+    # -- set-up / shutdown ---------------------------------------------------------------
+    def __enter__(self) -> "GrpoRun":
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _start(self) -> None:
+        from ..checkpoint import make_tiny_checkpoint
+        from ..driver import RefitDriver
+        from ..trainer import TrainerSetup
+        from .ray_cluster import RayJob, RayTrainerGroup, start_engines, stop_engines
+
+        r = self.recipe
+        job = RayJob(self.address, r.ray.num_cpus or _cpus_needed(r))
+        job.__enter__()
+        self._closers.append(lambda: job.__exit__(None, None, None))
+        if r.checkpoint_family is not None:  # a built-in tiny model: written where every node reads it
+            if self.workdir is None:
+                tmp = tempfile.TemporaryDirectory(prefix="mr_grpo_")
+                self._closers.append(tmp.cleanup)
+                self.workdir = Path(tmp.name)
+            ckpt = make_tiny_checkpoint(self.workdir / r.model, family=r.checkpoint_family, dtype=r.dtype,
+                                        seed=r.grpo.seed)
+        else:
+            ckpt = Path(r.model)
+        timeout = max(r.refit.timeout_s, 120.0)
+        # Trainers are placed first (their PACK group fills whole nodes), engines next; both
+        # sides build their models at the same time.
+        setup = TrainerSetup(r.spec, r.training, str(ckpt), port=0, timeout_s=timeout, train={"lr": r.lr})
+        self.trainers = RayTrainerGroup(setup, timeout_s=timeout, wait=False)
+        self._closers.append(self.trainers.close)
+        engines, pgs = start_engines(str(ckpt), r.vllm.replicas, r.vllm.tp, r.dtype, r.refit.apply_mode,
+                                     timeout_s=timeout)
+        self.engines = engines
+        self._closers.append(lambda: stop_engines(engines, pgs))
+        self.trainers.started()
+        self.driver = RefitDriver(self.trainers, engines, r.refit, r.spec, host=self.trainers.host,
+                                  port=self.trainers.free_port)
+        self.driver.__enter__()
+        self._closers.append(lambda: self.driver.__exit__(None, None, None))
+        self.task = TargetTokensTask.from_fraction(r.spec.vocab, r.task.target_fraction, r.task.prompt_length,
+                                                   r.grpo.seed)
+        # The engines loaded the checkpoint with their own loaders; the first refit proves the
+        # path before any step depends on it.
+        self.initial_refit = self._refit(full=r.grpo.verify_full_every_n_steps > 0)
+
+    def close(self) -> None:
+        """Stop everything this run started, newest first; never raises."""
+        while self._closers:
+            fn = self._closers.pop()
+            try:
+                fn()
+            except BaseException:  # noqa: BLE001 - keep closing the rest
+                pass
+
+    def placement(self) -> dict:
+        return {"trainers": [n["node_id"] for n in self.trainers.nodes],
+                "engines": [e.info["node_id"] for e in self.engines], "master": self.trainers.host}
+
+    # -- one step --------------------------------------------------------------------------
+    def _refit(self, full: bool) -> Any:
+        from ..verify import full_verification
+
+        d = self.driver
+        request = replace(d.request(), verify=VerifyMode.FULL) if full else d.request()
+        m = d.refit(request=request)
+        if not m.verified and d.refit_config.verify.checksums:
+            raise RefitFailed(f"refit not verified: {m.notes or 'a destination rank reported no checksum pass'}")
+        if full:
+            note = full_verification(d.src, d.dst, self.trainers.call("local_tensors"), self.engines)
+            m = replace(m, notes=m.notes + (note,))
+        return m
+
+    def _generate(self, prompts: list[list[int]], step: int) -> list[tuple[list[int], list[float]]]:
+        """Every prompt's completions (grouped per prompt), the prompts spread over the engines."""
+        import ray
+
+        r, n = self.recipe, len(self.engines)
+        per = [prompts[e::n] for e in range(n)]
+        refs = [(e, eng.sample(per[e], r.grpo.num_generations_per_prompt, r.generation.max_new_tokens,
+                               r.generation.temperature, r.grpo.seed * 7919 + step))
+                for e, eng in enumerate(self.engines) if per[e]]
+        got: dict[int, list] = {}
+        for e, ref in refs:
+            try:
+                got[e] = ray.get(ref, timeout=r.refit.timeout_s)
+            except Exception as exc:  # noqa: BLE001 - named
+                raise RefitFailed(f"engine {e} failed to generate: {one_line(getattr(exc, 'cause', None) or exc)}") \
+                    from None
+        out: list[tuple[list[int], list[float]]] = []
+        for i in range(len(prompts)):
+            out.extend(got[i % n][i // n])
+        return out
+
+    def step(self, step: int) -> StepMetrics:
+        r = self.recipe
+        timing: dict[str, float] = {}
+        t_all = time.perf_counter()
+        G = r.grpo.num_generations_per_prompt
+        prompts = self.task.prompts(step, r.grpo.num_prompts_per_step)
+        t = time.perf_counter()
+        samples = self._generate(prompts, step)
+        timing["generation"] = time.perf_counter() - t
+        seqs = [prompts[i // G] + toks for i, (toks, _) in enumerate(samples)]
+        rewards = [self.task.reward(toks) for toks, _ in samples]
+        adv = group_advantages(rewards, G, normalize=r.grpo.normalize_rewards,
+                               leave_one_out=r.grpo.use_leave_one_out_baseline)
+        t = time.perf_counter()
+        prev = self.trainers.call("logprobs", seqs)[0]
+        timing["logprob_inference"] = time.perf_counter() - t
+        P = r.task.prompt_length
+        gen_lp = [x for _, lps in samples for x in lps]
+        train_lp = [x for lp in prev for x in completion_logprobs(lp, P)]
+        tmpe = _token_mult_prob_error(gen_lp, train_lp)
+        from ..refit import TOKEN_MULT_PROB_BOUND
+
+        bound = TOKEN_MULT_PROB_BOUND.get(r.dtype, 1.05)
+        if tmpe > bound:
+            raise RefitError(f"step {step}: token_mult_prob_error {tmpe:.6f} > {bound} (dtype {r.dtype}): the engine "
+                             f"does not serve the weights the trainer holds; stopping before training on its samples")
+        ref = None
+        if r.loss.reference_policy_kl_penalty > 0:
+            t = time.perf_counter()
+            ref = tuple(tuple(x) for x in self.trainers.call("reference_logprobs", seqs)[0])
+            timing["reference_logprob_inference"] = time.perf_counter() - t
+        batch = GrpoBatch(tuple(adv), tuple(tuple(x) for x in prev), ref, P)
+        t = time.perf_counter()
+        loss = self.trainers.call("grpo_step", seqs, batch, r.loss)[0]
+        timing["policy_training"] = time.perf_counter() - t
+        n = r.grpo.verify_full_every_n_steps
+        full = bool(n) and (step + 1) % n == 0
+        t = time.perf_counter()
+        m = self._refit(full)
+        timing["refit"] = time.perf_counter() - t
+        timing["total"] = time.perf_counter() - t_all
+        sm = StepMetrics(step, sum(rewards) / len(rewards), loss, tmpe, m.verified, full, m.bytes_moved, m.bytes_min,
+                         {k: round(v, 4) for k, v in timing.items()})
+        self.history.append(sm)
+        return sm
+
+
+def _token_mult_prob_error(gen: Sequence[float], train: Sequence[float]) -> float:
+    from ..verify import token_mult_prob_error
+
+    return token_mult_prob_error(gen, train)
+
+
+def _cpus_needed(recipe: Any) -> int:
+    """Logical CPUs of the embedded cluster: one per training rank and per engine worker."""
+    return recipe.training.world_size + recipe.vllm.replicas * recipe.vllm.tp
+
+
+# ----------------------------------------------------------------------------- reporting
+
+
+def write_plot(history: Sequence[StepMetrics], path: Path, title: str) -> Path:
+    """Reward and refit seconds per step, one PNG (matplotlib, no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [h.step for h in history]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    a.plot(steps, [h.reward for h in history], marker="o")
+    a.set_xlabel("step")
+    a.set_ylabel("mean reward")
+    a.set_title("reward")
+    b.plot(steps, [h.timing.get("refit", 0.0) for h in history], marker="o", color="tab:orange")
+    b.set_xlabel("step")
+    b.set_ylabel("seconds")
+    b.set_title("refit (mcore-reshard, verified)")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def summary_table(history: Sequence[StepMetrics], random_reward: float) -> str:
+    from ..plan.report import format_bytes
+
+    head = (f"{'step':>4} {'reward':>7} {'loss':>8} {'tok_mult_prob_err':>17} {'refit s':>8} {'moved':>10} "
+            f"{'minimum':>10} {'verified':>9} {'full':>5} {'step s':>7}")
+    lines = [head, "-" * len(head)]
+    for h in history:
+        lines.append(f"{h.step:>4} {h.reward:>7.3f} {h.loss:>8.4f} {h.token_mult_prob_error:>17.6f} "
+                     f"{h.timing.get('refit', 0):>8.3f} {format_bytes(h.refit_bytes_moved):>10} "
+                     f"{format_bytes(h.refit_bytes_min):>10} {str(h.refit_verified):>9} "
+                     f"{'yes' if h.refit_full_verified else '':>5} {h.timing.get('total', 0):>7.2f}")
+    if history:
+        lines.append(f"reward {history[0].reward:.3f} at step 0 -> {history[-1].reward:.3f} at step "
+                     f"{history[-1].step} (a random policy scores {random_reward:.3f}); every refit verified: "
+                     f"{all(h.refit_verified for h in history)}, at the minimum bytes: "
+                     f"{all(h.refit_bytes_moved == h.refit_bytes_min for h in history)}")
+    return "\n".join(lines)
+
+
+def run_grpo(recipe: Any, *, address: str | None = None, as_json: bool = False) -> int:
+    """``mcore-reshard grpo RECIPE``: run the recipe, write ``metrics.jsonl`` and ``grpo.png``
+    under ``logger.log_dir``, print the summary. Returns the exit code (0: every step verified)."""
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from tqdm import tqdm
+
+    log_dir = Path(recipe.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    metrics_path = log_dir / "metrics.jsonl"
+    err = sys.stderr
+    interrupted = False
+    previous = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, _interrupt)  # a terminated run stops its actors like Ctrl-C
+    run = GrpoRun(recipe, address=address)
+    try:
+        print(f"grpo: starting Ray ({'embedded local cluster' if (address or recipe.ray.address) is None else address}), "
+              f"{recipe.training.world_size} trainer actor(s), {recipe.vllm.replicas} engine(s)", file=err)
+        with run, metrics_path.open("w") as f:
+            bar = tqdm(range(recipe.grpo.max_num_steps), desc="grpo", file=err, unit="step")
+            for step in bar:
+                m = run.step(step)
+                f.write(json.dumps(asdict(m)) + "\n")
+                f.flush()
+                bar.set_postfix(reward=f"{m.reward:.3f}", refit=f"{m.timing['refit']:.2f}s")
+    except KeyboardInterrupt:
+        interrupted = True
+        print("grpo: interrupted; every actor stopped", file=err)
+    except (RefitError, RefitFailed) as exc:
+        print(f"error: {one_line(exc)}", file=err)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    history = run.history
+    if not history:
+        return 130 if interrupted else 1
+    plot = write_plot(history, log_dir / "grpo.png", f"GRPO {recipe.model} ({Path(recipe.path).name})")
+    random_reward = run.task.random_policy_reward
+    if as_json:
+        print(json.dumps({"steps": [asdict(h) for h in history], "metrics": str(metrics_path), "plot": str(plot),
+                          "random_policy_reward": random_reward, "placement": _safe(run)}))
+    else:
+        print(summary_table(history, random_reward))
+        print(f"metrics: {metrics_path}\nplot: {plot}")
+    return 130 if interrupted else 0
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _safe(run: GrpoRun) -> Any:
+    try:
+        return run.placement()
+    except Exception:  # noqa: BLE001 - the actors are gone after close
+        return None

@@ -1,0 +1,399 @@
+"""Ray as the distributed engine: trainer ranks and vLLM engines as actors in placement groups.
+
+As NeMo RL does it: the training ranks sit in one PACK placement group (a bundle of one
+"device" each), every vLLM engine in a PACK group of its own (one bundle per worker), so the
+two sides land on separate nodes of a real cluster when the training bundles fill theirs. The
+refit group's master is the first training bundle: its node IP (asked there, never assumed) and
+a port free on that node. The driver talks to the actors through the same calls as to local
+processes (:class:`RayTrainerGroup` is a ``TrainerPool``, :class:`EngineHandle` has an
+``LLM``'s weight-transfer methods), so :class:`~mcore_reshard.driver.RefitDriver` runs unchanged.
+
+Security: an embedded cluster (no address) runs with Ray's token auth and a per-job token in
+``RAY_AUTH_TOKEN`` (nothing is written to ``~/.ray``); its session files go to a temporary
+directory removed at shutdown. Joining a cluster (``address``) uses that cluster's own token
+(``RAY_AUTH_TOKEN``/``RAY_AUTH_TOKEN_PATH``/``~/.ray/auth_token``, as Ray documents).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from ..errors import RefitFailed, TrainerError
+from ..protocol import first_error_line
+
+__all__ = ["RayJob", "RayTrainerGroup", "EngineHandle", "start_engines", "node_of"]
+
+
+def _prepare_env(embedded: bool) -> None:
+    """Ray reads its auth mode when it is imported: decide before the first ``import ray``."""
+    if embedded and not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")):
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
+class RayJob:
+    """Connect to Ray for one job: ``address=None`` starts an embedded local cluster (the
+    default, nothing to set up), ``"auto"``/``"host:port"`` joins a running one. A context
+    manager; leaving it shuts down what it started and removes its files."""
+
+    def __init__(self, address: str | None = None, num_cpus: int | None = None) -> None:
+        self.address, self.num_cpus = address, num_cpus
+        self._tmp: str | None = None
+        self._started = False
+
+    def __enter__(self) -> "RayJob":
+        _prepare_env(self.address is None)
+        import ray
+
+        if ray.is_initialized():  # a caller (a test's simulated cluster) connected already
+            return self
+        if self.address is None:
+            self._tmp = tempfile.mkdtemp(prefix="mr_ray_", dir="/tmp")  # short: Ray's socket paths
+            ray.init(num_cpus=self.num_cpus, num_gpus=0, include_dashboard=False, _temp_dir=self._tmp,
+                     configure_logging=False, log_to_driver=False)
+        else:
+            ray.init(address=self.address, configure_logging=False, log_to_driver=False)
+        self._started = True
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import ray
+
+        if self._started:
+            ray.shutdown()
+        if self._tmp:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def node_of() -> dict:
+    """Where the calling process runs (node id, IP, pid)."""
+    import ray
+
+    ctx = ray.get_runtime_context()
+    return {"node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(), "pid": os.getpid()}
+
+
+# ---------------------------------------------------------------------------- trainers
+
+
+class _TrainerActor:
+    """One megatron rank (``trainer._Rank``: policy + trainer endpoint) in a Ray actor."""
+
+    def __init__(self) -> None:
+        self.state = None
+
+    def where(self) -> dict:
+        return node_of()
+
+    def free_port(self, host: str) -> int:
+        from ..ports import free_port
+
+        return free_port(host)
+
+    def start(self, rank: int, setup: Any) -> None:
+        import warnings
+
+        from ..trainer import _Rank
+
+        # megatron-core's import-time notices of what a CPU machine lacks (expected here).
+        for msg in ("Transformer Engine and Apex are not installed", "absl.logging is not installed"):
+            warnings.filterwarnings("ignore", message=msg)
+
+        self.state = _Rank(rank, setup)
+
+    def run(self, cmd: str, *args: Any) -> Any:
+        return getattr(self.state, cmd)(*args)
+
+    def close(self) -> None:
+        if self.state is not None:
+            self.state.close()
+
+
+def _strategy(pg: Any, bundle: int) -> Any:
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle)
+
+
+def _placement_group(bundles: list[dict], name: str, timeout_s: float) -> Any:
+    import ray
+    from ray.util.placement_group import placement_group
+
+    pg = placement_group(bundles, strategy="PACK", name=name)
+    if not _ready(pg, timeout_s):
+        ray.util.remove_placement_group(pg)
+        need = sum(b.get("CPU", 0) for b in bundles)
+        raise RefitFailed(f"placement group {name!r} ({len(bundles)} bundles, {need} CPUs) could not be placed "
+                          f"within {timeout_s:.0f}s: the Ray cluster has {ray.available_resources()} free")
+    return pg
+
+
+def _ready(pg: Any, timeout_s: float) -> bool:
+    import ray
+
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    return bool(ready)
+
+
+class RayTrainerGroup:
+    """``world_size`` megatron ranks as Ray actors: the ``TrainerPool`` calls (``submit``,
+    ``submit_each``, ``collect``, ``call``, ``dead``, ``close``) the driver uses.
+
+    Start-up: the actors are placed first, rank 0 reports its node IP and two free ports
+    (megatron's rendezvous, then each refit group's), and only then every rank builds its
+    model, all at once (megatron's groups need every rank)."""
+
+    def __init__(self, setup: Any, *, timeout_s: float = 300.0, name: str = "mr_trainers", wait: bool = True) -> None:
+        import ray
+
+        self.world_size = setup.par.world_size
+        self.timeout_s = timeout_s
+        self.pg = None
+        self.actors: list = []
+        self._pending: tuple[str, list] | None = None
+        self._dead: dict[int, str] = {}
+        try:
+            self.pg = _placement_group([{"CPU": 1}] * self.world_size, name, timeout_s)
+            actor = ray.remote(num_cpus=1, max_restarts=0)(_TrainerActor)
+            self.actors = [actor.options(scheduling_strategy=_strategy(self.pg, r), name=f"{name}_{r}").remote()
+                           for r in range(self.world_size)]
+            self.nodes = self._get([a.where.remote() for a in self.actors], "placement")
+            self.host = self.nodes[0]["ip"]
+            port = self._get([self.actors[0].free_port.remote(self.host)], "a free port")[0]
+            setup = _replace(setup, host=self.host, port=port)
+            self._starting = [a.start.remote(r, setup) for r, a in enumerate(self.actors)]
+            if wait:
+                self.started()
+        except BaseException:
+            self.close()
+            raise
+
+    def started(self) -> "RayTrainerGroup":
+        """Wait until every rank has built its model (``wait=False`` overlaps this with the
+        engines' start-up)."""
+        refs, self._starting = self._starting, []
+        if refs:
+            self._get(refs, "start-up")
+        return self
+
+    def free_port(self) -> int:
+        """A port free on training rank 0's node (each refit group's master listens there)."""
+        return self._get([self.actors[0].free_port.remote(self.host)], "a free port")[0]
+
+    def submit(self, cmd: str, *args: Any) -> None:
+        self.submit_each(cmd, [args] * self.world_size)
+
+    def submit_each(self, cmd: str, args_per_rank: Sequence[tuple]) -> None:
+        if self._pending is not None:
+            raise RuntimeError(f"command {self._pending[0]!r} still pending")
+        refs = [a.run.remote(cmd, *args) for a, args in zip(self.actors, args_per_rank, strict=True)]
+        self._pending = (cmd, refs)
+
+    def collect(self, timeout_s: float | None = None) -> list[Any]:
+        if self._pending is None:
+            raise RuntimeError("nothing submitted")
+        (cmd, refs), self._pending = self._pending, None
+        return self._get(refs, cmd, timeout_s)
+
+    def call(self, cmd: str, *args: Any, timeout_s: float | None = None) -> list[Any]:
+        self.submit(cmd, *args)
+        return self.collect(timeout_s)
+
+    def _get(self, refs: list, what: str, timeout_s: float | None = None) -> list[Any]:
+        """Every reply, or the first failure as one ``TrainerError`` naming the rank (a dead
+        actor is named as soon as Ray knows, not at the timeout)."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        timeout_s = timeout_s or self.timeout_s
+        index = {ref: r for r, ref in enumerate(refs)}
+        left = list(refs)
+        deadline = time.monotonic() + timeout_s
+        while left:
+            wait = deadline - time.monotonic()
+            if wait <= 0:
+                missing = sorted(index[r] for r in left)
+                raise TrainerError(f"training rank(s) {missing} did not finish {what!r} within {timeout_s:.0f}s")
+            done, left = ray.wait(left, num_returns=1, timeout=wait)
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except RayActorError as exc:
+                    r = index[ref]
+                    self._dead[r] = f"training rank {r} (Ray actor {self.actors[r]._actor_id.hex()[:12]}) died"
+                    raise TrainerError(f"{self._dead[r]} during {what!r}: {first_error_line(exc)}") from None
+                except Exception as exc:  # noqa: BLE001 - the rank's own error, named
+                    cause = getattr(exc, "cause", None) or exc
+                    raise TrainerError(f"training rank {index[ref]} failed in {what!r}: "
+                                       f"{first_error_line(cause)}") from None
+        return ray.get(list(refs))
+
+    def dead(self) -> list[str]:
+        return list(self._dead.values())
+
+    def kill(self, rank: int) -> None:
+        """Kill one rank's actor (failure tests)."""
+        import ray
+
+        ray.kill(self.actors[rank], no_restart=True)
+
+    def close(self) -> None:
+        import ray
+
+        refs = [a.close.remote() for r, a in enumerate(self.actors) if r not in self._dead]
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=10)
+        for a in self.actors:
+            ray.kill(a, no_restart=True)
+        if self.pg is not None:
+            ray.util.remove_placement_group(self.pg)
+            self.pg = None
+
+
+def _replace(setup: Any, **kw: Any) -> Any:
+    from dataclasses import replace
+
+    return replace(setup, **kw)
+
+
+# ---------------------------------------------------------------------------- engines
+
+
+class EngineActor:
+    """One vLLM engine (``LLM`` with the ``mcore_reshard`` weight-transfer backend and the
+    diagnostics extension) in a Ray actor; its workers are the actor's child processes."""
+
+    def __init__(self, model_dir: str, tp: int, dtype: str, apply_mode: str, env: dict[str, str]) -> None:
+        os.environ.update(env)
+        from ..adapters.vllm.engine import start_engine
+        from ..adapters.vllm.plugin import BACKEND
+        from ..adapters.vllm.worker import REFIT_EXTENSION
+
+        extra = {"distributed_executor_backend": "mp"} if tp > 1 else {}
+        self.llm = start_engine(model_dir, tp=tp, dtype=dtype, direct=apply_mode == "direct",
+                                worker_extension_cls=REFIT_EXTENSION, weight_transfer_config={"backend": BACKEND},
+                                **extra)
+
+    def where(self) -> dict:
+        from ..driver import engine_dtype, engine_world
+
+        return {**node_of(), "world_size": engine_world(self.llm), "dtype": engine_dtype(self.llm)}
+
+    def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.llm, name)(*args, **kwargs)
+
+    def sample(self, prompts: list[list[int]], n: int, max_tokens: int, temperature: float,
+               seed: int) -> list[list[tuple[list[int], list[float]]]]:
+        """``n`` sampled completions per prompt with the sampled tokens' logprobs (vLLM's raw
+        logprobs: before temperature, as the trainer computes them)."""
+        from vllm import SamplingParams
+
+        sp = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, ignore_eos=True, logprobs=0,
+                            seed=seed)
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        return [[(list(c.token_ids), [float(lp[t].logprob) for t, lp in zip(c.token_ids, c.logprobs)])
+                 for c in o.outputs] for o in outs]
+
+    def shutdown(self) -> None:
+        from ..adapters.vllm.engine import stop_engine
+
+        for fn in (lambda: self.llm.collective_rpc("mr_hf_leave"), lambda: self.llm.shutdown_weight_transfer_engine(),
+                   lambda: stop_engine(self.llm)):
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
+
+
+class EngineHandle:
+    """The driver's view of an engine actor: an ``LLM``'s weight-transfer and diagnostics calls
+    (``collective_rpc``, ``init_weight_transfer_engine``, ``update_weights``, ...) run remotely
+    with a timeout; ``world_size`` and ``dtype`` are known up front."""
+
+    def __init__(self, actor: Any, index: int, info: dict, timeout_s: float) -> None:
+        self.actor, self.index, self.info, self.timeout_s = actor, index, info, timeout_s
+        self.world_size, self.dtype = int(info["world_size"]), str(info["dtype"])
+
+    def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        ref = self.actor.call.remote(name, *args, **kwargs)
+        try:
+            return ray.get(ref, timeout=self.timeout_s)
+        except RayActorError as exc:
+            raise RefitFailed(f"engine {self.index} (Ray actor {self.actor._actor_id.hex()[:12]}) died during "
+                              f"{name!r}: {first_error_line(exc)}") from None
+        except GetTimeoutError:
+            raise RefitFailed(f"engine {self.index} did not finish {name!r} within {self.timeout_s:.0f}s") from None
+        except Exception as exc:  # noqa: BLE001 - the engine's own error
+            raise type(getattr(exc, "cause", None) or exc)(first_error_line(getattr(exc, "cause", None) or exc)) \
+                from None
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return lambda *args, **kwargs: self._call(name, *args, **kwargs)
+
+    def sample(self, *args: Any) -> Any:
+        """Start sampling (returns a Ray object ref: engines sample concurrently)."""
+        return self.actor.sample.remote(*args)
+
+
+def start_engines(model_dir: str, replicas: int, tp: int, dtype: str, apply_mode: str, *, timeout_s: float,
+                  env: dict[str, str] | None = None, name: str = "mr_engine") -> tuple[list[EngineHandle], list]:
+    """``replicas`` engine actors, each in a PACK placement group of ``tp`` one-CPU bundles.
+    Returns the handles and the placement groups (remove them at shutdown)."""
+    import ray
+
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+           "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"), **(env or {})}
+    pgs, actors = [], []
+    try:
+        for e in range(replicas):
+            pg = _placement_group([{"CPU": 1}] * tp, f"{name}_{e}", timeout_s)
+            pgs.append(pg)
+            cls = ray.remote(max_restarts=0)(EngineActor)  # its tp workers are its children, in the group's bundles
+            actors.append(cls.options(num_cpus=1, scheduling_strategy=_strategy(pg, 0), name=f"{name}_{e}")
+                          .remote(model_dir, tp, dtype, apply_mode, env))
+        infos = []
+        for e, a in enumerate(actors):
+            try:
+                infos.append(ray.get(a.where.remote(), timeout=timeout_s))
+            except Exception as exc:  # noqa: BLE001
+                raise RefitFailed(f"engine {e} failed to start: {first_error_line(getattr(exc, 'cause', None) or exc)}") \
+                    from None
+    except BaseException:
+        stop_engines(actors, pgs)
+        raise
+    return [EngineHandle(a, e, info, timeout_s) for e, (a, info) in enumerate(zip(actors, infos))], pgs
+
+
+def stop_engines(actors: Sequence[Any], pgs: Sequence[Any]) -> None:
+    import ray
+
+    actors = [getattr(a, "actor", a) for a in actors]
+    refs = [a.shutdown.remote() for a in actors]
+    if refs:
+        ray.wait(refs, num_returns=len(refs), timeout=30)
+    for a in actors:
+        ray.kill(a, no_restart=True)
+    for pg in pgs:
+        ray.util.remove_placement_group(pg)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where each side landed (reported, and asserted by the multi-node test)."""
+
+    trainer_nodes: tuple[str, ...]
+    engine_nodes: tuple[str, ...]
+    master: str

@@ -1,0 +1,282 @@
+"""GRPO recipes and ``mcore-reshard grpo --dry-run``: the numbers agree with the plan, every
+bad setting is one ``error:`` line naming the key (exit 2), overrides apply. No process starts:
+the loop is replaced by a stub wherever the CLI would reach it."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mcore_reshard.cli import main
+from mcore_reshard.errors import ConfigError
+from mcore_reshard.grpo.dry_run import dry_run, modelled_refit_seconds, placement
+from mcore_reshard.grpo.recipe import ClusterSettings, GrpoRecipe, load_grpo_recipe
+from mcore_reshard.protocol import VerifyMode
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "recipes" / "grpo-tiny-moe-cpu.yaml"
+QWEN_4N = REPO / "recipes" / "grpo-qwen3-30b-a3b-megatron-reshard.yaml"
+QWEN_8N = REPO / "recipes" / "grpo-qwen3-30b-a3b-8n8g-megatron-reshard.yaml"
+# (recipe, training ranks, generation ranks, engines, training nodes, generation nodes)
+QWEN = [(QWEN_4N, 16, 16, 8, 2, 2), (QWEN_8N, 32, 32, 8, 4, 4)]
+
+
+def _json(capsys, argv) -> dict:
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _one_line_error(capsys, argv, key: str) -> str:
+    assert main([str(a) for a in argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert key in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture
+def loop_stub(monkeypatch):
+    """``mcore_reshard.grpo.loop`` as a stub that records its calls (nothing starts)."""
+    calls = []
+    stub = types.ModuleType("mcore_reshard.grpo.loop")
+
+    def run_grpo(recipe, *, address=None, as_json=False):
+        calls.append((recipe, address, as_json))
+        return 0
+
+    stub.run_grpo = run_grpo
+    monkeypatch.setitem(sys.modules, "mcore_reshard.grpo.loop", stub)
+    return calls
+
+
+# --------------------------------------------------------------------------- dry runs
+
+
+@pytest.mark.parametrize("path, train, gen, engines, train_nodes, gen_nodes", QWEN, ids=["4n8g", "8n8g"])
+def test_qwen_dry_run_json_agrees_with_the_plan(path, train, gen, engines, train_nodes, gen_nodes, capsys):
+    plan = _json(capsys, ["plan", "--json", "--recipe", str(path)])
+    rep = _json(capsys, ["grpo", str(path), "--dry-run", "--json"])
+    assert rep["bytes_min"] == rep["bytes_planned"] == plan["bytes_min"] == plan["bytes_planned"]
+    assert rep["bytes_hf_broadcast"] == plan["bytes_hf_broadcast"]
+    assert rep["plan"]["digest"] == plan["digest"]
+    assert rep["busiest_dst_bytes"] == plan["max_recv_bytes"]
+    assert rep["busiest_rank_bytes"] == max(plan["max_send_bytes"], plan["max_recv_bytes"])
+    assert (rep["training_ranks"], rep["generation_ranks"], rep["engines"]) == (train, gen, engines)
+    assert (rep["training_nodes"], rep["generation_nodes"]) == (train_nodes, gen_nodes)
+    assert rep["nodes_used"] == rep["num_nodes"] == train_nodes + gen_nodes and not rep["shared_node"]
+    assert rep["slots"] == train + gen
+    # trainers and engines on separate nodes: the inter-node link, GB/s = 1e9 bytes/s
+    assert rep["link"] == "inter-node" and rep["link_gbps"] == rep["inter_node_gbps"] == 50.0
+    assert rep["modelled_refit_seconds"] == pytest.approx(rep["busiest_rank_bytes"] / 50e9)
+    assert rep["modelled_hf_broadcast_seconds"] == pytest.approx(rep["bytes_hf_broadcast"] / 50e9)
+    assert rep["buffer_bytes_per_rank"] == 1 << 30
+    assert rep["buffer_bytes_training"] == train << 30 and rep["buffer_bytes_generation"] == gen << 30
+    assert rep["local_problem"] and "transformer_impl" in rep["local_problem"]
+
+
+def test_qwen_4n8g_dry_run_table(capsys):
+    assert main(["grpo", str(QWEN_4N), "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    # the link floor of shared/reference/peers-and-numbers.md: 30.54 GB over 50 GB/s
+    assert "modelled refit time          0.611 s  (busiest rank / inter-node 50 GB/s)" in text
+    assert "16 training + 16 generation ranks (8 engine(s)) on 2 + 2 of 4 nodes" in text
+    assert "no published figure" in text
+    assert "(= minimum)" in text
+
+
+def test_qwen_8n8g_dry_run_table_names_the_published_figure(capsys):
+    assert main(["grpo", str(QWEN_8N), "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert "32 training + 32 generation ranks (8 engine(s)) on 4 + 4 of 8 nodes" in text
+    assert "megatron(tp=4,pp=4,vpp=1,ep=4,etp=1,cp=1,dp=2) -> vllm(tp=4,pp=1,dp=1,replicas=8)" in text
+    assert "refit 12 s of a 167 s step" in text
+
+
+def test_nccl_reshard_layout_shows_nemo_rl_figure(capsys):
+    """EP8xPP2 -> two engines of TP8: NeMo RL's nccl_reshard measurement sits beside our model."""
+    rep = _json(capsys, ["grpo", str(QWEN_4N), "policy.generation.vllm_cfg.tensor_parallel_size=8", "--dry-run",
+                         "--json"])
+    assert rep["engines"] == 2 and rep["published"]["seconds"] == "0.74-1.00 s"
+    assert rep["modelled_refit_seconds"] == pytest.approx(rep["busiest_rank_bytes"] / 50e9)
+    assert 0.15 < rep["modelled_refit_seconds"] < 0.16  # 7.68 GB at 50 GB/s
+
+
+def test_tiny_recipe_loads_and_runs_here(capsys):
+    r = load_grpo_recipe(TINY)
+    assert isinstance(r, GrpoRecipe) and r.local_problem is None
+    assert r.model == "tiny-moe" and r.checkpoint_family == "qwen3_moe"
+    assert r.dtype == r.spec.dtype == "float32" and r.spec.num_experts == 8 and r.spec.vocab == 1000
+    assert (r.training.tp, r.training.ep, r.training.dp, r.training.world_size) == (1, 2, 2, 2)
+    assert r.training.layer_spec == "local" and r.training.experts == "sequential"
+    assert (r.vllm.tp, r.vllm.replicas, r.vllm.world_size) == (1, 1, 1)
+    assert r.refit.verify is VerifyMode.CHECKSUM and r.refit.buffer_bytes == 262144 and r.refit.timeout_s == 120
+    assert (r.grpo.num_prompts_per_step, r.grpo.num_generations_per_prompt, r.grpo.max_num_steps) == (4, 4, 12)
+    assert r.grpo.verify_full_every_n_steps == 4
+    assert r.generation.max_new_tokens == 8 and r.generation.temperature == 1.0
+    assert r.task.prompt_length == 8 and r.task.target_ids(r.spec.vocab) == 125
+    assert r.cluster == ClusterSettings(1, 3) and r.ray.address is None and r.ray.num_cpus is None
+    assert r.lr == 0.05 and r.log_dir == "results/grpo-tiny-moe-cpu" and r.colocated is False
+    rep = _json(capsys, ["grpo", str(TINY), "--dry-run", "--json"])
+    assert rep["shared_node"] and rep["link"] == "intra-node" and rep["nodes_used"] == 1
+    assert (rep["training_ranks"], rep["generation_ranks"], rep["slots"]) == (2, 1, 3)
+    assert rep["modelled_refit_seconds"] == pytest.approx(rep["busiest_rank_bytes"] / 400e9)
+    assert rep["published"] is None and rep["local_problem"] is None
+
+
+def test_qwen_recipes_are_plan_only():
+    for path in (QWEN_4N, QWEN_8N):
+        r = load_grpo_recipe(path)
+        assert r.model == "Qwen/Qwen3-30B-A3B" and r.checkpoint_family is None
+        assert r.generation.max_new_tokens == 4096  # ${policy.max_total_sequence_length}
+        assert "transformer_impl='transformer_engine'" in r.local_problem
+    no_te = load_grpo_recipe(QWEN_4N, ["policy.megatron_cfg.transformer_impl=local",
+                                       "policy.megatron_cfg.moe_grouped_gemm=false"])
+    assert "policy.model_name='Qwen/Qwen3-30B-A3B'" in no_te.local_problem  # a hub name
+
+
+def test_cost_model_and_placement_are_pure():
+    assert modelled_refit_seconds(50 * 10**9, 50.0) == 1.0
+    assert modelled_refit_seconds(0, 400.0) == 0.0
+    with pytest.raises(ConfigError, match="bandwidth"):
+        modelled_refit_seconds(1, 0.0)
+    r = load_grpo_recipe(TINY)
+    with pytest.raises(ConfigError, match="do not fit"):
+        placement(replace(r, cluster=ClusterSettings(1, 2)))
+    with pytest.raises(ConfigError, match="bandwidth"):
+        dry_run(r, inter_node_gbps=-1.0)
+
+
+# --------------------------------------------------------------------------- the run path
+
+
+def test_run_path_calls_the_loop(loop_stub, capsys):
+    assert main(["grpo", str(TINY), "grpo.max_num_steps=3", "--json", "--address", "auto"]) == 0
+    (recipe, address, as_json), = loop_stub
+    assert recipe.grpo.max_num_steps == 3 and address == "auto" and as_json is True
+
+
+def test_run_path_refuses_what_this_machine_cannot_run(loop_stub, capsys):
+    _one_line_error(capsys, ["grpo", QWEN_4N], "policy.megatron_cfg.transformer_impl='transformer_engine'")
+    assert loop_stub == []
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def _edit(d: dict, path: str, value) -> None:
+    *parents, leaf = path.split(".")
+    node = d
+    for p in parents:
+        node = node.setdefault(p, {})
+    if value is _DROP:
+        del node[leaf]
+    else:
+        node[leaf] = value
+
+
+_DROP = object()
+BAD = [
+    ("missing-steps", {"grpo.max_num_steps": _DROP}, "grpo.max_num_steps is missing"),
+    ("missing-grpo", {"grpo": _DROP}, "grpo is missing"),
+    ("missing-max-new-tokens", {"policy.generation.max_new_tokens": _DROP}, "policy.generation.max_new_tokens"),
+    ("missing-lr", {"policy.megatron_cfg.optimizer.lr": _DROP}, "policy.megatron_cfg.optimizer.lr is missing"),
+    ("prompts-string", {"grpo.num_prompts_per_step": "four"}, "grpo.num_prompts_per_step='four'"),
+    ("normalize-string", {"grpo.normalize_rewards": "yes"}, "grpo.normalize_rewards"),
+    ("one-generation", {"grpo.num_generations_per_prompt": 1}, "grpo.num_generations_per_prompt=1"),
+    ("zero-steps", {"grpo.max_num_steps": 0}, "grpo.max_num_steps=0"),
+    ("negative-verify-every", {"grpo.verify_full_every_n_steps": -1}, "grpo.verify_full_every_n_steps=-1"),
+    ("unknown-grpo-key", {"grpo.max_num_epochs": 1}, "grpo.max_num_epochs"),
+    ("unknown-loss-key", {"loss_fn.ratio_clip_c": 3.0}, "loss_fn.ratio_clip_c"),
+    ("unknown-env", {"env.math": {"num_workers": 8}}, "env.math"),
+    ("unknown-task-key", {"env.target_tokens.vocab": 5}, "env.target_tokens.vocab"),
+    ("unknown-ray-key", {"ray.port": 1}, "ray.port"),
+    ("negative-kl", {"loss_fn.reference_policy_kl_penalty": -0.1}, "loss_fn.reference_policy_kl_penalty"),
+    ("zero-temperature", {"policy.generation.temperature": 0}, "policy.generation.temperature=0"),
+    ("lr-zero", {"policy.megatron_cfg.optimizer.lr": 0.0}, "policy.megatron_cfg.optimizer.lr=0.0"),
+    ("lr-string", {"policy.megatron_cfg.optimizer.lr": "fast"}, "policy.megatron_cfg.optimizer.lr='fast'"),
+    ("fraction-one", {"env.target_tokens.target_fraction": 1.0}, "env.target_tokens.target_fraction=1.0"),
+    ("fraction-tiny", {"env.target_tokens.target_fraction": 0.0001}, "env.target_tokens.target_fraction"),
+    ("too-long", {"policy.generation.max_new_tokens": 600}, "max_position_embeddings=512"),
+    ("cluster-too-small", {"cluster.gpus_per_node": 2}, "cluster.num_nodes*cluster.gpus_per_node=2"),
+    ("cluster-no-training", {"cluster.gpus_per_node": 1}, "cluster.num_nodes*cluster.gpus_per_node=1"),
+    ("two-nodes-split", {"cluster.num_nodes": 2}, "policy.generation.colocated.resources.gpus_per_node=1"),
+    ("one-node-two-gen-nodes", {"policy.generation.colocated.resources.num_nodes": 2},
+     "policy.generation.colocated.resources"),
+    ("colocated", {"policy.generation.colocated.enabled": True}, "policy.generation.colocated.enabled"),
+    ("num-cpus-with-address", {"ray.address": "auto", "ray.num_cpus": 4}, "ray.num_cpus=4"),
+    ("uneven-batch", {"grpo.num_prompts_per_step": 3, "grpo.num_generations_per_prompt": 3},
+     "grpo.num_prompts_per_step*num_generations_per_prompt=9"),
+    ("not-a-model", {"policy.model_name": "no-such-model"}, "policy.model_name='no-such-model'"),
+    ("grpo-list", {"grpo": [1, 2]}, "grpo is a list"),
+    ("tiny-with-model-config", {"policy.model_config": "qwen3-30b-a3b"}, "policy.model_config='qwen3-30b-a3b'"),
+]
+
+
+@pytest.mark.parametrize("name, edits, key", BAD, ids=[b[0] for b in BAD])
+def test_bad_recipe_is_one_line(name, edits, key, tmp_path, capsys, loop_stub):
+    d = yaml.safe_load(TINY.read_text())
+    for path, value in edits.items():
+        _edit(d, path, value)
+    f = tmp_path / f"{name}.yaml"
+    f.write_text(yaml.safe_dump(d))
+    _one_line_error(capsys, ["grpo", f, "--dry-run"], key)
+    _one_line_error(capsys, ["grpo", f], key)  # the run path checks the same, before the loop
+    assert loop_stub == []
+
+
+def test_bad_recipe_files(tmp_path, capsys):
+    _one_line_error(capsys, ["grpo", tmp_path / "nope.yaml", "--dry-run"], "nope.yaml")
+    _one_line_error(capsys, ["grpo", tmp_path, "--dry-run"], "directory")
+    (tmp_path / "list.yaml").write_text("- a\n")
+    _one_line_error(capsys, ["grpo", tmp_path / "list.yaml", "--dry-run"], "not a mapping")
+    _one_line_error(capsys, ["grpo", "--dry-run"], "recipe")
+
+
+# --------------------------------------------------------------------------- overrides
+
+
+def test_overrides_apply(capsys):
+    r = load_grpo_recipe(TINY, ["grpo.max_num_steps=3", "grpo.seed=7", "policy.generation.temperature=0.5",
+                                "ray.address=auto", "+policy.megatron_cfg.note=hello"])
+    assert r.grpo.max_num_steps == 3 and r.grpo.seed == 7 and r.generation.temperature == 0.5
+    assert r.ray.address == "auto"
+    assert load_grpo_recipe(TINY).grpo.max_num_steps == 12  # the file is untouched
+    rep = _json(capsys, ["grpo", str(TINY), "grpo.max_num_steps=3", "--dry-run", "--json"])
+    assert rep["max_num_steps"] == 3
+    # a key the file lacks but the loader reads, set without '+'
+    assert load_grpo_recipe(QWEN_4N, ["env.target_tokens.prompt_length=16"]).task.prompt_length == 16
+
+
+@pytest.mark.parametrize("override, key", [
+    ("grpo.max_num_step=3", "unknown setting grpo.max_num_step"),
+    ("policy.megatron_cfg.tensor_model_paralel_size=2", "policy.megatron_cfg.tensor_model_paralel_size"),
+    ("+grpo.max_num_steps=3", "grpo.max_num_steps is already a setting"),
+    ("grpo.max_num_steps", "not key.path=value"),
+    ("grpo.max_num_steps=[1", "not YAML"),
+    ("grpo.max_num_steps=three", "grpo.max_num_steps='three'"),
+    ("grpo.num_generations_per_prompt=1", "grpo.num_generations_per_prompt=1"),
+    ("policy.precision=${nope.x}", "policy.precision"),
+])
+def test_bad_override_is_one_line(override, key, capsys):
+    _one_line_error(capsys, ["grpo", TINY, override, "--dry-run"], key)
+
+
+def test_grpo_flags_belong_to_grpo(capsys):
+    _one_line_error(capsys, ["plan", "--dry-run"], "--dry-run is an option of 'grpo'")
+    _one_line_error(capsys, ["refit", "--address", "auto"], "--address is an option of 'grpo'")
+    _one_line_error(capsys, ["grpo", TINY, "--recipe", TINY, "--dry-run"], "--recipe")
+    _one_line_error(capsys, ["grpo", TINY, "--dry-run", "--address", "auto"], "--address")
+
+
+def test_hf_broadcast_transport_is_named(capsys):
+    rep = _json(capsys, ["grpo", str(TINY), "policy.megatron_cfg.mcore_reshard.transport=hf_broadcast", "--dry-run",
+                         "--json"])
+    assert rep["transport"] == "hf_broadcast"
