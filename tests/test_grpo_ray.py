@@ -1,18 +1,15 @@
-"""GRPO on Ray, for real: megatron-core trainer actors and a vLLM engine actor on a simulated
-two-node Ray cluster (``ray.cluster_utils.Cluster``), a refit after every step.
-
-* the tiny recipe learns its task (reward rises far above a random policy's), every refit is
-  verified (checksums every step, ``verify=full`` every 4th), ``token_mult_prob_error`` stays at
-  fp32's bound, bytes moved equal the minimum, and trainers and engine sit on different nodes;
-* a trainer actor killed mid-run stops the run with an error naming it, and no process of the
-  run survives;
-* nothing is left in the home directory (Ray's token auth runs on a per-job token in the env).
+"""GRPO on Ray, for real: megatron-core trainer actors and a vLLM engine actor, a refit after
+every step -- on an embedded local cluster (the default, interrupted by Ctrl-C) and on a
+simulated two-node cluster (``ray.cluster_utils.Cluster``: placement, a trainer actor's death).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
 import shutil
 import tempfile
 import time
@@ -24,6 +21,110 @@ psutil = pytest.importorskip("psutil")
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "grpo-tiny-moe-cpu.yaml"
+
+
+def _run_processes() -> set[int]:
+    return set(psutil.pids())
+
+
+def _marked(key: str, value: str) -> list[str]:
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get(key) == value:
+                out.append(" ".join(p.cmdline()))
+        except psutil.Error:
+            pass
+    return out
+
+
+def _survivors(before: set[int], key: str, value: str, grace_s: float = 30.0) -> dict[int, str]:
+    """Processes of this run -- started since ``before``, with ``key=value`` in their
+    environment (inherited by everything the run started, not by other users of the machine)
+    -- still alive after ``grace_s``; a cluster's own daemons and the idle workers Ray keeps
+    in its pool excepted."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        left = {}
+        for pid in _run_processes() - before:
+            try:
+                p = psutil.Process(pid)
+                if p.status() == psutil.STATUS_ZOMBIE or p.environ().get(key) != value:
+                    continue
+                cmd = " ".join(p.cmdline())
+            except psutil.Error:
+                continue
+            if not any(k in cmd for k in ("ray::IDLE", "raylet", "gcs_server")):
+                left[pid] = cmd
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.5)
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_embedded_run_learns_every_refit_verified_and_ctrl_c_stops_it(tmp_path):
+    """The default path (``mcore-reshard grpo RECIPE`` = ``make demo``: an embedded Ray
+    cluster) runs 8+ steps and is interrupted (Ctrl-C):
+
+    * every refit verified (checksums every step, ``verify=full`` every 4th), bytes moved equal
+      the minimum, ``token_mult_prob_error`` at fp32's bound, NeMo RL's timing keys;
+    * the policy learns: reward rises far above a random policy's;
+    * Ctrl-C: exit 130 after a clean shutdown, the metrics and plot written, every process of
+      the run gone, no Ray token written to the home directory (token auth runs on a per-job
+      token in the environment), no Ray session files left in /tmp.
+    """
+    home = tmp_path / "home"
+    home.mkdir()
+    logs = tmp_path / "logs"
+    metrics = logs / "metrics.jsonl"
+    tmp_before = set(Path("/tmp").glob("mr_ray_*"))
+    before = set(_run_processes())
+    marker = f"grpo-{os.getpid()}-{time.time()}"
+    env = {**os.environ, "HOME": str(home), "MR_TEST_RUN": marker}
+    env.pop("RAY_AUTH_TOKEN", None)
+    env.pop("RAY_AUTH_MODE", None)
+    cmd = [sys.executable, "-m", "mcore_reshard.cli", "grpo", str(RECIPE), "grpo.max_num_steps=50",
+           f"logger.log_dir={logs}"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 400
+        while len(_lines(metrics)) < 8:
+            assert proc.poll() is None, proc.communicate()[1][-2000:]
+            assert time.monotonic() < deadline, "8 steps did not finish within 400 s"
+            time.sleep(0.5)
+        running = _marked("MR_TEST_RUN", marker)  # the survivor check below sees the run's processes
+        assert any("EngineCore" in c or "vllm" in c.lower() for c in running) and len(running) >= 4, running
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted" in err
+    steps = _lines(metrics)
+    assert 8 <= len(steps) < 50 and [s["step"] for s in steps] == list(range(len(steps)))
+    assert (logs / "grpo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "plot:" in out
+
+    for s in steps:
+        assert s["refit_verified"] is True
+        assert s["refit_bytes_moved"] == s["refit_bytes_min"] > 0
+        assert 1.0 <= s["token_mult_prob_error"] <= 1.001  # fp32 on both sides
+        assert set(s["timing"]) >= {"generation", "logprob_inference", "policy_training", "refit", "total"}
+    assert [s["refit_full_verified"] for s in steps] == [(i + 1) % 4 == 0 for i in range(len(steps))]
+
+    # Learning: a random policy scores target_ids / vocab = 0.125 per token. The mean of a
+    # step's 128 sampled tokens has a std of about sqrt(0.125 * 0.875 / 128) = 0.03 under it,
+    # so +0.2 is over six standard deviations: the rise is the policy's, not sampling noise.
+    rewards = [s["reward"] for s in steps[:8]]
+    assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.2
+    assert sum(rewards[-2:]) / 2 > 0.125 + 0.2
+
+    assert not _survivors(before, "MR_TEST_RUN", marker), "processes survived the interrupted run"
+    assert not (home / ".ray").exists()  # (vLLM and matplotlib keep their caches under ~/.cache, ~/.config)
+    assert set(Path("/tmp").glob("mr_ray_*")) == tmp_before
 
 
 @pytest.fixture(scope="module")
@@ -66,58 +167,24 @@ def _recipe(tmp_path: Path, *overrides: str):
     return load_grpo_recipe(RECIPE, [f"logger.log_dir={tmp_path / 'logs'}", *overrides])
 
 
-def test_grpo_learns_on_two_nodes_every_refit_verified(two_nodes, tmp_path, capsys):
-    from mcore_reshard.grpo.loop import run_grpo
-
-    _, node_a, node_b = two_nodes
-    recipe = _recipe(tmp_path, "grpo.max_num_steps=8")
-    assert run_grpo(recipe, as_json=True) == 0
-    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    steps = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in steps] == list(range(8)) and steps == out["steps"]
-    assert (tmp_path / "logs" / "grpo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-    # Placement: the trainers share node A, the engine is on node B, the refit master is A's.
-    place = out["placement"]
-    assert set(place["trainers"]) == {node_a.node_id}
-    assert place["engines"] == [node_b.node_id]
-
-    for s in steps:
-        assert s["refit_verified"] is True
-        assert s["refit_bytes_moved"] == s["refit_bytes_min"] > 0
-        assert 1.0 <= s["token_mult_prob_error"] <= 1.001  # fp32 on both sides
-        assert set(s["timing"]) >= {"generation", "logprob_inference", "policy_training", "refit", "total"}
-    assert [s["refit_full_verified"] for s in steps] == [(i + 1) % 4 == 0 for i in range(8)]
-
-    # Learning: a random policy scores target_ids / vocab = 0.125 per token. The mean of a
-    # step's 128 sampled tokens has a std of about sqrt(0.125 * 0.875 / 128) = 0.03 under it,
-    # so +0.2 is over six standard deviations: the rise is the policy's, not sampling noise.
-    rewards = [s["reward"] for s in steps]
-    random_reward = out["random_policy_reward"]
-    assert random_reward == pytest.approx(0.125)
-    assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.2
-    assert sum(rewards[-2:]) / 2 > random_reward + 0.2
-
-
-def _run_processes() -> dict[int, str]:
-    out = {}
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            out[p.pid] = " ".join(p.info["cmdline"] or [])
-        except psutil.Error:
-            pass
-    return out
-
-
-def test_trainer_actor_death_stops_the_run_and_leaves_no_process(two_nodes, tmp_path):
+def test_two_nodes_placement_and_a_dead_trainer_actor_stops_the_run(two_nodes, tmp_path):
+    """Trainers on node A, the engine on node B, the refit master on A; then a trainer actor
+    killed mid-run stops the run with an error naming it, and no process of the run survives."""
     from mcore_reshard.errors import RefitError, TrainerError
     from mcore_reshard.grpo.loop import GrpoRun
 
+    _, node_a, node_b = two_nodes
     before = set(_run_processes())
     recipe = _recipe(tmp_path, "grpo.max_num_steps=3", "grpo.verify_full_every_n_steps=0")
     run = GrpoRun(recipe)
     with run:
-        assert run.step(0).refit_verified
+        place = run.placement()
+        assert set(place["trainers"]) == {node_a.node_id} and place["engines"] == [node_b.node_id]
+        assert place["master"] == node_a.node_ip_address
+        m = run.step(0)
+        assert m.refit_verified and m.refit_bytes_moved == m.refit_bytes_min > 0
+        assert run.initial_refit.verified
+        assert len(_marked("RAY_AUTH_TOKEN", os.environ["RAY_AUTH_TOKEN"])) >= 4
         victim = run.trainers.actors[1]
         run.trainers.kill(1)
         t0 = time.monotonic()
@@ -131,11 +198,4 @@ def test_trainer_actor_death_stops_the_run_and_leaves_no_process(two_nodes, tmp_
 
     # Every process the run started is gone: actors, vLLM's engine core, megatron ranks (only
     # the cluster's own daemons and the idle workers Ray keeps in its pool remain).
-    deadline = time.monotonic() + 30
-    while True:
-        left = {pid: cmd for pid, cmd in _run_processes().items()
-                if pid not in before and not any(k in cmd for k in ("ray::IDLE", "raylet", "gcs_server"))}
-        if not left or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    assert not left, f"processes survived the run: {left}"
+    assert not _survivors(before, "RAY_AUTH_TOKEN", os.environ["RAY_AUTH_TOKEN"]), "processes survived the run"

@@ -1,7 +1,8 @@
 """Ray as the distributed engine: trainer ranks and vLLM engines as actors in placement groups.
 
 As NeMo RL does it: the training ranks sit in one PACK placement group (a bundle of one
-"device" each), every vLLM engine in a PACK group of its own (one bundle per worker), so the
+device each: a GPU, or a CPU slot on a CPU-only cluster), every vLLM engine in a group of its
+own (one bundle of its ``tp`` devices), so the
 two sides land on separate nodes of a real cluster when the training bundles fill theirs. The
 refit group's master is the first training bundle: its node IP (asked there, never assumed) and
 a port free on that node. The driver talks to the actors through the same calls as to local
@@ -21,7 +22,6 @@ import secrets
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 from ..errors import RefitFailed, TrainerError
@@ -117,6 +117,14 @@ class _TrainerActor:
             self.state.close()
 
 
+def _devices(n: int) -> dict[str, float]:
+    """A bundle of ``n`` devices: GPUs where the cluster has them (one CPU each alongside),
+    else CPUs -- the "device slots" of a CPU-only cluster."""
+    import ray
+
+    return {"CPU": n, "GPU": n} if ray.cluster_resources().get("GPU", 0) > 0 else {"CPU": n}
+
+
 def _strategy(pg: Any, bundle: int) -> Any:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -161,8 +169,9 @@ class RayTrainerGroup:
         self._pending: tuple[str, list] | None = None
         self._dead: dict[int, str] = {}
         try:
-            self.pg = _placement_group([{"CPU": 1}] * self.world_size, name, timeout_s)
-            actor = ray.remote(num_cpus=1, max_restarts=0)(_TrainerActor)
+            device = _devices(1)
+            self.pg = _placement_group([device] * self.world_size, name, timeout_s)
+            actor = ray.remote(num_cpus=1, num_gpus=device.get("GPU", 0), max_restarts=0)(_TrainerActor)
             self.actors = [actor.options(scheduling_strategy=_strategy(self.pg, r), name=f"{name}_{r}").remote()
                            for r in range(self.world_size)]
             self.nodes = self._get([a.where.remote() for a in self.actors], "placement")
@@ -350,7 +359,7 @@ class EngineHandle:
 
 def start_engines(model_dir: str, replicas: int, tp: int, dtype: str, apply_mode: str, *, timeout_s: float,
                   env: dict[str, str] | None = None, name: str = "mr_engine") -> tuple[list[EngineHandle], list]:
-    """``replicas`` engine actors, each in a PACK placement group of ``tp`` one-CPU bundles.
+    """``replicas`` engine actors, each in a placement group of one bundle of ``tp`` devices.
     Returns the handles and the placement groups (remove them at shutdown)."""
     import ray
 
@@ -359,10 +368,13 @@ def start_engines(model_dir: str, replicas: int, tp: int, dtype: str, apply_mode
     pgs, actors = [], []
     try:
         for e in range(replicas):
-            pg = _placement_group([{"CPU": 1}] * tp, f"{name}_{e}", timeout_s)
+            # One bundle per engine: its tp workers are the actor's child processes and see the
+            # bundle's devices (Ray sets CUDA_VISIBLE_DEVICES for the actor on GPU clusters).
+            device = _devices(tp)
+            pg = _placement_group([device], f"{name}_{e}", timeout_s)
             pgs.append(pg)
-            cls = ray.remote(max_restarts=0)(EngineActor)  # its tp workers are its children, in the group's bundles
-            actors.append(cls.options(num_cpus=1, scheduling_strategy=_strategy(pg, 0), name=f"{name}_{e}")
+            cls = ray.remote(num_cpus=tp, num_gpus=device.get("GPU", 0), max_restarts=0)(EngineActor)
+            actors.append(cls.options(scheduling_strategy=_strategy(pg, 0), name=f"{name}_{e}")
                           .remote(model_dir, tp, dtype, apply_mode, env))
         infos = []
         for e, a in enumerate(actors):
@@ -388,12 +400,3 @@ def stop_engines(actors: Sequence[Any], pgs: Sequence[Any]) -> None:
         ray.kill(a, no_restart=True)
     for pg in pgs:
         ray.util.remove_placement_group(pg)
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where each side landed (reported, and asserted by the multi-node test)."""
-
-    trainer_nodes: tuple[str, ...]
-    engine_nodes: tuple[str, ...]
-    master: str
