@@ -175,7 +175,9 @@ def test_two_nodes_placement_and_a_dead_trainer_actor_stops_the_run(two_nodes, t
 
     _, node_a, node_b = two_nodes
     before = set(_run_processes())
-    recipe = _recipe(tmp_path, "grpo.max_num_steps=3", "grpo.verify_full_every_n_steps=0")
+    # With a KL penalty: the trainers also compute the frozen reference's logprobs each step.
+    recipe = _recipe(tmp_path, "grpo.max_num_steps=3", "grpo.verify_full_every_n_steps=0",
+                     "loss_fn.reference_policy_kl_penalty=0.01")
     run = GrpoRun(recipe)
     with run:
         place = run.placement()
@@ -183,6 +185,7 @@ def test_two_nodes_placement_and_a_dead_trainer_actor_stops_the_run(two_nodes, t
         assert place["master"] == node_a.node_ip_address
         m = run.step(0)
         assert m.refit_verified and m.refit_bytes_moved == m.refit_bytes_min > 0
+        assert "reference_logprob_inference" in m.timing
         assert run.initial_refit.verified
         assert len(_marked("RAY_AUTH_TOKEN", os.environ["RAY_AUTH_TOKEN"])) >= 4
         victim = run.trainers.actors[1]
