@@ -54,8 +54,16 @@ def _cmd_plan(args, overrides: Sequence[str]) -> int:
     from .layout import dtensor_report, dtensor_summary
 
     forms = {"training": dtensor_report(src), "vllm": dtensor_report(dst)}
+    placed = None
+    if recipe.topology is not None:
+        from .plan.topology import placement_report
+
+        placed = placement_report(plan, src, dst, recipe.topology.place(src.world_size, dst.world_size),
+                                  recipe.topology.links)
     if args.json:
         out = report.to_json()
+        if placed is not None:
+            out.update(placed.to_json())
         out["dtensor"] = {side: dtensor_summary(r) for side, r in forms.items()}
         if args.dtensor:
             out["dtensor_forms"] = forms
@@ -63,6 +71,8 @@ def _cmd_plan(args, overrides: Sequence[str]) -> int:
     else:
         title = f"refit plan: {spec.name} ({spec.dtype}), training {src.name} -> vLLM {dst.name}"
         print(report.table(title))
+        for line in placed.lines() if placed is not None else ():
+            print(line)
         for side, r in forms.items():
             print(f"{side} {dtensor_summary(r)}")
             if args.dtensor:

@@ -347,12 +347,15 @@ def recipe_from_config(cfg: Any) -> RecipeLayout:
     _check_world(training.world_size, vllm.world_size)
     spec = resolve_model(model, dtype=dtype)
     vllm_spec = resolve_model(vllm_model, dtype=dtype, what="vllm_model") if vllm_model else None
-    return RecipeLayout(spec, training, vllm, refit, vllm_spec)
+    from .plan.topology import TopologyConfig
+
+    topology = build_dataclass(TopologyConfig, data.get("topology"), "topology")
+    return RecipeLayout(spec, training, vllm, refit, vllm_spec, topology)
 
 
 def load_plan(overrides: Sequence[str] = ()) -> RecipeLayout:
     """``configs/plan.yaml`` + overrides, every setting checked (``mcore-reshard plan``)."""
-    return recipe_from_config(compose("plan", overrides, open_sections=("training", "vllm", "refit")))
+    return recipe_from_config(compose("plan", overrides, open_sections=("training", "vllm", "refit", "topology")))
 
 
 def read_recipe_file(path: str | Path, what: str | None = None) -> dict:

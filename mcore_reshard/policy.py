@@ -118,6 +118,8 @@ class RecipeLayout:
     refit: RefitConfig
     #: The engine's model when it is configured apart from the trainer's (must match it).
     vllm_spec: ModelSpec | None = None
+    #: How the modelled cluster places both sides (``plan.topology.TopologyConfig``).
+    topology: Any = None
 
 
 _MISSING = object()

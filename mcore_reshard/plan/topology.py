@@ -1,0 +1,289 @@
+"""Where ranks sit, and what a plan's bytes cost on the links between them.
+
+Every rank of both sides gets a :class:`Location` (node, device). A transfer is then
+same-device (never needs the network: IPC or a copy), intra-node (NVLink-class) or inter-node
+(the fabric), and a plan has bytes per class, the busiest rank's bytes per class, and a
+modelled time at stated link bandwidths. Pure metadata, like the planner: a full-size
+placement is checked on a laptop.
+
+The floor over the fabric is *one copy per destination node*: what a node's inference ranks
+hold, minus what a training rank on the same node already holds, has to cross into that node
+once (:func:`inter_node_minimum`); :func:`placement_report` sets the plan's inter-node bytes
+next to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from ..layout import Box, SideLayout
+from .types import TransferPlan
+
+__all__ = ["Location", "Links", "Placement", "PlacementReport", "TopologyConfig", "LINK_CLASSES",
+           "placement_report", "inter_node_minimum", "hf_ipc_bytes"]
+
+#: Link classes, cheapest first.
+LINK_CLASSES = ("same_device", "intra_node", "inter_node")
+
+
+@dataclass(frozen=True, order=True)
+class Location:
+    node: int
+    device: int  # index within the node
+
+
+@dataclass(frozen=True)
+class Links:
+    """Per-GPU link bandwidths in GB/s (10**9 bytes/s): NVLink-class inside a node, the
+    fabric (one NIC per GPU) between nodes; same-device copies at HBM speed."""
+
+    intra_node_gbps: float = 450.0
+    inter_node_gbps: float = 50.0
+    same_device_gbps: float = 2000.0
+
+    def __post_init__(self) -> None:
+        for name in ("intra_node_gbps", "inter_node_gbps", "same_device_gbps"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0):
+                raise ValueError(f"{name}={v!r} must be a positive number of GB/s")
+
+    def gbps(self, link: str) -> float:
+        return {"same_device": self.same_device_gbps, "intra_node": self.intra_node_gbps,
+                "inter_node": self.inter_node_gbps}[link]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The location of every source (training) and destination (inference) rank."""
+
+    src: tuple[Location, ...]
+    dst: tuple[Location, ...]
+    gpus_per_node: int
+
+    @classmethod
+    def separate(cls, num_src: int, num_dst: int, gpus_per_node: int) -> "Placement":
+        """Trainers fill nodes 0.., inference ranks the nodes after them (non-colocated)."""
+        _positive(gpus_per_node)
+        src = tuple(Location(r // gpus_per_node, r % gpus_per_node) for r in range(num_src))
+        first = -(-num_src // gpus_per_node)
+        dst = tuple(Location(first + r // gpus_per_node, r % gpus_per_node) for r in range(num_dst))
+        return cls(src, dst, gpus_per_node)
+
+    @classmethod
+    def colocated(cls, num_src: int, num_dst: int, gpus_per_node: int) -> "Placement":
+        """Training rank i and inference rank i share device i (NeMo RL's colocated mode)."""
+        _positive(gpus_per_node)
+        loc = lambda r: Location(r // gpus_per_node, r % gpus_per_node)  # noqa: E731
+        return cls(tuple(map(loc, range(num_src))), tuple(map(loc, range(num_dst))), gpus_per_node)
+
+    def link(self, src: int, dst: int) -> str:
+        a, b = self.src[src], self.dst[dst]
+        if a == b:
+            return "same_device"
+        return "intra_node" if a.node == b.node else "inter_node"
+
+    @property
+    def dst_nodes(self) -> list[int]:
+        return sorted({loc.node for loc in self.dst})
+
+
+def _positive(gpus_per_node: int) -> None:
+    if not (isinstance(gpus_per_node, int) and not isinstance(gpus_per_node, bool) and gpus_per_node >= 1):
+        raise ValueError(f"gpus_per_node={gpus_per_node!r} must be an integer >= 1")
+
+
+@dataclass(frozen=True)
+class TopologyConfig:
+    """``topology.*`` of ``configs/plan.yaml``: how the modelled cluster places both sides."""
+
+    gpus_per_node: int = 8
+    #: separate: trainers fill their own nodes, inference ranks the next ones (non-colocated);
+    #: colocated: training rank i and inference rank i share device i.
+    placement: str = "separate"
+    intra_node_gbps: float = 450.0
+    inter_node_gbps: float = 50.0
+
+    def __post_init__(self) -> None:
+        from ..errors import ConfigError
+
+        try:
+            _positive(self.gpus_per_node)
+            Links(self.intra_node_gbps, self.inter_node_gbps)
+        except ValueError as exc:
+            raise ConfigError(f"topology.{exc}") from None
+        if self.placement not in ("separate", "colocated"):
+            raise ConfigError(f"topology.placement={self.placement!r} is not one of ['separate', 'colocated']")
+
+    @property
+    def links(self) -> Links:
+        return Links(self.intra_node_gbps, self.inter_node_gbps)
+
+    def place(self, num_src: int, num_dst: int) -> Placement:
+        if self.placement == "colocated":
+            if num_src != num_dst:
+                from ..errors import ConfigError
+
+                raise ConfigError(f"topology.placement=colocated needs as many training ranks as inference ranks "
+                                  f"(one of each per device), got {num_src} and {num_dst}")
+            return Placement.colocated(num_src, num_dst, self.gpus_per_node)
+        return Placement.separate(num_src, num_dst, self.gpus_per_node)
+
+
+# ------------------------------------------------------------------ the per-node minimum
+
+
+def _covered(boxes: Sequence[Box], minus: Sequence[Box] = ()) -> int:
+    """Elements covered by the union of ``boxes`` and not by the union of ``minus``
+    (coordinate compression: the cells between every box edge, per dimension)."""
+    if not boxes:
+        return 0
+    uniq = list(dict.fromkeys(boxes))
+    if len(uniq) == 1 and not minus:
+        return uniq[0].numel
+    everything = uniq + list(minus)
+    ndim = len(uniq[0].sizes)
+    cuts = [sorted({b.offsets[d] for b in everything} | {b.offsets[d] + b.sizes[d] for b in everything})
+            for d in range(ndim)]
+    total = 0
+
+    def inside(b: Box, cell: tuple[int, ...]) -> bool:
+        return all(b.offsets[d] <= cell[d] < b.offsets[d] + b.sizes[d] for d in range(ndim))
+
+    def walk(d: int, cell: list[int], vol: int) -> None:
+        nonlocal total
+        if d == ndim:
+            c = tuple(cell)
+            if any(inside(b, c) for b in uniq) and not any(inside(b, c) for b in minus):
+                total += vol
+            return
+        for lo, hi in zip(cuts[d], cuts[d][1:]):
+            cell.append(lo)
+            walk(d + 1, cell, vol * (hi - lo))
+            cell.pop()
+
+    walk(0, [], 1)
+    return total
+
+
+def _boxes_by_node(side: SideLayout, locs: Sequence[Location]) -> dict[int, dict[str, list[Box]]]:
+    out: dict[int, dict[str, list[Box]]] = {}
+    for p in side.params:
+        node = locs[p.rank].node
+        for q in p.pieces:
+            out.setdefault(node, {}).setdefault(q.canonical, []).append(q.box)
+    return out
+
+
+def inter_node_minimum(src: SideLayout, dst: SideLayout, placement: Placement, itemsize: int) -> int:
+    """Bytes that must cross into destination nodes: per node, the distinct elements its
+    inference ranks hold (padding excluded: it is never sent) that no training rank on the
+    same node holds."""
+    held = _boxes_by_node(dst, placement.dst)
+    local = _boxes_by_node(src, placement.src)
+    total = 0
+    for node, tensors in held.items():
+        have = local.get(node, {})
+        for name, boxes in tensors.items():
+            total += _covered(boxes, have.get(name, ()))
+    return total * itemsize
+
+
+def hf_ipc_bytes(dst: SideLayout, itemsize: int) -> int:
+    """NeMo RL's colocated path: every inference rank receives every full HF tensor over IPC."""
+    full = sum(_numel(shape) for shape, _ in dst.tensors.values())
+    return dst.world_size * full * itemsize
+
+
+def _numel(shape: Iterable[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+# ------------------------------------------------------------------------------ report
+
+
+@dataclass(frozen=True)
+class PlacementReport:
+    """A plan's bytes on the links of a placement (``mcore-reshard plan --json`` keys)."""
+
+    bytes_same_device: int
+    bytes_intra_node: int
+    bytes_inter_node: int
+    #: The busiest rank's bytes per class (the larger of what a rank sends and receives).
+    busiest_same_device: int
+    busiest_intra_node: int
+    busiest_inter_node: int
+    bytes_inter_node_min: int  # one copy per destination node (see inter_node_minimum)
+    modelled_seconds: float
+    #: NeMo RL's colocated path for the same layout: every inference rank gets every full tensor.
+    bytes_hf_ipc: int
+    links: Links
+    gpus_per_node: int
+    nodes_src: int
+    nodes_dst: int
+
+    def lines(self) -> list[str]:
+        """The plan table's placement lines."""
+        from .report import format_bytes as fb
+
+        ratio = self.bytes_inter_node / self.bytes_inter_node_min if self.bytes_inter_node_min else 0.0
+        return [
+            f"placement: {self.nodes_src} training + {self.nodes_dst} inference node(s) of {self.gpus_per_node} GPUs",
+            f"  bytes same device / intra-node / inter-node: {fb(self.bytes_same_device)} / "
+            f"{fb(self.bytes_intra_node)} / {fb(self.bytes_inter_node)}",
+            f"  inter-node floor (one copy per inference node): {fb(self.bytes_inter_node_min)}"
+            + (f" -- the plan moves {ratio:.2f}x it over the fabric (every inference rank pulls its own copy; "
+               f"fan-out relays inside a node are not planned yet)" if ratio > 1.0 + 1e-9 else ""),
+            f"  busiest rank same device / intra-node / inter-node: {fb(self.busiest_same_device)} / "
+            f"{fb(self.busiest_intra_node)} / {fb(self.busiest_inter_node)}",
+            f"  modelled refit: {self.modelled_seconds:.3f} s at {self.links.intra_node_gbps:g} GB/s intra-node, "
+            f"{self.links.inter_node_gbps:g} GB/s inter-node per GPU",
+            f"  NeMo RL colocated path (every inference rank gets the full model over IPC): {fb(self.bytes_hf_ipc)}",
+        ]
+
+    def to_json(self) -> dict:
+        return {
+            "bytes_same_device": self.bytes_same_device, "bytes_intra_node": self.bytes_intra_node,
+            "bytes_inter_node": self.bytes_inter_node, "bytes_inter_node_min": self.bytes_inter_node_min,
+            "busiest_rank_bytes": {"same_device": self.busiest_same_device, "intra_node": self.busiest_intra_node,
+                                   "inter_node": self.busiest_inter_node},
+            "modelled_seconds": self.modelled_seconds, "bytes_hf_ipc": self.bytes_hf_ipc,
+            "links_gbps": {"intra_node": self.links.intra_node_gbps, "inter_node": self.links.inter_node_gbps,
+                           "same_device": self.links.same_device_gbps},
+            "gpus_per_node": self.gpus_per_node, "nodes": {"training": self.nodes_src, "inference": self.nodes_dst},
+        }
+
+
+def placement_report(plan: TransferPlan, src: SideLayout, dst: SideLayout, placement: Placement,
+                     links: Links = Links()) -> PlacementReport:
+    """Bytes per link class, the busiest rank per class, and the modelled time: the slowest
+    rank, whose links of different classes run at once (max over classes of bytes / rate),
+    sending and receiving at once (full duplex: the larger direction counts)."""
+    if len(placement.src) != plan.num_src or len(placement.dst) != plan.num_dst:
+        raise ValueError(f"placement has {len(placement.src)} + {len(placement.dst)} ranks, the plan "
+                         f"{plan.num_src} + {plan.num_dst}")
+    totals = dict.fromkeys(LINK_CLASSES, 0)
+    sent = {c: [0] * plan.num_src for c in LINK_CLASSES}
+    recv = {c: [0] * plan.num_dst for c in LINK_CLASSES}
+    for t in plan.transfers:
+        c = placement.link(t.src, t.dst)
+        totals[c] += t.nbytes
+        sent[c][t.src] += t.nbytes
+        recv[c][t.dst] += t.nbytes
+    busiest = {c: max(max(sent[c], default=0), max(recv[c], default=0)) for c in LINK_CLASSES}
+    seconds = 0.0
+    for per_rank in (sent, recv):
+        n = len(per_rank["inter_node"])
+        for r in range(n):
+            seconds = max(seconds, max(per_rank[c][r] / (links.gbps(c) * 1e9) for c in LINK_CLASSES))
+    return PlacementReport(
+        bytes_same_device=totals["same_device"], bytes_intra_node=totals["intra_node"],
+        bytes_inter_node=totals["inter_node"], busiest_same_device=busiest["same_device"],
+        busiest_intra_node=busiest["intra_node"], busiest_inter_node=busiest["inter_node"],
+        bytes_inter_node_min=inter_node_minimum(src, dst, placement, plan.itemsize),
+        modelled_seconds=seconds, bytes_hf_ipc=hf_ipc_bytes(dst, plan.itemsize), links=links, gpus_per_node=placement.gpus_per_node,
+        nodes_src=len({loc.node for loc in placement.src}), nodes_dst=len(placement.dst_nodes),
+    )
