@@ -56,10 +56,13 @@ def _cmd_plan(args, overrides: Sequence[str]) -> int:
     forms = {"training": dtensor_report(src), "vllm": dtensor_report(dst)}
     placed = None
     if recipe.topology is not None:
-        from .plan.topology import placement_report
+        from .plan.topology import placement_report, plan_for_placement
 
-        placed = placement_report(plan, src, dst, recipe.topology.place(src.world_size, dst.world_size),
-                                  recipe.topology.links)
+        where = recipe.topology.place(src.world_size, dst.world_size)
+        plan = plan_for_placement(src, dst, where, recipe.topology.links, bucket_bytes=recipe.refit.bucket_bytes,
+                                  allow_cast=recipe.refit.allow_cast)
+        report = plan_report(plan)
+        placed = placement_report(plan, src, dst, where, recipe.topology.links)
     if args.json:
         out = report.to_json()
         if placed is not None:

@@ -251,5 +251,8 @@ def from_policy_config(cfg: Mapping[str, Any]) -> RecipeLayout:
         tp=vtp, pp=vpp, dp=vdp, replicas=gen_gpus // per_engine, enable_ep=ep > 1,
         num_redundant_experts=_typed(cfg, v + "num_redundant_experts", int, 0, minimum=0),
     )
-    return RecipeLayout(spec, training, vllm, refit)
+    from .plan.topology import TopologyConfig
+
+    # Non-colocated NeMo RL: training fills its nodes, generation the nodes after them.
+    return RecipeLayout(spec, training, vllm, refit, topology=TopologyConfig(gpus_per_node=gpn))
 

@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import random
+
+import pytest
 
 from mcore_reshard.adapters.megatron.rules import MegatronParallel, megatron_layout
 from mcore_reshard.adapters.vllm.rules import VllmParallel, vllm_layout
 from mcore_reshard.config import resolve_model
 from mcore_reshard.layout import Box, LayoutError, LocalParam, Piece, SideLayout, View
-from mcore_reshard.plan import build_plan
+from mcore_reshard.plan import build_plan, planner
+from mcore_reshard.plan.types import Transfer, transfers_from_columns
 from toy_layouts import NAMED_LAYOUTS, split_layout, tiny_spec
 
 TOY = {"a.weight": ((12, 8), "float32"), "b.weight": ((8,), "float32"), "c.weight": ((6, 4, 4), "float32")}
@@ -198,3 +202,51 @@ def test_plan_invariants_on_fixed_layouts():
         keys = [(t.bucket, t.src, t.dst, order[t.canonical], t.box.offsets) for t in plan.transfers]
         assert keys == sorted(keys), name
         assert plan.num_buckets == (plan.transfers[-1].bucket + 1 if plan.transfers else 0), name
+
+
+def test_plans_without_numpy_are_the_same(monkeypatch):
+    """numpy only speeds up placement keys and sorts: the pure-Python path plans the same,
+    on layouts with ties, splits, merges and replicas (and the int64 guard falls back alike)."""
+    picked = [c for c in fixed_cases() if c[0].startswith("toy") or c[0] in (
+        "moe -> vllm ep + redundant", "padded vocab both sides", "random 4", "qwen3-30b-a3b 2 layers default")]
+    assert len(picked) == 10
+    monkeypatch.setattr(planner, "_np", None)
+    for name, src, dst, bb in picked:
+        assert build_plan(src, dst, bucket_bytes=bb).digest() == REFERENCE_DIGESTS[name], name
+    monkeypatch.undo()
+    monkeypatch.setattr(planner, "_INT64_END", 1)  # every key "too large": Python ints
+    for name, src, dst, bb in picked:
+        assert build_plan(src, dst, bucket_bytes=bb).digest() == REFERENCE_DIGESTS[name], name
+
+
+def test_bulk_built_transfers_equal_constructed_ones():
+    """``transfers_from_columns`` makes the same frozen objects as ``Transfer(...)``."""
+    box, view = Box((1, 0), (2, 4)), View(4, (2, 4), (4, 1))
+    rows = [(0, 1, "w", box, "a", view, "b", view, 32, 0), (2, 3, "v", box, "c", view, "d", view, 32, 5)]
+    made = transfers_from_columns(len(rows), [list(col) for col in zip(*rows)])
+    assert made == [Transfer(*row) for row in rows]
+    assert [hash(t) for t in made] == [hash(Transfer(*row)) for row in rows]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made[0].src = 5
+
+
+def test_planning_leaves_the_collector_as_it_was():
+    """The collector is paused while planning and the plan handed to the oldest generation:
+    afterwards it runs as before, and objects someone froze stay frozen."""
+    name, src, dst, bb = next(iter(fixed_cases()))
+    assert gc.isenabled()
+    build_plan(src, dst, bucket_bytes=bb)
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    gc.disable()
+    try:
+        build_plan(src, dst, bucket_bytes=bb)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        build_plan(src, dst, bucket_bytes=bb)
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()

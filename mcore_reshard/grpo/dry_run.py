@@ -127,6 +127,8 @@ class DryRunReport:
     inter_node_gbps: float
     modelled_refit_seconds: float
     modelled_hf_broadcast_seconds: float
+    bytes_inter_node: int
+    bytes_inter_node_min: int  # one copy per inference node
     published: PublishedFigure | None
     samples_per_step: int
     max_num_steps: int
@@ -169,8 +171,12 @@ class DryRunReport:
             ("busiest rank, either side", format_bytes(self.busiest_rank_bytes)),
             ("refit buffer per rank", f"{format_bytes(self.buffer_bytes_per_rank)}  (at most; "
                                       f"{format_bytes(r.bucket_bytes)} buckets, {r.num_buckets} rounds)"),
-            ("modelled refit time", f"{_seconds(self.modelled_refit_seconds)}  (busiest rank / {self.link} "
-                                    f"{self.link_gbps:g} GB/s)" + ("" if self.transport == "reshard" else
+            ("bytes over the fabric", f"{format_bytes(self.bytes_inter_node)}  (floor: one copy per inference "
+                                      f"node, {format_bytes(self.bytes_inter_node_min)})"),
+            ("modelled refit time", f"{_seconds(self.modelled_refit_seconds)}  (" + (
+                f"busiest rank / {self.link} {self.link_gbps:g} GB/s" if self.link == "intra-node" else
+                f"slowest rank's links: {self.intra_node_gbps:g} GB/s intra-node, {self.inter_node_gbps:g} GB/s "
+                f"inter-node") + ")" + ("" if self.transport == "reshard" else
                                                                    "  (not used: transport hf_broadcast)")),
             ("modelled HF broadcast", f"{_seconds(self.modelled_hf_broadcast_seconds)}  (one root sends every copy "
                                       f"at {self.link_gbps:g} GB/s)"),
@@ -186,7 +192,7 @@ def _seconds(s: float) -> str:
     return f"{s:.3f} s" if s >= 0.1 else f"{s * 1e3:.3f} ms"
 
 
-def dry_run(recipe: GrpoRecipe, *, intra_node_gbps: float = 400.0, inter_node_gbps: float = 50.0) -> DryRunReport:
+def dry_run(recipe: GrpoRecipe, *, intra_node_gbps: float = 450.0, inter_node_gbps: float = 50.0) -> DryRunReport:
     """Placement, plan and modelled refit time of ``recipe`` (bandwidths in GB/s per rank).
 
     Trainers and engines on separate nodes refit over the inter-node link; on one shared
@@ -195,15 +201,24 @@ def dry_run(recipe: GrpoRecipe, *, intra_node_gbps: float = 400.0, inter_node_gb
     """
     from ..config import plan_layouts
 
+    from ..plan.topology import Links, TopologyConfig, placement_report, plan_for_placement
+
+    for g in (intra_node_gbps, inter_node_gbps):  # both checked, whichever the placement uses
+        modelled_refit_seconds(0, g)
     place = placement(recipe)
-    src, _, plan = plan_layouts(recipe.spec, recipe.training, recipe.vllm, recipe.refit)
+    src, dst, plan = plan_layouts(recipe.spec, recipe.training, recipe.vllm, recipe.refit)
+    # The plan the job runs on this placement (fan-out relays where they lower the modelled
+    # time), and its modelled time over both link classes.
+    where = TopologyConfig(gpus_per_node=recipe.cluster.gpus_per_node).place(src.world_size, dst.world_size)
+    links = Links(intra_node_gbps, inter_node_gbps)
+    plan = plan_for_placement(src, dst, where, links, bucket_bytes=recipe.refit.bucket_bytes,
+                              allow_cast=recipe.refit.allow_cast)
+    placed = placement_report(plan, src, dst, where, links)
     report = plan_report(plan)
     recv = plan.recv_bytes()
     busiest_dst = max(range(len(recv)), key=recv.__getitem__) if recv else 0
     busiest = max(report.max_send_bytes, report.max_recv_bytes)
     link, gbps = ("intra-node", intra_node_gbps) if place.shared_node else ("inter-node", inter_node_gbps)
-    for g in (intra_node_gbps, inter_node_gbps):  # both checked, whichever the placement uses
-        modelled_refit_seconds(0, g)
     v = recipe.vllm
     vllm_name = f"vllm(tp={v.tp},pp={v.pp},dp={v.dp},replicas={v.replicas}{',ep' if v.enable_ep else ''})"
     return DryRunReport(
@@ -212,7 +227,8 @@ def dry_run(recipe: GrpoRecipe, *, intra_node_gbps: float = 400.0, inter_node_gb
         busiest_dst_bytes=recv[busiest_dst] if recv else 0, busiest_rank_bytes=busiest,
         buffer_bytes_per_rank=recipe.refit.buffer_bytes, transport=recipe.refit.transport, link=link, link_gbps=float(gbps),
         intra_node_gbps=float(intra_node_gbps), inter_node_gbps=float(inter_node_gbps),
-        modelled_refit_seconds=modelled_refit_seconds(busiest, gbps),
+        modelled_refit_seconds=placed.modelled_seconds if not place.shared_node else modelled_refit_seconds(busiest, gbps),
+        bytes_inter_node=placed.bytes_inter_node, bytes_inter_node_min=placed.bytes_inter_node_min,
         modelled_hf_broadcast_seconds=modelled_refit_seconds(report.bytes_hf_broadcast, gbps),
         published=published_figure(recipe), samples_per_step=recipe.grpo.samples_per_step,
         max_num_steps=recipe.grpo.max_num_steps, local_problem=recipe.local_problem,

@@ -9,8 +9,10 @@ transport maps both into its own process group.
 from __future__ import annotations
 
 import hashlib
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable
+from itertools import repeat
+from typing import Iterable, Sequence
 
 from ..layout.descriptor import Box, View
 
@@ -38,6 +40,26 @@ class Transfer:
     bucket: int = 0
 
 
+#: Slot setters of ``Transfer`` in field order (what its generated ``__init__`` sets).
+_TRANSFER_SETTERS = tuple(getattr(Transfer, name).__set__ for name in Transfer.__slots__)
+
+
+def transfers_from_columns(n: int, columns: Sequence[Iterable]) -> list[Transfer]:
+    """Build ``n`` transfers at once from one iterable per field (in field order).
+
+    Same objects as calling ``Transfer(...)`` for each row, at under half the cost: the
+    frozen ``__init__`` pays a Python-level ``object.__setattr__`` per field, while this
+    sets each slot column by column in C loops -- a full-size plan has ~300k transfers.
+    Every column must hold at least ``n`` values (a short one leaves slots unset).
+    """
+    if len(columns) != len(_TRANSFER_SETTERS):
+        raise ValueError(f"need {len(_TRANSFER_SETTERS)} columns, got {len(columns)}")
+    out = list(map(object.__new__, repeat(Transfer, n)))
+    for setter, col in zip(_TRANSFER_SETTERS, columns):
+        deque(map(setter, out, col), maxlen=0)
+    return out
+
+
 @dataclass(frozen=True)
 class RankPlan:
     """One rank's slice of a plan: what it sends (as a source) or receives (as a destination),
@@ -50,6 +72,22 @@ class RankPlan:
     transfers: tuple[Transfer, ...]
     #: Element type on the wire (the destination's; a cast happens while packing).
     dtype: str = "float32"
+    #: Fan-out relays (``plan.topology``), destination side: this rank's relay group (ranks
+    #: on one node holding identical pieces) and, per transfer, the member that receives it
+    #: from the source and forwards it to the others (``via``; empty: this rank itself).
+    relay_group: tuple[int, ...] = ()
+    via: tuple[int, ...] = ()
+    #: Source side: every relay group (its members also get the expected checksums).
+    relay_groups: tuple[tuple[int, ...], ...] = ()
+
+    def channels(self) -> list[dict[tuple[int, int], list[Transfer]]]:
+        """Destination side, per bucket: (source rank, via) -> transfers in wire order; ``via``
+        is this rank unless a relay-group member forwards the message."""
+        out: list[dict[tuple[int, int], list[Transfer]]] = [dict() for _ in range(self.num_buckets)]
+        via = self.via or (self.rank,) * len(self.transfers)
+        for t, v in zip(self.transfers, via):
+            out[t.bucket].setdefault((t.src, v), []).append(t)
+        return out
 
     def buckets(self) -> list[dict[int, list[Transfer]]]:
         """Per bucket: peer -> transfers in wire order."""
@@ -65,7 +103,8 @@ class RankPlan:
 
     def digest(self) -> str:
         """Hash of this slice: a rank checks the slice it was given is the one it runs."""
-        return plan_digest(self.transfers, self.num_buckets, self.dtype)
+        relays = (self.relay_group, self.via, self.relay_groups) if (self.relay_group or self.relay_groups) else None
+        return plan_digest(self.transfers, self.num_buckets, self.dtype, relays=relays)
 
 
 @dataclass(frozen=True)
@@ -91,14 +130,20 @@ class TransferPlan:
     casts: tuple[tuple[str, str, str], ...] = ()
     notes: tuple[str, ...] = ()
     plan_seconds: float = 0.0
+    #: Fan-out relays: groups of destination ranks on one node that hold identical pieces.
+    #: Each transfer to a group goes to one member over the fabric (``transfers``' ``dst``),
+    #: which forwards it to the others over the node's links.
+    relay_groups: tuple[tuple[int, ...], ...] = ()
     _by_src: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
     _by_dst: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def bytes_planned(self) -> int:
-        return sum(t.nbytes for t in self.transfers)
+        """Bytes every destination rank receives (relayed ones included)."""
+        return sum(self.recv_bytes())
 
     def send_bytes(self) -> list[int]:
+        """Per source rank (relays are destination ranks: not counted here)."""
         out = [0] * self.num_src
         for t in self.transfers:
             out[t.src] += t.nbytes
@@ -108,6 +153,10 @@ class TransferPlan:
         out = [0] * self.num_dst
         for t in self.transfers:
             out[t.dst] += t.nbytes
+        for g in self.relay_groups:
+            total = sum(out[m] for m in g)
+            for m in g:
+                out[m] = total
         return out
 
     def for_rank(self, side: str, rank: int) -> RankPlan:
@@ -121,16 +170,34 @@ class TransferPlan:
             for i, t in enumerate(self.transfers):
                 tmp.setdefault(key(t), []).append(i)
             index.update({r: tuple(v) for r, v in tmp.items()})
-        return RankPlan(side, rank, self.num_buckets, tuple(self.transfers[i] for i in index.get(rank, ())), self.dtype)
+        if not self.relay_groups:
+            return RankPlan(side, rank, self.num_buckets, tuple(self.transfers[i] for i in index.get(rank, ())),
+                            self.dtype)
+        if side == "src":
+            return RankPlan(side, rank, self.num_buckets, tuple(self.transfers[i] for i in index.get(rank, ())),
+                            self.dtype, relay_groups=self.relay_groups)
+        group = next((g for g in self.relay_groups if rank in g), None)
+        if group is None:
+            return RankPlan(side, rank, self.num_buckets, tuple(self.transfers[i] for i in index.get(rank, ())),
+                            self.dtype)
+        from dataclasses import replace
+
+        mine = sorted(i for m in group for i in index.get(m, ()))  # plan order: bucket, source, ...
+        ts = tuple(self.transfers[i] if self.transfers[i].dst == rank else replace(self.transfers[i], dst=rank)
+                   for i in mine)
+        return RankPlan(side, rank, self.num_buckets, ts, self.dtype, relay_group=group,
+                        via=tuple(self.transfers[i].dst for i in mine))
 
     def digest(self) -> str:
         """Stable hash of everything that moves; checked on every rank before the first byte.
         Casts are hashed only when there are any, so plans without casts keep their digests."""
-        return plan_digest(self.transfers, self.num_buckets, self.dtype, self.casts)
+        return plan_digest(self.transfers, self.num_buckets, self.dtype, self.casts,
+                           relays=self.relay_groups if self.relay_groups else None)
 
 
 def plan_digest(
-    transfers: Iterable[Transfer], num_buckets: int, dtype: str, casts: Iterable[tuple[str, str, str]] = ()
+    transfers: Iterable[Transfer], num_buckets: int, dtype: str, casts: Iterable[tuple[str, str, str]] = (),
+    *, relays: object = None,
 ) -> str:
     h = hashlib.sha256(f"{num_buckets}|{dtype}".encode())
     for t in transfers:
@@ -140,4 +207,6 @@ def plan_digest(
         )
     for name, s_dtype, d_dtype in casts:  # nothing hashed without casts: older digests stay valid
         h.update(f"cast|{name}|{s_dtype}|{d_dtype}\n".encode())
+    if relays is not None:  # likewise: plans without relays keep their digests
+        h.update(f"relays|{relays}\n".encode())
     return h.hexdigest()[:16]

@@ -33,8 +33,12 @@ def slice_to_wire(s: RankPlan) -> dict[str, Any]:
 
     rows = [[t.src, t.dst, nid(t.canonical), list(t.box.offsets), list(t.box.sizes), nid(t.src_name),
              _view(t.src_view), nid(t.dst_name), _view(t.dst_view), t.nbytes, t.bucket] for t in s.transfers]
-    return {"side": s.side, "rank": s.rank, "num_buckets": s.num_buckets, "dtype": s.dtype,
-            "names": list(names), "transfers": rows, "digest": s.digest()}
+    out = {"side": s.side, "rank": s.rank, "num_buckets": s.num_buckets, "dtype": s.dtype,
+           "names": list(names), "transfers": rows, "digest": s.digest()}
+    if s.relay_group or s.relay_groups:
+        out["relays"] = {"group": list(s.relay_group), "via": list(s.via),
+                         "groups": [list(g) for g in s.relay_groups]}
+    return out
 
 
 def slice_from_wire(d: Mapping[str, Any]) -> RankPlan:
@@ -44,7 +48,11 @@ def slice_from_wire(d: Mapping[str, Any]) -> RankPlan:
         Transfer(int(r[0]), int(r[1]), names[r[2]], Box(tuple(r[3]), tuple(r[4])), names[r[5]], _unview(r[6]),
                  names[r[7]], _unview(r[8]), int(r[9]), int(r[10]))
         for r in d["transfers"])
-    s = RankPlan(str(d["side"]), int(d["rank"]), int(d["num_buckets"]), transfers, str(d["dtype"]))
+    relays = d.get("relays") or {}
+    s = RankPlan(str(d["side"]), int(d["rank"]), int(d["num_buckets"]), transfers, str(d["dtype"]),
+                 relay_group=tuple(int(m) for m in relays.get("group", ())),
+                 via=tuple(int(v) for v in relays.get("via", ())),
+                 relay_groups=tuple(tuple(int(m) for m in g) for g in relays.get("groups", ())))
     if s.digest() != d["digest"]:
         raise PlanError(f"{s.side} rank {s.rank}: the plan slice received does not hash to its digest "
                         f"({s.digest()} != {d['digest']})")

@@ -252,21 +252,27 @@ class _Run:
         self.dst_rank = dst.rank if dst is not None else None
         self.num_buckets = (src or dst).num_buckets if (src or dst) is not None else 0
         self.send_b = src.buckets() if src is not None else [{} for _ in range(self.num_buckets)]
-        self.recv_b = dst.buckets() if dst is not None else [{} for _ in range(self.num_buckets)]
+        # Receives by channel (source rank, via): ``via`` is this rank, or -- with fan-out
+        # relays (``plan.topology``) -- the member of this rank's relay group that receives the
+        # message from the source and forwards it to the others.
+        self.recv_b = dst.channels() if dst is not None else [{} for _ in range(self.num_buckets)]
+        self.relay_group = tuple(dst.relay_group) if dst is not None else ()
+        self.relay_groups = {m: g for g in (src.relay_groups if src is not None else ()) for m in g}
+        self.forwards: list[_Op] = []
         self.phase = {"pack": 0.0, "wire": 0.0, "unpack": 0.0, "verify": 0.0}
         self.bytes_sent = self.bytes_received = self.messages = 0
         self.verified = False
         self.expected: dict[int, list[torch.Tensor]] = {}  # dst peer -> per-bucket (n, 2) sums
-        self.actual: dict[int, list[torch.Tensor]] = {}  # src peer -> per-bucket (n, 2) sums
+        self.actual: dict[tuple[int, int], list[torch.Tensor]] = {}  # channel -> per-bucket (n, 2) sums
         self.local_msgs: dict[int, torch.Tensor] = {}  # bucket -> message to myself
         send_numel = max((sum(message_numel(ts) for ts in b.values()) for b in self.send_b), default=0)
         recv_numel = max(
-            (sum(message_numel(ts) for p, ts in b.items() if not self._is_me("src", p)) for b in self.recv_b),
+            (sum(message_numel(ts) for c, ts in b.items() if not self._local(c)) for b in self.recv_b),
             default=0,
         )
         # Two of each: bucket k+1 is packed and on the wire while bucket k is delivered.
         n_send_bufs = min(2, sum(1 for b in self.send_b if b))
-        n_recv_bufs = min(2, sum(1 for b in self.recv_b if any(not self._is_me("src", p) for p in b)))
+        n_recv_bufs = min(2, sum(1 for b in self.recv_b if any(not self._local(c) for c in b)))
         self.send_bufs = [group.buffer(f"send{i}", send_numel, dtype) for i in range(n_send_bufs)]
         self.recv_bufs = [group.buffer(f"recv{i}", recv_numel, dtype) for i in range(n_recv_bufs)]
         self.itemsize = torch.empty((), dtype=dtype).element_size()
@@ -274,6 +280,18 @@ class _Run:
 
     def _is_me(self, side: str, rank: int) -> bool:
         return self.rank_map.group_rank(side, rank) == self.me
+
+    def _local(self, channel: tuple[int, int]) -> bool:
+        """A message from this process to itself (a colocated source and destination)."""
+        src, via = channel
+        return via == self.dst_rank and self._is_me("src", src)
+
+    def _recv_from(self, k: int, channel: tuple[int, int]) -> tuple[int, int]:
+        """(group rank, tag) of the receive of ``channel`` in bucket ``k``."""
+        src, via = channel
+        if via == self.dst_rank:
+            return self.rank_map.group_rank("src", src), k
+        return self.rank_map.group_rank("dst", via), _relay_tag(self.num_buckets, k, src)
 
     def _timed(self, name: str, t0: float) -> None:
         self.phase[name] += time.perf_counter() - t0
@@ -284,16 +302,23 @@ class _Run:
         total = sum(message_numel(ts) for b in self.send_b + self.recv_b for ts in b.values())
         bar = _progress_bar(progress, total * self.itemsize)
         try:
-            peers = {self.rank_map.group_rank("dst", p) for b in self.send_b for p in b}
-            peers |= {self.rank_map.group_rank("src", p) for b in self.recv_b for p in b}
+            peers = {self.rank_map.group_rank("dst", m) for b in self.send_b for p in b
+                     for m in self.relay_groups.get(p, (p,))}
+            peers |= {self._recv_from(0, c)[0] for b in self.recv_b for c in b}
+            peers |= {self.rank_map.group_rank("src", s) for b in self.recv_b for s, _ in b}  # checksums
+            peers |= {self.rank_map.group_rank("dst", m) for m in self.relay_group if m != self.dst_rank}
             self.group.connect(peers, self.timeout_s)
             ops = self._post_bucket(0, self._pack(0)) if self.num_buckets else []
             for k in range(self.num_buckets):
                 last = k + 1 == self.num_buckets
                 nxt = {} if last else self._pack(k + 1)  # while bucket k is on the wire
                 self._wait(k, ops)
+                self._forward(k, ops)
                 nxt_ops = [] if last else self._post_bucket(k + 1, nxt)
                 self._deliver(k, [op for op in ops if op[0] == "src"])  # while bucket k+1 is on the wire
+                if self.forwards:
+                    self._wait(k, self.forwards)  # before its receive buffer is reused
+                    self.forwards = []
                 ops = nxt_ops
                 if bar is not None:
                     bar.update(sum(message_numel(ts) for b in (self.send_b[k], self.recv_b[k]) for ts in b.values())
@@ -344,36 +369,49 @@ class _Run:
     def _post_bucket(self, k: int, packed: dict[int, torch.Tensor]) -> list[_Op]:
         """Post every receive and send of bucket ``k``; messages to myself go to ``local_msgs``."""
         specs, pos = [], 0
-        for peer, ts in self.recv_b[k].items():
-            if self._is_me("src", peer):
+        for channel, ts in self.recv_b[k].items():
+            if self._local(channel):
                 continue
             n = message_numel(ts)
-            specs.append(("src", peer, self.recv_bufs[k % len(self.recv_bufs)][pos : pos + n]))
+            g, tag = self._recv_from(k, channel)
+            specs.append(("src", channel, self.recv_bufs[k % len(self.recv_bufs)][pos : pos + n], g, tag))
             pos += n
         for peer, msg in packed.items():
             if self._is_me("dst", peer):
                 self.local_msgs[k] = msg
             else:
-                specs.append(("dst", peer, msg))
+                specs.append(("dst", peer, msg, self.rank_map.group_rank("dst", peer), k))
         return self._post_all(k, specs)
 
-    def _post_all(self, tag: int, specs: list[tuple[str, int, torch.Tensor]]) -> list[_Op]:
-        """Post ops by peer group rank; within a pair the lower group rank sends first. Gloo
-        does not care (every op is asynchronous); NCCL runs both directions of a pair on one
-        stream, where recv-before-send on both ends would deadlock."""
+    def _forward(self, k: int, ops: list[_Op]) -> None:
+        """Fan-out relay: pass every message this rank received from a source in bucket ``k``
+        on to the other members of its relay group (the same bytes: no packing); waited for
+        after delivery, before the buffer is reused."""
+        others = [m for m in self.relay_group if m != self.dst_rank]
+        if not others:
+            return
+        specs = [("dst", m, t, self.rank_map.group_rank("dst", m), _relay_tag(self.num_buckets, k, channel[0]))
+                 for side, channel, t, _ in ops if side == "src" and channel[1] == self.dst_rank for m in others]
+        self.forwards = self._post_all(k, specs)
 
-        def key(spec: tuple[str, int, torch.Tensor]) -> tuple[int, bool]:
-            g = self.rank_map.group_rank(spec[0], spec[1])
+    def _post_all(self, k: int, specs: list[tuple[str, Any, torch.Tensor, int, int]]) -> list[_Op]:
+        """Post ops ``(side, peer, tensor, group rank, tag)`` by peer group rank; within a pair
+        the lower group rank sends first. Gloo does not care (every op is asynchronous); NCCL
+        runs both directions of a pair on one stream, where recv-before-send on both ends
+        would deadlock."""
+
+        def key(spec: tuple[str, Any, torch.Tensor, int, int]) -> tuple[int, bool, int]:
+            g = spec[3]
             sends_first = self.me < g
-            return g, (spec[0] == "dst") != sends_first
+            return g, (spec[0] == "dst") != sends_first, spec[4]
 
-        return [(side, peer, t, self._post(tag, side, peer, t, send=side == "dst"))
-                for side, peer, t in sorted(specs, key=key)]
+        return [(side, peer, t, self._post(k, side, peer, t, g, tag))
+                for side, peer, t, g, tag in sorted(specs, key=key)]
 
-    def _post(self, k: int, side: str, peer: int, t: torch.Tensor, *, send: bool) -> Any:
-        g = self.rank_map.group_rank(side, peer)
+    def _post(self, k: int, side: str, peer: Any, t: torch.Tensor, g: int, tag: int) -> Any:
+        send = side == "dst"
         try:
-            return self.group.send(t, g, k) if send else self.group.recv(t, g, k)
+            return self.group.send(t, g, tag) if send else self.group.recv(t, g, tag)
         except RuntimeError as e:
             raise self._error(k, side, peer, send, e) from e
 
@@ -397,19 +435,26 @@ class _Run:
             self.messages += 1
         self._timed("wire", t0)
 
-    def _error(self, k: int, side: str, peer: int, send: bool, e: Exception) -> RefitError:
+    def _error(self, k: int, side: str, peer: Any, send: bool, e: Exception) -> RefitError:
         what = "send to" if send else "receive from"
         bucket = f"bucket {k} of {self.num_buckets}" if k < self.num_buckets else "checksum message"
         me = self.rank_map.describe_group_rank(self.me)
         cls = error_class(e)
-        return cls(f"{me}: {what} {self.rank_map.describe(side, peer)} failed in {bucket} "
+        if isinstance(peer, tuple):  # a receive channel (source, via)
+            src, via = peer
+            who = self.rank_map.describe("src", src) + (
+                "" if via == self.dst_rank else f" relayed by {self.rank_map.describe('dst', via)}")
+        else:
+            who = self.rank_map.describe(side, peer)
+        return cls(f"{me}: {what} {who} failed in {bucket} "
                    f"(timeout {self.timeout_s}s): {str(e).splitlines()[0] if str(e) else type(e).__name__}")
 
     def _deliver(self, k: int, recvs: list[_Op]) -> None:
         """Hand every box of bucket ``k`` to the sink, then checksum what it holds."""
-        msgs = {peer: slot for _, peer, slot, _ in recvs}
-        if self.src_rank is not None and self.src_rank in self.recv_b[k]:
-            msgs[self.src_rank] = self.local_msgs.pop(k)
+        msgs = {channel: slot for _, channel, slot, _ in recvs}
+        me = (self.src_rank, self.dst_rank)
+        if self.src_rank is not None and me in self.recv_b[k]:
+            msgs[me] = self.local_msgs.pop(k)
         for peer, ts in self.recv_b[k].items():
             msg = msgs[peer]
             if not self.verify:
@@ -455,36 +500,47 @@ class _Run:
         return out
 
     def _exchange_checksums(self) -> None:
-        """Senders ship expected sums per peer; receivers compare and name every mismatch."""
+        """Senders ship expected sums per peer (and to the peer's relay group, whose members
+        got the same messages forwarded); receivers compare and name every mismatch."""
         t0 = time.perf_counter()
-        tag = self.num_buckets
+        B = self.num_buckets
         expected = {p: torch.cat(v).to(self.group.device) for p, v in self.expected.items()}
         specs = []
-        for peer in sorted(self.actual):
-            if not self._is_me("src", peer):
-                n = sum(len(ts) for b in self.recv_b for p, ts in b.items() if p == peer)
-                specs.append(("src", peer, torch.empty((n, 2), dtype=torch.int64, device=self.group.device)))
-        specs += [("dst", peer, t) for peer, t in sorted(expected.items()) if not self._is_me("dst", peer)]
-        ops = self._post_all(tag, specs)
+        for channel in sorted(self.actual):
+            if self._local(channel):
+                continue
+            src, via = channel
+            n = sum(len(ts) for b in self.recv_b for c, ts in b.items() if c == channel)
+            tag = B if via == self.dst_rank else _relay_tag(B, B, via)
+            specs.append(("src", channel, torch.empty((n, 2), dtype=torch.int64, device=self.group.device),
+                          self.rank_map.group_rank("src", src), tag))
+        for peer, t in sorted(expected.items()):
+            if not self._is_me("dst", peer):
+                specs.append(("dst", peer, t, self.rank_map.group_rank("dst", peer), B))
+            for m in self.relay_groups.get(peer, ()):
+                if m != peer:
+                    specs.append(("dst", m, t, self.rank_map.group_rank("dst", m), _relay_tag(B, B, peer)))
+        ops = self._post_all(B, specs)
         deadline = time.perf_counter() + self.timeout_s
-        got: dict[int, torch.Tensor] = {}
+        got: dict[tuple[int, int], torch.Tensor] = {}
         for side, peer, t, work in ops:
             try:
                 self.group.wait_work(work, max(deadline - time.perf_counter(), 1e-3))
             except RefitAborted:
                 raise
             except RuntimeError as e:
-                raise self._error(tag, side, peer, side == "dst", e) from e
+                raise self._error(B, side, peer, side == "dst", e) from e
             if side == "src":
                 got[peer] = t.cpu()
-        if self.src_rank is not None and self.src_rank in self.actual:
-            got[self.src_rank] = expected[self.dst_rank].cpu()
+        me = (self.src_rank, self.dst_rank)
+        if self.src_rank is not None and me in self.actual:
+            got[me] = expected[self.dst_rank].cpu()
         self._timed("verify", t0)
         bad = []
-        for peer in sorted(self.actual):
-            actual = torch.cat(self.actual[peer]).cpu()
-            ts = [t for b in self.recv_b for p, tl in b.items() if p == peer for t in tl]
-            diff = (actual != got[peer]).any(dim=1).nonzero().flatten().tolist()
+        for channel in sorted(self.actual):
+            actual = torch.cat(self.actual[channel]).cpu()
+            ts = [t for b in self.recv_b for c, tl in b.items() if c == channel for t in tl]
+            diff = (actual != got[channel]).any(dim=1).nonzero().flatten().tolist()
             bad += [ts[i] for i in diff]
         if bad:
             # One line (it travels in votes and error summaries), naming each parameter.
@@ -493,6 +549,13 @@ class _Run:
                      f"bucket {t.bucket}" for t in bad[:5]]
             more = f"; ... and {len(bad) - 5} more" if len(bad) > 5 else ""
             raise RefitError(f"checksum mismatch in {len(bad)} transfer(s): " + "; ".join(lines) + more)
+
+
+def _relay_tag(num_buckets: int, k: int, src: int) -> int:
+    """Tag of what a relay forwards: the message of source ``src`` in bucket ``k`` (and, with
+    ``k = num_buckets``, the checksums of relay ``src``'s channel): after the bucket tags and
+    the checksum tag, unique per (k, rank) (ranks < 4096, ``config.MAX_WORLD``)."""
+    return num_buckets + 1 + k * 4096 + src
 
 
 def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,110 @@
+"""Fan-out relays over real gloo groups: the training ranks on node 0 send each box into node 1
+once; there, each group of identical inference ranks spreads the boxes over its members, who
+forward them to each other. Every destination holds exactly its descriptors' bytes, checksums
+pass on every rank, and a write corrupted on one member is caught and named."""
+
+from __future__ import annotations
+
+import math
+import os
+import traceback
+from typing import Any
+
+import pytest
+import torch
+
+from mcore_reshard.plan.topology import Placement, placement_report, plan_for_placement, relay_groups
+from mcore_reshard.ports import free_port
+from mcore_reshard.transport.executor import execute_plan, zero_fill_padding
+from mcore_reshard.transport.group import RankMap, RefitError, RefitGroup
+from test_transport import FlippingSink, T, _spawn, canonical, expected_equal, locals_of
+from toy_layouts import split_layout
+
+NUM_SRC, PARTS, REPLICAS = 2, 2, 2
+
+
+def _layouts():
+    src = split_layout(T, parts=NUM_SRC, dim=0)
+    dst = split_layout(T, parts=PARTS, dim=1, replicas=REPLICAS, pad_rows=1)  # rank r*PARTS + p
+    place = Placement.separate(NUM_SRC, PARTS * REPLICAS, gpus_per_node=8)  # all inference ranks on node 1
+    plan = plan_for_placement(src, dst, place, bucket_bytes=96)
+    return src, dst, place, plan
+
+
+def test_relay_plan_sends_each_box_into_the_node_once():
+    src, dst, place, plan = _layouts()
+    assert relay_groups(dst, place) == ((0, 2), (1, 3)) == plan.relay_groups
+    rep = placement_report(plan, src, dst, place)
+    one_copy = sum(math.prod(s) * 4 for s, _ in T.values())
+    assert rep.bytes_inter_node == rep.bytes_inter_node_min == one_copy == sum(plan.send_bytes())
+    assert rep.bytes_intra_node == one_copy  # each member forwards its share to the other
+    assert plan.bytes_planned == plan.bytes_min == REPLICAS * one_copy
+    for g in plan.relay_groups:  # the members split the group's bytes over the fabric
+        direct = [sum(t.nbytes for t in plan.transfers if t.dst == m) for m in g]
+        assert min(direct) > 0
+    # every member's slice holds every box of its group, each once
+    for g in plan.relay_groups:
+        boxes = [sorted((t.canonical, t.box.offsets) for t in plan.for_rank("dst", m).transfers) for m in g]
+        assert boxes[0] == boxes[1] and len(set(boxes[0])) == len(boxes[0])
+
+
+def _relay_main(rank: int, world: int, port: int, q: Any) -> None:
+    out: dict[str, Any] = {}
+    try:
+        torch.set_num_threads(1)
+        src, dst, place, plan = _layouts()
+        rm = RankMap.disaggregated(NUM_SRC, PARTS * REPLICAS)
+        s_rank, d_rank = rm.roles(rank)
+        group = RefitGroup.create("127.0.0.1", port, rank, world, 20.0, rank == 0, rank_map=rm)
+        sp = plan.for_rank("src", s_rank) if s_rank is not None else None
+        dp = plan.for_rank("dst", d_rank) if d_rank is not None else None
+
+        def refit(seed, sink=None):
+            canon = canonical(T, seed)
+            s = locals_of(src, s_rank, canon) if s_rank is not None else {}
+            d = locals_of(dst, d_rank, None) if d_rank is not None else {}
+            try:
+                stats = execute_plan(sp, dp, s, d if sink is None else sink(d), group, rm, timeout_s=20.0,
+                                     plan_digest=plan.digest())
+                err = None
+            except RefitError as e:
+                stats, err = None, str(e)
+            bad = None
+            if d_rank is not None:
+                zero_fill_padding(d, dst.for_rank(d_rank))
+                bad = expected_equal(dst, d_rank, canon, d)
+            return {"stats": stats, "err": err, "bad": bad}
+
+        out["ok"] = refit(seed=3)
+        out["flip"] = refit(seed=4, sink=(lambda d: FlippingSink(d, "local.a")) if d_rank == 2 else None)
+        group.close()
+    except BaseException:  # noqa: BLE001 -- ship every failure to the parent
+        out["crash"] = traceback.format_exc()
+    q.put((rank, out))
+    q.close()
+    q.join_thread()
+    os._exit(0)
+
+
+@pytest.mark.slow
+def test_relayed_refit_writes_every_member_and_catches_a_bad_write():
+    world = NUM_SRC + PARTS * REPLICAS
+    res = _spawn(_relay_main, world, free_port())
+    one_copy = sum(math.prod(s) * 4 for s, _ in T.values())
+    ok = {r: res[r]["ok"] for r in range(world)}
+    for r in range(NUM_SRC, world):
+        assert ok[r]["err"] is None and ok[r]["bad"] == [], (r, ok[r])
+        assert ok[r]["stats"].verified
+    # the sources sent one copy in all; each member received half of the model (its TP half),
+    # part from the sources and part from its group peer
+    assert sum(ok[r]["stats"].bytes_sent for r in range(NUM_SRC)) == one_copy
+    assert sum(ok[r]["stats"].bytes_received for r in range(NUM_SRC, world)) == REPLICAS * one_copy
+    assert all(ok[r]["stats"].bytes_sent > 0 for r in range(NUM_SRC, world))  # every member forwards
+
+    # destination rank 2 (group rank 4) corrupts one write of what its peer forwarded or it got itself
+    err = res[4]["flip"]["err"]
+    assert err is not None and "checksum mismatch" in err and "local.a" in err, err
+    assert res[4]["flip"]["bad"] == ["local.a"]
+    for r in range(world):
+        if r != 4:
+            assert res[r]["flip"]["err"] is None, (r, res[r]["flip"])
