@@ -121,12 +121,16 @@ class RefitDriver:
 
     def __init__(self, trainers: Any, engines: Sequence[Any], refit: RefitConfig, spec: ModelSpec, *,
                  src: SideLayout | None = None, dst: SideLayout | None = None, host: str = "127.0.0.1",
-                 port: Any = None) -> None:
+                 port: Any = None, placement: Any = None, links: Any = None) -> None:
         self.trainers, self.engines, self.refit_config, self.spec = trainers, list(engines), refit, spec
         #: The refit group's master: training rank 0's address, and a function giving a port free
         #: there (default: free here, for trainers on this machine).
         self.host = host
         self._port = port or (lambda: free_port(host))
+        #: Where every rank sits (``plan.topology.Placement``): the plan then prefers fan-out
+        #: relays where they lower the modelled time at ``links``' bandwidths.
+        self.placement, self.links = placement, links
+        self.last_reports: list[RankReport] = []
         self.src, self.dst = src, dst
         self.plan: TransferPlan | None = None
         self.modes: dict[str, str] = {}
@@ -167,8 +171,15 @@ class RefitDriver:
         except Exception:  # noqa: BLE001 - a plain engine without the diagnostics extension
             not_direct = (("*", "unknown: the engine has no mcore_reshard diagnostics extension to ask"),)
         cfg = self.refit_config
-        self.plan = get_plan(self.src, self.dst, bucket_bytes=cfg.bucket_bytes, allow_cast=cfg.allow_cast,
-                             not_direct=not_direct)
+        if self.placement is not None:
+            from .plan.topology import Links, plan_for_placement
+
+            self.plan = plan_for_placement(self.src, self.dst, self.placement, self.links or Links(),
+                                           bucket_bytes=cfg.bucket_bytes, allow_cast=cfg.allow_cast,
+                                           not_direct=not_direct)
+        else:
+            self.plan = get_plan(self.src, self.dst, bucket_bytes=cfg.bucket_bytes, allow_cast=cfg.allow_cast,
+                                 not_direct=not_direct)
         return self.plan
 
     def connect(self) -> None:
@@ -273,6 +284,7 @@ class RefitDriver:
         for llm in self.engines:
             llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         reports = [r for r in replies[0][1] if r is not None]
+        self.last_reports = reports
         return self._metrics(reports, seconds, cached)
 
     def _metrics(self, reports: list[RankReport], seconds: float, cached: bool) -> RefitMetrics:

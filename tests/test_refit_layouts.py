@@ -17,6 +17,7 @@ from mcore_reshard.adapters.vllm.worker import REFIT_EXTENSION
 from mcore_reshard.checkpoint import make_tiny_checkpoint
 from mcore_reshard.errors import RefitFailed
 from mcore_reshard.layout import load_model_spec
+from mcore_reshard.plan.topology import Location, Placement, placement_report
 from mcore_reshard.policy import RefitConfig
 from mcore_reshard.protocol import VerifyMode
 from mcore_reshard.refit import local_cluster
@@ -85,6 +86,24 @@ def test_two_engines_take_one_refit_in_one_vote(moe):
     spec, ckpt, llm = moe
     second = _engine(ckpt)
     try:
+        # Fan-out relays: trainers on node 0, both engines on node 1. Each box crosses into node 1
+        # once (to one of the two identical workers, which forwards it to the other); bytes per
+        # class as planned; every worker of both engines verified.
+        place = Placement((Location(0, 0), Location(0, 1)), (Location(1, 0), Location(1, 1)), gpus_per_node=2)
+        with local_cluster(spec, ckpt, MegatronParallel(tp=2, ep=2, etp=1), VllmParallel(tp=1, replicas=2), CFG,
+                           train={"lr": 0.05}, engines=[llm, second], placement=place) as c:
+            plan = c.driver.plan
+            assert plan.relay_groups == ((0, 1),)
+            want = placement_report(plan, c.driver.src, c.driver.dst, place)
+            assert want.bytes_inter_node == want.bytes_inter_node_min == plan.bytes_min // 2
+            c.step(TOKENS)
+            m = c.refit_once()
+            assert m.verified and m.bytes_moved == m.bytes_min and any("full verification" in n for n in m.notes)
+            reports = c.driver.last_reports
+            assert sum(r.bytes_sent for r in reports if r.side == "src") == want.bytes_inter_node
+            assert sum(r.bytes_sent for r in reports if r.side == "dst") == want.bytes_intra_node
+            assert c.logprob_error(TOKENS) < BOUND
+
         with local_cluster(spec, ckpt, MegatronParallel(tp=2, ep=2, etp=1), VllmParallel(tp=1, replicas=2), CFG,
                            train={"lr": 0.05}, engines=[llm, second]) as c:
             plan = c.driver.plan

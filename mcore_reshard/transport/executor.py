@@ -312,8 +312,12 @@ class _Run:
             for k in range(self.num_buckets):
                 last = k + 1 == self.num_buckets
                 nxt = {} if last else self._pack(k + 1)  # while bucket k is on the wire
-                self._wait(k, ops)
+                # Relayed messages come from a peer that forwards only once its own direct
+                # ones arrived: wait for the direct ones and forward first.
+                relayed = [op for op in ops if op[0] == "src" and op[1][1] != self.dst_rank]
+                self._wait(k, [op for op in ops if not (op[0] == "src" and op[1][1] != self.dst_rank)])
                 self._forward(k, ops)
+                self._wait(k, relayed)
                 nxt_ops = [] if last else self._post_bucket(k + 1, nxt)
                 self._deliver(k, [op for op in ops if op[0] == "src"])  # while bucket k+1 is on the wire
                 if self.forwards:
