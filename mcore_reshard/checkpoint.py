@@ -1,7 +1,7 @@
 """HF checkpoints on disk: read one as canonical tensors, or write a tiny random one.
 
 ``load_canonical`` is how a refit job and the tests load weights by HF name. The tiny random
-checkpoints (Qwen3, Qwen3-MoE, Llama-3, Qwen2 with qkv bias), written by transformers, are the
+checkpoints (Qwen3, Qwen3-MoE, Llama-3, Qwen2 with qkv bias, DeepSeek-V3), written by transformers, are the
 built-in models of the demo job and the tests: no hub and no tokenizer, token ids in and out.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TINY_DENSE", "TINY_MOE", "TINY_FAMILIES", "tiny_config", "make_tiny_checkpoint", "load_canonical"]
+__all__ = ["TINY_DENSE", "TINY_MOE", "TINY_DEEPSEEK_V3", "TINY_FAMILIES", "tiny_config", "make_tiny_checkpoint", "load_canonical"]
 
 #: Small enough for seconds-long CPU tests, shaped so that every layout rule is exercised:
 #: GQA with P = 4 query heads per group, qk-norm, vocab not a multiple of 64 (vLLM pads it).
@@ -40,6 +40,42 @@ TINY_MOE: dict[str, Any] = dict(
     norm_topk_prob=True,
 )
 
+#: DeepSeek-V3 shaped: MLA with q_lora (set ``q_lora_rank=None`` for a plain q_proj), one dense
+#: first layer, then MoE layers with a shared expert and a sigmoid router with
+#: e_score_correction_bias. vLLM's CPU MLA kernel compiles only for kv_lora_rank 512 + rope 64;
+#: one expert group (megatron and HF score groups differently).
+TINY_DEEPSEEK_V3: dict[str, Any] = dict(
+    architectures=["DeepseekV3ForCausalLM"],
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=32,
+    kv_lora_rank=512,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=64,
+    v_head_dim=32,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+    moe_layer_freq=1,
+    n_group=1,
+    topk_group=1,
+    topk_method="noaux_tc",
+    scoring_func="sigmoid",
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    num_nextn_predict_layers=0,
+    vocab_size=1000,
+    max_position_embeddings=512,
+    rope_theta=10000.0,
+    rope_scaling=None,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
 
 #: The same tiny shape in every dense family the specs support (Llama-3: no qk-norm; Qwen2:
 #: qkv bias, no qk-norm). Keys the family's config class does not know are dropped.
@@ -49,6 +85,7 @@ TINY_FAMILIES: dict[str, dict[str, Any]] = {
     "llama": dict(TINY_DENSE, architectures=["LlamaForCausalLM"], attention_bias=False, mlp_bias=False),
     # Qwen2's config has no head_dim (it is hidden / heads): 128 / 4 keeps it at 32.
     "qwen2": dict(TINY_DENSE, architectures=["Qwen2ForCausalLM"], hidden_size=128, num_attention_heads=4),
+    "deepseek_v3": TINY_DEEPSEEK_V3,
 }
 
 _CONFIG_CLASSES = {
@@ -56,6 +93,7 @@ _CONFIG_CLASSES = {
     "Qwen3MoeForCausalLM": "Qwen3MoeConfig",
     "LlamaForCausalLM": "LlamaConfig",
     "Qwen2ForCausalLM": "Qwen2Config",
+    "DeepseekV3ForCausalLM": "DeepseekV3Config",
 }
 
 
@@ -70,9 +108,9 @@ def make_tiny_checkpoint(path: str | Path, overrides: dict[str, Any] | None = No
                          dtype: str = "float32", seed: int = 0, family: str | None = None) -> Path:
     """Write a random-weight HF checkpoint to ``path`` and return it.
 
-    ``family``: qwen3 (default; qwen3_moe when ``moe``), llama or qwen2. Norm weights are
-    randomised too (HF initialises them to ones, which would hide a norm mapped to the wrong
-    tensor), and so are biases.
+    ``family``: qwen3 (default; qwen3_moe when ``moe``), llama, qwen2 or deepseek_v3. Norm
+    weights are randomised too (HF initialises them to ones, which would hide a norm mapped to
+    the wrong tensor), and so are biases and DeepSeek's router bias (a buffer, zero in HF).
     """
     import torch
     import transformers
@@ -91,6 +129,9 @@ def make_tiny_checkpoint(path: str | Path, overrides: dict[str, Any] | None = No
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             else:
                 p.normal_(0.0, 0.05)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn_like(b))
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)

@@ -56,6 +56,8 @@ class RefitMetrics:
     #: layers back to model format, dst_apply_process: vLLM's processing, dst_apply_commit: copy
     #: into kernel tensors, dst_apply_finish; hf_broadcast: gather, root, receive_and_reload).
     phases: dict[str, float] = field(default_factory=dict)
+    #: The part of ``bytes_moved`` that went through shared memory (same-device pairs).
+    bytes_same_device: int = 0
 
 
 def engine_world(llm: Any) -> int:
@@ -308,6 +310,7 @@ class RefitDriver:
             plan_digest=self.plan.digest(),
             plan_cached=cached,
             phases=phases,
+            bytes_same_device=sum(r.bytes_same_device for r in dst),
         )
 
     def _gate_unsure_engines(self, reason: str) -> None:

@@ -33,6 +33,8 @@ VERIFY = tuple(m.value for m in VerifyMode)
 #: auto: vLLM's layerwise reload wherever the kernel repacks weights, in-place writes where it
 #: keeps model format; direct: also switch CPU dense linears to plain F.linear (model format).
 APPLY = ("auto", "direct")
+#: ``refit.placement``: trainers and engines on separate devices, or one of each per device.
+PLACEMENTS = ("separate", "colocated")
 
 #: Floor of ``refit.buffer_bytes`` (64 KiB; a bucket is half, 32 KiB). The planner cuts every
 #: tensor into pieces of at most one bucket and the transport sends one message per piece, so
@@ -76,6 +78,10 @@ class RefitConfig:
     #: (false: streaming mode, each worker writes its buckets into live weights as they arrive;
     #: a failed refit then leaves the engine marked not serving).
     atomic: bool = True
+    #: Where the local job puts both sides: ``separate`` (no placement: direct plans) or
+    #: ``colocated`` (training rank i and vLLM worker i share device i on one node: the plan
+    #: prefers same-device senders, whose bytes then move through shared memory).
+    placement: str = "separate"
 
     @property
     def bucket_bytes(self) -> int:
@@ -87,7 +93,7 @@ class RefitConfig:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ConfigError(f"refit.{name}={value!r} is not a boolean (true or false)")
-        for name, allowed in (("transport", TRANSPORTS), ("apply_mode", APPLY)):
+        for name, allowed in (("transport", TRANSPORTS), ("apply_mode", APPLY), ("placement", PLACEMENTS)):
             value = getattr(self, name)
             if not isinstance(value, str) or value not in allowed:
                 raise ConfigError(f"refit.{name}={value!r} is not one of {list(allowed)}")

@@ -192,6 +192,8 @@ class RankReport:
     peak_extra_bytes: int = 0
     verified: bool = False
     phases: dict[str, float] = field(default_factory=dict)
+    #: The part of the bytes sent or received that went through shared memory (same device).
+    bytes_same_device: int = 0
 
     def to_wire(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}

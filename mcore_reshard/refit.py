@@ -17,12 +17,12 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from .driver import RefitDriver, RefitMetrics
+from .driver import RefitDriver, RefitMetrics, engine_world
 from .errors import RefitFailed
 from .layout import ModelSpec, load_model_spec
 from .verify import full_verification, token_mult_prob_error
 
-__all__ = ["LocalCluster", "local_cluster", "RefitFailed", "RefitMetrics", "run_refit_job", "token_mult_prob_error"]
+__all__ = ["LocalCluster", "colocated_placement", "local_cluster", "RefitFailed", "RefitMetrics", "run_refit_job", "token_mult_prob_error"]
 
 
 @dataclass
@@ -77,14 +77,25 @@ class LocalCluster:
         return min(float(g) for g in got if g is not None)
 
 
+def colocated_placement(num_src: int, num_dst: int) -> Any:
+    """The local job's colocated mode: training rank i and vLLM worker i share device i, all on
+    one node. On CPU a device is a label: the processes stay separate, their same-device bytes
+    move through shared memory."""
+    from .plan.topology import Placement
+
+    return Placement.colocated(num_src, num_dst, gpus_per_node=max(num_src, num_dst, 1))
+
+
 @contextmanager
 def local_cluster(spec: ModelSpec, checkpoint: Path, training: Any, vllm: Any, refit: Any, *,
                   train: dict | None = None, engines: list | None = None,
-                  sync_before_refit: bool = True) -> Iterator[LocalCluster]:
+                  sync_before_refit: bool = True, placement: Any = None) -> Iterator[LocalCluster]:
     """Start ``vllm.replicas`` engines (weight-transfer backend ``mcore_reshard`` plus the
     diagnostics extension) and the trainer pool, open a driver on them, and close all of it.
     ``engines``: use these running engines instead (they are left running: several trainer
-    layouts can refit one engine in turn, each joining a new refit group)."""
+    layouts can refit one engine in turn, each joining a new refit group). ``placement``: where
+    each rank sits (``plan.topology.Placement``; default: ``refit.placement=colocated`` builds
+    :func:`colocated_placement`, else no placement, direct plans)."""
     from .adapters.vllm.engine import start_engine, stop_engine
     from .adapters.vllm.plugin import BACKEND
     from .adapters.vllm.worker import REFIT_EXTENSION
@@ -103,7 +114,9 @@ def local_cluster(spec: ModelSpec, checkpoint: Path, training: Any, vllm: Any, r
         c.pool = TrainerPool(TrainerSetup(spec, training, str(checkpoint), free_port(),
                                           timeout_s=max(refit.timeout_s, 120.0), train=dict(train or {}),
                                           sync_before_refit=sync_before_refit))
-        c.driver = RefitDriver(c.pool, c.engines, refit, spec)
+        if placement is None and getattr(refit, "placement", "separate") == "colocated":
+            placement = colocated_placement(training.world_size, sum(map(engine_world, c.engines)))
+        c.driver = RefitDriver(c.pool, c.engines, refit, spec, placement=placement)
         with c.driver:
             yield c
     finally:
@@ -134,7 +147,8 @@ def _checkpoint(job: Any, workdir: Path) -> Path:
 
     if job.checkpoint is not None:
         return Path(job.checkpoint)
-    family = {"tiny-moe": "qwen3_moe", "tiny-dense": "qwen3", "tiny-llama": "llama", "tiny-qwen2": "qwen2"}[job.model]
+    family = {"tiny-moe": "qwen3_moe", "tiny-dense": "qwen3", "tiny-llama": "llama", "tiny-qwen2": "qwen2",
+              "tiny-deepseek-v3": "deepseek_v3"}[job.model]
     return make_tiny_checkpoint(workdir / job.model, family=family, dtype=job.dtype, seed=job.seed)
 
 

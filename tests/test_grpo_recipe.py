@@ -60,7 +60,8 @@ def loop_stub(monkeypatch):
 # --------------------------------------------------------------------------- dry runs
 
 
-@pytest.mark.parametrize("path, train, gen, engines, train_nodes, gen_nodes", QWEN, ids=["4n8g", "8n8g"])
+# 4n8g only: the 8n8g recipe's dry run is checked by its table test (each costs a full-size plan).
+@pytest.mark.parametrize("path, train, gen, engines, train_nodes, gen_nodes", QWEN[:1], ids=["4n8g"])
 def test_qwen_dry_run_json_agrees_with_the_plan(path, train, gen, engines, train_nodes, gen_nodes, capsys):
     plan = _json(capsys, ["plan", "--json", "--recipe", str(path)])
     rep = _json(capsys, ["grpo", str(path), "--dry-run", "--json"])

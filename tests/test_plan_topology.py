@@ -13,6 +13,7 @@ from mcore_reshard.cli import main
 from mcore_reshard.errors import ConfigError
 from mcore_reshard.layout import Box
 from mcore_reshard.plan import get_plan
+from mcore_reshard.plan.planner import build_plan
 from mcore_reshard.plan.topology import (
     LINK_CLASSES,
     Links,
@@ -23,6 +24,7 @@ from mcore_reshard.plan.topology import (
     hf_ipc_bytes,
     inter_node_minimum,
     placement_report,
+    plan_for_placement,
 )
 
 from toy_layouts import tiny_spec
@@ -96,3 +98,73 @@ def test_plan_cli_reports_bytes_per_class(capsys):
     assert out["nodes"] == {"training": 1, "inference": 2}
     assert main(["plan", "topology.placement=ring"]) == 2
     assert "topology.placement='ring'" in capsys.readouterr().err
+
+
+def _same_device_max(src, dst, place, itemsize: int) -> int:
+    """Bytes a destination rank can take from a trainer on its own device: its pieces'
+    overlap with that trainer's boxes (each rank's boxes of a tensor are disjoint)."""
+    held: dict[tuple[int, str], list[Box]] = {}
+    for p in src.params:
+        for q in p.pieces:
+            held.setdefault((p.rank, q.canonical), []).append(q.box)
+    total = 0
+    for p in dst.params:
+        mates = [s for s in range(len(place.src)) if place.link(s, p.rank) == "same_device"]
+        for q in p.pieces:
+            for s in mates:
+                total += sum(i.numel for b in held.get((s, q.canonical), ()) if (i := q.box.intersect(b)) is not None)
+    return total * itemsize
+
+
+def test_senders_prefer_the_same_device_then_the_same_node():
+    """Three trainers hold the whole model; the one on a worker's device sends it everything,
+    a worker with no trainer on its device takes it from its node's trainers only (by load)."""
+    from toy_layouts import split_layout
+
+    T = {"a": ((12, 8), "float32"), "b": ((8,), "float32"), "c": ((6, 4, 4), "float32")}
+    src = split_layout(T, parts=1, dim=0, replicas=3)
+    dst = split_layout(T, parts=2, dim=0, replicas=2)  # ranks 0, 1: engine 0; 2, 3: engine 1
+    L = Location
+    place = Placement((L(0, 0), L(1, 0), L(1, 1)), (L(1, 1), L(1, 2), L(0, 3), L(2, 0)), gpus_per_node=4)
+    plan = get_plan(src, dst, bucket_bytes=1 << 10, placement=place)
+    senders = {d: {t.src for t in plan.transfers if t.dst == d} for d in range(4)}
+    assert senders == {0: {2}, 1: {1, 2}, 2: {0}, 3: {0, 1, 2}}
+    load = plan.send_bytes()
+    assert load[0] > 0 and load[1] > 0  # load still spreads among equals
+    assert placement_report(plan, src, dst, place).bytes_same_device == plan.recv_bytes()[0]
+    # deterministic, and part of the cache key (no placement: the plan of old, bit for bit)
+    again = build_plan(src, dst, bucket_bytes=1 << 10, link_cost=lambda s, d: LINK_CLASSES.index(place.link(s, d)))
+    assert again.digest() == plan.digest()
+    assert get_plan(src, dst, bucket_bytes=1 << 10).digest() == build_plan(src, dst, bucket_bytes=1 << 10).digest()
+    assert get_plan(src, dst, bucket_bytes=1 << 10).digest() != plan.digest()
+
+
+def test_colocated_replicas_move_everything_on_their_own_device():
+    """megatron TP1 x DP4 -> 4 vLLM TP1 engines, colocated: every byte stays on its device."""
+    spec = tiny_spec(moe=True)
+    src = megatron_layout(spec, MegatronParallel(dp=4))
+    dst = vllm_layout(spec, VllmParallel(tp=1, replicas=4))
+    place = Placement.colocated(4, 4, gpus_per_node=8)
+    plan = plan_for_placement(src, dst, place, bucket_bytes=1 << 16)
+    rep = placement_report(plan, src, dst, place)
+    assert rep.bytes_same_device == plan.bytes_planned == plan.bytes_min
+    assert rep.bytes_intra_node == rep.bytes_inter_node == 0 and not plan.relay_groups
+    assert plan.same_device == ((0, 0), (1, 1), (2, 2), (3, 3))
+    blind = placement_report(get_plan(src, dst, bucket_bytes=1 << 16), src, dst, place)
+    assert blind.bytes_same_device < rep.bytes_same_device
+
+
+def test_colocated_moe_plan_takes_every_same_device_byte():
+    """NeMo RL's colocated shape, scaled down (EP4 x DP8 -> 4 engines of TP2 on 2 nodes of 4):
+    the same-device bytes are the most there can be, planned bytes stay the minimum."""
+    spec = tiny_spec(moe=True)
+    src = megatron_layout(spec, MegatronParallel(tp=1, ep=4, dp=8))
+    dst = vllm_layout(spec, VllmParallel(tp=2, replicas=4))
+    place = TopologyConfig(gpus_per_node=4, placement="colocated").place(8, 8)
+    plan = plan_for_placement(src, dst, place, bucket_bytes=1 << 16)
+    rep = placement_report(plan, src, dst, place)
+    assert plan.bytes_planned == plan.bytes_min
+    assert rep.bytes_same_device == _same_device_max(src, dst, place, plan.itemsize)
+    assert rep.bytes_inter_node == rep.bytes_inter_node_min == 0
+    blind = placement_report(get_plan(src, dst, bucket_bytes=1 << 16), src, dst, place)
+    assert blind.bytes_same_device < rep.bytes_same_device

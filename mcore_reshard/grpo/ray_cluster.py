@@ -31,10 +31,20 @@ __all__ = ["RayJob", "RayTrainerGroup", "EngineHandle", "start_engines", "node_o
 
 
 def _prepare_env(embedded: bool) -> None:
-    """Ray reads its auth mode when it is imported: decide before the first ``import ray``."""
+    """An embedded cluster runs with token auth on a per-job token in the environment (Ray
+    would otherwise write ``~/.ray/auth_token``). Ray caches its auth mode and token when it is
+    imported (vLLM imports it too): if it is already loaded, refresh both the way Ray's own
+    ``ray.init`` does when it turns token auth on (``Config.initialize``)."""
+    import sys
+
     if embedded and not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")):
-        os.environ.setdefault("RAY_AUTH_MODE", "token")
+        os.environ["RAY_AUTH_MODE"] = "token"
         os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+        if "ray" in sys.modules:
+            from ray._raylet import AuthenticationTokenLoader, Config
+
+            Config.initialize("")
+            AuthenticationTokenLoader.instance().reset_cache()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 

@@ -14,14 +14,38 @@ from typing import Any, Mapping
 
 from .descriptor import DTYPE_BYTES, LayoutError
 
-__all__ = ["ModelSpec", "CanonicalTensor", "load_model_spec", "spec_from_hf_config"]
+__all__ = ["ModelSpec", "MLA", "CanonicalTensor", "load_model_spec", "spec_from_hf_config"]
 
 _SUPPORTED = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
+#: ``model_type`` -> arch, for configs without ``architectures`` (Kimi-K2 names its type
+#: ``kimi_k2`` but is a DeepseekV3ForCausalLM with other sizes).
+_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
+                "deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3"}
+
+
+@dataclass(frozen=True, slots=True)
+class MLA:
+    """Multi-head latent attention sizes (DeepSeek-V2/V3), in the HF config's names.
+
+    ``q_lora_rank`` None: queries come from one ``q_proj`` instead of ``q_a_proj`` ->
+    ``q_a_layernorm`` -> ``q_b_proj`` (Moonlight, DeepSeek-V2-Lite).
+    """
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +59,7 @@ class CanonicalTensor:
 class ModelSpec:
     """Architecture facts both layouts are derived from (no weights)."""
 
-    arch: str  # llama | qwen2 | qwen3 | qwen3_moe
+    arch: str  # llama | qwen2 | qwen3 | qwen3_moe | deepseek_v3
     hidden: int
     num_layers: int
     num_heads: int
@@ -51,6 +75,16 @@ class ModelSpec:
     moe_topk: int = 0
     #: Global indices of the layers whose MLP is a routed MoE (empty for dense models).
     moe_layers: tuple[int, ...] = ()
+    #: MLA attention (DeepSeek-V3 family); None: GQA ``q/k/v_proj``.
+    mla: MLA | None = None
+    #: Shared-expert MLP width of every MoE layer (``moe_intermediate_size * n_shared_experts``).
+    shared_intermediate: int = 0
+    #: MoE routers carry ``e_score_correction_bias`` (``topk_method == "noaux_tc"``). It is
+    #: described in the model dtype: a refit carries one element type (see the planner).
+    router_bias: bool = False
+    #: Multi-token-prediction layers after the decoder (``num_nextn_predict_layers``): in the
+    #: HF checkpoint as ``model.layers.{L+i}``, not described (no side below holds them).
+    mtp_layers: int = 0
     dtype: str = "bfloat16"
     rope_theta: float = 1_000_000.0
     rms_eps: float = 1e-6
@@ -67,6 +101,8 @@ class ModelSpec:
             )
         if self.moe_layers and (self.num_experts <= 0 or self.moe_intermediate <= 0):
             raise LayoutError("MoE layers need num_experts > 0 and moe_intermediate_size > 0")
+        if self.mla is not None and self.qkv_bias:
+            raise LayoutError("MLA with attention_bias is not supported (no DeepSeek-V3 checkpoint has it)")
 
     @property
     def itemsize(self) -> int:
@@ -82,16 +118,37 @@ class ModelSpec:
     def with_dtype(self, dtype: str) -> "ModelSpec":
         return replace(self, dtype=dtype)
 
+    def _mla_tensors(self, p: str) -> list[CanonicalTensor]:
+        m, H, nH, dt = self.mla, self.hidden, self.num_heads, self.dtype
+        assert m is not None
+        a = p + "self_attn."
+        if m.q_lora_rank is None:
+            out = [CanonicalTensor(a + "q_proj.weight", (nH * m.qk_head_dim, H), dt)]
+        else:
+            out = [CanonicalTensor(a + "q_a_proj.weight", (m.q_lora_rank, H), dt),
+                   CanonicalTensor(a + "q_a_layernorm.weight", (m.q_lora_rank,), dt),
+                   CanonicalTensor(a + "q_b_proj.weight", (nH * m.qk_head_dim, m.q_lora_rank), dt)]
+        return out + [
+            CanonicalTensor(a + "kv_a_proj_with_mqa.weight", (m.kv_lora_rank + m.qk_rope_head_dim, H), dt),
+            CanonicalTensor(a + "kv_a_layernorm.weight", (m.kv_lora_rank,), dt),
+            CanonicalTensor(a + "kv_b_proj.weight", (nH * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank), dt),
+            CanonicalTensor(a + "o_proj.weight", (H, nH * m.v_head_dim), dt),
+        ]
+
     def layer_tensors(self, layer: int) -> list[CanonicalTensor]:
         """HF tensors of decoder layer ``layer``, in HF order."""
         H, D, dt = self.hidden, self.head_dim, self.dtype
         p = f"model.layers.{layer}."
         out = [CanonicalTensor(p + "input_layernorm.weight", (H,), dt)]
-        for proj, rows in (("q", self.num_heads * D), ("k", self.num_kv_heads * D), ("v", self.num_kv_heads * D)):
+        if self.mla is not None:
+            out.extend(self._mla_tensors(p))
+        for proj, rows in (() if self.mla else
+                           (("q", self.num_heads * D), ("k", self.num_kv_heads * D), ("v", self.num_kv_heads * D))):
             out.append(CanonicalTensor(f"{p}self_attn.{proj}_proj.weight", (rows, H), dt))
             if self.qkv_bias:
                 out.append(CanonicalTensor(f"{p}self_attn.{proj}_proj.bias", (rows,), dt))
-        out.append(CanonicalTensor(p + "self_attn.o_proj.weight", (H, self.num_heads * D), dt))
+        if self.mla is None:
+            out.append(CanonicalTensor(p + "self_attn.o_proj.weight", (H, self.num_heads * D), dt))
         if self.qk_norm:
             out.append(CanonicalTensor(p + "self_attn.q_norm.weight", (D,), dt))
             out.append(CanonicalTensor(p + "self_attn.k_norm.weight", (D,), dt))
@@ -99,11 +156,18 @@ class ModelSpec:
         if self.is_moe(layer):
             F = self.moe_intermediate
             out.append(CanonicalTensor(p + "mlp.gate.weight", (self.num_experts, H), dt))
+            if self.router_bias:
+                out.append(CanonicalTensor(p + "mlp.gate.e_score_correction_bias", (self.num_experts,), dt))
             for e in range(self.num_experts):
                 q = f"{p}mlp.experts.{e}."
                 out.append(CanonicalTensor(q + "gate_proj.weight", (F, H), dt))
                 out.append(CanonicalTensor(q + "up_proj.weight", (F, H), dt))
                 out.append(CanonicalTensor(q + "down_proj.weight", (H, F), dt))
+            if self.shared_intermediate:
+                S, q = self.shared_intermediate, p + "mlp.shared_experts."
+                out.append(CanonicalTensor(q + "gate_proj.weight", (S, H), dt))
+                out.append(CanonicalTensor(q + "up_proj.weight", (S, H), dt))
+                out.append(CanonicalTensor(q + "down_proj.weight", (H, S), dt))
         else:
             F = self.intermediate
             out.append(CanonicalTensor(p + "mlp.gate_proj.weight", (F, H), dt))
@@ -137,9 +201,7 @@ def spec_from_hf_config(cfg: Mapping[str, Any], *, dtype: str | None = None, nam
     archs = cfg.get("architectures") or []
     arch = next((_SUPPORTED[a] for a in archs if a in _SUPPORTED), None)
     if arch is None:
-        arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe"}.get(
-            cfg.get("model_type", "")
-        )
+        arch = _MODEL_TYPES.get(cfg.get("model_type", ""))
     if arch is None:
         raise LayoutError(
             f"unsupported architecture {archs or cfg.get('model_type')!r}; supported: {sorted(_SUPPORTED)}"
@@ -158,6 +220,26 @@ def spec_from_hf_config(cfg: Mapping[str, Any], *, dtype: str | None = None, nam
         step = int(cfg.get("decoder_sparse_step", 1) or 1)
         only = set(cfg.get("mlp_only_layers") or [])
         moe_layers = tuple(i for i in range(L) if i not in only and E > 0 and (i + 1) % step == 0)
+    mla, shared, router_bias, mtp = None, 0, False, 0
+    if arch == "deepseek_v3":
+        mla = MLA(
+            q_lora_rank=int(cfg["q_lora_rank"]) if cfg.get("q_lora_rank") else None,
+            kv_lora_rank=int(cfg["kv_lora_rank"]),
+            qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
+            qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
+            v_head_dim=int(cfg["v_head_dim"]),
+        )
+        nKV, D = nH, mla.qk_head_dim  # MLA has no KV heads; D only names the per-head q width
+        E = int(cfg.get("n_routed_experts") or 0)
+        F_moe = int(cfg.get("moe_intermediate_size") or 0)
+        topk = int(cfg.get("num_experts_per_tok") or 0)
+        # vLLM's DeepseekV2DecoderLayer rule (transformers 5 ignores moe_layer_freq; every
+        # published config has 1, where the two agree).
+        first, freq = int(cfg.get("first_k_dense_replace") or 0), int(cfg.get("moe_layer_freq") or 1)
+        moe_layers = tuple(i for i in range(L) if E > 0 and i >= first and i % freq == 0)
+        shared = F_moe * int(cfg.get("n_shared_experts") or 0)
+        router_bias = cfg.get("topk_method") == "noaux_tc"
+        mtp = int(cfg.get("num_nextn_predict_layers") or 0)
     torch_dtype = dtype or str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").replace("torch.", "")
     return ModelSpec(
         arch=arch,
@@ -175,6 +257,10 @@ def spec_from_hf_config(cfg: Mapping[str, Any], *, dtype: str | None = None, nam
         moe_intermediate=F_moe,
         moe_topk=topk,
         moe_layers=moe_layers,
+        mla=mla,
+        shared_intermediate=shared,
+        router_bias=router_bias,
+        mtp_layers=mtp,
         dtype=torch_dtype,
         rope_theta=float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
         rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),

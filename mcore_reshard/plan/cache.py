@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 from ..layout.descriptor import SideLayout
 from .planner import build_plan
 from .types import TransferPlan
+
+if TYPE_CHECKING:
+    from .topology import Placement
 
 __all__ = ["layout_digest", "get_plan", "clear_plan_cache"]
 
@@ -32,17 +36,30 @@ def layout_digest(side: SideLayout) -> str:
 
 
 def get_plan(src: SideLayout, dst: SideLayout, *, bucket_bytes: int, allow_cast: bool = False,
-             not_direct: tuple[tuple[str, str], ...] = ()) -> TransferPlan:
+             not_direct: tuple[tuple[str, str], ...] = (), placement: "Placement | None" = None) -> TransferPlan:
+    """The plan for both layouts (cached). ``placement``: senders are chosen by link class
+    first (same device, same node, other node), then by load; part of the cache key."""
     key = (layout_digest(src), layout_digest(dst), bucket_bytes, allow_cast, not_direct)
+    if placement is not None:  # plans without one keep their keys
+        key += (placement,)
     plan = _CACHE.get(key)
     if plan is None:
-        plan = build_plan(src, dst, bucket_bytes=bucket_bytes, allow_cast=allow_cast, not_direct=not_direct)
+        plan = build_plan(src, dst, bucket_bytes=bucket_bytes, allow_cast=allow_cast, not_direct=not_direct,
+                          link_cost=None if placement is None else _link_cost(placement))
         _CACHE[key] = plan
         while len(_CACHE) > _MAX:
             _CACHE.popitem(last=False)
     else:
         _CACHE.move_to_end(key)
     return plan
+
+
+def _link_cost(placement: "Placement"):
+    """Link class as a rank, cheapest first (``topology.LINK_CLASSES``)."""
+    from .topology import LINK_CLASSES
+
+    rank = {c: i for i, c in enumerate(LINK_CLASSES)}
+    return lambda s, d: rank[placement.link(s, d)]
 
 
 def clear_plan_cache() -> None:

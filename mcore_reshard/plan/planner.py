@@ -13,7 +13,9 @@ planner (local plan -> global plan -> finish):
 3. ``check_dest``      every destination piece lies inside its tensor and no two pieces of one
                        local tensor overlap (so every destination element is written once).
 4. ``fragment``        destination box x source box intersections, one sender per fragment
-                       chosen among the replicas by bytes already assigned (largest first).
+                       chosen among the replicas by bytes already assigned (largest first);
+                       with a ``link_cost`` the cheapest link to the destination first (a
+                       holder on the same device, then the same node, then any).
 5. ``merge``           adjacent fragments between the same pair of local tensors become one.
 6. ``bucket``          fragments split to the byte budget and packed into rounds so no rank
                        sends or receives more than ``bucket_bytes`` in one round.
@@ -43,7 +45,7 @@ import math
 import operator
 import time
 from collections import defaultdict
-from typing import Iterable, Iterator, NamedTuple, Sequence
+from typing import Callable, Iterable, Iterator, NamedTuple, Sequence
 
 from ..layout.descriptor import DTYPE_BYTES, Box, LocalParam, Piece, SideLayout, View, contiguous_strides
 from .types import PlanError, Transfer, TransferPlan, transfers_from_columns
@@ -307,11 +309,16 @@ def build_plan(
     bucket_bytes: int = 1 << 28,
     allow_cast: bool = False,
     not_direct: Iterable[tuple[str, str]] = (),
+    link_cost: Callable[[int, int], int] | None = None,
 ) -> TransferPlan:
-    """Plan a refit from ``src`` (training) to ``dst`` (inference). See module docstring."""
+    """Plan a refit from ``src`` (training) to ``dst`` (inference). See module docstring.
+
+    ``link_cost(src rank, dst rank)``: a small integer per link class (e.g. 0 same device,
+    1 same node, 2 other node); among a fragment's replicas the cheapest link wins, then the
+    least loaded. None: load only (plans bit-identical to those made before it existed)."""
     t0 = time.perf_counter()
     with _gc_paused():
-        plan = _build_plan(src, dst, bucket_bytes, allow_cast, not_direct)
+        plan = _build_plan(src, dst, bucket_bytes, allow_cast, not_direct, link_cost)
     object.__setattr__(plan, "plan_seconds", time.perf_counter() - t0)
     return plan
 
@@ -339,7 +346,8 @@ def _gc_paused() -> Iterator[None]:
 
 
 def _build_plan(
-    src: SideLayout, dst: SideLayout, bucket_bytes: int, allow_cast: bool, not_direct: Iterable[tuple[str, str]]
+    src: SideLayout, dst: SideLayout, bucket_bytes: int, allow_cast: bool, not_direct: Iterable[tuple[str, str]],
+    link_cost: Callable[[int, int], int] | None = None,
 ) -> TransferPlan:
     if bucket_bytes <= 0:
         raise PlanError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -359,7 +367,10 @@ def _build_plan(
                   for name, (shape, _) in dst.tensors.items()})
 
     hits, cut = _fragment(dst, index, order, kinds)
-    blocks, maybe = _choose_senders(hits, cut, src.world_size, itemsize)
+    costs = None
+    if link_cost is not None:  # by destination rank: a row of per-source costs
+        costs = [[link_cost(s, d) for s in range(src.world_size)] for d in range(num_dst)]
+    blocks, maybe = _choose_senders(hits, cut, src.world_size, itemsize, costs)
     del hits, cut, index  # their memory is reused for the transfers
     merged, first_numel = _merge(maybe)
     first_numel = {len(blocks.sites) + i: n for i, n in first_numel.items()}
@@ -618,9 +629,12 @@ def _hits(piece: Piece, sources: _SourceBoxes, order: int) -> list[_Hit]:
     return hits
 
 
-def _choose_senders(hits: list[_Hit], cut: set[int], num_src: int, itemsize: int) -> tuple[_Blocks, list[_Move]]:
+def _choose_senders(hits: list[_Hit], cut: set[int], num_src: int, itemsize: int,
+                    costs: list[list[int]] | None = None) -> tuple[_Blocks, list[_Move]]:
     """One sender per fragment: the replica with the fewest bytes so far, largest fragments
-    first (LPT), ties broken by rank -- deterministic on every rank.
+    first (LPT), ties broken by rank -- deterministic on every rank. With ``costs`` (per
+    destination rank, per source rank) the replicas on the cheapest link to the fragment's
+    destination compete first: bytes that never leave a device or a node stay there.
 
     Fragments go in (size desc, tensor, dst rank, dst name, dst offset) order. Only groups of
     one (size, tensor) that contain a choice are ordered fragment by fragment; elsewhere the
@@ -628,6 +642,9 @@ def _choose_senders(hits: list[_Hit], cut: set[int], num_src: int, itemsize: int
     merge, as blocks, and the moves that might (cut fragments).
     """
     load = [0] * num_src
+    #: (id of a replica-rank list, destination rank) -> indices of the replicas on the cheapest
+    #: link (the lists are shared by every hit of a source box and live while planning)
+    cheapest: dict[tuple[int, int], list[int]] = {}
     groups: dict[tuple[int, int], list[_Hit]] = defaultdict(list)
     for hit in hits:
         groups[(-hit.box.numel, hit.order)].append(hit)
@@ -648,8 +665,21 @@ def _choose_senders(hits: list[_Hit], cut: set[int], num_src: int, itemsize: int
                 continue
             if not h.senders:
                 h.senders.extend([0] * len(h.sites))
-            loads = list(map(load.__getitem__, ranks))
-            best = loads.index(min(loads))  # ranks ascend: the least-loaded, then lowest rank
+            if costs is None:
+                loads = list(map(load.__getitem__, ranks))
+                best = loads.index(min(loads))  # ranks ascend: the least-loaded, then lowest rank
+            else:  # the replicas on the cheapest link to this destination, then as above
+                d = h.sites[i].rank
+                cand = cheapest.get((id(ranks), d))
+                if cand is None:
+                    row = costs[d]
+                    low = min(row[r] for r in ranks)
+                    cand = cheapest[(id(ranks), d)] = [j for j, r in enumerate(ranks) if row[r] == low]
+                if len(cand) == 1:
+                    best = cand[0]
+                else:
+                    loads = [load[ranks[j]] for j in cand]
+                    best = cand[loads.index(min(loads))]
             h.senders[i] = best
             load[ranks[best]] += nbytes
     return _emit(hits, cut)

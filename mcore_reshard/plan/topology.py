@@ -21,7 +21,8 @@ from ..layout import Box, SideLayout
 from .types import TransferPlan
 
 __all__ = ["Location", "Links", "Placement", "PlacementReport", "TopologyConfig", "LINK_CLASSES",
-           "placement_report", "inter_node_minimum", "hf_ipc_bytes", "relay_groups", "plan_for_placement"]
+           "placement_report", "inter_node_minimum", "hf_ipc_bytes", "relay_groups", "same_device_pairs",
+           "plan_for_placement"]
 
 #: Link classes, cheapest first.
 LINK_CLASSES = ("same_device", "intra_node", "inter_node")
@@ -350,6 +351,15 @@ def _spread(plan: TransferPlan, groups: tuple[tuple[int, ...], ...]) -> Transfer
     return replace(plan, transfers=tuple(out), relay_groups=groups, _by_src={}, _by_dst={})
 
 
+def same_device_pairs(placement: Placement) -> tuple[tuple[int, int], ...]:
+    """(source rank, destination rank) pairs that share a device: their bytes move through
+    shared memory (``transport/shm.py``), never through the network."""
+    at: dict[Location, list[int]] = {}
+    for d, loc in enumerate(placement.dst):
+        at.setdefault(loc, []).append(d)
+    return tuple((s, d) for s, loc in enumerate(placement.src) for d in at.get(loc, ()))
+
+
 def plan_for_placement(src: SideLayout, dst: SideLayout, placement: Placement, links: Links = Links(), *,
                        bucket_bytes: int, allow_cast: bool = False,
                        not_direct: tuple[tuple[str, str], ...] = ()) -> TransferPlan:
@@ -359,22 +369,25 @@ def plan_for_placement(src: SideLayout, dst: SideLayout, placement: Placement, l
     -- so each box crosses into the node once, spread over the group's links."""
     from .cache import get_plan
 
-    direct = get_plan(src, dst, bucket_bytes=bucket_bytes, allow_cast=allow_cast, not_direct=not_direct)
+    direct = get_plan(src, dst, bucket_bytes=bucket_bytes, allow_cast=allow_cast, not_direct=not_direct,
+                      placement=placement)
+    pairs = same_device_pairs(placement)
     groups = relay_groups(dst, placement)
     if not groups:
-        return direct
+        return replace(direct, same_device=pairs, _by_src={}, _by_dst={}) if pairs else direct
     others = {m for g in groups for m in g[1:]}
     reduced = SideLayout(dst.name, dst.world_size, tuple(p for p in dst.params if p.rank not in others), dst.tensors)
-    relayed = get_plan(src, reduced, bucket_bytes=bucket_bytes, allow_cast=allow_cast, not_direct=not_direct)
+    relayed = get_plan(src, reduced, bucket_bytes=bucket_bytes, allow_cast=allow_cast, not_direct=not_direct,
+                       placement=placement)
     relayed = replace(_spread(relayed, groups), bytes_min=direct.bytes_min,
                       bytes_hf_broadcast=direct.bytes_hf_broadcast, padding=direct.padding)
     t_direct = placement_report(direct, src, dst, placement, links).modelled_seconds
     t_relay = placement_report(relayed, src, dst, placement, links).modelled_seconds
     if t_relay >= t_direct:
-        return replace(direct, notes=direct.notes + (
+        return replace(direct, same_device=pairs, _by_src={}, _by_dst={}, notes=direct.notes + (
             f"fan-out relays not used: modelled {t_relay:.4f} s with relays vs {t_direct:.4f} s direct",))
     n = sum(len(g) for g in groups)
-    return replace(relayed, notes=relayed.notes + (
+    return replace(relayed, same_device=pairs, notes=relayed.notes + (
         f"fan-out relays: {len(groups)} group(s) of identical inference ranks ({n} ranks) on shared nodes take "
         f"each box over the fabric once and forward it inside the node; modelled {t_relay:.4f} s vs "
         f"{t_direct:.4f} s direct",))

@@ -79,6 +79,9 @@ class RankPlan:
     via: tuple[int, ...] = ()
     #: Source side: every relay group (its members also get the expected checksums).
     relay_groups: tuple[tuple[int, ...], ...] = ()
+    #: Peers of the other side on this rank's device (from the plan's placement): messages
+    #: between them move through shared memory, never through the group's sockets.
+    same_device: tuple[int, ...] = ()
 
     def channels(self) -> list[dict[tuple[int, int], list[Transfer]]]:
         """Destination side, per bucket: (source rank, via) -> transfers in wire order; ``via``
@@ -104,7 +107,8 @@ class RankPlan:
     def digest(self) -> str:
         """Hash of this slice: a rank checks the slice it was given is the one it runs."""
         relays = (self.relay_group, self.via, self.relay_groups) if (self.relay_group or self.relay_groups) else None
-        return plan_digest(self.transfers, self.num_buckets, self.dtype, relays=relays)
+        return plan_digest(self.transfers, self.num_buckets, self.dtype, relays=relays,
+                           same_device=self.same_device or None)
 
 
 @dataclass(frozen=True)
@@ -134,6 +138,9 @@ class TransferPlan:
     #: Each transfer to a group goes to one member over the fabric (``transfers``' ``dst``),
     #: which forwards it to the others over the node's links.
     relay_groups: tuple[tuple[int, ...], ...] = ()
+    #: (source rank, destination rank) pairs on one device (``plan.topology``): the executor
+    #: moves their messages through shared memory.
+    same_device: tuple[tuple[int, int], ...] = ()
     _by_src: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
     _by_dst: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
 
@@ -161,6 +168,16 @@ class TransferPlan:
 
     def for_rank(self, side: str, rank: int) -> RankPlan:
         """This rank's slice (indexed once per plan, so every rank pays O(its transfers))."""
+        s = self._for_rank(side, rank)
+        if not self.same_device:
+            return s
+        from dataclasses import replace
+
+        peers = (d for r, d in self.same_device if r == rank) if side == "src" else \
+            (r for r, d in self.same_device if d == rank)
+        return replace(s, same_device=tuple(sorted(set(peers))))
+
+    def _for_rank(self, side: str, rank: int) -> RankPlan:
         index = self._by_src if side == "src" else self._by_dst
         if side not in ("src", "dst"):
             raise ValueError(f"side must be 'src' or 'dst', got {side!r}")
@@ -192,12 +209,13 @@ class TransferPlan:
         """Stable hash of everything that moves; checked on every rank before the first byte.
         Casts are hashed only when there are any, so plans without casts keep their digests."""
         return plan_digest(self.transfers, self.num_buckets, self.dtype, self.casts,
-                           relays=self.relay_groups if self.relay_groups else None)
+                           relays=self.relay_groups if self.relay_groups else None,
+                           same_device=self.same_device or None)
 
 
 def plan_digest(
     transfers: Iterable[Transfer], num_buckets: int, dtype: str, casts: Iterable[tuple[str, str, str]] = (),
-    *, relays: object = None,
+    *, relays: object = None, same_device: object = None,
 ) -> str:
     h = hashlib.sha256(f"{num_buckets}|{dtype}".encode())
     for t in transfers:
@@ -209,4 +227,6 @@ def plan_digest(
         h.update(f"cast|{name}|{s_dtype}|{d_dtype}\n".encode())
     if relays is not None:  # likewise: plans without relays keep their digests
         h.update(f"relays|{relays}\n".encode())
+    if same_device is not None:  # likewise
+        h.update(f"same_device|{same_device}\n".encode())
     return h.hexdigest()[:16]

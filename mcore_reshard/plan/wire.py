@@ -38,6 +38,8 @@ def slice_to_wire(s: RankPlan) -> dict[str, Any]:
     if s.relay_group or s.relay_groups:
         out["relays"] = {"group": list(s.relay_group), "via": list(s.via),
                          "groups": [list(g) for g in s.relay_groups]}
+    if s.same_device:
+        out["same_device"] = list(s.same_device)
     return out
 
 
@@ -52,7 +54,8 @@ def slice_from_wire(d: Mapping[str, Any]) -> RankPlan:
     s = RankPlan(str(d["side"]), int(d["rank"]), int(d["num_buckets"]), transfers, str(d["dtype"]),
                  relay_group=tuple(int(m) for m in relays.get("group", ())),
                  via=tuple(int(v) for v in relays.get("via", ())),
-                 relay_groups=tuple(tuple(int(m) for m in g) for g in relays.get("groups", ())))
+                 relay_groups=tuple(tuple(int(m) for m in g) for g in relays.get("groups", ())),
+                 same_device=tuple(int(r) for r in d.get("same_device", ())))
     if s.digest() != d["digest"]:
         raise PlanError(f"{s.side} rank {s.rank}: the plan slice received does not hash to its digest "
                         f"({s.digest()} != {d['digest']})")

@@ -14,6 +14,14 @@ Tags: data of bucket k uses tag k, the closing checksum message uses tag ``num_b
 exchanges at most one message per bucket, so tags are unique per (bucket, pair) within a refit.
 Messages a group rank sends to itself (colocated refits) are copied locally, never sent.
 
+Same-device peers (``RankPlan.same_device``: a colocated trainer and vLLM worker in separate
+processes) exchange no bytes over the group on CPU: the sender's buffers are then a
+``/dev/shm`` segment (``shm.py``) that it packs into as usual, the receiver maps it and
+unpacks in place; per message only a 4-int64 ready flag (bucket, offset, elements, nonce)
+goes over the group, and a 1-int64 consumed flag comes back before the sender repacks that
+buffer (waited just before, so no rank waits on a flag of the bucket it is in). On CUDA they
+still take the group (CUDA IPC is not implemented here).
+
 Verification (``verify=True`` on every rank): the sender computes exact bit checksums
 (``checksum.py``) of each transfer's source view and, after the last bucket, sends them to the
 peer as one ``(n, 2)`` int64 tensor; the receiver computes the same over what the sink holds
@@ -41,6 +49,7 @@ from .checksum import checksums
 from ..errors import RefitAborted
 from .group import RankMap, RefitError, RefitGroup, error_class
 from .packing import message_numel, pack, unpack
+from .shm import ShmSegment, new_nonce, segment_path
 
 __all__ = [
     "Fault",
@@ -92,8 +101,9 @@ class Fault:
 
 @dataclass(frozen=True)
 class TransferStats:
-    """What one rank did in one refit. Bytes and messages count the wire only (not copies a
-    colocated rank makes to itself); phases overlap, so they need not add up to ``seconds``."""
+    """What one rank did in one refit. Bytes and messages count what moved between processes
+    (not copies a colocated rank makes to itself); ``bytes_same_device`` is the part of them
+    that went through shared memory. Phases overlap, so they need not add up to ``seconds``."""
 
     bytes_sent: int
     bytes_received: int
@@ -106,6 +116,7 @@ class TransferStats:
     verify_s: float
     peak_extra_bytes: int
     verified: bool
+    bytes_same_device: int = 0
 
     def summary(self) -> str:
         gb = (self.bytes_sent + self.bytes_received) / 1e9
@@ -163,17 +174,23 @@ def execute_plan(
         group.check_agreement([plan_digest, mode.value], what="(plan digest, verify)", timeout_s=timeout_s)
     sink = _as_sink(dst_tensors_or_sink) if plan_slice_dst is not None else None
     dtype = wire_dtype or _wire_dtype(plan_slice_src, plan_slice_dst, src_tensors, dst_tensors_or_sink, sink)
-    run = _Run(plan_slice_src, plan_slice_dst, src_tensors, sink, group, rank_map, dtype, timeout_s, verify)
-    run.fault = fault
+    run = None
     try:
+        run = _Run(plan_slice_src, plan_slice_dst, src_tensors, sink, group, rank_map, dtype, timeout_s, verify)
+        run.fault = fault
         run.execute(progress)
     except RefitAborted:
+        if run is not None:
+            run.close(failed=True)
         raise
     except BaseException as exc:
         # Every other rank of the refit stops at this signal instead of its own timeout.
         group.post_abort(f"{rank_map.describe_group_rank(group.rank)}: {type(exc).__name__}: "
                          f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}")
+        if run is not None:
+            run.close(failed=True)
         raise
+    run.close(failed=False)
     p = run.phase
     return TransferStats(
         bytes_sent=run.bytes_sent,
@@ -187,6 +204,7 @@ def execute_plan(
         verify_s=p["verify"],
         peak_extra_bytes=run.extra_bytes,
         verified=run.verified,
+        bytes_same_device=run.bytes_same_device,
     )
 
 
@@ -235,8 +253,11 @@ def _wire_dtype(src: RankPlan | None, dst: RankPlan | None, src_tensors: Mapping
     return dtypes.pop()
 
 
-# A posted op: (peer side "src" = receive from it | "dst" = send to it, peer rank, tensor, work).
+# A posted op: (peer side "src" = receive from it | "dst" = send to it, peer rank, tensor, work);
+# same-device messages: "shm_src" (tensor: the ready flag received) | "shm_dst" (the message).
 _Op = tuple[str, int, torch.Tensor, Any]
+#: Tags of the consumed flags: above the connect tag, one per bucket.
+_ACK_TAG = (1 << 30) + 2
 
 
 class _Run:
@@ -265,18 +286,54 @@ class _Run:
         self.expected: dict[int, list[torch.Tensor]] = {}  # dst peer -> per-bucket (n, 2) sums
         self.actual: dict[tuple[int, int], list[torch.Tensor]] = {}  # channel -> per-bucket (n, 2) sums
         self.local_msgs: dict[int, torch.Tensor] = {}  # bucket -> message to myself
+        # Same-device peers in other processes (CPU only): shared memory instead of the group.
+        cpu = group.device.type == "cpu"
+        self.shm_dst = {d for d in (src.same_device if src is not None and cpu else ()) if not self._is_me("dst", d)}
+        self.shm_src = {s for s in (dst.same_device if dst is not None and cpu else ()) if not self._is_me("src", s)}
+        self.bytes_same_device = 0
+        self.segment: ShmSegment | None = None  # mine (sender): the send buffers
+        self.attached: dict[int, ShmSegment] = {}  # source rank -> its segment (receiver)
+        self.nonce = 0
+        self.acks: dict[int, list[_Op]] = {}  # send buffer -> consumed flags to wait for
+        self.ack_sends: list[_Op] = []
+        self.flags: list[torch.Tensor] = []  # ready flags in flight (kept alive until waited)
+        self.shm_msgs: dict[tuple[int, tuple[int, int]], torch.Tensor] = {}  # (bucket, channel) -> message
         send_numel = max((sum(message_numel(ts) for ts in b.values()) for b in self.send_b), default=0)
         recv_numel = max(
-            (sum(message_numel(ts) for c, ts in b.items() if not self._local(c)) for b in self.recv_b),
+            (sum(message_numel(ts) for c, ts in b.items() if not self._local(c) and not self._shm(c))
+             for b in self.recv_b),
             default=0,
         )
         # Two of each: bucket k+1 is packed and on the wire while bucket k is delivered.
         n_send_bufs = min(2, sum(1 for b in self.send_b if b))
-        n_recv_bufs = min(2, sum(1 for b in self.recv_b if any(not self._local(c) for c in b)))
-        self.send_bufs = [group.buffer(f"send{i}", send_numel, dtype) for i in range(n_send_bufs)]
-        self.recv_bufs = [group.buffer(f"recv{i}", recv_numel, dtype) for i in range(n_recv_bufs)]
+        n_recv_bufs = min(2, sum(1 for b in self.recv_b if any(not self._local(c) and not self._shm(c) for c in b)))
         self.itemsize = torch.empty((), dtype=dtype).element_size()
+        if any(p in self.shm_dst for b in self.send_b for p in b):
+            # The send buffers live in one shared segment: the same bytes as private ones.
+            self.nonce = new_nonce()
+            path = segment_path(getattr(group, "_key", b""), self.me, self.nonce)
+            self.segment = ShmSegment.create(path, n_send_bufs * send_numel * self.itemsize)
+            flat = self.segment.elements(dtype)
+            self.send_bufs = [flat[i * send_numel : (i + 1) * send_numel] for i in range(n_send_bufs)]
+        else:
+            self.send_bufs = [group.buffer(f"send{i}", send_numel, dtype) for i in range(n_send_bufs)]
+        self.recv_bufs = [group.buffer(f"recv{i}", recv_numel, dtype) for i in range(n_recv_bufs)]
         self.extra_bytes = (n_send_bufs * send_numel + n_recv_bufs * recv_numel) * self.itemsize
+
+    def _shm(self, channel: tuple[int, int]) -> bool:
+        """A message from a same-device source in another process (through shared memory)."""
+        src, via = channel
+        return via == self.dst_rank and src in self.shm_src
+
+    def close(self, failed: bool) -> None:
+        """Remove this rank's segment (and, after a failure, any it mapped: its sender may be
+        gone); drop the mappings."""
+        if self.segment is not None:
+            self.segment.unlink()
+        if failed:
+            for seg in self.attached.values():
+                seg.unlink()
+        self.segment, self.attached, self.shm_msgs, self.send_bufs = None, {}, {}, []
 
     def _is_me(self, side: str, rank: int) -> bool:
         return self.rank_map.group_rank(side, rank) == self.me
@@ -319,14 +376,19 @@ class _Run:
                 self._forward(k, ops)
                 self._wait(k, relayed)
                 nxt_ops = [] if last else self._post_bucket(k + 1, nxt)
-                self._deliver(k, [op for op in ops if op[0] == "src"])  # while bucket k+1 is on the wire
+                self._deliver(k, [op for op in ops if op[0] in ("src", "shm_src")])  # while k+1 is on the wire
                 if self.forwards:
                     self._wait(k, self.forwards)  # before its receive buffer is reused
                     self.forwards = []
+                self._consumed(k)
                 ops = nxt_ops
                 if bar is not None:
                     bar.update(sum(message_numel(ts) for b in (self.send_b[k], self.recv_b[k]) for ts in b.values())
                                * self.itemsize)
+            for buf in list(self.acks):  # every receiver is done with my segment
+                self._wait(self.num_buckets, self.acks.pop(buf))
+            self._wait(self.num_buckets, self.ack_sends)
+            self.ack_sends, self.flags = [], []
             if self.verify:
                 self._exchange_checksums()
                 self.verified = True
@@ -339,7 +401,10 @@ class _Run:
         peers = self.send_b[k]
         if not peers:
             return {}
-        buf = self.send_bufs[k % len(self.send_bufs)]
+        i = k % len(self.send_bufs)
+        if i in self.acks:  # same-device receivers still reading this buffer's last bucket
+            self._wait(k, self.acks.pop(i))
+        buf = self.send_bufs[i]
         out, pos = {}, 0
         for peer, ts in peers.items():
             if not self.verify:
@@ -373,8 +438,14 @@ class _Run:
     def _post_bucket(self, k: int, packed: dict[int, torch.Tensor]) -> list[_Op]:
         """Post every receive and send of bucket ``k``; messages to myself go to ``local_msgs``."""
         specs, pos = [], 0
+        shm_ops: list[_Op] = []
         for channel, ts in self.recv_b[k].items():
             if self._local(channel):
+                continue
+            if self._shm(channel):  # only the ready flag comes over the group
+                flag = torch.empty(4, dtype=torch.int64)
+                g, tag = self._recv_from(k, channel)
+                shm_ops.append(("shm_src", channel, flag, self._post(k, "src", channel, flag, g, tag)))
                 continue
             n = message_numel(ts)
             g, tag = self._recv_from(k, channel)
@@ -383,9 +454,33 @@ class _Run:
         for peer, msg in packed.items():
             if self._is_me("dst", peer):
                 self.local_msgs[k] = msg
+            elif peer in self.shm_dst:
+                shm_ops.append(self._post_ready(k, peer, msg))
             else:
                 specs.append(("dst", peer, msg, self.rank_map.group_rank("dst", peer), k))
-        return self._post_all(k, specs)
+        return self._post_all(k, specs) + shm_ops
+
+    def _post_ready(self, k: int, peer: int, msg: torch.Tensor) -> _Op:
+        """Tell same-device ``peer`` where its bucket-``k`` message lies in my segment, and
+        post the receive of its consumed flag (waited before the buffer is packed again)."""
+        g = self.rank_map.group_rank("dst", peer)
+        base = self.segment.data.data_ptr()
+        offset = (msg.data_ptr() - base) // self.itemsize
+        flag = torch.tensor([k, offset, msg.numel(), self.nonce], dtype=torch.int64)
+        self.flags.append(flag)
+        ack = torch.empty(1, dtype=torch.int64)
+        i = k % len(self.send_bufs)
+        self.acks.setdefault(i, []).append(("ack", peer, ack, self._post(k, "dst", peer, ack, g, _ACK_TAG + k, recv=True)))
+        return ("shm_dst", peer, msg, self._post(k, "dst", peer, flag, g, k))
+
+    def _consumed(self, k: int) -> None:
+        """Bucket ``k`` is delivered (and forwarded): free each same-device sender's buffer."""
+        for src, via in self.recv_b[k]:
+            if self._shm((src, via)):
+                flag = torch.tensor([k], dtype=torch.int64)
+                g = self.rank_map.group_rank("src", src)
+                self.ack_sends.append(("ack", (src, via), flag, self._post(k, "src", (src, via), flag, g, _ACK_TAG + k,
+                                                                           send=True)))
 
     def _forward(self, k: int, ops: list[_Op]) -> None:
         """Fan-out relay: pass every message this rank received from a source in bucket ``k``
@@ -394,8 +489,10 @@ class _Run:
         others = [m for m in self.relay_group if m != self.dst_rank]
         if not others:
             return
-        specs = [("dst", m, t, self.rank_map.group_rank("dst", m), _relay_tag(self.num_buckets, k, channel[0]))
-                 for side, channel, t, _ in ops if side == "src" and channel[1] == self.dst_rank for m in others]
+        specs = [("dst", m, self.shm_msgs.get((k, channel), t), self.rank_map.group_rank("dst", m),
+                  _relay_tag(self.num_buckets, k, channel[0]))
+                 for side, channel, t, _ in ops if side in ("src", "shm_src") and channel[1] == self.dst_rank
+                 for m in others]
         self.forwards = self._post_all(k, specs)
 
     def _post_all(self, k: int, specs: list[tuple[str, Any, torch.Tensor, int, int]]) -> list[_Op]:
@@ -412,8 +509,9 @@ class _Run:
         return [(side, peer, t, self._post(k, side, peer, t, g, tag))
                 for side, peer, t, g, tag in sorted(specs, key=key)]
 
-    def _post(self, k: int, side: str, peer: Any, t: torch.Tensor, g: int, tag: int) -> Any:
-        send = side == "dst"
+    def _post(self, k: int, side: str, peer: Any, t: torch.Tensor, g: int, tag: int, *,
+              send: bool | None = None, recv: bool = False) -> Any:
+        send = (side == "dst" and not recv) if send is None else send
         try:
             return self.group.send(t, g, tag) if send else self.group.recv(t, g, tag)
         except RuntimeError as e:
@@ -430,20 +528,50 @@ class _Run:
             except RefitAborted:
                 raise
             except RuntimeError as e:
-                raise self._error(k, side, peer, side == "dst", e) from e
+                send = side in ("dst", "shm_dst") or (side == "ack" and isinstance(peer, tuple))
+                raise self._error(k, side, peer, send, e) from e
+            if side == "ack":
+                continue
+            if side == "shm_src":
+                t = self._attach(k, peer, t)
+                self.bytes_same_device += t.numel() * t.element_size()
+            elif side == "shm_dst":
+                self.bytes_same_device += t.numel() * t.element_size()
             nbytes = t.numel() * t.element_size()
-            if side == "dst":
+            if side in ("dst", "shm_dst"):
                 self.bytes_sent += nbytes
             else:
                 self.bytes_received += nbytes
             self.messages += 1
         self._timed("wire", t0)
 
+    def _attach(self, k: int, channel: tuple[int, int], flag: torch.Tensor) -> torch.Tensor:
+        """The message a ready flag points at, inside the sender's segment (mapped once)."""
+        src = channel[0]
+        bucket, offset, numel, nonce = (int(v) for v in flag.tolist())
+        want = message_numel(self.recv_b[k][channel])
+        if bucket != k or numel != want or offset < 0:
+            raise RefitError(f"{self.rank_map.describe_group_rank(self.me)}: bad ready flag from "
+                             f"{self.rank_map.describe('src', src)} in bucket {k}: {flag.tolist()} "
+                             f"(expected bucket {k}, {want} elements)")
+        seg = self.attached.get(src)
+        g = self.rank_map.group_rank("src", src)
+        path = segment_path(getattr(self.group, "_key", b""), g, nonce)
+        if seg is None or seg.path != path:
+            seg = self.attached[src] = ShmSegment.attach(path)
+        flat = seg.elements(self.dtype)
+        if offset + numel > flat.numel():
+            raise RefitError(f"ready flag from {self.rank_map.describe('src', src)} points past its segment")
+        msg = flat[offset : offset + numel]
+        self.shm_msgs[(k, channel)] = msg
+        return msg
+
     def _error(self, k: int, side: str, peer: Any, send: bool, e: Exception) -> RefitError:
         what = "send to" if send else "receive from"
         bucket = f"bucket {k} of {self.num_buckets}" if k < self.num_buckets else "checksum message"
         me = self.rank_map.describe_group_rank(self.me)
         cls = error_class(e)
+        side = {"shm_dst": "dst", "shm_src": "src", "ack": "dst"}.get(side, side)
         if isinstance(peer, tuple):  # a receive channel (source, via)
             src, via = peer
             who = self.rank_map.describe("src", src) + (
@@ -455,7 +583,7 @@ class _Run:
 
     def _deliver(self, k: int, recvs: list[_Op]) -> None:
         """Hand every box of bucket ``k`` to the sink, then checksum what it holds."""
-        msgs = {channel: slot for _, channel, slot, _ in recvs}
+        msgs = {channel: self.shm_msgs.pop((k, channel), slot) for _, channel, slot, _ in recvs}
         me = (self.src_rank, self.dst_rank)
         if self.src_rank is not None and me in self.recv_b[k]:
             msgs[me] = self.local_msgs.pop(k)

@@ -1,7 +1,8 @@
 """Tiny megatron-core GPT models on CPU, and a small multi-process harness to run them.
 
 ``build_gpt`` builds the same architecture as the HF checkpoint a :class:`ModelSpec` describes
-(Qwen3 / Qwen3-MoE / Llama: SwiGLU, RMSNorm, GQA, optional qk-norm, RoPE, no bias), so that a
+(Qwen3 / Qwen3-MoE / Llama: SwiGLU, RMSNorm, GQA, optional qk-norm, RoPE, no bias; DeepSeek-V3:
+MLA, shared experts, sigmoid router with expert bias, dense first layers), so that a
 checkpoint loaded through the descriptors must reproduce HF's logits. ``run_world`` spawns one
 process per rank (torch.multiprocessing, spawn) for tests and the refit job.
 """
@@ -140,7 +141,7 @@ def megatron_config(spec: ModelSpec, par: MegatronParallel, dtype: str | None = 
     """The TransformerConfig for ``spec`` (fusions off: they need CUDA kernels)."""
     import torch
     import torch.nn.functional as F
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     if par.layer_spec != "local" or par.experts != "sequential":
         raise ValueError("CPU builds support layer_spec='local' with sequential experts only")
@@ -160,7 +161,11 @@ def megatron_config(spec: ModelSpec, par: MegatronParallel, dtype: str | None = 
             moe_aux_loss_coeff=0.0,
             moe_token_dispatcher_type="alltoall" if par.ep > 1 else "allgather",
         )
-    return TransformerConfig(
+    config_cls = TransformerConfig
+    if spec.mla is not None:
+        config_cls = MLATransformerConfig
+        kw.update(_deepseek_kwargs(spec))
+    return config_cls(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden,
         num_attention_heads=spec.num_heads,
@@ -173,7 +178,7 @@ def megatron_config(spec: ModelSpec, par: MegatronParallel, dtype: str | None = 
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=spec.qkv_bias,
-        qk_layernorm=spec.qk_norm,
+        qk_layernorm=spec.qk_norm or spec.mla is not None,  # MLA: q/kv_a_layernorm (local spec)
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=par.tp,
@@ -199,6 +204,88 @@ def megatron_config(spec: ModelSpec, par: MegatronParallel, dtype: str | None = 
     )
 
 
+def _deepseek_kwargs(spec: ModelSpec) -> dict[str, Any]:
+    """MLA and DeepSeek-V3 router settings from the HF config (``MLATransformerConfig``).
+
+    Plain RoPE only (HF ``rope_scaling`` null): megatron's MLA de-interleaves the rope dims as
+    HF's ``rope_interleave`` does. Routing as HF's ``DeepseekV3TopkRouter``: sigmoid scores,
+    top-k on scores + bias, weights renormalised then scaled; group-limited routing only with
+    one group (megatron scores a group by its top ``topk/group_topk`` experts, HF by its top 2).
+    """
+    m, hf = spec.mla, spec.hf_config
+    assert m is not None
+    if (hf.get("rope_scaling") or {}).get("type", "default") not in ("default",):
+        raise ValueError("the CPU build supports DeepSeek-V3 with plain RoPE only (rope_scaling null)")
+    kw: dict[str, Any] = dict(
+        multi_latent_attention=True,
+        q_lora_rank=m.q_lora_rank,
+        kv_lora_rank=m.kv_lora_rank,
+        qk_head_dim=m.qk_nope_head_dim,
+        qk_pos_emb_head_dim=m.qk_rope_head_dim,
+        v_head_dim=m.v_head_dim,
+        rope_type="rope",
+        rotary_scaling_factor=1.0,
+    )
+    if spec.moe_layers:
+        if int(hf.get("n_group") or 1) != 1:
+            raise ValueError("the CPU build supports n_group=1 only (megatron and HF score groups differently)")
+        kw.update(
+            moe_router_score_function=str(hf.get("scoring_func", "sigmoid")),
+            moe_router_enable_expert_bias=spec.router_bias,
+            moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+            moe_shared_expert_intermediate_size=spec.shared_intermediate or None,
+        )
+    return kw
+
+
+def _mla_core_attention():
+    """megatron-core 0.19's local MLA spec builds ``DotProductAttention`` with ``k_channels`` /
+    ``v_channels``, which only ``TEDotProductAttention`` accepts (TypeError at build). The
+    unfused kernel handles MLA's shapes (q/k head dim != v head dim) once its output width
+    is ``v_channels`` per head; MLA always passes its own ``softmax_scale``."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class MLADotProductAttention(DotProductAttention):
+        def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None, **kwargs):
+            super().__init__(*args, **kwargs)
+            if v_channels is not None:
+                self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+
+    return MLADotProductAttention
+
+
+def _mla_plain_q_attention():
+    """``MLASelfAttention`` for ``q_lora_rank=None`` in the local spec. megatron-core 0.19's
+    ``QKNormConfigResolver`` then insists on a fused norm+linear ``linear_q_proj`` (which the
+    local backend lacks, and which would add a q norm HF's model does not have); DeepSeek's
+    plain-q MLA has ``q_proj`` unnormalised and ``kv_a_layernorm`` standalone."""
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    class PlainQMLASelfAttention(MLASelfAttention):
+        def _resolve_qk_norm_config(self, submodules):
+            return dict(linear_q_proj=submodules.linear_q_proj, linear_q_up_proj=IdentityOp,
+                        linear_kv_up_proj=submodules.linear_kv_up_proj, q_layernorm=IdentityOp,
+                        kv_layernorm=submodules.kv_layernorm)
+
+    return PlainQMLASelfAttention
+
+
+def _use_cpu_mla_attention(block, q_lora: bool) -> None:
+    """Local-spec MLA fixes on every layer spec of ``block``: the core attention of
+    :func:`_mla_core_attention`, and :func:`_mla_plain_q_attention` without q_lora."""
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    core = _mla_core_attention()
+    plain_q = None if q_lora else _mla_plain_q_attention()
+    for layer in block.layer_specs:
+        attn = layer.submodules.self_attention
+        if attn.module is MLASelfAttention:
+            attn.submodules.core_attention = core
+            if plain_q is not None:
+                attn.module = plain_q
+
+
 def build_gpt(spec: ModelSpec, par: MegatronParallel, dtype: str | None = None, max_seq: int = 512) -> list:
     """One ``GPTModel`` per virtual-pipeline chunk of this rank (call after ``init_megatron``)."""
     from megatron.core import parallel_state as ps
@@ -212,6 +299,8 @@ def build_gpt(spec: ModelSpec, par: MegatronParallel, dtype: str | None = None, 
         vp = v if par.vpp > 1 else None
         block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
                                            vp_stage=vp, pp_rank=pp_r)
+        if spec.mla is not None:
+            _use_cpu_mla_attention(block, q_lora=spec.mla.q_lora_rank is not None)
         chunks.append(GPTModel(
             config=config,
             transformer_layer_spec=block,

@@ -24,14 +24,24 @@ def _unwrap(module):
     return module
 
 
+#: Persistent buffers that are model weights: the router's aux-loss-free balancing bias
+#: (HF ``e_score_correction_bias``), updated outside the optimizer and saved in checkpoints.
+WEIGHT_BUFFERS = ("mlp.router.expert_bias",)
+
+
 def named_local_params(model_chunks: Sequence) -> dict[str, "torch.Tensor"]:  # noqa: F821
-    """Local parameters by the names the rules use (``chunk{v}.`` prefix when several chunks)."""
+    """Local parameters (and :data:`WEIGHT_BUFFERS`) by the names the rules use
+    (``chunk{v}.`` prefix when several chunks)."""
     out = {}
     multi = len(model_chunks) > 1
     for v, chunk in enumerate(model_chunks):
         prefix = f"chunk{v}." if multi else ""
-        for name, p in _unwrap(chunk).named_parameters():
+        model = _unwrap(chunk)
+        for name, p in model.named_parameters():
             out[prefix + name] = p
+        for name, b in model.named_buffers():
+            if b is not None and name.endswith(WEIGHT_BUFFERS):
+                out[prefix + name] = b
     return out
 
 
@@ -46,7 +56,7 @@ def live_parallel(model_chunks: Sequence) -> tuple[MegatronParallel, int]:
     vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
     if vpp != len(model_chunks):
         raise LayoutError(f"{len(model_chunks)} model chunks but virtual pipeline size {vpp}")
-    te = any(n.endswith("linear_qkv.layer_norm_weight") for n in names)
+    te = any(n.endswith(("linear_qkv.layer_norm_weight", "linear_kv_up_proj.layer_norm_weight")) for n in names)
     grouped = any(".mlp.experts.linear_fc1.weight" in n for n in names)
     tp = ps.get_tensor_model_parallel_world_size()
     par = MegatronParallel(
@@ -81,11 +91,23 @@ def _check_spec(spec: ModelSpec, cfg) -> None:
         "num_layers": (spec.num_layers, cfg.num_layers),
         "hidden_size": (spec.hidden, cfg.hidden_size),
         "num_attention_heads": (spec.num_heads, cfg.num_attention_heads),
-        "num_query_groups": (spec.num_kv_heads, cfg.num_query_groups),
-        "kv_channels": (spec.head_dim, cfg.kv_channels),
         "num_moe_experts": (spec.num_experts or None, cfg.num_moe_experts),
         "gated_linear_unit": (True, cfg.gated_linear_unit),
+        "multi_latent_attention": (spec.mla is not None, bool(getattr(cfg, "multi_latent_attention", False))),
     }
+    if spec.mla is None:
+        pairs["num_query_groups"] = (spec.num_kv_heads, cfg.num_query_groups)
+        pairs["kv_channels"] = (spec.head_dim, cfg.kv_channels)
+    else:
+        m = spec.mla
+        pairs.update(q_lora_rank=(m.q_lora_rank, cfg.q_lora_rank), kv_lora_rank=(m.kv_lora_rank, cfg.kv_lora_rank),
+                     qk_head_dim=(m.qk_nope_head_dim, cfg.qk_head_dim),
+                     qk_pos_emb_head_dim=(m.qk_rope_head_dim, cfg.qk_pos_emb_head_dim),
+                     v_head_dim=(m.v_head_dim, cfg.v_head_dim))
+    if spec.moe_layers:
+        pairs["moe_shared_expert_intermediate_size"] = (spec.shared_intermediate or None,
+                                                        cfg.moe_shared_expert_intermediate_size)
+        pairs["moe_router_enable_expert_bias"] = (spec.router_bias, bool(cfg.moe_router_enable_expert_bias))
     if spec.moe_layers:
         pairs["moe_ffn_hidden_size"] = (spec.moe_intermediate, cfg.moe_ffn_hidden_size)
     if len(spec.moe_layers) < spec.num_layers:

@@ -15,7 +15,17 @@ Facts encoded here (megatron-core 0.19.2):
 * the vocab is padded to a multiple of ``make_vocab_size_divisible_by * tp``; rows >= V are
   padding and covered by no piece;
 * layer offsets follow ``transformer_layer.get_transformer_layer_offset`` (even, uneven first /
-  last stage, interleaved virtual pipeline).
+  last stage, interleaved virtual pipeline);
+* MLA (``multi_latent_attention.MLASelfAttention``): the up-projections ``linear_q_up_proj``
+  / ``linear_kv_up_proj`` / ``linear_q_proj`` are column-parallel by heads (each head's rows
+  ``[nope; rope]`` resp. ``[k_nope; v]`` as in HF); the down-projections are column-parallel
+  ``ColumnParallelLinear`` row chunks in the local spec and replicated ``TELinear``
+  ("duplicated") in the TE spec; ``q_layernorm`` / ``kv_layernorm`` are separate in the local
+  spec (``qk_layernorm=True``) and fused into the up-projections (``layer_norm_weight``) in
+  the TE spec; ``input_layernorm`` stays separate in both;
+* shared experts ``mlp.shared_experts.linear_fc1/fc2`` are a SwiGLU MLP on the dense TP group;
+  the router's ``expert_bias`` (a persistent fp32 buffer, not a parameter) is HF's
+  ``e_score_correction_bias``.
 
 Layouts are computed once per (stage, tp rank) for dense parameters and once per
 (stage, ep rank, etp rank) for experts, then stamped with each rank: the immutable
@@ -119,10 +129,24 @@ def _check(spec: ModelSpec, par: MegatronParallel) -> None:
     if spec.num_heads % tp:
         raise LayoutError(f"num_attention_heads={spec.num_heads} must be a multiple of tp={tp}")
     ng = spec.num_kv_heads
-    if ng % tp and tp % ng:
+    if spec.mla is not None:
+        m = spec.mla
+        if m.q_lora_rank is None and par.layer_spec == "te":
+            raise LayoutError(
+                "MLA without q_lora_rank in the TE spec: megatron-core 0.19 (QKNormConfigResolver) builds "
+                "linear_q_proj as a fused norm+linear whose layer_norm_weight has no HF tensor; not supported")
+        if par.layer_spec == "local":  # ColumnParallelLinear down-projections split their rows
+            for what, rows in (("q_lora_rank", m.q_lora_rank or 0), ("kv_lora_rank + qk_rope_head_dim",
+                                                                   m.kv_lora_rank + m.qk_rope_head_dim)):
+                if rows % tp:
+                    raise LayoutError(f"MLA local spec: {what}={rows} (a column-parallel down-projection) "
+                                      f"must be divisible by tp={tp}")
+    elif ng % tp and tp % ng:
         raise LayoutError(f"num_query_groups={ng} must be a multiple or divisor of tp={tp}")
-    if ((spec.num_heads + 2 * ng) * spec.head_dim) % tp:
+    elif ((spec.num_heads + 2 * ng) * spec.head_dim) % tp:
         raise LayoutError(f"linear_qkv rows {(spec.num_heads + 2 * ng) * spec.head_dim} not divisible by tp={tp}")
+    if spec.shared_intermediate % tp:
+        raise LayoutError(f"moe_shared_expert_intermediate_size={spec.shared_intermediate} must be divisible by tp={tp}")
     dense_layers = [l for l in range(spec.num_layers) if not spec.is_moe(l)]
     if dense_layers and spec.intermediate % tp:
         raise LayoutError(f"ffn_hidden_size={spec.intermediate} must be divisible by tp={tp}")
@@ -273,6 +297,46 @@ def _row_parallel(name: str, canonical: str, rows: int, K: int, n: int, r: int) 
     return (name, (rows, k), ((canonical, Box((0, r * k), (rows, k)), View(0, (rows, k), (k, 1))),))
 
 
+def _col_parallel(name: str, canonical: str, rows: int, K: int, n: int, r: int) -> _Tmpl:
+    """ColumnParallel weight ``[rows/n, K]``: row chunk ``r`` of the canonical ``[rows, K]``."""
+    k = rows // n
+    return (name, (k, K), (_rows(0, canonical, r * k, k, K),))
+
+
+def _mla_attention(spec: ModelSpec, par: MegatronParallel, prefix: str, attn: str, tp_r: int) -> list[_Tmpl]:
+    """``MLASelfAttention``'s parameters on TP rank ``tp_r`` (input layernorm and o_proj aside).
+
+    Up-projections split by heads (row chunks keep whole heads: ``nH % tp == 0``). Down-
+    projections: TE spec ``TELinear(parallel_mode="duplicated")`` is whole on every rank; the
+    local spec builds them as ``ColumnParallelLinear(gather_output=False)``, row chunks.
+    """
+    m, H, nH, tp = spec.mla, spec.hidden, spec.num_heads, par.tp
+    assert m is not None
+    te = par.layer_spec == "te"
+    sa = prefix + "self_attention."
+    down_n, down_r = (1, 0) if te else (tp, tp_r)
+    out: list[_Tmpl] = []
+
+    def norm(fused_into: str, local: str, canonical: str, n: int) -> None:
+        out.append(_full(sa + (f"{fused_into}.layer_norm_weight" if te else f"{local}.weight"), attn + canonical, (n,)))
+
+    if m.q_lora_rank is None:
+        out.append(_col_parallel(sa + "linear_q_proj.weight", attn + "q_proj.weight", nH * m.qk_head_dim, H, tp, tp_r))
+    else:
+        out.append(_col_parallel(sa + "linear_q_down_proj.weight", attn + "q_a_proj.weight", m.q_lora_rank, H,
+                                 down_n, down_r))
+        norm("linear_q_up_proj", "q_layernorm", "q_a_layernorm.weight", m.q_lora_rank)
+        out.append(_col_parallel(sa + "linear_q_up_proj.weight", attn + "q_b_proj.weight", nH * m.qk_head_dim,
+                                 m.q_lora_rank, tp, tp_r))
+    out.append(_col_parallel(sa + "linear_kv_down_proj.weight", attn + "kv_a_proj_with_mqa.weight",
+                             m.kv_lora_rank + m.qk_rope_head_dim, H, down_n, down_r))
+    norm("linear_kv_up_proj", "kv_layernorm", "kv_a_layernorm.weight", m.kv_lora_rank)
+    out.append(_col_parallel(sa + "linear_kv_up_proj.weight", attn + "kv_b_proj.weight",
+                             nH * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank, tp, tp_r))
+    out.append(_row_parallel(sa + "linear_proj.weight", attn + "o_proj.weight", H, nH * m.v_head_dim, tp, tp_r))
+    return out
+
+
 def _vocab_rows(name: str, canonical: str, V: int, Vp: int, H: int, tp: int, r: int) -> _Tmpl:
     """Vocab-parallel rows ``[r*Vp/tp, (r+1)*Vp/tp)``; rows >= V are padding (no piece)."""
     n = Vp // tp
@@ -283,30 +347,33 @@ def _vocab_rows(name: str, canonical: str, V: int, Vp: int, H: int, tp: int, r: 
 
 def _dense_layer(spec: ModelSpec, par: MegatronParallel, layer: int, prefix: str, tp_r: int) -> list[_Tmpl]:
     """Non-expert parameters of one decoder layer on TP rank ``tp_r`` (names as named_parameters)."""
-    H, hn, tp = spec.hidden, spec.head_dim, par.tp
+    H, tp = spec.hidden, par.tp
     hf = f"model.layers.{layer}."
     attn = hf + "self_attn."
     te = par.layer_spec == "te"
     moe = spec.is_moe(layer)
     out: list[_Tmpl] = []
-    if te:
-        out.append(_full(prefix + "self_attention.linear_qkv.layer_norm_weight", hf + "input_layernorm.weight", (H,)))
+    # The TE spec fuses the input norm into linear_qkv; MLA keeps it separate in both specs.
+    fused_input_norm = te and spec.mla is None
+    out.append(_full(prefix + ("self_attention.linear_qkv.layer_norm_weight" if fused_input_norm
+                               else "input_layernorm.weight"), hf + "input_layernorm.weight", (H,)))
+    if spec.mla is not None:
+        out.extend(_mla_attention(spec, par, prefix, attn, tp_r))
     else:
-        out.append(_full(prefix + "input_layernorm.weight", hf + "input_layernorm.weight", (H,)))
-    out.append(_row_parallel(prefix + "self_attention.linear_proj.weight", attn + "o_proj.weight",
-                             H, spec.num_heads * hn, tp, tp_r))
-    pieces, rows = _qkv_pieces(spec, tp, tp_r, attn, H, "weight")
-    out.append((prefix + "self_attention.linear_qkv.weight", (rows, H), pieces))
-    if spec.qkv_bias:
-        bpieces, _ = _qkv_pieces(spec, tp, tp_r, attn, None, "bias")
-        out.append((prefix + "self_attention.linear_qkv.bias", (rows,), bpieces))
-    if spec.qk_norm:
-        out.append(_full(prefix + "self_attention.q_layernorm.weight", attn + "q_norm.weight", (hn,)))
-        out.append(_full(prefix + "self_attention.k_layernorm.weight", attn + "k_norm.weight", (hn,)))
+        out.extend(_gqa_attention(spec, par, prefix, attn, tp_r))
     post = hf + "post_attention_layernorm.weight"
     if moe:
         out.append(_full(prefix + "pre_mlp_layernorm.weight", post, (H,)))
         out.append(_full(prefix + "mlp.router.weight", hf + "mlp.gate.weight", (spec.num_experts, H)))
+        if spec.router_bias:
+            out.append(_full(prefix + "mlp.router.expert_bias", hf + "mlp.gate.e_score_correction_bias",
+                             (spec.num_experts,)))
+        if spec.shared_intermediate:
+            S, sh = spec.shared_intermediate, hf + "mlp.shared_experts."
+            out.append(_swiglu_fc1(prefix + "mlp.shared_experts.linear_fc1.weight", sh + "gate_proj.weight",
+                                   sh + "up_proj.weight", S, H, tp, tp_r))
+            out.append(_row_parallel(prefix + "mlp.shared_experts.linear_fc2.weight", sh + "down_proj.weight",
+                                     H, S, tp, tp_r))
     else:
         F = spec.intermediate
         if te:
@@ -316,6 +383,22 @@ def _dense_layer(spec: ModelSpec, par: MegatronParallel, layer: int, prefix: str
         out.append(_swiglu_fc1(prefix + "mlp.linear_fc1.weight", hf + "mlp.gate_proj.weight",
                                hf + "mlp.up_proj.weight", F, H, tp, tp_r))
         out.append(_row_parallel(prefix + "mlp.linear_fc2.weight", hf + "mlp.down_proj.weight", H, F, tp, tp_r))
+    return out
+
+
+def _gqa_attention(spec: ModelSpec, par: MegatronParallel, prefix: str, attn: str, tp_r: int) -> list[_Tmpl]:
+    """``SelfAttention``: interleaved ``linear_qkv`` (+ bias, qk-norm) and ``linear_proj``."""
+    H, hn, tp = spec.hidden, spec.head_dim, par.tp
+    out = [_row_parallel(prefix + "self_attention.linear_proj.weight", attn + "o_proj.weight",
+                         H, spec.num_heads * hn, tp, tp_r)]
+    pieces, rows = _qkv_pieces(spec, tp, tp_r, attn, H, "weight")
+    out.append((prefix + "self_attention.linear_qkv.weight", (rows, H), pieces))
+    if spec.qkv_bias:
+        bpieces, _ = _qkv_pieces(spec, tp, tp_r, attn, None, "bias")
+        out.append((prefix + "self_attention.linear_qkv.bias", (rows,), bpieces))
+    if spec.qk_norm:
+        out.append(_full(prefix + "self_attention.q_layernorm.weight", attn + "q_norm.weight", (hn,)))
+        out.append(_full(prefix + "self_attention.k_layernorm.weight", attn + "k_norm.weight", (hn,)))
     return out
 
 

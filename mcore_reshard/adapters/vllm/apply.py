@@ -11,6 +11,12 @@ Two modes per local parameter, chosen by :func:`select_modes` and exposed as dat
   tensors (``_copy_and_restore_kernel_tensors``), exactly as vLLM's own reload does, plus the
   CPU MoE re-prepack vLLM 0.32 forgets on reload.
 
+MLA (DeepSeek-V2/V3): the attention kernel does not read ``kv_b_proj`` but W_UK / W_UV that
+``MLAAttention.process_weights_after_loading`` splits out of it after loading. ``kv_b_proj``
+is therefore always a reload-mode parameter, and committing it re-runs that absorption (in
+place, ``replace_parameter(prefer_copy=True)``), as vLLM's own reload does for deferred
+attention layers in ``finalize_layerwise_processing``.
+
 Atomicity: with ``atomic=True`` nothing live changes before :meth:`VllmApplier.finish` has
 checked that every touched parameter is complete; :meth:`abort` then leaves the old weights
 serving. With ``atomic=False`` (streaming, no extra memory) completed layers are committed
@@ -33,7 +39,12 @@ from ...errors import RefitIncomplete
 from ...layout.descriptor import LayoutError, LocalParam, View
 from ...layout.torch_views import local_view, zero_padding
 
-__all__ = ["VllmApplier", "RefitIncomplete", "select_modes", "plain_linear_enabled", "DIRECT", "RELOAD"]
+__all__ = ["VllmApplier", "RefitIncomplete", "select_modes", "plain_linear_enabled", "mla_absorbers", "DIRECT",
+           "RELOAD", "MLA_NOTE"]
+
+#: Why MLA's kv_b_proj is never written in place (the plan report lists it with this reason).
+MLA_NOTE = ("MLA kv_b_proj: vLLM absorbs it into W_UK/W_UV after loading (kernel format != model format); "
+            "written through the layerwise reload, then the attention's W_UK/W_UV are rebuilt")
 
 DIRECT = "direct"
 RELOAD = "reload"
@@ -70,14 +81,43 @@ def _kernel_is_model_format(layer: torch.nn.Module) -> bool:
     return False
 
 
+def mla_absorbers(model: torch.nn.Module) -> dict[int, list[torch.nn.Module]]:
+    """``id(kv_b_proj module) -> [MLA attention layers]`` that absorb its weight after loading."""
+    try:
+        from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+    except ImportError:  # a vLLM without MLA
+        return {}
+    out: dict[int, list[torch.nn.Module]] = {}
+    for m in model.modules():
+        kv_b = getattr(m, "kv_b_proj", None) if isinstance(m, MLAAttention) else None
+        if kv_b is not None:
+            out.setdefault(id(kv_b), []).append(m)
+    return out
+
+
+def _reabsorb(attn: torch.nn.Module) -> None:
+    """Rebuild W_UK / W_UV from the (new) kv_b_proj. Unquantized models compute in the
+    weight's dtype, which is the ``act_dtype`` vLLM passes at load."""
+    attn.process_weights_after_loading(attn.kv_b_proj.weight.dtype)
+
+
 def select_modes(model: torch.nn.Module, params: Sequence[LocalParam]) -> dict[str, str]:
     """``{local_name: "direct" | "reload"}``: direct only where the live tensor is the
     model-format tensor (same shape/dtype, contiguous) and the kernel uses it as such."""
     from ...layout.torch_views import TORCH_DTYPES
 
+    from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS
+
+    absorbed = mla_absorbers(model)
     modes = {}
     for lp in params:
         layer, pname = _owner(model, lp.name)
+        if pname in SKIP_TENSORS:  # vLLM's reload never repacks these: used as loaded
+            modes[lp.name] = DIRECT
+            continue
+        if id(layer) in absorbed:  # MLA_NOTE
+            modes[lp.name] = RELOAD
+            continue
         live = getattr(layer, pname, None)
         same = (
             isinstance(live, torch.Tensor)
@@ -134,6 +174,7 @@ class VllmApplier:
         self.device = torch.device(device)
         self.state = "idle"
         self.reason = ""
+        self._absorbers = mla_absorbers(model)
         self._reset()
 
     def _reset(self) -> None:
@@ -288,9 +329,12 @@ class VllmApplier:
         prefix = next(n for n, m in self.model.named_modules() if m is layer)
         names = {p.name.rpartition(".")[2]: p.name for p in self.params.values()
                  if p.name.rpartition(".")[0] == prefix}
-        for local in names.values():
-            if self.modes[local] != RELOAD:
+        for attr, local in list(names.items()):
+            if self.modes[local] == RELOAD:
+                continue
+            if attr not in SKIP_TENSORS:  # the reload would overwrite a direct write
                 raise LayoutError(f"{local}: module {prefix or '<root>'} mixes direct and reload parameters")
+            del names[attr]  # left live by the reload (e.g. e_score_correction_bias): written directly
         info = get_layerwise_info(layer)
         if info.can_load() or info.kernel_tensors is not None:
             raise RuntimeError(f"{prefix}: a vLLM layerwise reload is already in progress on this layer")
@@ -356,6 +400,9 @@ class VllmApplier:
         _copy_and_restore_kernel_tensors(layer, info)
         info.reset()
         st.committed = True
+        with self.device:
+            for attn in self._absorbers.get(id(layer), ()):
+                _reabsorb(attn)
 
 
 def _reprepack_cpu_moe(layer: torch.nn.Module) -> None:

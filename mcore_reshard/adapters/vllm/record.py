@@ -156,6 +156,7 @@ def record_local_params(
     module_names = {id(m): n for n, m in model.named_modules()}
     sink = BakeSink()
     meta_shapes: dict[str, tuple[tuple[int, ...], str]] = {}
+    live_only: dict[str, tuple[tuple[int, ...], str]] = {}
     fakes = [
         (name, FakeRDTTensor(name=name, shape=torch.Size(tuple(shape)), dtype=TORCH_DTYPES[dt],
                              device=torch.device(device), sink=sink))
@@ -168,12 +169,16 @@ def record_local_params(
             _Eng._install_recording_stamps(None, model, sink)  # self is unused there
             for mname, module in model.named_modules():
                 for pname, p in module._parameters.items():
-                    if p is None or pname in SKIP_LOAD_TENSORS:
+                    if p is None:
                         continue
                     full = f"{mname}.{pname}" if mname else pname
                     if p.storage_offset() != 0 or not p.is_contiguous():
                         raise LayoutError(f"{full}: model-format parameter is not a contiguous tensor")
-                    meta_shapes[full] = (tuple(p.shape), dtype_names.get(p.dtype, str(p.dtype)))
+                    # The reload leaves SKIP_LOAD_TENSORS live (e.g. DeepSeek's router
+                    # e_score_correction_bias); such a parameter is described only if the
+                    # loaders write it.
+                    into = live_only if pname in SKIP_LOAD_TENSORS else meta_shapes
+                    into[full] = (tuple(p.shape), dtype_names.get(p.dtype, str(p.dtype)))
             model.load_weights(fakes)
         finally:
             _Eng._restore_after_dry_run(None, model)
@@ -187,6 +192,9 @@ def record_local_params(
             if sc is None:
                 raise LayoutError(f"{mname}: unattributable copy_ during recording")
             local = f"{mname}.{sc.param_name}" if mname else sc.param_name
+            if local not in pieces and local in live_only:
+                meta_shapes[local] = live_only[local]
+                pieces[local] = []
             if local not in pieces:
                 raise LayoutError(f"{local}: copy_ into a tensor that is not a loadable parameter")
             canon, ops = sc.src

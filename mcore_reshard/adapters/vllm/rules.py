@@ -2,7 +2,8 @@
 
 Model format is what vLLM's weight loaders write, before ``process_weights_after_loading``
 repacks anything; names are those of ``model.named_parameters()`` in vLLM 0.32 for Llama,
-Qwen2, Qwen3 and Qwen3-MoE. The rules mirror, in the vLLM source:
+Qwen2, Qwen3, Qwen3-MoE and DeepSeek-V3 (``DeepseekV2ForCausalLM``). The rules mirror, in the
+vLLM source:
 
 - ``layers/linear.py``: ``QKVParallelLinear`` local ``[q_r; k_s; v_s]`` (KV heads replicated
   over ``tp // nKV`` ranks when ``tp > nKV``), ``MergedColumnParallelLinear`` ``[gate_r; up_r]``,
@@ -13,7 +14,12 @@ Qwen2, Qwen3 and Qwen3-MoE. The rules mirror, in the vLLM source:
   ``w2_weight`` ``[E_l, H, Ie_l]``; MoE TP flattened over ``dp*tp`` without EP, whole experts
   placed linearly over ``ep = dp*tp`` ranks with EP (``expert_map_manager.determine_expert_map``);
 - ``distributed/utils.py:get_pp_indices`` and ``models/utils.py:make_layers`` for PP (missing
-  layers are ``PPMissingLayer``, which has no parameters).
+  layers are ``PPMissingLayer``, which has no parameters);
+- ``models/deepseek_v2.py`` (``DeepseekV2MLAAttention``): ``fused_qkv_a_proj`` = ``[q_a_proj;
+  kv_a_proj_with_mqa]`` replicated (q_lora) or ``q_proj`` column-parallel plus a replicated
+  ``kv_a_proj_with_mqa``; ``q_b_proj`` / ``kv_b_proj`` column-parallel by heads; ``o_proj`` row-
+  parallel; ``DeepseekV2MoE``: ``gate.e_score_correction_bias`` (``noaux_tc``), a TP-split
+  ``shared_experts`` MLP, FusedMoE experts as Qwen3-MoE's.
 
 No vllm or torch import: plans for full-size models are computed from metadata alone.
 """
@@ -127,6 +133,15 @@ def _check(spec: ModelSpec, par: VllmParallel) -> _Dims:
     if nKV < tp and tp % nKV:
         raise LayoutError(
             f"self_attn.qkv_proj: tp={tp} is not a multiple of num_key_value_heads={nKV} (KV replication)"
+        )
+    if spec.mla is not None and spec.tied:
+        raise LayoutError(
+            "tied embeddings with DeepSeek-V3: vLLM 0.32's DeepseekV2ForCausalLM builds an untied lm_head "
+            "that no checkpoint tensor loads; not supported"
+        )
+    if spec.shared_intermediate % tp:
+        raise LayoutError(
+            f"mlp.shared_experts: shared intermediate {spec.shared_intermediate} is not divisible by tp={tp}"
         )
     if spec.arch == "llama" and spec.qkv_bias:
         raise LayoutError(
@@ -274,10 +289,40 @@ class _Builder:
 
     # -- per-coordinate geometry
 
+    def mla_attn(self, r: int) -> tuple[_Entry, ...]:
+        """``DeepseekV2MLAAttention`` on TP rank ``r``: heads split by TP, latents replicated."""
+        s = self.spec
+        m, H, nh = s.mla, s.hidden, s.num_heads // self.d.tp
+        assert m is not None
+        kv_a = m.kv_lora_rank + m.qk_rope_head_dim
+        qk, kvb = nh * m.qk_head_dim, nh * (m.qk_nope_head_dim + m.v_head_dim)
+        a = "self_attn."
+        out: list[_Entry] = []
+        if m.q_lora_rank is None:
+            out.append((a + "q_proj.weight", (qk, H), ((a + "q_proj.weight", *_rows(r * qk, qk, H, 0)),)))
+            out.append((a + "kv_a_proj_with_mqa.weight", (kv_a, H),
+                        ((a + "kv_a_proj_with_mqa.weight", *_full((kv_a, H))),)))
+        else:
+            ql = m.q_lora_rank
+            out.append((a + "fused_qkv_a_proj.weight", (ql + kv_a, H), (
+                (a + "q_a_proj.weight", *_rows(0, ql, H, 0)),
+                (a + "kv_a_proj_with_mqa.weight", *_rows(0, kv_a, H, ql * H)))))
+            out.append((a + "q_a_layernorm.weight", (ql,), ((a + "q_a_layernorm.weight", *_full((ql,))),)))
+            out.append((a + "q_b_proj.weight", (qk, ql), ((a + "q_b_proj.weight", *_rows(r * qk, qk, ql, 0)),)))
+        kl = m.kv_lora_rank
+        out.append((a + "kv_a_layernorm.weight", (kl,), ((a + "kv_a_layernorm.weight", *_full((kl,))),)))
+        out.append((a + "kv_b_proj.weight", (kvb, kl), ((a + "kv_b_proj.weight", *_rows(r * kvb, kvb, kl, 0)),)))
+        v = nh * m.v_head_dim
+        out.append((a + "o_proj.weight", (H, v), ((a + "o_proj.weight", *_cols(r * v, H, v, v)),)))
+        return tuple(out)
+
     def attn(self, r: int) -> tuple[_Entry, ...]:
         if r in self._attn:
             return self._attn[r]
         s, d = self.spec, self.d
+        if s.mla is not None:
+            self._attn[r] = self.mla_attn(r)
+            return self._attn[r]
         H, q, kv = s.hidden, d.q_rows, d.kv_rows
         ks = r // d.kv_rep if s.num_kv_heads < d.tp else r
         n = q + 2 * kv
@@ -315,6 +360,14 @@ class _Builder:
                 ("mlp.down_proj.weight", (H, i), (("mlp.down_proj.weight", *_cols(r * i, H, i, i)),)),
             )
         return self._dense[r]
+
+    def shared(self, r: int) -> tuple[_Entry, ...]:
+        """``DeepseekV2MoE.shared_experts``: a TP-split SwiGLU MLP (``DeepseekV2MLP``)."""
+        H, i = self.spec.hidden, self.spec.shared_intermediate // self.d.tp
+        p = "mlp.shared_experts."
+        gu = ((p + "gate_proj.weight", *_rows(r * i, i, H, 0)), (p + "up_proj.weight", *_rows(r * i, i, H, i * H)))
+        return ((p + "gate_up_proj.weight", (2 * i, H), gu),
+                (p + "down_proj.weight", (H, i), ((p + "down_proj.weight", *_cols(r * i, H, i, i)),)))
 
     def vocab(self, r: int) -> tuple[tuple[int, ...], tuple[tuple[Box, View], ...]]:
         if r not in self._vocab:
@@ -387,6 +440,12 @@ class _Builder:
             if s.is_moe(layer):
                 router = (s.num_experts, s.hidden)
                 add(p + "mlp.gate.weight", router, ((p + "mlp.gate.weight", *_full(router)),))
+                if s.router_bias:
+                    bias = p + "mlp.gate.e_score_correction_bias"
+                    add(bias, (s.num_experts,), ((bias, *_full((s.num_experts,))),))
+                if s.shared_intermediate:
+                    for suffix, shape, pieces in self.shared(tp_r):
+                        add(p + suffix, shape, tuple((p + c, b, v) for c, b, v in pieces))
                 self._add_experts(out, rank, layer, mr)
             else:
                 for suffix, shape, pieces in self.dense(tp_r):
@@ -452,5 +511,12 @@ def vllm_layout(spec: ModelSpec, par: VllmParallel) -> SideLayout:
             notes.append("round_robin placement needs grouped experts: vLLM falls back to linear")
     if spec.arch == "qwen3_moe" and par.pp > 1:
         notes.append("Qwen3-MoE holds embed_tokens, norm and lm_head on every PP stage")
+    if spec.mla is not None:
+        notes.append("MLA kv_b_proj: vLLM absorbs it into W_UK/W_UV after loading (kernel format != model "
+                     "format): the applier writes it through the layerwise reload and rebuilds W_UK/W_UV")
+    if spec.mtp_layers:
+        notes.append(f"MTP layers {spec.num_layers}..{spec.num_layers + spec.mtp_layers - 1} "
+                     f"(num_nextn_predict_layers={spec.mtp_layers}) are not held by the destination: vLLM's "
+                     "main model skips them (only an MTP speculative-decoding draft loads them); not refit")
     tensors = spec.tensor_table()
     return SideLayout("vllm", par.world_size, tuple(params), tensors, tuple(notes))
