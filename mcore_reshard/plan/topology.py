@@ -176,10 +176,27 @@ def _boxes_by_node(side: SideLayout, locs: Sequence[Location]) -> dict[int, dict
     return out
 
 
+#: inter_node_minimum by (layouts, placement): one plan's report asks for it several times
+#: (direct vs relayed, then the CLI). Holds the layouts so their ids stay theirs.
+_MIN_CACHE: dict[tuple, tuple[SideLayout, SideLayout, int]] = {}
+
+
 def inter_node_minimum(src: SideLayout, dst: SideLayout, placement: Placement, itemsize: int) -> int:
     """Bytes that must cross into destination nodes: per node, the distinct elements its
     inference ranks hold (padding excluded: it is never sent) that no training rank on the
     same node holds."""
+    key = (id(src), id(dst), placement, itemsize)
+    hit = _MIN_CACHE.get(key)
+    if hit is not None and hit[0] is src and hit[1] is dst:
+        return hit[2]
+    total = _inter_node_minimum(src, dst, placement) * itemsize
+    if len(_MIN_CACHE) >= 8:
+        _MIN_CACHE.pop(next(iter(_MIN_CACHE)))
+    _MIN_CACHE[key] = (src, dst, total)
+    return total
+
+
+def _inter_node_minimum(src: SideLayout, dst: SideLayout, placement: Placement) -> int:
     held = _boxes_by_node(dst, placement.dst)
     local = _boxes_by_node(src, placement.src)
     total = 0
@@ -187,7 +204,7 @@ def inter_node_minimum(src: SideLayout, dst: SideLayout, placement: Placement, i
         have = local.get(node, {})
         for name, boxes in tensors.items():
             total += _covered(boxes, have.get(name, ()))
-    return total * itemsize
+    return total
 
 
 def hf_ipc_bytes(dst: SideLayout, itemsize: int) -> int:
