@@ -21,7 +21,7 @@ from mcore_reshard.ports import free_port
 from mcore_reshard.transport.executor import Fault, TensorSink, execute_plan, zero_fill_padding
 from mcore_reshard.transport.group import RankMap, RefitError, RefitGroup
 from mcore_reshard.transport.shm import PREFIX, SHM_DIR
-from test_transport import T, _spawn, canonical, expected_equal, locals_of
+from test_transport import _ship, T, _spawn, canonical, expected_equal, locals_of
 from toy_layouts import split_layout
 
 N = 2  # trainers = workers; trainer i and worker i share device i
@@ -84,10 +84,7 @@ def _main(rank: int, world: int, port: int, port2: int, q: Any) -> None:
         group.close(barrier=False)
     except BaseException:  # noqa: BLE001 -- ship every failure to the parent
         out["crash"] = traceback.format_exc()
-    q.put((rank, out))
-    q.close()
-    q.join_thread()
-    os._exit(0)
+    _ship(q, rank, out)
 
 
 def test_colocated_plan_marks_same_device_pairs_and_ships_them():

@@ -6,7 +6,6 @@ pass on every rank, and a write corrupted on one member is caught and named."""
 from __future__ import annotations
 
 import math
-import os
 import traceback
 from typing import Any
 
@@ -17,7 +16,7 @@ from mcore_reshard.plan.topology import Placement, placement_report, plan_for_pl
 from mcore_reshard.ports import free_port
 from mcore_reshard.transport.executor import execute_plan, zero_fill_padding
 from mcore_reshard.transport.group import RankMap, RefitError, RefitGroup
-from test_transport import FlippingSink, T, _spawn, canonical, expected_equal, locals_of
+from test_transport import _ship, FlippingSink, T, _spawn, canonical, expected_equal, locals_of
 from toy_layouts import split_layout
 
 NUM_SRC, PARTS, REPLICAS = 2, 2, 2
@@ -80,10 +79,7 @@ def _relay_main(rank: int, world: int, port: int, q: Any) -> None:
         group.close()
     except BaseException:  # noqa: BLE001 -- ship every failure to the parent
         out["crash"] = traceback.format_exc()
-    q.put((rank, out))
-    q.close()
-    q.join_thread()
-    os._exit(0)
+    _ship(q, rank, out)
 
 
 @pytest.mark.slow
@@ -143,10 +139,7 @@ def _moe_main(rank: int, world: int, port: int, q: Any) -> None:
         group.close()
     except BaseException:  # noqa: BLE001
         out["crash"] = traceback.format_exc()
-    q.put((rank, out))
-    q.close()
-    q.join_thread()
-    os._exit(0)
+    _ship(q, rank, out)
 
 
 @pytest.mark.slow

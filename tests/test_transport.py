@@ -286,10 +286,16 @@ def _death_main(rank: int, world: int, port: int, q: Any) -> None:
         out["seconds"] = time.perf_counter() - t0
     except BaseException:  # noqa: BLE001
         out["crash"] = traceback.format_exc()
+    _ship(q, rank, out)  # the group is broken; do not run its destructor's waits
+
+
+def _ship(q: Any, rank: int, out: dict) -> None:
+    """Report a worker's results to the parent and exit at once (its group may be broken:
+    skip the destructors' waits)."""
     q.put((rank, out))
     q.close()
     q.join_thread()
-    os._exit(0)  # the group is broken; do not run its destructor's waits
+    os._exit(0)
 
 
 def _spawn(target, world: int, *args, wait_s: float = 90.0) -> dict[int, dict]:

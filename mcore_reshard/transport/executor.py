@@ -311,7 +311,7 @@ class _Run:
         if any(p in self.shm_dst for b in self.send_b for p in b):
             # The send buffers live in one shared segment: the same bytes as private ones.
             self.nonce = new_nonce()
-            path = segment_path(getattr(group, "_key", b""), self.me, self.nonce)
+            path = segment_path(group.derived_key("shm"), self.me, self.nonce)
             self.segment = ShmSegment.create(path, n_send_bufs * send_numel * self.itemsize)
             flat = self.segment.elements(dtype)
             self.send_bufs = [flat[i * send_numel : (i + 1) * send_numel] for i in range(n_send_bufs)]
@@ -556,7 +556,7 @@ class _Run:
                              f"(expected bucket {k}, {want} elements)")
         seg = self.attached.get(src)
         g = self.rank_map.group_rank("src", src)
-        path = segment_path(getattr(self.group, "_key", b""), g, nonce)
+        path = segment_path(self.group.derived_key("shm"), g, nonce)
         if seg is None or seg.path != path:
             seg = self.attached[src] = ShmSegment.attach(path)
         flat = seg.elements(self.dtype)

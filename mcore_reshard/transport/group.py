@@ -171,6 +171,11 @@ class RefitGroup:
 
     # -- control plane (small picklable objects through the store) -------------------------
 
+    def derived_key(self, purpose: str) -> bytes:
+        """A key for ``purpose`` (e.g. naming shared-memory segments) derived from the job's
+        secret; the control plane's own MAC key never leaves this object."""
+        return hmac.new(self._key, f"derive|{purpose}".encode(), hashlib.sha256).digest()
+
     def _sign(self, key: str, body: str) -> str:
         mac = hmac.new(self._key, f"{key}\0{body}".encode(), hashlib.sha256).hexdigest()
         return json.dumps({"mac": mac, "body": body})
