@@ -204,18 +204,21 @@ def from_policy_config(cfg: Mapping[str, Any]) -> RecipeLayout:
     backend = _typed(cfg, "policy.generation.backend", str, "vllm")
     if backend != "vllm":
         raise ConfigError(f"policy.generation.backend={backend!r}: mcore-reshard refits into vLLM")
-    if _typed(cfg, "policy.generation.colocated.enabled", bool, True):
-        raise ConfigError("policy.generation.colocated.enabled: colocated refits are not planned yet (set it false)")
-    gen_gpn = _typed(cfg, "policy.generation.colocated.resources.gpus_per_node", int, minimum=1)
-    gen_nodes = _typed(cfg, "policy.generation.colocated.resources.num_nodes", int, minimum=1)
-    if gen_gpn > gpn:
-        raise ConfigError(f"policy.generation.colocated.resources.gpus_per_node={gen_gpn} contradicts "
-                          f"cluster.gpus_per_node={gpn}")
-    gen_gpus = gen_gpn * gen_nodes
-    train_world = gpus - gen_gpus
-    if train_world <= 0:
-        raise ConfigError(f"policy.generation.colocated.resources ({gen_gpus} GPUs) leave no training GPUs of "
-                          f"cluster.num_nodes*cluster.gpus_per_node={gpus}")
+    colocated = _typed(cfg, "policy.generation.colocated.enabled", bool, True)
+    if colocated:
+        # NeMo RL's colocated mode: training and generation share every GPU of the cluster.
+        train_world = gen_gpus = gpus
+    else:
+        gen_gpn = _typed(cfg, "policy.generation.colocated.resources.gpus_per_node", int, minimum=1)
+        gen_nodes = _typed(cfg, "policy.generation.colocated.resources.num_nodes", int, minimum=1)
+        if gen_gpn > gpn:
+            raise ConfigError(f"policy.generation.colocated.resources.gpus_per_node={gen_gpn} contradicts "
+                              f"cluster.gpus_per_node={gpn}")
+        gen_gpus = gen_gpn * gen_nodes
+        train_world = gpus - gen_gpus
+        if train_world <= 0:
+            raise ConfigError(f"policy.generation.colocated.resources ({gen_gpus} GPUs) leave no training GPUs of "
+                              f"cluster.num_nodes*cluster.gpus_per_node={gpus}")
 
     m = "policy.megatron_cfg."
     tp = _typed(cfg, m + "tensor_model_parallel_size", int, 1, minimum=1)
@@ -259,6 +262,8 @@ def from_policy_config(cfg: Mapping[str, Any]) -> RecipeLayout:
     )
     from .plan.topology import TopologyConfig
 
-    # Non-colocated NeMo RL: training fills its nodes, generation the nodes after them.
-    return RecipeLayout(spec, training, vllm, refit, topology=TopologyConfig(gpus_per_node=gpn))
+    # Non-colocated NeMo RL: training fills its nodes, generation the nodes after them;
+    # colocated: training rank i and inference rank i share GPU i.
+    topology = TopologyConfig(gpus_per_node=gpn, placement="colocated" if colocated else "separate")
+    return RecipeLayout(spec, training, vllm, refit, topology=topology)
 

@@ -168,6 +168,25 @@ def test_run_path_calls_the_loop(loop_stub, capsys):
     assert recipe.grpo.max_num_steps == 3 and address == "auto" and as_json is True
 
 
+def test_colocated_recipe_plans_same_device_and_is_not_run_by_the_loop(tmp_path, capsys, loop_stub):
+    """policy.generation.colocated.enabled: both sides on every slot (training rank i and vLLM
+    worker i on device i): the dry run plans it (same-device bytes, nothing over the fabric);
+    the GRPO loop, which runs the two sides on separate slots, refuses it in one line."""
+    d = yaml.safe_load(TINY.read_text())
+    _edit(d, "policy.generation.colocated.enabled", True)
+    _edit(d, "cluster.gpus_per_node", 4)
+    f = tmp_path / "colocated.yaml"
+    f.write_text(yaml.safe_dump(d))
+    r = load_grpo_recipe(f)
+    assert r.colocated and r.training.world_size == r.vllm.world_size == 4 and r.vllm.replicas == 4
+    rep = _json(capsys, ["grpo", str(f), "--dry-run", "--json"])
+    assert rep["colocated"] and rep["nodes_used"] == 1
+    assert rep["bytes_inter_node"] == rep["bytes_inter_node_min"] == 0 and rep["bytes_same_device"] > 0
+    assert rep["bytes_hf_ipc"] == rep["bytes_hf_broadcast"]  # NeMo RL: every worker gets the full model
+    _one_line_error(capsys, ["grpo", f], "policy.generation.colocated.enabled=true")
+    assert loop_stub == []
+
+
 def test_run_path_refuses_what_this_machine_cannot_run(loop_stub, capsys):
     _one_line_error(capsys, ["grpo", QWEN_4N], "policy.megatron_cfg.transformer_impl='transformer_engine'")
     assert loop_stub == []
@@ -215,7 +234,6 @@ BAD = [
     ("two-nodes-split", {"cluster.num_nodes": 2}, "policy.generation.colocated.resources.gpus_per_node=1"),
     ("one-node-two-gen-nodes", {"policy.generation.colocated.resources.num_nodes": 2},
      "policy.generation.colocated.resources"),
-    ("colocated", {"policy.generation.colocated.enabled": True}, "policy.generation.colocated.enabled"),
     ("num-cpus-with-address", {"ray.address": "auto", "ray.num_cpus": 4}, "ray.num_cpus=4"),
     ("uneven-batch", {"grpo.num_prompts_per_step": 3, "grpo.num_generations_per_prompt": 3},
      "grpo.num_prompts_per_step*num_generations_per_prompt=9"),

@@ -33,6 +33,7 @@ class Placement:
     engines: int
     training_nodes: int
     generation_nodes: int
+    colocated: bool = False  # both sides share every GPU (NeMo RL's colocated mode)
 
     @property
     def slots(self) -> int:
@@ -45,6 +46,8 @@ class Placement:
 
     @property
     def nodes_used(self) -> int:
+        if self.colocated:
+            return self.training_nodes
         return 1 if self.shared_node else self.training_nodes + self.generation_nodes
 
 
@@ -52,6 +55,14 @@ def placement(recipe: GrpoRecipe) -> Placement:
     """Where the ranks go; ``ConfigError`` when they do not fit the cluster."""
     c, t, g = recipe.cluster, recipe.training.world_size, recipe.vllm.world_size
     gpn = c.gpus_per_node
+    if recipe.colocated:  # both sides on the same GPUs
+        nodes = -(-t // gpn)
+        p = Placement(c.num_nodes, gpn, t, g, recipe.vllm.replicas, training_nodes=nodes, generation_nodes=nodes,
+                      colocated=True)
+        if max(t, g) > p.slots:
+            raise ConfigError(f"placement: {t} training and {g} generation ranks on the same GPUs do not fit "
+                              f"cluster.num_nodes*cluster.gpus_per_node={c.num_nodes}*{gpn}")
+        return p
     p = Placement(c.num_nodes, gpn, t, g, recipe.vllm.replicas,
                   training_nodes=1 if c.num_nodes == 1 else -(-t // gpn),
                   generation_nodes=1 if c.num_nodes == 1 else -(-g // gpn))
@@ -129,6 +140,8 @@ class DryRunReport:
     modelled_hf_broadcast_seconds: float
     bytes_inter_node: int
     bytes_inter_node_min: int  # one copy per inference node
+    bytes_same_device: int
+    bytes_hf_ipc: int  # NeMo RL's colocated path: every inference rank gets the full model over IPC
     published: PublishedFigure | None
     samples_per_step: int
     max_num_steps: int
@@ -141,6 +154,7 @@ class DryRunReport:
             num_nodes=p.num_nodes, gpus_per_node=p.gpus_per_node, slots=p.slots, training_ranks=p.training_ranks,
             generation_ranks=p.generation_ranks, engines=p.engines, training_nodes=p.training_nodes,
             generation_nodes=p.generation_nodes, nodes_used=p.nodes_used, shared_node=p.shared_node,
+            colocated=p.colocated,
             bytes_min=self.plan.bytes_min, bytes_planned=self.plan.bytes_planned,
             bytes_hf_broadcast=self.plan.bytes_hf_broadcast,
             buffer_bytes_training=self.buffer_bytes_per_rank * p.training_ranks,
@@ -153,7 +167,8 @@ class DryRunReport:
     def table(self) -> str:
         p, r = self.placement, self.plan
         title = f"GRPO dry run: {self.recipe} ({self.model}, {self.dtype})"
-        share = (f"{p.nodes_used} node shared" if p.shared_node
+        share = (f"the same {p.training_nodes} of {p.num_nodes} node(s), GPU i shared (colocated)" if p.colocated
+                 else f"{p.nodes_used} node shared" if p.shared_node
                  else f"{p.training_nodes} + {p.generation_nodes} of {p.num_nodes} nodes")
         pub = (f"{self.published.seconds}  ({self.published.system}: {self.published.what}; {self.published.source})"
                if self.published else "no published figure for this layout")
@@ -173,6 +188,9 @@ class DryRunReport:
                                       f"{format_bytes(r.bucket_bytes)} buckets, {r.num_buckets} rounds)"),
             ("bytes over the fabric", f"{format_bytes(self.bytes_inter_node)}  (floor: one copy per inference "
                                       f"node, {format_bytes(self.bytes_inter_node_min)})"),
+            *([("bytes on the same GPU", f"{format_bytes(self.bytes_same_device)}  (NeMo RL's colocated path sends "
+                                         f"{format_bytes(self.bytes_hf_ipc)} over IPC)")] if self.placement.colocated
+              else []),
             ("modelled refit time", f"{_seconds(self.modelled_refit_seconds)}  (" + (
                 f"busiest rank / {self.link} {self.link_gbps:g} GB/s" if self.link == "intra-node" else
                 f"slowest rank's links: {self.intra_node_gbps:g} GB/s intra-node, {self.inter_node_gbps:g} GB/s "
@@ -209,7 +227,9 @@ def dry_run(recipe: GrpoRecipe, *, intra_node_gbps: float = 450.0, inter_node_gb
     src, dst, plan = plan_layouts(recipe.spec, recipe.training, recipe.vllm, recipe.refit)
     # The plan the job runs on this placement (fan-out relays where they lower the modelled
     # time), and its modelled time over both link classes.
-    where = TopologyConfig(gpus_per_node=recipe.cluster.gpus_per_node).place(src.world_size, dst.world_size)
+    where = TopologyConfig(gpus_per_node=recipe.cluster.gpus_per_node,
+                           placement="colocated" if recipe.colocated else "separate").place(src.world_size,
+                                                                                            dst.world_size)
     links = Links(intra_node_gbps, inter_node_gbps)
     plan = plan_for_placement(src, dst, where, links, bucket_bytes=recipe.refit.bucket_bytes,
                               allow_cast=recipe.refit.allow_cast)
@@ -218,7 +238,8 @@ def dry_run(recipe: GrpoRecipe, *, intra_node_gbps: float = 450.0, inter_node_gb
     recv = plan.recv_bytes()
     busiest_dst = max(range(len(recv)), key=recv.__getitem__) if recv else 0
     busiest = max(report.max_send_bytes, report.max_recv_bytes)
-    link, gbps = ("intra-node", intra_node_gbps) if place.shared_node else ("inter-node", inter_node_gbps)
+    link, gbps = (("colocated", intra_node_gbps) if recipe.colocated else
+                  ("intra-node", intra_node_gbps) if place.shared_node else ("inter-node", inter_node_gbps))
     v = recipe.vllm
     vllm_name = f"vllm(tp={v.tp},pp={v.pp},dp={v.dp},replicas={v.replicas}{',ep' if v.enable_ep else ''})"
     return DryRunReport(
@@ -227,7 +248,9 @@ def dry_run(recipe: GrpoRecipe, *, intra_node_gbps: float = 450.0, inter_node_gb
         busiest_dst_bytes=recv[busiest_dst] if recv else 0, busiest_rank_bytes=busiest,
         buffer_bytes_per_rank=recipe.refit.buffer_bytes, transport=recipe.refit.transport, link=link, link_gbps=float(gbps),
         intra_node_gbps=float(intra_node_gbps), inter_node_gbps=float(inter_node_gbps),
-        modelled_refit_seconds=placed.modelled_seconds if not place.shared_node else modelled_refit_seconds(busiest, gbps),
+        modelled_refit_seconds=placed.modelled_seconds if (recipe.colocated or not place.shared_node)
+        else modelled_refit_seconds(busiest, gbps),
+        bytes_same_device=placed.bytes_same_device, bytes_hf_ipc=placed.bytes_hf_ipc,
         bytes_inter_node=placed.bytes_inter_node, bytes_inter_node_min=placed.bytes_inter_node_min,
         modelled_hf_broadcast_seconds=modelled_refit_seconds(report.bytes_hf_broadcast, gbps),
         published=published_figure(recipe), samples_per_step=recipe.grpo.samples_per_step,

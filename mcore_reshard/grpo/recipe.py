@@ -366,7 +366,7 @@ def load_grpo_recipe(path: str | Path, overrides: Sequence[str] = ()) -> GrpoRec
     what = f"recipe {str(path)!r}"
     raw = apply_overrides(read_recipe_file(path, what), overrides)
     cfg = resolve_recipe(raw, what)
-    layout = from_policy_config(cfg)  # colocated=true is rejected there (a later issue)
+    layout = from_policy_config(cfg)
     training, vllm = layout.training, layout.vllm
     _check_world(training.world_size, vllm.world_size)
 
@@ -388,7 +388,9 @@ def load_grpo_recipe(path: str | Path, overrides: Sequence[str] = ()) -> GrpoRec
     log_dir = check_type("logger.log_dir", _node(cfg, "logger.log_dir") or f"results/{Path(path).stem}", str)
 
     r = "policy.generation.colocated.resources."
-    _check_placement(cluster, _node(cfg, r + "num_nodes"), _node(cfg, r + "gpus_per_node"), training, vllm)
+    colocated = bool(_node(cfg, "policy.generation.colocated.enabled"))
+    if not colocated:  # colocated: both sides on every GPU (from_policy_config checked the sizes)
+        _check_placement(cluster, _node(cfg, r + "num_nodes"), _node(cfg, r + "gpus_per_node"), training, vllm)
     spec = layout.spec
     n = task.target_ids(spec.vocab)
     _check(1 <= n < spec.vocab, f"env.target_tokens.target_fraction={task.target_fraction!r} rewards {n} of the "
@@ -412,6 +414,9 @@ def load_grpo_recipe(path: str | Path, overrides: Sequence[str] = ()) -> GrpoRec
     return GrpoRecipe(
         path=str(path), model=model, spec=spec, dtype=spec.dtype, training=training, vllm=vllm,
         refit=layout.refit, grpo=grpo, loss=loss, generation=generation, task=task, cluster=cluster, ray=ray,
-        lr=lr, log_dir=log_dir, colocated=bool(_node(cfg, "policy.generation.colocated.enabled")),
-        local_problem=_local_problem(model, spec.dtype, impl, training, vllm),
+        lr=lr, log_dir=log_dir, colocated=colocated,
+        local_problem=("policy.generation.colocated.enabled=true: the GRPO loop runs trainers and engines on "
+                       "separate device slots (colocated refits run in `mcore-reshard refit refit.placement="
+                       "colocated`; plan this recipe with --dry-run)") if colocated else
+        _local_problem(model, spec.dtype, impl, training, vllm),
     )
