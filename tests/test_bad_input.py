@@ -237,7 +237,6 @@ RECIPE_CASES = [
     ("unknown-key", [_edit("policy.megatron_cfg.mcore_reshard.bogus", 1)], "policy.megatron_cfg.mcore_reshard.bogus"),
     ("no-such-model", [_edit("policy.model_config", "no-such-model")], "policy.model_config='no-such-model'"),
     ("bad-precision", [_edit("policy.precision", "float13")], "policy.precision='float13'"),
-    ("colocated", [_edit("policy.generation.colocated.enabled", True)], "policy.generation.colocated.enabled"),
     ("interpolation", [_edit("policy.precision", "${nope.x}")], "policy.precision"),
     ("tp-3", [_edit("policy.megatron_cfg.tensor_model_parallel_size", 3)], "tensor_model_parallel_size"),
 ]
