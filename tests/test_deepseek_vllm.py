@@ -82,29 +82,47 @@ def _check_against_rules(path, recorded, infos, **par):
                                    f"only in rules {sorted(want[0] - got[0])[:3]}")
 
 
-def _hf_greedy(path):
+def _hf(path):
+    """HF's greedy continuation of each prompt, and the logprobs of those sequences' tokens."""
     import torch
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    seqs, lps = [], []
     with torch.no_grad():
-        return [model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False)[0, len(p):].tolist()
-                for p in PROMPTS]
+        for p in PROMPTS:
+            seq = model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False)[0]
+            logp = torch.log_softmax(model(seq[None]).logits[0, :-1].float(), -1)
+            seqs.append(seq.tolist())
+            lps.append(logp.gather(1, seq[1:, None])[:, 0].tolist())
+    return seqs, lps
+
+
+#: vLLM's CPU MLA attention vs transformers on the same weights (see test_deepseek_refit.py):
+#: mean exp(|difference|) of teacher-forced logprobs stays below this; different weights do not.
+CPU_MLA_GAP = 1.1
+
+
+def _gap(llm, seqs, lps) -> float:
+    from mcore_reshard.adapters.vllm.engine import prompt_logprobs
+    from mcore_reshard.verify import token_mult_prob_error
+
+    return max(token_mult_prob_error(prompt_logprobs(llm, s), lp) for s, lp in zip(seqs, lps))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant, tp", [("q_lora", 1), ("plain_q", 2)])
-def test_live_recording_equals_rules_and_refit_equals_hf(tmp_path, variant, tp):
+def test_live_recording_equals_rules_and_refit_matches_hf(tmp_path, variant, tp):
     from mcore_reshard.adapters.vllm.engine import after_refit, describe, greedy, start_engine, stop_engine
 
     cfg = TINY_DEEPSEEK_V3 if variant == "q_lora" else NO_Q_LORA
     a = make_tiny_checkpoint(tmp_path / "a", overrides=cfg, family="deepseek_v3", seed=0)
     b = make_tiny_checkpoint(tmp_path / "b", overrides=cfg, family="deepseek_v3", seed=1)
-    hf_b = _hf_greedy(b)
+    seqs, lps = _hf(b)
     llm = start_engine(str(a), tp=tp)
     try:
         before = greedy(llm, PROMPTS, MAX_TOKENS)
-        assert before != hf_b  # A and B really differ
+        assert _gap(llm, seqs, lps) > CPU_MLA_GAP  # A is not B
         infos = llm.collective_rpc("mr_rank_info")
         _check_against_rules(a, describe(llm), infos, tp=tp)
         assert greedy(llm, PROMPTS, MAX_TOKENS) == before  # recording left the weights alone
@@ -114,6 +132,8 @@ def test_live_recording_equals_rules_and_refit_equals_hf(tmp_path, variant, tp):
         statuses = llm.collective_rpc("mr_load_canonical", args=(str(b),))
         assert all(s["state"] == "serving" for s in statuses), statuses
         after_refit(llm)
-        assert greedy(llm, PROMPTS, MAX_TOKENS) == hf_b
+        # B now, up to the CPU MLA kernel's own difference from transformers (greedy tokens can
+        # flip on a near-tie under that difference, so compare teacher-forced logprobs)
+        assert _gap(llm, seqs, lps) < CPU_MLA_GAP
     finally:
         stop_engine(llm)
