@@ -14,9 +14,8 @@ import torch
 
 from mcore_reshard.plan.topology import Placement, placement_report, plan_for_placement, relay_groups
 from mcore_reshard.ports import free_port
-from mcore_reshard.transport.executor import execute_plan, zero_fill_padding
-from mcore_reshard.transport.group import RankMap, RefitError, RefitGroup
-from test_transport import _ship, FlippingSink, T, _spawn, canonical, expected_equal, locals_of
+from mcore_reshard.transport.group import RankMap, RefitGroup
+from test_transport import FlippingSink, T, _ship, _spawn, refit_once
 from toy_layouts import split_layout
 
 NUM_SRC, PARTS, REPLICAS = 2, 2, 2
@@ -55,27 +54,9 @@ def _relay_main(rank: int, world: int, port: int, q: Any) -> None:
         rm = RankMap.disaggregated(NUM_SRC, PARTS * REPLICAS)
         s_rank, d_rank = rm.roles(rank)
         group = RefitGroup.create("127.0.0.1", port, rank, world, 20.0, rank == 0, rank_map=rm)
-        sp = plan.for_rank("src", s_rank) if s_rank is not None else None
-        dp = plan.for_rank("dst", d_rank) if d_rank is not None else None
-
-        def refit(seed, sink=None):
-            canon = canonical(T, seed)
-            s = locals_of(src, s_rank, canon) if s_rank is not None else {}
-            d = locals_of(dst, d_rank, None) if d_rank is not None else {}
-            try:
-                stats = execute_plan(sp, dp, s, d if sink is None else sink(d), group, rm, timeout_s=20.0,
-                                     plan_digest=plan.digest())
-                err = None
-            except RefitError as e:
-                stats, err = None, str(e)
-            bad = None
-            if d_rank is not None:
-                zero_fill_padding(d, dst.for_rank(d_rank))
-                bad = expected_equal(dst, d_rank, canon, d)
-            return {"stats": stats, "err": err, "bad": bad}
-
-        out["ok"] = refit(seed=3)
-        out["flip"] = refit(seed=4, sink=(lambda d: FlippingSink(d, "local.a")) if d_rank == 2 else None)
+        out["ok"] = refit_once(plan, src, dst, s_rank, d_rank, group, rm, seed=3)
+        out["flip"] = refit_once(plan, src, dst, s_rank, d_rank, group, rm, seed=4,
+                                 sink=(lambda d: FlippingSink(d, "local.a")) if d_rank == 2 else None)
         group.close()
     except BaseException:  # noqa: BLE001 -- ship every failure to the parent
         out["crash"] = traceback.format_exc()
@@ -127,15 +108,7 @@ def _moe_main(rank: int, world: int, port: int, q: Any) -> None:
         rm = RankMap.disaggregated(2, 2)
         s_rank, d_rank = rm.roles(rank)
         group = RefitGroup.create("127.0.0.1", port, rank, world, 20.0, rank == 0, rank_map=rm)
-        canon = canonical(src.tensors, 5)
-        d = locals_of(dst, d_rank, None) if d_rank is not None else {}
-        out["stats"] = execute_plan(plan.for_rank("src", s_rank) if s_rank is not None else None,
-                                    plan.for_rank("dst", d_rank) if d_rank is not None else None,
-                                    locals_of(src, s_rank, canon) if s_rank is not None else {}, d, group, rm,
-                                    timeout_s=20.0, plan_digest=plan.digest())
-        if d_rank is not None:
-            zero_fill_padding(d, dst.for_rank(d_rank))
-            out["bad"] = expected_equal(dst, d_rank, canon, d)
+        out = refit_once(plan, src, dst, s_rank, d_rank, group, rm, seed=5, tensors=src.tensors)
         group.close()
     except BaseException:  # noqa: BLE001
         out["crash"] = traceback.format_exc()
@@ -153,4 +126,5 @@ def test_both_members_relay_in_one_bucket():
     assert both  # the case that needs the order
     res = _spawn(_moe_main, 4, free_port())
     for r in (2, 3):
+        assert res[r]["err"] is None, res[r]["err"]
         assert res[r]["bad"] == [] and res[r]["stats"].verified and res[r]["stats"].bytes_sent > 0

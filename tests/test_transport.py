@@ -172,6 +172,28 @@ class FlippingSink(TensorSink):
             self.done = True
 
 
+def refit_once(plan, src, dst, s_rank, d_rank, group, rm, seed: int, *, tensors=T, sink=None,
+               digest: str | None = None, progress: bool = False) -> dict:
+    """One refit of ``canonical(tensors, seed)`` on this rank: its stats or one error line, and
+    the destination tensors that are not bit-for-bit what the descriptors say."""
+    sp = plan.for_rank("src", s_rank) if s_rank is not None else None
+    dp = plan.for_rank("dst", d_rank) if d_rank is not None else None
+    canon = canonical(tensors, seed)
+    s = locals_of(src, s_rank, canon) if s_rank is not None else {}
+    d = locals_of(dst, d_rank, None) if d_rank is not None else {}
+    try:
+        stats = execute_plan(sp, dp, s, d if sink is None else sink(d), group, rm, timeout_s=20.0,
+                             plan_digest=plan.digest() if digest is None else digest, progress=progress)
+        err = None
+    except RefitError as e:
+        stats, err = None, str(e)
+    bad = None
+    if d_rank is not None:
+        zero_fill_padding(d, dst.for_rank(d_rank))
+        bad = expected_equal(dst, d_rank, canon, d)
+    return {"stats": stats, "err": err, "bad": bad}
+
+
 def _world_main(rank: int, world: int, port: int, port2: int, q: Any) -> None:
     """2 sources (group 0, 1) + 2 destinations (group 2, 3); several checks in one world."""
     out: dict[str, Any] = {}
@@ -186,21 +208,8 @@ def _world_main(rank: int, world: int, port: int, port2: int, q: Any) -> None:
         sp = plan.for_rank("src", s_rank) if s_rank is not None else None
         dp = plan.for_rank("dst", d_rank) if d_rank is not None else None
 
-        def refit(seed, sink=None, digest=plan.digest()):
-            canon = canonical(T, seed)
-            s = locals_of(src, s_rank, canon) if s_rank is not None else {}
-            d = locals_of(dst, d_rank, None) if d_rank is not None else {}
-            try:
-                stats = execute_plan(sp, dp, s, d if sink is None else sink(d), group, rm, timeout_s=20.0,
-                                     plan_digest=digest, progress=rank == 0)
-                err = None
-            except RefitError as e:
-                stats, err = None, str(e)
-            bad = None
-            if d_rank is not None:
-                zero_fill_padding(d, dst.for_rank(d_rank))
-                bad = expected_equal(dst, d_rank, canon, d)
-            return {"stats": stats, "err": err, "bad": bad}
+        def refit(seed, sink=None):
+            return refit_once(plan, src, dst, s_rank, d_rank, group, rm, seed, sink=sink, progress=rank == 0)
 
         out["buckets"] = plan.num_buckets
         out["ok"] = refit(seed=7)

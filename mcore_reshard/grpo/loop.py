@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 
 from ..errors import RefitError, RefitFailed
 from ..protocol import VerifyMode, one_line
+from ..verify import token_mult_prob_error
 from .algorithm import GrpoBatch, TargetTokensTask, completion_logprobs, group_advantages
 
 __all__ = ["GrpoRun", "StepMetrics", "run_grpo"]
@@ -121,6 +122,7 @@ class GrpoRun:
                 pass
 
     def placement(self) -> dict:
+        """Where each side landed (recorded at start-up, so still readable after ``close``)."""
         return {"trainers": [n["node_id"] for n in self.trainers.nodes],
                 "engines": [e.info["node_id"] for e in self.engines], "master": self.trainers.host}
 
@@ -178,7 +180,7 @@ class GrpoRun:
         P = r.task.prompt_length
         gen_lp = [x for _, lps in samples for x in lps]
         train_lp = [x for lp in prev for x in completion_logprobs(lp, P)]
-        tmpe = _token_mult_prob_error(gen_lp, train_lp)
+        tmpe = token_mult_prob_error(gen_lp, train_lp)
         from ..refit import TOKEN_MULT_PROB_BOUND
 
         bound = TOKEN_MULT_PROB_BOUND.get(r.dtype, 1.05)
@@ -204,12 +206,6 @@ class GrpoRun:
                          {k: round(v, 4) for k, v in timing.items()})
         self.history.append(sm)
         return sm
-
-
-def _token_mult_prob_error(gen: Sequence[float], train: Sequence[float]) -> float:
-    from ..verify import token_mult_prob_error
-
-    return token_mult_prob_error(gen, train)
 
 
 def _cpus_needed(recipe: Any) -> int:
@@ -303,7 +299,7 @@ def run_grpo(recipe: Any, *, address: str | None = None, as_json: bool = False) 
     random_reward = run.task.random_policy_reward
     if as_json:
         print(json.dumps({"steps": [asdict(h) for h in history], "metrics": str(metrics_path), "plot": str(plot),
-                          "random_policy_reward": random_reward, "placement": _safe(run)}))
+                          "random_policy_reward": random_reward, "placement": run.placement()}))
     else:
         print(summary_table(history, random_reward))
         print(f"metrics: {metrics_path}\nplot: {plot}")
@@ -312,10 +308,3 @@ def run_grpo(recipe: Any, *, address: str | None = None, as_json: bool = False) 
 
 def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
-
-
-def _safe(run: GrpoRun) -> Any:
-    try:
-        return run.placement()
-    except Exception:  # noqa: BLE001 - the actors are gone after close
-        return None

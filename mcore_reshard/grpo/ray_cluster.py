@@ -22,6 +22,7 @@ import secrets
 import shutil
 import tempfile
 import time
+from dataclasses import replace
 from typing import Any, Sequence
 
 from ..errors import RefitFailed, TrainerError
@@ -187,7 +188,7 @@ class RayTrainerGroup:
             self.nodes = self._get([a.where.remote() for a in self.actors], "placement")
             self.host = self.nodes[0]["ip"]
             port = self._get([self.actors[0].free_port.remote(self.host)], "a free port")[0]
-            setup = _replace(setup, host=self.host, port=port)
+            setup = replace(setup, host=self.host, port=port)
             self._starting = [a.start.remote(r, setup) for r, a in enumerate(self.actors)]
             if wait:
                 self.started()
@@ -275,12 +276,6 @@ class RayTrainerGroup:
         if self.pg is not None:
             ray.util.remove_placement_group(self.pg)
             self.pg = None
-
-
-def _replace(setup: Any, **kw: Any) -> Any:
-    from dataclasses import replace
-
-    return replace(setup, **kw)
 
 
 # ---------------------------------------------------------------------------- engines

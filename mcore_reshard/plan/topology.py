@@ -79,14 +79,22 @@ class Placement:
         return cls(tuple(map(loc, range(num_src))), tuple(map(loc, range(num_dst))), gpus_per_node)
 
     def link(self, src: int, dst: int) -> str:
-        a, b = self.src[src], self.dst[dst]
-        if a == b:
-            return "same_device"
-        return "intra_node" if a.node == b.node else "inter_node"
+        """Link class from training rank ``src`` to inference rank ``dst``."""
+        return _link_class(self.src[src], self.dst[dst])
+
+    def dst_link(self, a: int, b: int) -> str:
+        """Link class between two inference ranks (a relay forwarding inside a group)."""
+        return _link_class(self.dst[a], self.dst[b])
 
     @property
     def dst_nodes(self) -> list[int]:
         return sorted({loc.node for loc in self.dst})
+
+
+def _link_class(a: Location, b: Location) -> str:
+    if a == b:
+        return "same_device"
+    return "intra_node" if a.node == b.node else "inter_node"
 
 
 def _positive(gpus_per_node: int) -> None:
@@ -299,7 +307,7 @@ def placement_report(plan: TransferPlan, src: SideLayout, dst: SideLayout, place
         for a in g:
             for m in g:
                 if m != a:
-                    c = _dst_link(placement, a, m)
+                    c = placement.dst_link(a, m)
                     totals[c] += direct[a]
                     recv[c][m] += direct[a]
                     relay_sent[c][a] += direct[a]
@@ -321,11 +329,6 @@ def placement_report(plan: TransferPlan, src: SideLayout, dst: SideLayout, place
 
 
 # ------------------------------------------------------------------------ fan-out relays
-
-
-def _dst_link(placement: Placement, a: int, b: int) -> str:
-    x, y = placement.dst[a], placement.dst[b]
-    return "same_device" if x == y else ("intra_node" if x.node == y.node else "inter_node")
 
 
 def _signature(params: Sequence) -> tuple:
