@@ -58,6 +58,8 @@ class RefitMetrics:
     phases: dict[str, float] = field(default_factory=dict)
     #: The part of ``bytes_moved`` that went through shared memory (same-device pairs).
     bytes_same_device: int = 0
+    #: The part of ``bytes_moved`` received zero-copy (large contiguous boxes, no buffers).
+    bytes_zero_copy: int = 0
 
 
 def engine_world(llm: Any) -> int:
@@ -311,6 +313,7 @@ class RefitDriver:
             plan_cached=cached,
             phases=phases,
             bytes_same_device=sum(r.bytes_same_device for r in dst),
+            bytes_zero_copy=sum(r.bytes_zero_copy for r in dst),
         )
 
     def _gate_unsure_engines(self, reason: str) -> None:

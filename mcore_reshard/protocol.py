@@ -194,6 +194,8 @@ class RankReport:
     phases: dict[str, float] = field(default_factory=dict)
     #: The part of the bytes sent or received that went through shared memory (same device).
     bytes_same_device: int = 0
+    #: The part that went zero-copy (parameter to parameter, no buffer between).
+    bytes_zero_copy: int = 0
 
     def to_wire(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from mcore_reshard.layout.torch_views import TORCH_DTYPES, materialize_local
+from mcore_reshard.layout.torch_views import TORCH_DTYPES, local_view, materialize_local
 from mcore_reshard.plan import build_plan
-from mcore_reshard.transport.checksum import checksum, checksums
+from mcore_reshard.transport.checksum import checksum, checksums, digest
 from mcore_reshard.transport.executor import TensorSink, execute_plan, raw_send_bandwidth, zero_fill_padding
 from mcore_reshard.transport.group import RankMap, RefitError, RefitGroup, RefitTimeout
 from mcore_reshard.ports import free_port
@@ -74,6 +74,12 @@ def test_checksum_is_exact_and_sees_swaps_and_single_bits(dtype):
     flipped = x.clone().view(-1)
     flipped.view(torch.uint8)[5] ^= 1  # one bit of one byte
     assert checksum(flipped) != base
+    # The CPU algorithm (xxh3 of the bytes): equal copies agree, a swap or one bit does not.
+    d = digest(x)
+    assert d == digest(x.clone()) and d[1] == x.numel() * x.element_size()
+    assert digest(flipped.view(x.shape)) != d
+    if not torch.equal(swapped.view(x.shape), x):
+        assert digest(swapped.view(x.shape)) != d
 
 
 def test_checksum_follows_logical_order_not_strides():
@@ -85,6 +91,8 @@ def test_checksum_follows_logical_order_not_strides():
     assert checksum(box) != checksum(box.t().contiguous())
     sums = checksums([box, box.contiguous()])
     assert sums.dtype == torch.int64 and torch.equal(sums[0], sums[1])
+    assert digest(box) == digest(box.contiguous()) != digest(box.t().contiguous())
+    assert tuple(sums[0].tolist()) == digest(box)  # CPU tensors: the xxh3 rows
 
 
 def test_rank_map_names_sides_and_group_ranks():
@@ -250,6 +258,48 @@ def _world_main(rank: int, world: int, port: int, port2: int, q: Any) -> None:
     q.put((rank, out))
 
 
+#: Large boxes (2 MiB halves of "w", contiguous on both sides) go zero-copy; "b" is packed.
+TZ = {"w": ((1024, 1024), "float32"), "b": ((8,), "float32")}
+
+
+class CorruptOnLanding(TensorSink):
+    """Receives a zero-copy box correctly, then corrupts it before it is hashed."""
+
+    def landed(self, local_name, view, hash_fn):
+        local_view(self.tensors[local_name], view).view(-1)[0] += 1.0
+        return super().landed(local_name, view, hash_fn)
+
+
+def _zero_copy_main(rank: int, world: int, port: int, q: Any) -> None:
+    """2 sources (row halves) -> 1 destination (whole tensors): the big boxes skip the buffers."""
+    out: dict[str, Any] = {}
+    try:
+        torch.set_num_threads(1)
+        src = split_layout(TZ, parts=2, dim=0)
+        dst = split_layout(TZ, parts=1, dim=0)
+        plan = build_plan(src, dst, bucket_bytes=8 << 20)
+        rm = RankMap.disaggregated(2, 1)
+        s_rank, d_rank = rm.roles(rank)
+        group = RefitGroup.create("127.0.0.1", port, rank, world, 20.0, rank == 0, rank_map=rm)
+        out["ok"] = refit_once(plan, src, dst, s_rank, d_rank, group, rm, 3, tensors=TZ)
+        # a sink with no ``target``: zero-copy boxes land in a temporary, then go through write()
+        canon = canonical(TZ, 4)
+        d = locals_of(dst, d_rank, None) if d_rank is not None else {}
+        sink = (lambda name, view, t: local_view(d[name], view).copy_(t)) if d_rank is not None else None
+        execute_plan(plan.for_rank("src", s_rank) if s_rank is not None else None,
+                     plan.for_rank("dst", d_rank) if d_rank is not None else None,
+                     locals_of(src, s_rank, canon) if s_rank is not None else {}, sink, group, rm,
+                     timeout_s=20.0, plan_digest=plan.digest(), wire_dtype=torch.float32)
+        out["callable_bad"] = expected_equal(dst, d_rank, canon, d) if d_rank is not None else []
+        # the destination's tensor corrupted after the bytes landed: caught, the box named
+        out["corrupt"] = refit_once(plan, src, dst, s_rank, d_rank, group, rm, 5, tensors=TZ,
+                                    sink=(lambda d: CorruptOnLanding(d)))
+        group.close()
+    except BaseException:  # noqa: BLE001 -- ship every failure to the parent
+        out["crash"] = traceback.format_exc()
+    q.put((rank, out))
+
+
 class DyingTensors(dict):
     """Source tensors whose process exits on the ``after``-th lookup: a crash while packing."""
 
@@ -282,7 +332,7 @@ def _death_main(rank: int, world: int, port: int, q: Any) -> None:
             q.close()
             q.join_thread()
             sent_first = sum(len(ts) for b in plan.for_rank("src", 1).buckets()[:2] for ts in b.values())
-            s_locals = DyingTensors(s_locals, after=2 * sent_first)  # packs + checksums of buckets 0, 1
+            s_locals = DyingTensors(s_locals, after=sent_first)  # the packs of buckets 0, 1 (checksums hash the packed bytes)
         t0 = time.perf_counter()
         try:
             execute_plan(plan.for_rank("src", s_rank) if s_rank is not None else None,
@@ -383,3 +433,23 @@ def test_peer_death_mid_refit_raises_naming_the_missing_rank():
         err = res[r]["err"]
         assert err is not None and "source rank 1 (group rank 1) failed in bucket" in err, err
     assert res[0]["err"] is not None  # the surviving source cannot finish either
+
+
+@pytest.mark.slow
+def test_zero_copy_boxes_skip_the_buffers_and_stay_verified():
+    """Boxes >= DIRECT_MIN_BYTES that are contiguous on both sides are sent from the source
+    tensor and received into the destination tensor; the checksums still prove what the
+    destination holds (a corruption after landing is caught)."""
+    res = _spawn(_zero_copy_main, 3, free_port())
+    ok = res[2]["ok"]
+    assert ok["err"] is None and ok["bad"] == [] and ok["stats"].verified
+    w_bytes = 1024 * 1024 * 4
+    assert ok["stats"].bytes_zero_copy == w_bytes  # both 2 MiB halves of w, not b
+    assert ok["stats"].bytes_received == w_bytes + 8 * 4
+    assert ok["stats"].peak_extra_bytes < 1 << 10  # only b's 16 bytes per source were buffered
+    for r in (0, 1):
+        assert res[r]["ok"]["stats"].bytes_zero_copy == w_bytes // 2
+        assert res[r]["ok"]["stats"].peak_extra_bytes < 1 << 10
+    assert res[2]["callable_bad"] == []
+    err = res[2]["corrupt"]["err"]
+    assert err is not None and "checksum mismatch in 2 transfer(s)" in err and "local.w" in err, err  # both boxes

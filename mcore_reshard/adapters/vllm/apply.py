@@ -31,7 +31,7 @@ import time
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -195,28 +195,55 @@ class VllmApplier:
 
     def write(self, local_name: str, view: View, tensor: torch.Tensor) -> None:
         """Copy ``tensor`` (shape == view.shape) into ``local_name`` at ``view``."""
+        self.write_hashed(local_name, view, tensor, None)
+
+    def write_hashed(self, local_name: str, view: View, tensor: torch.Tensor,
+                     hash_fn: Callable[[torch.Tensor], Any] | None) -> Any:
+        """``write``, then ``hash_fn`` of what the model-format tensor holds at ``view``, taken
+        before a completed layer is processed (the executor's end-to-end checksum)."""
+        lp = self._check(local_name, view, tuple(tensor.shape))
+        dst = local_view(self._target(local_name, lp), view)
+        dst.copy_(tensor.to(self.device))
+        return self._landed(local_name, lp, dst, hash_fn)
+
+    def target(self, local_name: str, view: View) -> torch.Tensor:
+        """Where the box at ``view`` lives (staged or model format): the executor receives a
+        large contiguous box straight into it, then calls ``landed``."""
+        lp = self._check(local_name, view, tuple(view.shape))
+        return local_view(self._target(local_name, lp), view)
+
+    def landed(self, local_name: str, view: View, hash_fn: Callable[[torch.Tensor], Any] | None) -> Any:
+        """The bytes of a box received into ``target(local_name, view)`` are there: count them,
+        hash them, and (streaming) process a layer they complete."""
+        lp = self.params[local_name]
+        return self._landed(local_name, lp, local_view(self._target(local_name, lp), view), hash_fn)
+
+    def _check(self, local_name: str, view: View, shape: tuple[int, ...]) -> LocalParam:
         if self.state != "updating":
             raise RuntimeError(f"write({local_name}) outside begin()/finish() (state {self.state})")
         lp = self.params.get(local_name)
         if lp is None:
             raise LayoutError(f"{local_name}: not a parameter of this worker")
-        if tuple(tensor.shape) != tuple(view.shape):
-            raise LayoutError(f"{local_name}: tensor shape {tuple(tensor.shape)} != view shape {view.shape}")
+        if shape != tuple(view.shape):
+            raise LayoutError(f"{local_name}: tensor shape {shape} != view shape {view.shape}")
         if view.offset < 0 or (math.prod(view.shape) and view.extent()[1] > lp.numel):
             raise LayoutError(f"{local_name}: view {view} leaves the local tensor of {lp.numel} elements")
-        n = tensor.numel()
-        done = self._written.get(local_name, 0) + n
+        return lp
+
+    def _landed(self, local_name: str, lp: LocalParam, dst: torch.Tensor,
+                hash_fn: Callable[[torch.Tensor], Any] | None) -> Any:
+        done = self._written.get(local_name, 0) + dst.numel()
         expected = lp.numel - lp.padding
         if done > expected:
             raise LayoutError(f"{local_name}: {done} elements written, only {expected} expected (overlapping writes?)")
         self._written[local_name] = done
-        dst = self._target(local_name, lp)
-        local_view(dst, view).copy_(tensor.to(self.device))
+        out = hash_fn(dst) if hash_fn is not None else None
         if self.modes[local_name] == RELOAD and not self.atomic:
             st = self._layers[id(_owner(self.model, local_name)[0])]
             if self._layer_complete(st):
                 self._process(st)
                 self._commit(st)
+        return out
 
     def prepare(self) -> None:
         """Phase one of an atomic commit: check completeness and run vLLM's processing on the
@@ -310,7 +337,9 @@ class VllmApplier:
                 self._live_changed = True
                 return live
             if local_name not in self._staged:
-                self._staged[local_name] = live.clone()
+                # Every element is written before the commit (``_check_complete``; padding is
+                # zeroed in ``prepare``), so the staged copy starts empty, not as a clone.
+                self._staged[local_name] = torch.empty_like(live)
             return self._staged[local_name]
         st = self._layers.get(id(layer))
         if st is None:

@@ -35,8 +35,36 @@ def start_engine(model_dir: str, tp: int = 1, dtype: str = "float32", enable_ep:
         max_model_len=256, max_num_seqs=4, seed=0, tensor_parallel_size=tp,
         enable_expert_parallel=enable_ep, worker_extension_cls=EXTENSION,
     )
+    args.update(_cpu_mla_args(model_dir))
     args.update(kw)
     return LLM(**args)
+
+
+def _cpu_mla_args(model_dir: str) -> dict[str, Any]:
+    """Engine settings an MLA model (DeepSeek-V3 family) needs on vLLM's CPU build.
+
+    - ``attention_backend="CPU_MLA"``: on a CPU with AMX vLLM picks AMX_MLA, which takes only
+      bf16 weights (an fp32 engine fails to load: "expect weight to be bfloat16, ...").
+    - the PyTorch rotary embedding instead of the C++ ``rotary_embedding`` op: MLA hands it a
+      strided 3-D ``q[..., nope:]`` and a ``k_pe`` view into each latent row, while the CPU op
+      assumes a contiguous 2-D [tokens, heads * head_size] layout and rotates the wrong rows
+      (only position 0 comes out right; vLLM then drifts from HF by up to 0.025 nats in fp32).
+      With the PyTorch rotary it matches HF to 5e-7.
+    """
+    import json
+    from pathlib import Path
+
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if cfg.get("kv_lora_rank") is None:
+        return {}
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return {}
+    return {"attention_backend": "CPU_MLA", "compilation_config": {"custom_ops": ["-rotary_embedding"]}}
 
 
 def stop_engine(llm: Any) -> None:

@@ -216,10 +216,24 @@ class _Tee:
         self.copies = {p.name: torch.zeros(p.shape, dtype=TORCH_DTYPES[p.dtype]) for p in applier.params.values()}
 
     def write(self, local_name: str, view: Any, tensor: torch.Tensor) -> None:
+        self.write_hashed(local_name, view, tensor, None)
+
+    def write_hashed(self, local_name: str, view: Any, tensor: torch.Tensor, hash_fn: Any) -> Any:
         from ...layout.torch_views import local_view
 
-        self.applier.write(local_name, view, tensor)
+        out = self.applier.write_hashed(local_name, view, tensor, hash_fn)
         local_view(self.copies[local_name], view).copy_(tensor)
+        return out
+
+    def target(self, local_name: str, view: Any) -> torch.Tensor:
+        return self.applier.target(local_name, view)
+
+    def landed(self, local_name: str, view: Any, hash_fn: Any) -> Any:
+        from ...layout.torch_views import local_view
+
+        # Copy before the applier may process (repack) a layer this box completes.
+        local_view(self.copies[local_name], view).copy_(self.applier.target(local_name, view))
+        return self.applier.landed(local_name, view, hash_fn)
 
 
 class _ExitAfter:
@@ -229,9 +243,23 @@ class _ExitAfter:
         self.sink, self.params, self._left = sink, sink.params, n
 
     def write(self, local_name: str, view: Any, tensor: torch.Tensor) -> None:
+        self.write_hashed(local_name, view, tensor, None)
+
+    def write_hashed(self, local_name: str, view: Any, tensor: torch.Tensor, hash_fn: Any) -> Any:
         import os
 
         if self._left <= 0:
             os._exit(19)
         self._left -= 1
-        self.sink.write(local_name, view, tensor)
+        return self.sink.write_hashed(local_name, view, tensor, hash_fn)
+
+    def target(self, local_name: str, view: Any) -> torch.Tensor:
+        return self.sink.target(local_name, view)
+
+    def landed(self, local_name: str, view: Any, hash_fn: Any) -> Any:
+        import os
+
+        if self._left <= 0:
+            os._exit(19)
+        self._left -= 1
+        return self.sink.landed(local_name, view, hash_fn)
