@@ -14,7 +14,8 @@ floor) and where reshard's time goes (per-phase ``TransferStats`` plus the vLLM 
 Targets follow the bytes, printed as PASS/FAIL lines: reshard <= 1.15 x the bandwidth bound
 (busiest destination rank's bytes / the concurrent raw per-pair rate + vLLM's own apply time,
 measured in the same run) and speedup (median of per-round ratios) >= 0.85 x the byte ratio
-bytes_hf_broadcast / bytes_min. Not a test: the numbers are printed whether or not a target
+bytes_hf_broadcast / bytes_min; and the checksums cost <= 10 % of the refit (each round also
+runs the reshard refit with ``verify=off``: the cost is the paired difference). Not a test: the numbers are printed whether or not a target
 is met.
 
 ``--json`` prints exactly one JSON object on stdout; everything else (vLLM logs) goes to stderr.
@@ -55,6 +56,7 @@ BENCH_MODEL: dict[str, Any] = dict(
 #: the HF path cannot beat the byte ratio.
 TARGET_OVER_BOUND = 1.15  # reshard seconds <= 1.15 x the bound
 TARGET_OF_BYTE_RATIO = 0.85  # speedup >= 0.85 x bytes_hf_broadcast / bytes_min
+TARGET_VERIFY_COST = 0.10  # checksums cost <= 10 % of the refit's wall time
 
 
 # -- set-up ------------------------------------------------------------------------------------
@@ -175,8 +177,14 @@ def run(args: argparse.Namespace, log: Callable[..., None]) -> dict[str, Any]:
 
 
 def one_refit(c: Any, transport: str) -> tuple[Any, dict[str, float]]:
-    """One refit, with its per-phase seconds (slowest rank per phase)."""
-    m = c.refit_once(transport)
+    """One refit, with its per-phase seconds (slowest rank per phase). ``reshard_unverified``:
+    the same refit without checksums (what the verification costs is the difference)."""
+    if transport == "reshard_unverified":
+        from mcore_reshard.protocol import VerifyMode
+
+        m = c.driver.refit(request=replace(c.driver.request(), verify=VerifyMode.OFF))
+    else:
+        m = c.refit_once(transport)
     return m, dict(m.phases)
 
 
@@ -190,14 +198,15 @@ def timed_rounds(c: Any, args: argparse.Namespace, log: Callable[..., None]) -> 
     all_pairs = [(rank_map.group_rank("src", r % d.src.world_size), rank_map.group_rank("dst", r))
                  for r in range(d.dst.world_size)]
     per_dst = max(d.plan.recv_bytes())
-    out: dict[str, Any] = {"runs": {"reshard": [], "hf_broadcast": []}, "phases": {"reshard": [], "hf_broadcast": []},
+    transports = ("reshard", "hf_broadcast") + (("reshard_unverified",) if c.driver.request().verify.checksums else ())
+    out: dict[str, Any] = {"runs": {t: [] for t in transports}, "phases": {t: [] for t in transports},
                            "raw": [], "raw_concurrent": [], "per_dst": per_dst, "concurrent_pairs": len(all_pairs)}
     rounds = args.warmup + args.repeats
     for i in range(rounds):
         timed = i >= args.warmup
-        for transport in ("reshard", "hf_broadcast"):
+        for transport in transports:
             m, ph = one_refit(c, transport)
-            log(f"round {i + 1}/{rounds}{'' if timed else ' (warm-up)'}: {transport:<12} {m.seconds:7.3f}s  "
+            log(f"round {i + 1}/{rounds}{'' if timed else ' (warm-up)'}: {transport:<18} {m.seconds:7.3f}s  "
                 f"{_phase_line(ph)}")
             if timed:
                 out["runs"][transport].append(m)
@@ -238,7 +247,10 @@ def summarize(bench: dict[str, Any], peak_rss: int, job: Any, spec: Any, names: 
     """The JSON object: per transport the ``refit --json`` keys (seconds = median of the timed
     rounds; token_mult_prob_error from the check round's refit), the comparison and the floor."""
     out: dict[str, Any] = {}
+    unverified = bench["runs"].get("reshard_unverified", [])
     for transport, ms in bench["runs"].items():
+        if transport == "reshard_unverified":
+            continue
         check = bench["checks"][transport]
         secs = [m.seconds for m in ms]
         d = {k: v for k, v in asdict(check["metrics"]).items() if k != "notes"}
@@ -262,6 +274,13 @@ def summarize(bench: dict[str, Any], peak_rss: int, job: Any, spec: Any, names: 
     # kernel tensors): both transports pay it, no transport can avoid it.
     apply_s = sum(r["phases_median"].get(k, 0.0) for k in ("dst_apply_open", "dst_apply_process", "dst_apply_commit"))
     bound = per_dst / raw_conc + apply_s
+    # What the checksums cost: per interleaved round, (verified - unverified) / verified.
+    costs = [(rm.seconds - um.seconds) / rm.seconds for rm, um in zip(bench["runs"]["reshard"], unverified)]
+    if costs:
+        out["reshard_unverified"] = {"seconds": statistics.median(m.seconds for m in unverified),
+                                     "seconds_all": [m.seconds for m in unverified],
+                                     "phases_median": {k: statistics.median(p[k] for p in bench["phases"]["reshard_unverified"])
+                                                       for k in bench["phases"]["reshard_unverified"][0]}}
     gather_bytes = h["bytes_moved"] - plan.bytes_hf_broadcast
     out.update(
         speedup=h["seconds"] / r["seconds"],
@@ -273,6 +292,8 @@ def summarize(bench: dict[str, Any], peak_rss: int, job: Any, spec: Any, names: 
         bound_seconds=bound,
         bound_apply_seconds=apply_s,
         fraction_of_bound=r["seconds"] / bound,
+        verify_cost_fraction=statistics.median(costs) if costs else None,
+        verify_cost_range=[min(costs), max(costs)] if costs else None,
         raw_bytes_per_s=raw_bps,
         fraction_of_raw=achieved / raw_bps,
         bytes_per_dst_rank=per_dst,
@@ -281,7 +302,8 @@ def summarize(bench: dict[str, Any], peak_rss: int, job: Any, spec: Any, names: 
         raw_concurrent_bytes_per_s=raw_conc,
         raw_concurrent_pairs=bench["concurrent_pairs"],
         fraction_of_raw_concurrent=achieved / raw_conc,
-        targets={"reshard_over_bound_max": TARGET_OVER_BOUND, "speedup_over_byte_ratio_min": TARGET_OF_BYTE_RATIO},
+        targets={"reshard_over_bound_max": TARGET_OVER_BOUND, "speedup_over_byte_ratio_min": TARGET_OF_BYTE_RATIO,
+                 "verify_cost_max": TARGET_VERIFY_COST},
         model={"name": spec.name, "bytes": spec.total_bytes(), "dtype": spec.dtype,
                "layers": args.layers, "experts": args.experts,
                "training": names[0], "vllm": names[1]},
@@ -325,6 +347,10 @@ def table(res: dict[str, Any]) -> str:
         f"({res['fraction_of_bound']:.2f}x)",
         f"{ok(res['speedup_median'] >= TARGET_OF_BYTE_RATIO * res['byte_ratio'])}: speedup >= {TARGET_OF_BYTE_RATIO} x "
         f"byte ratio ({res['speedup_median']:.2f}x vs {TARGET_OF_BYTE_RATIO * res['byte_ratio']:.2f}x)",
+        *([f"{ok(res['verify_cost_fraction'] <= TARGET_VERIFY_COST)}: checksums cost <= "
+           f"{TARGET_VERIFY_COST:.0%} of the refit (median per round {res['verify_cost_fraction']:.1%}, range "
+           f"{res['verify_cost_range'][0]:.1%} - {res['verify_cost_range'][1]:.1%}; unverified reshard "
+           f"{res['reshard_unverified']['seconds']:.3f}s)"] if res.get("verify_cost_fraction") is not None else []),
         f"raw gloo send, {format_bytes(res['bytes_per_dst_rank'])} in one message: "
         f"{res['raw_bytes_per_s'] / 1e9:.2f} GB/s; reshard per destination rank "
         f"{res['reshard_bytes_per_s_per_dst'] / 1e9:.2f} GB/s = {100 * res['fraction_of_raw']:.0f}% of raw",

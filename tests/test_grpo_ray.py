@@ -127,6 +127,30 @@ def test_embedded_run_learns_every_refit_verified_and_ctrl_c_stops_it(tmp_path):
     assert set(Path("/tmp").glob("mr_ray_*")) == tmp_before
 
 
+def test_colocated_run_keeps_same_device_bytes_off_the_group(tmp_path):
+    """``policy.generation.colocated.enabled``: training rank i and vLLM worker i share device
+    slot i (2 trainers, 2 engines of TP1). Every refit of the run is verified at the minimum
+    bytes, part of them through shared memory (trainer i -> worker i), part over the group
+    (the other trainer's experts), ``verify=full`` passes, and no segment is left behind."""
+    from mcore_reshard.transport.shm import PREFIX, SHM_DIR
+
+    logs = tmp_path / "logs"
+    segments = set(Path(SHM_DIR).glob(PREFIX + "*"))
+    cmd = [sys.executable, "-m", "mcore_reshard.cli", "grpo", str(RECIPE), "policy.generation.colocated.enabled=true",
+           "cluster.gpus_per_node=2", "grpo.max_num_steps=2", "grpo.verify_full_every_n_steps=2",
+           f"logger.log_dir={logs}"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stderr[-2000:]
+    steps = _lines(logs / "metrics.jsonl")
+    assert len(steps) == 2
+    for s in steps:
+        assert s["refit_verified"] is True and s["refit_bytes_moved"] == s["refit_bytes_min"] > 0
+        assert 0 < s["refit_bytes_same_device"] < s["refit_bytes_moved"]
+        assert 1.0 <= s["token_mult_prob_error"] <= 1.001
+    assert [s["refit_full_verified"] for s in steps] == [False, True]
+    assert set(Path(SHM_DIR).glob(PREFIX + "*")) == segments
+
+
 @pytest.fixture(scope="module")
 def two_nodes():
     """Head (no CPUs: runs no actor), node A with 2 CPUs, node B with 1: the trainers' PACK

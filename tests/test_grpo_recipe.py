@@ -168,10 +168,10 @@ def test_run_path_calls_the_loop(loop_stub, capsys):
     assert recipe.grpo.max_num_steps == 3 and address == "auto" and as_json is True
 
 
-def test_colocated_recipe_plans_same_device_and_is_not_run_by_the_loop(tmp_path, capsys, loop_stub):
+def test_colocated_recipe_plans_same_device_and_runs(tmp_path, capsys, loop_stub):
     """policy.generation.colocated.enabled: both sides on every slot (training rank i and vLLM
-    worker i on device i): the dry run plans it (same-device bytes, nothing over the fabric);
-    the GRPO loop, which runs the two sides on separate slots, refuses it in one line."""
+    worker i on device i): the dry run plans it (same-device bytes, nothing over the fabric)
+    and the run path hands it to the loop (tests/test_grpo_ray.py runs it live)."""
     d = yaml.safe_load(TINY.read_text())
     _edit(d, "policy.generation.colocated.enabled", True)
     _edit(d, "cluster.gpus_per_node", 4)
@@ -183,8 +183,9 @@ def test_colocated_recipe_plans_same_device_and_is_not_run_by_the_loop(tmp_path,
     assert rep["colocated"] and rep["nodes_used"] == 1
     assert rep["bytes_inter_node"] == rep["bytes_inter_node_min"] == 0 and rep["bytes_same_device"] > 0
     assert rep["bytes_hf_ipc"] == rep["bytes_hf_broadcast"]  # NeMo RL: every worker gets the full model
-    _one_line_error(capsys, ["grpo", f], "policy.generation.colocated.enabled=true")
-    assert loop_stub == []
+    assert main(["grpo", str(f)]) == 0
+    (recipe, _, _), = loop_stub
+    assert recipe.colocated
 
 
 def test_run_path_refuses_what_this_machine_cannot_run(loop_stub, capsys):

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ..errors import RefitError, RefitFailed
+from ..errors import ConfigError, RefitError, RefitFailed
 from ..protocol import VerifyMode, one_line
 from ..verify import token_mult_prob_error
 from .algorithm import GrpoBatch, TargetTokensTask, completion_logprobs, group_advantages
@@ -44,6 +44,8 @@ class StepMetrics:
     refit_bytes_moved: int
     refit_bytes_min: int
     timing: dict[str, float] = field(default_factory=dict)  # generation, logprob_inference, policy_training, refit, total
+    #: Colocated runs: the part of ``refit_bytes_moved`` that stayed on its device (shared memory).
+    refit_bytes_same_device: int = 0
 
 
 class GrpoRun:
@@ -102,8 +104,11 @@ class GrpoRun:
         self.engines = engines
         self._closers.append(lambda: stop_engines(engines, pgs))
         self.trainers.started()
+        placement = None
+        if r.colocated:
+            placement = _colocated(r, self.trainers.nodes, [e.info for e in engines])
         self.driver = RefitDriver(self.trainers, engines, r.refit, r.spec, host=self.trainers.host,
-                                  port=self.trainers.free_port)
+                                  port=self.trainers.free_port, placement=placement)
         self.driver.__enter__()
         self._closers.append(lambda: self.driver.__exit__(None, None, None))
         self.task = TargetTokensTask.from_fraction(r.spec.vocab, r.task.target_fraction, r.task.prompt_length,
@@ -203,9 +208,27 @@ class GrpoRun:
         timing["refit"] = time.perf_counter() - t
         timing["total"] = time.perf_counter() - t_all
         sm = StepMetrics(step, sum(rewards) / len(rewards), loss, tmpe, m.verified, full, m.bytes_moved, m.bytes_min,
-                         {k: round(v, 4) for k, v in timing.items()})
+                         {k: round(v, 4) for k, v in timing.items()}, m.bytes_same_device)
         self.history.append(sm)
         return sm
+
+
+def _colocated(recipe: Any, trainer_nodes: list[dict], engine_infos: list[dict]) -> Any:
+    """``policy.generation.colocated.enabled``: training rank i and vLLM worker i share device i,
+    so their bytes move through shared memory. Here a device is a CPU slot of one node; GPU
+    devices would need CUDA IPC, which is not implemented (refused in one line)."""
+    import ray
+
+    from ..refit import colocated_placement
+
+    if ray.cluster_resources().get("GPU", 0) > 0:
+        raise ConfigError("policy.generation.colocated.enabled=true on a GPU cluster: same-GPU transfers need "
+                          "CUDA IPC, which mcore-reshard does not implement yet (run the recipe non-colocated)")
+    nodes = {n["node_id"] for n in trainer_nodes} | {e["node_id"] for e in engine_infos}
+    if len(nodes) != 1:
+        raise ConfigError(f"policy.generation.colocated.enabled=true: trainers and engines landed on {len(nodes)} "
+                          f"nodes; a colocated run on CPU needs one node (shared memory between its processes)")
+    return colocated_placement(recipe.training.world_size, recipe.vllm.world_size)
 
 
 def _cpus_needed(recipe: Any) -> int:

@@ -415,8 +415,5 @@ def load_grpo_recipe(path: str | Path, overrides: Sequence[str] = ()) -> GrpoRec
         path=str(path), model=model, spec=spec, dtype=spec.dtype, training=training, vllm=vllm,
         refit=layout.refit, grpo=grpo, loss=loss, generation=generation, task=task, cluster=cluster, ray=ray,
         lr=lr, log_dir=log_dir, colocated=colocated,
-        local_problem=("policy.generation.colocated.enabled=true: the GRPO loop runs trainers and engines on "
-                       "separate device slots (colocated refits run in `mcore-reshard refit refit.placement="
-                       "colocated`; plan this recipe with --dry-run)") if colocated else
-        _local_problem(model, spec.dtype, impl, training, vllm),
+        local_problem=_local_problem(model, spec.dtype, impl, training, vllm),
     )

@@ -24,9 +24,11 @@ def start_engine(model_dir: str, tp: int = 1, dtype: str = "float32", enable_ep:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         cores = os.cpu_count() or tp
-        per = max(cores // tp, 1)
+        per = cores // tp
+        # One core range per worker; with more workers than cores (TP4 on 2 cores) they share
+        # cores round-robin instead of naming cores that do not exist.
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
-            f"{r * per}" if per == 1 else f"{r * per}-{r * per + per - 1}" for r in range(tp))
+            f"{r % cores}" if per <= 1 else f"{r * per}-{r * per + per - 1}" for r in range(tp))
     os.environ[PLAIN_LINEAR_ENV] = "1" if direct else "0"
     from vllm import LLM
 
