@@ -42,14 +42,17 @@ def gather_layout(tensors: Mapping[str, tuple[tuple[int, ...], str]]) -> SideLay
 
 def hf_buckets(tensors: Mapping[str, tuple[tuple[int, ...], str]], buffer_bytes: int) -> list[list[str]]:
     """Canonical names in model order, grouped into buckets of at most ``buffer_bytes``
-    (a tensor larger than that travels alone). Both ends derive the same buckets."""
+    (a tensor larger than that travels alone) and of one dtype (a bucket is one flat tensor:
+    DeepSeek's fp32 router bias in a bf16 model starts a bucket of its own). Both ends derive
+    the same buckets."""
     buckets: list[list[str]] = [[]]
-    used = 0
+    used, current = 0, None
     for name, (shape, dtype) in tensors.items():
         n = _nbytes(shape, dtype)
-        if buckets[-1] and used + n > buffer_bytes:
+        if buckets[-1] and (used + n > buffer_bytes or dtype != current):
             buckets.append([])
             used = 0
+        current = dtype
         buckets[-1].append(name)
         used += n
     return [b for b in buckets if b]

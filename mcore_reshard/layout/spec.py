@@ -14,7 +14,13 @@ from typing import Any, Mapping
 
 from .descriptor import DTYPE_BYTES, LayoutError
 
-__all__ = ["ModelSpec", "MLA", "CanonicalTensor", "load_model_spec", "spec_from_hf_config"]
+__all__ = ["ModelSpec", "MLA", "CanonicalTensor", "ROUTER_BIAS_DTYPE", "load_model_spec", "spec_from_hf_config"]
+
+#: Element type of the MoE router's ``e_score_correction_bias`` whatever the model dtype:
+#: megatron-core keeps its ``expert_bias`` in fp32 under a bf16 ``Float16Module`` and vLLM
+#: builds ``e_score_correction_bias`` in fp32. A plan in another wire dtype carries it as its
+#: bits, reinterpreted (``TransferPlan.reinterpret``), never cast.
+ROUTER_BIAS_DTYPE = "float32"
 
 _SUPPORTED = {
     "LlamaForCausalLM": "llama",
@@ -79,8 +85,8 @@ class ModelSpec:
     mla: MLA | None = None
     #: Shared-expert MLP width of every MoE layer (``moe_intermediate_size * n_shared_experts``).
     shared_intermediate: int = 0
-    #: MoE routers carry ``e_score_correction_bias`` (``topk_method == "noaux_tc"``). It is
-    #: described in the model dtype: a refit carries one element type (see the planner).
+    #: MoE routers carry ``e_score_correction_bias`` (``topk_method == "noaux_tc"``), always
+    #: described in fp32 (``ROUTER_BIAS_DTYPE``), as both libraries hold it.
     router_bias: bool = False
     #: Multi-token-prediction layers after the decoder (``num_nextn_predict_layers``): in the
     #: HF checkpoint as ``model.layers.{L+i}``, not described (no side below holds them).
@@ -157,7 +163,8 @@ class ModelSpec:
             F = self.moe_intermediate
             out.append(CanonicalTensor(p + "mlp.gate.weight", (self.num_experts, H), dt))
             if self.router_bias:
-                out.append(CanonicalTensor(p + "mlp.gate.e_score_correction_bias", (self.num_experts,), dt))
+                out.append(CanonicalTensor(p + "mlp.gate.e_score_correction_bias", (self.num_experts,),
+                                           ROUTER_BIAS_DTYPE))
             for e in range(self.num_experts):
                 q = f"{p}mlp.experts.{e}."
                 out.append(CanonicalTensor(q + "gate_proj.weight", (F, H), dt))
@@ -191,7 +198,7 @@ class ModelSpec:
         return {t.name: (t.shape, t.dtype) for t in self.tensors().values()}
 
     def total_bytes(self) -> int:
-        return sum(math.prod(t.shape) for t in self.tensors().values()) * self.itemsize
+        return sum(math.prod(t.shape) * DTYPE_BYTES[t.dtype] for t in self.tensors().values())
 
 
 def spec_from_hf_config(cfg: Mapping[str, Any], *, dtype: str | None = None, name: str = "") -> ModelSpec:

@@ -352,10 +352,13 @@ def _build_plan(
     if bucket_bytes <= 0:
         raise PlanError(f"bucket_bytes must be positive, got {bucket_bytes}")
     casts = check_sides(src, dst, allow_cast=allow_cast)
+    dtype, reinterpret = _dtype(dst, casts)
+    if reinterpret:  # both sides, in wire-dtype units from here on
+        real = dict(reinterpret)
+        src, dst = _reinterpreted(src, real, dtype, "source"), _reinterpreted(dst, real, dtype, "destination")
     index = index_sources(src)
     kinds = param_kinds(dst)
     padding = check_dest(dst, kinds)
-    dtype = _dtype(dst)
     itemsize = DTYPE_BYTES[dtype]
     order = {name: i for i, name in enumerate(dst.tensors)}
 
@@ -376,6 +379,8 @@ def _build_plan(
     first_numel = {len(blocks.sites) + i: n for i, n in first_numel.items()}
     _add_moves(blocks, merged)
     transfers, num_buckets, planned = _bucket(blocks, first_numel, itemsize, bucket_bytes, keys)
+    if reinterpret:
+        _check_whole_elements(transfers, dict(reinterpret), dtype, bucket_bytes)
 
     dst_numel = sum(p.numel for p in dst.params) - sum(n for _, _, n in padding)
     total_elems = sum(math.prod(shape) for shape, _ in dst.tensors.values())
@@ -393,6 +398,7 @@ def _build_plan(
         not_direct=tuple(not_direct),
         casts=casts,
         notes=tuple(src.notes) + tuple(dst.notes),
+        reinterpret=reinterpret,
     )
     if planned != plan.bytes_min:
         raise PlanError(
@@ -402,14 +408,89 @@ def _build_plan(
     return plan
 
 
-def _dtype(dst: SideLayout) -> str:
-    """One element type per refit: the wire carries the destination's."""
-    by_dtype: dict[str, str] = {}
-    for name, (_, d) in dst.tensors.items():
-        by_dtype.setdefault(d, name)
-    if len(by_dtype) != 1:
-        raise PlanError("mixed element types on the destination: " + ", ".join(f"{n} is {d}" for d, n in by_dtype.items()))
-    return next(iter(by_dtype))
+def _dtype(dst: SideLayout, casts: Sequence[tuple[str, str, str]] = ()) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """One element type per refit: the wire carries the destination's -- the dtype holding most
+    of its elements (the first in its table on a tie). A tensor in a wider dtype that is a whole
+    number of wire elements (fp32 = 2 x bf16), held so on both sides (not a cast), is carried
+    as its bits reinterpreted: returned as (tensor, real dtype), in the destination's order.
+    Anything else in another dtype is an error."""
+    first: dict[str, str] = {}
+    numel: dict[str, int] = defaultdict(int)
+    for name, (shape, d) in dst.tensors.items():
+        first.setdefault(d, name)
+        numel[d] += math.prod(shape)
+    if len(first) == 1:
+        return next(iter(first)), ()
+    order = list(first)
+    wire = max(order, key=lambda d: (numel[d], -order.index(d)))
+    w = DTYPE_BYTES[wire]
+    cast = {c[0] for c in casts}
+    reinterpret, bad = [], {}
+    for name, (shape, d) in dst.tensors.items():
+        if d == wire:
+            continue
+        if name in cast or not shape or DTYPE_BYTES[d] <= w or DTYPE_BYTES[d] % w:
+            bad.setdefault(d, name)
+        else:
+            reinterpret.append((name, d))
+    if bad:
+        raise PlanError("mixed element types on the destination: "
+                        + ", ".join(f"{n} is {d}" for d, n in {wire: first[wire], **bad}.items())
+                        + f" (the wire carries {wire}; only a tensor both sides hold in a dtype a whole number of "
+                        f"{wire} elements wide is carried, as its bits)")
+    return wire, tuple(reinterpret)
+
+
+def _reinterpreted(side: SideLayout, real: dict[str, str], wire: str, what: str) -> SideLayout:
+    """``side`` with the tensors of ``real`` (name -> real dtype) described in ``wire`` units:
+    one real element is ``r`` wire elements along the last dim (shape[-1], box offsets/sizes[-1]
+    and view offset and outer strides x r, last stride 1). Other local tensors are kept as they
+    are (same objects)."""
+    w = DTYPE_BYTES[wire]
+    tensors = {}
+    for name, (shape, d) in side.tensors.items():
+        if name in real:
+            if d != real[name]:  # a cast into a reinterpreted tensor: refused by ``_dtype`` already
+                raise PlanError(f"{name}: {what} dtype {d} != {real[name]}")
+            r = DTYPE_BYTES[d] // w
+            shape = (*tuple(shape)[:-1], shape[-1] * r)
+            d = wire
+        tensors[name] = (shape, d)
+    params = []
+    for p in side.params:
+        pieces = p.pieces
+        if (pieces[0].canonical not in real) if len(pieces) == 1 else not any(q.canonical in real for q in pieces):
+            params.append(p)
+            continue
+        _check_param_dtype(p, side, what)  # every piece's tensor is in p's dtype (not the wire's)
+        inside = [q.canonical in real for q in p.pieces]
+        if not all(inside):
+            q = p.pieces[inside.index(False)]
+            raise PlanError(f"{p.name} ({what} rank {p.rank}) holds {q.canonical}, which is not carried as {p.dtype} bits")
+        r = DTYPE_BYTES[p.dtype] // w
+        pieces = []
+        for q in p.pieces:
+            v, b = q.view, q.box
+            if v.stride[-1] != 1 and v.shape[-1] != 1:
+                raise PlanError(f"{p.name} ({what} rank {p.rank}): {q.canonical} is strided along its last dim "
+                                f"(stride {v.stride[-1]}): its {p.dtype} elements cannot be carried as {wire} bits")
+            box = Box((*b.offsets[:-1], b.offsets[-1] * r), (*b.sizes[:-1], b.sizes[-1] * r))
+            view = View(v.offset * r, box.sizes, (*(s * r for s in v.stride[:-1]), 1))
+            pieces.append(Piece(q.rank, q.local_name, q.canonical, box, view))
+        params.append(LocalParam(p.rank, p.name, (*p.shape[:-1], p.shape[-1] * r), wire, tuple(pieces)))
+    return SideLayout(side.name, side.world_size, tuple(params), tensors, side.notes)
+
+
+def _check_whole_elements(transfers: Sequence[Transfer], real: dict[str, str], wire: str, budget: int) -> None:
+    """A reinterpreted tensor's boxes hold whole real elements (a bucket split could cut one)."""
+    w = DTYPE_BYTES[wire]
+    for t in transfers:
+        d = real.get(t.canonical)
+        if d is not None:
+            r = DTYPE_BYTES[d] // w
+            if t.box.offsets[-1] % r or t.box.sizes[-1] % r:
+                raise PlanError(f"{t.canonical}: the bucket budget ({budget} bytes) cuts its {d} elements in half; "
+                                f"raise it or make it a multiple of {DTYPE_BYTES[d]}")
 
 
 def _first_uncovered(dst: SideLayout, plan) -> str:

@@ -30,6 +30,9 @@ class PlanReport:
     notes: list[str]
     #: Every tensor whose source dtype differs from the destination's: {"tensor", "from", "to"}.
     casts: list[dict[str, str]] = field(default_factory=list)
+    #: Every tensor carried as its bits in the wire dtype (``TransferPlan.reinterpret``):
+    #: {"tensor", "dtype" (its own), "wire"}.
+    reinterpret: list[dict[str, str]] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -61,6 +64,9 @@ class PlanReport:
         if len(groups) > _MAX_CAST_LINES:
             rest = sum(count for _, count in groups[_MAX_CAST_LINES:])
             lines.append(f"  cast: ... {len(groups) - _MAX_CAST_LINES} more pattern(s), {rest} tensor(s) (all in the JSON form)")
+        for (pattern, dtype, wire), count in _group_names(self.reinterpret, "tensor", "dtype", "wire").items():
+            what = f"x {count} layers" if ".*." in pattern else f"x{count}"
+            lines.append(f"  reinterpreted: {pattern} ({what}) carried as {dtype} bits in a {wire} plan (not cast)")
         for note in self.notes:
             lines.append(f"  note: {note}")
         return "\n".join(lines)
@@ -87,6 +93,7 @@ def plan_report(plan: TransferPlan) -> PlanReport:
         not_direct=[{"param": p, "reason": r} for p, r in plan.not_direct],
         notes=list(plan.notes),
         casts=[{"tensor": t, "from": s, "to": d} for t, s, d in plan.casts],
+        reinterpret=[{"tensor": t, "dtype": d, "wire": plan.dtype} for t, d in plan.reinterpret],
     )
 
 

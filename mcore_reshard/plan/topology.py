@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
 
 from ..layout import Box, SideLayout
+from ..layout.descriptor import DTYPE_BYTES
 from .types import TransferPlan
 
 __all__ = ["Location", "Links", "Placement", "PlacementReport", "TopologyConfig", "LINK_CLASSES",
@@ -197,28 +198,36 @@ def inter_node_minimum(src: SideLayout, dst: SideLayout, placement: Placement, i
     hit = _MIN_CACHE.get(key)
     if hit is not None and hit[0] is src and hit[1] is dst:
         return hit[2]
-    total = _inter_node_minimum(src, dst, placement) * itemsize
+    total = _inter_node_minimum(src, dst, placement, itemsize)
     if len(_MIN_CACHE) >= 8:
         _MIN_CACHE.pop(next(iter(_MIN_CACHE)))
     _MIN_CACHE[key] = (src, dst, total)
     return total
 
 
-def _inter_node_minimum(src: SideLayout, dst: SideLayout, placement: Placement) -> int:
+def _inter_node_minimum(src: SideLayout, dst: SideLayout, placement: Placement, itemsize: int) -> int:
     held = _boxes_by_node(dst, placement.dst)
     local = _boxes_by_node(src, placement.src)
+    size = _element_bytes(dst, itemsize)
     total = 0
     for node, tensors in held.items():
         have = local.get(node, {})
         for name, boxes in tensors.items():
-            total += _covered(boxes, have.get(name, ()))
+            total += _covered(boxes, have.get(name, ())) * size.get(name, itemsize)
     return total
+
+
+def _element_bytes(dst: SideLayout, itemsize: int) -> dict[str, int]:
+    """Bytes per element of each destination tensor: the wire's (``itemsize``), or its own for
+    one carried as its bits (e.g. an fp32 router bias in a bf16 plan)."""
+    return {name: DTYPE_BYTES.get(d, itemsize) for name, (_, d) in dst.tensors.items()}
 
 
 def hf_ipc_bytes(dst: SideLayout, itemsize: int) -> int:
     """NeMo RL's colocated path: every inference rank receives every full HF tensor over IPC."""
-    full = sum(_numel(shape) for shape, _ in dst.tensors.values())
-    return dst.world_size * full * itemsize
+    size = _element_bytes(dst, itemsize)
+    full = sum(_numel(shape) * size[name] for name, (shape, _) in dst.tensors.items())
+    return dst.world_size * full
 
 
 def _numel(shape: Iterable[int]) -> int:

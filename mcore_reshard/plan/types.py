@@ -82,6 +82,10 @@ class RankPlan:
     #: Peers of the other side on this rank's device (from the plan's placement): messages
     #: between them move through shared memory, never through the group's sockets.
     same_device: tuple[int, ...] = ()
+    #: (local tensor, its real dtype) this rank views as ``dtype`` (the wire's) to move its
+    #: bits unchanged: see ``TransferPlan.reinterpret``. Views and boxes of these tensors'
+    #: transfers are in wire-dtype units.
+    reinterpret: tuple[tuple[str, str], ...] = ()
 
     def channels(self) -> list[dict[tuple[int, int], list[Transfer]]]:
         """Destination side, per bucket: (source rank, via) -> transfers in wire order; ``via``
@@ -108,7 +112,7 @@ class RankPlan:
         """Hash of this slice: a rank checks the slice it was given is the one it runs."""
         relays = (self.relay_group, self.via, self.relay_groups) if (self.relay_group or self.relay_groups) else None
         return plan_digest(self.transfers, self.num_buckets, self.dtype, relays=relays,
-                           same_device=self.same_device or None)
+                           same_device=self.same_device or None, reinterpret=self.reinterpret or None)
 
 
 @dataclass(frozen=True)
@@ -141,6 +145,11 @@ class TransferPlan:
     #: (source rank, destination rank) pairs on one device (``plan.topology``): the executor
     #: moves their messages through shared memory.
     same_device: tuple[tuple[int, int], ...] = ()
+    #: (canonical tensor, real dtype) of every tensor both sides hold in a dtype other than the
+    #: wire's (e.g. DeepSeek's fp32 router bias in a bf16 refit): carried bit for bit as
+    #: wire-dtype elements (an fp32 element is two bf16 ones), never cast. Its transfers' boxes
+    #: and views are in wire units (last dim x itemsize ratio); ``bytes_min`` counts real bytes.
+    reinterpret: tuple[tuple[str, str], ...] = ()
     _by_src: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
     _by_dst: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
 
@@ -169,6 +178,13 @@ class TransferPlan:
     def for_rank(self, side: str, rank: int) -> RankPlan:
         """This rank's slice (indexed once per plan, so every rank pays O(its transfers))."""
         s = self._for_rank(side, rank)
+        if self.reinterpret:
+            from dataclasses import replace
+
+            real = dict(self.reinterpret)
+            local = {(t.src_name if side == "src" else t.dst_name): real[t.canonical]
+                     for t in s.transfers if t.canonical in real}
+            s = replace(s, reinterpret=tuple(sorted(local.items())))
         if not self.same_device:
             return s
         from dataclasses import replace
@@ -210,12 +226,12 @@ class TransferPlan:
         Casts are hashed only when there are any, so plans without casts keep their digests."""
         return plan_digest(self.transfers, self.num_buckets, self.dtype, self.casts,
                            relays=self.relay_groups if self.relay_groups else None,
-                           same_device=self.same_device or None)
+                           same_device=self.same_device or None, reinterpret=self.reinterpret or None)
 
 
 def plan_digest(
     transfers: Iterable[Transfer], num_buckets: int, dtype: str, casts: Iterable[tuple[str, str, str]] = (),
-    *, relays: object = None, same_device: object = None,
+    *, relays: object = None, same_device: object = None, reinterpret: object = None,
 ) -> str:
     h = hashlib.sha256(f"{num_buckets}|{dtype}".encode())
     for t in transfers:
@@ -229,4 +245,6 @@ def plan_digest(
         h.update(f"relays|{relays}\n".encode())
     if same_device is not None:  # likewise
         h.update(f"same_device|{same_device}\n".encode())
+    if reinterpret is not None:  # likewise: plans of one dtype keep their digests
+        h.update(f"reinterpret|{reinterpret}\n".encode())
     return h.hexdigest()[:16]

@@ -40,6 +40,8 @@ def slice_to_wire(s: RankPlan) -> dict[str, Any]:
                          "groups": [list(g) for g in s.relay_groups]}
     if s.same_device:
         out["same_device"] = list(s.same_device)
+    if s.reinterpret:
+        out["reinterpret"] = [list(r) for r in s.reinterpret]
     return out
 
 
@@ -55,7 +57,8 @@ def slice_from_wire(d: Mapping[str, Any]) -> RankPlan:
                  relay_group=tuple(int(m) for m in relays.get("group", ())),
                  via=tuple(int(v) for v in relays.get("via", ())),
                  relay_groups=tuple(tuple(int(m) for m in g) for g in relays.get("groups", ())),
-                 same_device=tuple(int(r) for r in d.get("same_device", ())))
+                 same_device=tuple(int(r) for r in d.get("same_device", ())),
+                 reinterpret=tuple((str(n), str(dt)) for n, dt in d.get("reinterpret", ())))
     if s.digest() != d["digest"]:
         raise PlanError(f"{s.side} rank {s.rank}: the plan slice received does not hash to its digest "
                         f"({s.digest()} != {d['digest']})")

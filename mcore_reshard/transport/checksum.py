@@ -19,10 +19,12 @@ different strides give equal checksums.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import xxhash
 
-__all__ = ["checksum", "checksums", "digest"]
+__all__ = ["checksum", "checksums", "digest", "digest_bytes"]
 
 _WORD = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int32}
 _MULT = 0x9E3779B1  # odd, so i -> i*_MULT + 1 never collapses two positions mod 2**64
@@ -61,15 +63,22 @@ def digest(t: torch.Tensor) -> tuple[int, int]:
     The bytes are hashed where they lie when ``t`` is contiguous (a packed wire slice, a whole
     parameter, a row range), else after one contiguous copy.
     """
-    flat = t.contiguous().reshape(-1)
-    if flat.dtype.is_complex:
-        flat = torch.view_as_real(flat).reshape(-1)
-    if flat.dtype == torch.bool:
-        flat = flat.view(torch.uint8)
-    if flat.dtype != torch.uint8:
-        flat = flat.view(torch.uint8)
-    h = xxhash.xxh3_64_intdigest(flat.numpy()) if flat.numel() else 0
-    return (h - (1 << 64) if h >= 1 << 63 else h), flat.numel()
+    if t.dim() and t.is_contiguous() and not t.dtype.is_complex:  # the hot path: no copy, no reshape
+        raw = t.view(torch.uint8)
+    else:
+        raw = t.contiguous().reshape(-1)
+        if raw.dtype.is_complex:
+            raw = torch.view_as_real(raw).reshape(-1)
+        raw = raw.view(torch.uint8)
+    n = raw.numel()
+    return digest_bytes(raw.numpy()) if n else (0, 0)
+
+
+def digest_bytes(buf: Any) -> tuple[int, int]:
+    """``digest`` of raw bytes (a memoryview or a C-contiguous array): what both ends compute
+    for a slice of one message without a tensor per box."""
+    h = xxhash.xxh3_64_intdigest(buf)
+    return (h - (1 << 64) if h >= 1 << 63 else h), memoryview(buf).nbytes
 
 
 def _sums(t: torch.Tensor) -> torch.Tensor:

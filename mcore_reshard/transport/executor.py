@@ -39,7 +39,10 @@ mismatching parameter. So a checksum proves source tensor == destination tensor,
 a buffer arrived.
 
 The wire dtype is the destination dtype (the planner's byte budget is in it); a source of
-another dtype is cast while packing.
+another dtype is cast while packing. Tensors the plan carries as their bits
+(``RankPlan.reinterpret``, e.g. an fp32 router bias in a bf16 refit) are viewed as the wire
+dtype on both ends (``WireTensors``, ``ReinterpretSink``): ``_Run`` only sees wire units, the
+sink only real ones.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 import torch
 
@@ -55,7 +58,7 @@ from ..layout.descriptor import LocalParam, View
 from ..layout.torch_views import TORCH_DTYPES, local_view, zero_padding
 from ..plan.types import RankPlan, Transfer
 from ..protocol import VerifyMode
-from .checksum import _sums, digest
+from .checksum import _sums, digest, digest_bytes
 from ..errors import RefitAborted
 from .group import RankMap, RefitError, RefitGroup, error_class
 from .packing import message_numel, pack, unpack
@@ -63,9 +66,11 @@ from .shm import ShmSegment, new_nonce, segment_path
 
 __all__ = [
     "Fault",
+    "ReinterpretSink",
     "Sink",
     "TensorSink",
     "TransferStats",
+    "WireTensors",
     "execute_plan",
     "raw_send_bandwidth",
     "zero_fill_padding",
@@ -204,6 +209,10 @@ def execute_plan(
         group.check_agreement([plan_digest, mode.value], what="(plan digest, verify)", timeout_s=timeout_s)
     sink = _as_sink(dst_tensors_or_sink) if plan_slice_dst is not None else None
     dtype = wire_dtype or _wire_dtype(plan_slice_src, plan_slice_dst, src_tensors, dst_tensors_or_sink, sink)
+    if plan_slice_src is not None and plan_slice_src.reinterpret:
+        src_tensors = WireTensors(src_tensors, dict(plan_slice_src.reinterpret), dtype)
+    if sink is not None and plan_slice_dst.reinterpret:
+        sink = ReinterpretSink(sink, dict(plan_slice_dst.reinterpret), dtype)
     run = None
     try:
         run = _Run(plan_slice_src, plan_slice_dst, src_tensors, sink, group, rank_map, dtype, timeout_s, verify)
@@ -269,19 +278,103 @@ def _wire_dtype(src: RankPlan | None, dst: RankPlan | None, src_tensors: Mapping
     if plan_slice is not None and plan_slice.dtype in TORCH_DTYPES and plan_slice.transfers:
         return TORCH_DTYPES[plan_slice.dtype]
     if dst is not None and dst.transfers:
+        bits = dict(dst.reinterpret)  # carried as wire elements: not this rank's wire dtype
+        ts = [t for t in dst.transfers if t.dst_name not in bits] or dst.transfers
         if isinstance(sink, TensorSink):
-            dtypes = {sink.tensors[t.dst_name].dtype for t in dst.transfers}
+            dtypes = {sink.tensors[t.dst_name].dtype for t in ts}
         elif getattr(sink, "params", None) is not None:  # e.g. VllmApplier: name -> LocalParam
-            dtypes = {TORCH_DTYPES[sink.params[t.dst_name].dtype] for t in dst.transfers}
+            dtypes = {TORCH_DTYPES[sink.params[t.dst_name].dtype] for t in ts}
         else:
             raise ValueError("cannot tell the wire dtype from this sink: pass wire_dtype=")
     elif src is not None and src.transfers:
-        dtypes = {src_tensors[t.src_name].dtype for t in src.transfers}
+        bits = dict(src.reinterpret)
+        dtypes = {src_tensors[t.src_name].dtype for t in src.transfers if t.src_name not in bits} or \
+            {src_tensors[t.src_name].dtype for t in src.transfers}
     else:
         return torch.float32  # nothing moves on this rank
     if len(dtypes) != 1:
         raise ValueError(f"one refit carries one element type; this rank's tensors have {sorted(map(str, dtypes))}")
     return dtypes.pop()
+
+
+def _real_view(view: View, r: int, name: str) -> View:
+    """A view in wire units (``r`` wire elements per real one, last stride 1) in real units."""
+    if view.offset % r or view.shape[-1] % r or any(st % r for st in view.stride[:-1]) or view.stride[-1] != 1:
+        raise ValueError(f"{name}: box {view} does not hold whole elements of its own dtype")
+    return View(view.offset // r, (*view.shape[:-1], view.shape[-1] // r), (*(st // r for st in view.stride[:-1]), 1))
+
+
+class WireTensors(Mapping):
+    """``tensors`` with the reinterpreted ones (name -> real dtype name) viewed as ``wire``:
+    the same memory, so packing copies their bits and a write lands in the real tensor."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], real: Mapping[str, str], wire: torch.dtype) -> None:
+        self.tensors, self.real, self.wire = tensors, real, wire
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        t = self.tensors[name]
+        if name not in self.real:
+            return t
+        if t.dtype != TORCH_DTYPES[self.real[name]]:
+            raise ValueError(f"{name} is {t.dtype}, the plan carries it as {self.real[name]} bits")
+        return t.view(self.wire)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+
+class ReinterpretSink:
+    """A sink in wire units over ``inner`` (real units): a box of a reinterpreted tensor
+    (name -> real dtype name), addressed in wire elements, is handed to ``inner`` as the same
+    bytes in its real dtype at the real view; what ``inner`` holds is hashed as wire elements,
+    so both ends hash the same bytes. Other names pass through. Only the optional methods
+    ``inner`` has are offered."""
+
+    def __init__(self, inner: Any, real: Mapping[str, str], wire: torch.dtype) -> None:
+        self.inner, self.wire = inner, wire
+        w = torch.empty((), dtype=wire).element_size()
+        self.real = {n: (TORCH_DTYPES[d], TORCH_DTYPES[d].itemsize // w) for n, d in real.items()}
+        for method in ("write_hashed", "read", "target", "landed"):
+            if getattr(inner, method, None) is None:
+                setattr(self, method, None)  # getattr(sink, method, None) is None, as for inner
+
+    def _wire_hash(self, hash_fn: Callable | None) -> Callable | None:
+        return None if hash_fn is None else (lambda x: hash_fn(x.view(self.wire)))
+
+    def write(self, local_name: str, view: View, tensor: torch.Tensor) -> None:
+        real = self.real.get(local_name)
+        if real is None:
+            return self.inner.write(local_name, view, tensor)
+        self.inner.write(local_name, _real_view(view, real[1], local_name), tensor.contiguous().view(real[0]))
+
+    def write_hashed(self, local_name: str, view: View, tensor: torch.Tensor, hash_fn: Callable) -> Any:
+        real = self.real.get(local_name)
+        if real is None:
+            return self.inner.write_hashed(local_name, view, tensor, hash_fn)
+        return self.inner.write_hashed(local_name, _real_view(view, real[1], local_name),
+                                       tensor.contiguous().view(real[0]), self._wire_hash(hash_fn))
+
+    def read(self, local_name: str, view: View) -> torch.Tensor:
+        real = self.real.get(local_name)
+        if real is None:
+            return self.inner.read(local_name, view)
+        return self.inner.read(local_name, _real_view(view, real[1], local_name)).view(self.wire)
+
+    def target(self, local_name: str, view: View) -> torch.Tensor | None:
+        real = self.real.get(local_name)
+        if real is None:
+            return self.inner.target(local_name, view)
+        x = self.inner.target(local_name, _real_view(view, real[1], local_name))
+        return None if x is None or x.dtype != real[0] else x.view(self.wire)
+
+    def landed(self, local_name: str, view: View, hash_fn: Callable | None) -> Any:
+        real = self.real.get(local_name)
+        if real is None:
+            return self.inner.landed(local_name, view, hash_fn)
+        return self.inner.landed(local_name, _real_view(view, real[1], local_name), self._wire_hash(hash_fn))
 
 
 # A posted op: (peer side "src" = receive from it | "dst" = send to it, peer rank, tensor, work);
@@ -320,6 +413,7 @@ class _Run:
         self.bytes_sent = self.bytes_received = self.messages = 0
         self.verified = False
         self.expected: dict[int, list[torch.Tensor]] = {}  # dst peer -> per-bucket (n, 2) sums
+        self.pending_sums: list[tuple[int, list[Any]]] = []  # packed bucket: (peer, rows or Transfer)
         self.actual: dict[tuple[int, int], list[torch.Tensor]] = {}  # channel -> per-bucket (n, 2) sums
         self.local_msgs: dict[int, torch.Tensor] = {}  # bucket -> message to myself
         # Same-device peers in other processes (CPU only): shared memory instead of the group.
@@ -438,9 +532,11 @@ class _Run:
             peers |= {self.rank_map.group_rank("dst", m) for m in self.relay_group if m != self.dst_rank}
             self.group.connect(peers, self.timeout_s)
             ops = self._post_bucket(0, self._pack(0)) if self.num_buckets else []
+            self._finish_sums()
             for k in range(self.num_buckets):
                 last = k + 1 == self.num_buckets
                 nxt = {} if last else self._pack(k + 1)  # while bucket k is on the wire
+                nxt_sums, self.pending_sums = self.pending_sums, []
                 # Relayed messages come from a peer that forwards only once its own direct
                 # ones arrived: wait for the direct ones and forward first.
                 relayed = [op for op in ops if op[0] == "src" and op[1][1] != self.dst_rank]
@@ -448,6 +544,8 @@ class _Run:
                 self._forward(k, ops)
                 self._wait(k, relayed)
                 nxt_ops = [] if last else self._post_bucket(k + 1, nxt)
+                self.pending_sums = nxt_sums
+                self._finish_sums()
                 self._deliver(k, [op for op in ops if op[0] in ("src", "shm_src", "dsrc")])  # while k+1 is on the wire
                 if self.forwards:
                     self._wait(k, self.forwards)  # before its receive buffer is reused
@@ -489,23 +587,24 @@ class _Run:
                 # still in cache, instead of a second pass over the whole bucket.
                 # The packed slice is the source box's bytes in row-major order, contiguous:
                 # hashed where it lies (no strided read of the source a second time).
-                start, sums = pos, []
+                t0 = time.perf_counter()
+                msg = pack([t for t in ts if id(t) not in self.direct], self.src_tensors, buf[pos:])
+                t1 = time.perf_counter()
+                # One byte view of the message; each box's hash is a slice of it (no tensor per
+                # box). Zero-copy boxes are hashed in the parameter once their send is posted.
+                raw = _bytes(msg)
+                sums, off = [], 0
                 for t in ts:
-                    if id(t) in self.direct:  # hashed where it lies, in the parameter
-                        t0 = time.perf_counter()
-                        sums.append(self.box_sum(local_view(self.src_tensors[t.src_name], t.src_view)))
-                        self._timed("verify", t0)
+                    if id(t) in self.direct:
+                        sums.append(t)
                         continue
-                    t0 = time.perf_counter()
-                    packed = pack((t,), self.src_tensors, buf[pos:])
-                    t1 = time.perf_counter()
-                    sums.append(self.box_sum(packed))
-                    self.phase["pack"] += t1 - t0
-                    self.phase["verify"] += time.perf_counter() - t1
-                    pos += t.box.numel
-                msg = buf[start:pos]
-                pos = start
-                self.expected.setdefault(peer, []).append(_rows(sums))
+                    nb = t.box.numel * self.itemsize
+                    sums.append(digest_bytes(raw[off : off + nb]) if raw is not None else
+                                self.box_sum(msg[off // self.itemsize : (off + nb) // self.itemsize]))
+                    off += nb
+                self.pending_sums.append((peer, sums))
+                self.phase["pack"] += t1 - t0
+                self.phase["verify"] += time.perf_counter() - t1
             out[peer] = msg
             pos += msg.numel()
         fault = getattr(self, "fault", None)
@@ -517,6 +616,17 @@ class _Run:
             bits = first[:1].view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[first.element_size()])
             bits ^= 1
         return out
+
+    def _finish_sums(self) -> None:
+        """The expected rows of the bucket just posted: zero-copy boxes are hashed in the
+        source tensor now, while their sends are on the wire, not before posting them."""
+        t0 = time.perf_counter()
+        for peer, sums in self.pending_sums:
+            rows = [self.box_sum(local_view(self.src_tensors[x.src_name], x.src_view)) if isinstance(x, Transfer)
+                    else x for x in sums]
+            self.expected.setdefault(peer, []).append(_rows(rows))
+        self.pending_sums = []
+        self._timed("verify", t0)
 
     def _post_bucket(self, k: int, packed: dict[int, torch.Tensor]) -> list[_Op]:
         """Post every receive and send of bucket ``k``; messages to myself go to ``local_msgs``."""
@@ -726,6 +836,9 @@ class _Run:
                     self._write_boxes(ts, msg)
                 self._timed("unpack", t0)
                 continue
+            if type(self.sink) is TensorSink and self.group.device.type == "cpu":
+                self._deliver_tensors(k, peer, ts, msg)
+                continue
             # Box by box: the sink writes, then hashes what the destination holds at the box
             # (still in cache); the hash's own time is split off by timing it separately.
             sums, pos = [], 0
@@ -757,6 +870,21 @@ class _Run:
                 sums.append(row)
             if self.verify:
                 self.actual.setdefault(peer, []).append(_rows(sums))
+
+    def _deliver_tensors(self, k: int, peer: tuple[int, int], ts: list[Transfer], msg: torch.Tensor | None) -> None:
+        """``_deliver`` into plain tensors (``TensorSink``, CPU): the packed boxes in one
+        batched copy, then each box hashed where it now lies."""
+        t0 = time.perf_counter()
+        packed = [t for t in ts if id(t) not in self.direct]
+        written = iter(unpack(packed, msg, self.sink.tensors) if packed else ())
+        t1 = time.perf_counter()
+        if self.verify:
+            tensors = self.sink.tensors
+            self.actual.setdefault(peer, []).append(_rows([
+                digest(local_view(tensors[t.dst_name], t.dst_view)) if id(t) in self.direct else digest(next(written))
+                for t in ts]))
+        self.phase["unpack"] += t1 - t0
+        self.phase["verify"] += time.perf_counter() - t1
 
     def _write_boxes(self, ts: Sequence[Transfer], msg: torch.Tensor) -> None:
         if type(self.sink) is TensorSink:
@@ -853,6 +981,14 @@ def _direct_tag(k: int, i: int) -> int:
     if i >= 1 << 16 or k >= 1 << 13:
         raise ValueError(f"zero-copy tag out of range (bucket {k}, box {i})")
     return (1 << 29) + (k << 16) + i
+
+
+def _bytes(t: torch.Tensor) -> Any:
+    """A CPU tensor's bytes as a numpy uint8 array (slices of it are hashed without a tensor
+    each); None on a device (its boxes are hashed with torch ops there)."""
+    if t.device.type != "cpu":
+        return None
+    return t.view(torch.uint8).numpy() if t.numel() else memoryview(b"")
 
 
 def _rows(sums: list[Any]) -> torch.Tensor:

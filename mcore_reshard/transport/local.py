@@ -20,11 +20,19 @@ def run_plan_locally(
 ) -> int:
     """Move every message of ``plan`` from ``src_tensors[rank][name]`` into
     ``dst_tensors[rank][name]``; returns bytes moved."""
+    from .executor import WireTensors
+
     moved = 0
+    wire = TORCH_DTYPES[plan.dtype]
+    if plan.reinterpret:  # tensors carried as their bits: viewed as the wire dtype on both ends
+        src_tensors = {r: WireTensors(src_tensors.get(r, {}), dict(plan.for_rank("src", r).reinterpret), wire)
+                       for r in range(plan.num_src)}
+        dst_tensors = {r: WireTensors(dst_tensors.get(r, {}), dict(plan.for_rank("dst", r).reinterpret), wire)
+                       for r in range(plan.num_dst)}
     for rank in range(plan.num_src):
         for b, peers in enumerate(plan.for_rank("src", rank).buckets()):
             for dst, transfers in peers.items():
-                buf = torch.empty(message_numel(transfers), dtype=TORCH_DTYPES[plan.dtype])
+                buf = torch.empty(message_numel(transfers), dtype=wire)
                 msg = pack(transfers, src_tensors[rank], buf)
                 unpack(transfers, msg, dst_tensors[dst])
                 moved += msg.numel() * msg.element_size()

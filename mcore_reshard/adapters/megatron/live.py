@@ -41,6 +41,13 @@ def named_local_params(model_chunks: Sequence) -> dict[str, "torch.Tensor"]:  # 
             out[prefix + name] = p
         for name, b in model.named_buffers():
             if b is not None and name.endswith(WEIGHT_BUFFERS):
+                if str(b.dtype) != "torch.float32":
+                    # Float16Module's cast reaches the buffer until the router's first forward
+                    # (or state-dict load/save) puts it back in fp32: do that megatron step now,
+                    # so the refit reads what training uses (``rules``: fp32).
+                    router = model.get_submodule(name.rsplit(".", 1)[0])
+                    getattr(router, "_maintain_float32_expert_bias", lambda: None)()
+                    b = getattr(router, name.rsplit(".", 1)[1])
                 out[prefix + name] = b
     return out
 

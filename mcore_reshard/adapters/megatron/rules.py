@@ -39,6 +39,7 @@ from functools import lru_cache
 from typing import Sequence
 
 from ...layout import Box, LayoutError, LocalParam, ModelSpec, Piece, SideLayout, View, contiguous_strides
+from ...layout.spec import ROUTER_BIAS_DTYPE
 
 __all__ = [
     "MegatronParallel",
@@ -465,8 +466,14 @@ def _expert_templates(spec: ModelSpec, par: MegatronParallel, pp_r: int, ep_r: i
 
 def _stamp(rank: int, dtype: str, tmpls, out: list[LocalParam]) -> None:
     for name, shape, pieces in tmpls:
-        out.append(LocalParam(rank, name, shape, dtype,
+        # The router's expert_bias stays fp32 under a bf16 Float16Module (megatron casts it
+        # back at every forward, load and save; ``live.named_local_params`` does the same).
+        dt = ROUTER_BIAS_DTYPE if name.endswith(_EXPERT_BIAS) else dtype
+        out.append(LocalParam(rank, name, shape, dt,
                               tuple(Piece(rank, name, c, b, v) for c, b, v in pieces)))
+
+
+_EXPERT_BIAS = ".mlp.router.expert_bias"
 
 
 # --------------------------------------------------------------------------- public API

@@ -137,6 +137,7 @@ class _LayerState:
     layer: torch.nn.Module
     names: dict[str, str]  # param attribute -> local name
     saved_attrs: dict[str, Any] = field(default_factory=dict)
+    processed: bool = False
     committed: bool = False
 
 
@@ -238,11 +239,14 @@ class VllmApplier:
             raise LayoutError(f"{local_name}: {done} elements written, only {expected} expected (overlapping writes?)")
         self._written[local_name] = done
         out = hash_fn(dst) if hash_fn is not None else None
-        if self.modes[local_name] == RELOAD and not self.atomic:
+        if self.modes[local_name] == RELOAD:
             st = self._layers[id(_owner(self.model, local_name)[0])]
             if self._layer_complete(st):
+                # Processed as soon as it is complete, while later buckets are on the wire;
+                # atomic mode commits only after the vote (nothing live changes here).
                 self._process(st)
-                self._commit(st)
+                if not self.atomic:
+                    self._commit(st)
         return out
 
     def prepare(self) -> None:
@@ -260,7 +264,8 @@ class VllmApplier:
                     zero_padding(self._target(name, self.params[name]), self.params[name])
             if self.atomic:
                 for st in self._layers.values():
-                    self._process(st)
+                    if not st.processed:
+                        self._process(st)
         except BaseException as exc:
             self._fail(f"prepare() failed: {exc}")
             raise
@@ -406,6 +411,7 @@ class VllmApplier:
         from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
         layer = st.layer
+        st.processed = True
         if hasattr(layer, "_already_called_process_weights_after_loading"):
             delattr(layer, "_already_called_process_weights_after_loading")
         qm = getattr(layer, "quant_method", None)

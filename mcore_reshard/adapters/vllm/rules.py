@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from ...layout import Box, LayoutError, LocalParam, ModelSpec, Piece, SideLayout, View
+from ...layout.spec import ROUTER_BIAS_DTYPE
 
 __all__ = ["VllmParallel", "vllm_layout", "vllm_rank_params"]
 
@@ -419,8 +420,8 @@ class _Builder:
         dt = s.dtype
         out: list[LocalParam] = []
 
-        def add(name: str, shape: tuple[int, ...], pieces: tuple[tuple[str, Box, View], ...]) -> None:
-            out.append(LocalParam(rank, name, shape, dt, tuple(Piece(rank, name, c, b, v) for c, b, v in pieces)))
+        def add(name: str, shape: tuple[int, ...], pieces: tuple[tuple[str, Box, View], ...], dtype: str = dt) -> None:
+            out.append(LocalParam(rank, name, shape, dtype, tuple(Piece(rank, name, c, b, v) for c, b, v in pieces)))
 
         def add_vocab(name: str) -> None:
             shape, pv = self.vocab(tp_r)
@@ -442,7 +443,7 @@ class _Builder:
                 add(p + "mlp.gate.weight", router, ((p + "mlp.gate.weight", *_full(router)),))
                 if s.router_bias:
                     bias = p + "mlp.gate.e_score_correction_bias"
-                    add(bias, (s.num_experts,), ((bias, *_full((s.num_experts,))),))
+                    add(bias, (s.num_experts,), ((bias, *_full((s.num_experts,))),), ROUTER_BIAS_DTYPE)  # fp32, as vLLM builds it
                 if s.shared_intermediate:
                     for suffix, shape, pieces in self.shared(tp_r):
                         add(p + suffix, shape, tuple((p + c, b, v) for c, b, v in pieces))

@@ -132,7 +132,18 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         self.endpoint = endpoint
 
     def _check_slice(self, endpoint: RefitEndpoint, rank: int, digest: str) -> None:
-        mine = {p.name: p.numel - p.padding for p in self.params()}
+        from ...layout.descriptor import DTYPE_BYTES
+
+        held = {p.name: p for p in self.params()}
+        mine = {n: p.numel - p.padding for n, p in held.items()}
+        # Tensors carried as their bits (``RankPlan.reinterpret``) are counted in wire elements.
+        s = endpoint._slice
+        for name, real in s.reinterpret:
+            if name in held:
+                if held[name].dtype != real:
+                    raise RefitError(f"vLLM destination rank {rank}: plan {digest} carries {name!r} as {real} bits, "
+                                     f"this worker holds it in {held[name].dtype}")
+                mine[name] *= DTYPE_BYTES[real] // DTYPE_BYTES[s.dtype]
         got: dict[str, int] = {}
         for t in endpoint._slice.transfers:
             if t.dst_name not in mine:
