@@ -68,3 +68,20 @@ def test_refit_equals_a_fresh_vllm_load(setup, training):
         assert second.verified and any("full verification" in n for n in second.notes)
         assert prompt_logprobs(llm, TOKENS) != want
         assert c.logprob_error(TOKENS) < FP32_BOUND
+
+
+def test_plain_q_expert_parallel_into_a_tp2_engine(tmp_path):
+    """q_lora off (a plain ``q_proj``, Moonlight's form), megatron EP2 into a vLLM engine of TP2
+    (``q_b``-less MLA split by heads, shared experts split, the router replicated): verified by
+    checksums and ``verify=full``, at the minimum bytes, within the fp32 bound."""
+    from mcore_reshard.checkpoint import TINY_DEEPSEEK_V3
+
+    ckpt = make_tiny_checkpoint(tmp_path / "plain_q", overrides=dict(TINY_DEEPSEEK_V3, q_lora_rank=None),
+                                family="deepseek_v3", seed=5)
+    spec = load_model_spec(ckpt, dtype="float32")
+    assert spec.mla is not None and spec.mla.q_lora_rank is None
+    with local_cluster(spec, ckpt, MegatronParallel(ep=2, etp=1, dp=2), VllmParallel(tp=2), CFG) as c:
+        m = c.refit_once()
+        assert m.verified and m.bytes_moved == m.bytes_min
+        assert any("full verification" in n for n in m.notes)
+        assert c.logprob_error(TOKENS) < FP32_BOUND
