@@ -235,8 +235,9 @@ def test_planning_leaves_the_collector_as_it_was():
     afterwards it runs as before, and objects someone froze stay frozen."""
     name, src, dst, bb = next(iter(fixed_cases()))
     assert gc.isenabled()
+    before = gc.get_freeze_count()  # a library in this process (vLLM, Ray) may have frozen some
     build_plan(src, dst, bucket_bytes=bb)
-    assert gc.isenabled() and gc.get_freeze_count() == 0
+    assert gc.isenabled() and gc.get_freeze_count() == before
     gc.disable()
     try:
         build_plan(src, dst, bucket_bytes=bb)
@@ -247,6 +248,8 @@ def test_planning_leaves_the_collector_as_it_was():
     try:
         frozen = gc.get_freeze_count()
         build_plan(src, dst, bucket_bytes=bb)
-        assert gc.get_freeze_count() == frozen
+        # Objects that die while frozen leave the count (other threads of a long test process
+        # free some); an unfreeze by the planner would empty it.
+        assert 0 <= frozen - gc.get_freeze_count() < 1000
     finally:
         gc.unfreeze()
