@@ -434,11 +434,11 @@ class _Run:
         for b in self.send_b:
             for peer, ts in b.items():
                 if self._direct_peer_ok("dst", peer):
-                    self.direct.update(id(t) for t in ts if _is_direct(t, self.itemsize_of(dtype)))
+                    self.direct.update(id(t) for t in ts if _is_direct(t, dtype.itemsize))
         for b in self.recv_b:
             for c, ts in b.items():
                 if self._direct_peer_ok("src", c):
-                    self.direct.update(id(t) for t in ts if _is_direct(t, self.itemsize_of(dtype)))
+                    self.direct.update(id(t) for t in ts if _is_direct(t, dtype.itemsize))
         self.temps: dict[tuple[int, int], torch.Tensor] = {}  # (bucket, id) -> landing / cast copy
         send_numel = max((sum(self._packed_numel(ts) for ts in b.values()) for b in self.send_b), default=0)
         recv_numel = max(
@@ -449,7 +449,7 @@ class _Run:
         # Two of each: bucket k+1 is packed and on the wire while bucket k is delivered.
         n_send_bufs = min(2, sum(1 for b in self.send_b if b))
         n_recv_bufs = min(2, sum(1 for b in self.recv_b if any(not self._local(c) and not self._shm(c) for c in b)))
-        self.itemsize = torch.empty((), dtype=dtype).element_size()
+        self.itemsize = dtype.itemsize
         if any(p in self.shm_dst for b in self.send_b for p in b):
             # The send buffers live in one shared segment: the same bytes as private ones.
             self.nonce = new_nonce()
@@ -462,10 +462,6 @@ class _Run:
         self.recv_bufs = [group.buffer(f"recv{i}", recv_numel, dtype) for i in range(n_recv_bufs)]
         self.buffer_bytes = self.extra_bytes = (n_send_bufs * send_numel + n_recv_bufs * recv_numel) * self.itemsize
         self.temp_bytes = 0
-
-    @staticmethod
-    def itemsize_of(dtype: torch.dtype) -> int:
-        return torch.empty((), dtype=dtype).element_size()
 
     def _direct_peer_ok(self, side: str, peer: Any) -> bool:
         """Zero-copy boxes only go over plain group messages: not to myself, not through shared
@@ -536,7 +532,6 @@ class _Run:
             for k in range(self.num_buckets):
                 last = k + 1 == self.num_buckets
                 nxt = {} if last else self._pack(k + 1)  # while bucket k is on the wire
-                nxt_sums, self.pending_sums = self.pending_sums, []
                 # Relayed messages come from a peer that forwards only once its own direct
                 # ones arrived: wait for the direct ones and forward first.
                 relayed = [op for op in ops if op[0] == "src" and op[1][1] != self.dst_rank]
@@ -544,7 +539,6 @@ class _Run:
                 self._forward(k, ops)
                 self._wait(k, relayed)
                 nxt_ops = [] if last else self._post_bucket(k + 1, nxt)
-                self.pending_sums = nxt_sums
                 self._finish_sums()
                 self._deliver(k, [op for op in ops if op[0] in ("src", "shm_src", "dsrc")])  # while k+1 is on the wire
                 if self.forwards:
@@ -578,20 +572,14 @@ class _Run:
         buf = self.send_bufs[i] if self.send_bufs else None
         out, pos = {}, 0
         for peer, ts in peers.items():
-            if not self.verify:
-                t0 = time.perf_counter()
-                msg = pack([t for t in ts if id(t) not in self.direct], self.src_tensors, buf[pos:])
-                self._timed("pack", t0)
-            else:
-                # Box by box: checksum each source box right after packing it, while it is
-                # still in cache, instead of a second pass over the whole bucket.
-                # The packed slice is the source box's bytes in row-major order, contiguous:
-                # hashed where it lies (no strided read of the source a second time).
-                t0 = time.perf_counter()
-                msg = pack([t for t in ts if id(t) not in self.direct], self.src_tensors, buf[pos:])
-                t1 = time.perf_counter()
+            t0 = time.perf_counter()
+            msg = pack([t for t in ts if id(t) not in self.direct], self.src_tensors, buf[pos:])
+            t1 = time.perf_counter()
+            self.phase["pack"] += t1 - t0
+            if self.verify:
                 # One byte view of the message; each box's hash is a slice of it (no tensor per
-                # box). Zero-copy boxes are hashed in the parameter once their send is posted.
+                # box). Zero-copy boxes are hashed in the parameter once their send is posted
+                # (``_finish_sums``).
                 raw = _bytes(msg)
                 sums, off = [], 0
                 for t in ts:
@@ -603,7 +591,6 @@ class _Run:
                                 self.box_sum(msg[off // self.itemsize : (off + nb) // self.itemsize]))
                     off += nb
                 self.pending_sums.append((peer, sums))
-                self.phase["pack"] += t1 - t0
                 self.phase["verify"] += time.perf_counter() - t1
             out[peer] = msg
             pos += msg.numel()
