@@ -137,10 +137,11 @@ TOKENS = [11, 42, 7, 99, 123, 5, 77, 300, 8, 64, 512, 3, 250, 17, 901, 46]
 
 
 @pytest.mark.slow
-def test_colocated_moe_refits_live(tmp_path):
+@pytest.mark.parametrize("moe", [True, False], ids=["moe", "dense"])
+def test_colocated_refits_live(tmp_path, moe):
     """``refit.placement=colocated``: trainer rank i and vLLM worker i on device i. One trainer
-    and one worker share everything (all bytes same-device); then TP2 x EP2 trainers -> the
-    same worker (trainer 0's part same-device, trainer 1's from the next device)."""
+    and one worker share everything (all bytes same-device); then TP2 (x EP2 for MoE) trainers
+    -> the same worker (trainer 0's part same-device, trainer 1's from the next device)."""
     from mcore_reshard.adapters.megatron.rules import MegatronParallel
     from mcore_reshard.adapters.vllm.engine import start_engine, stop_engine
     from mcore_reshard.adapters.vllm.plugin import BACKEND
@@ -151,14 +152,15 @@ def test_colocated_moe_refits_live(tmp_path):
     from mcore_reshard.policy import RefitConfig
     from mcore_reshard.refit import local_cluster
 
-    ckpt = make_tiny_checkpoint(tmp_path / "tiny-moe", moe=True, seed=7)
+    ckpt = make_tiny_checkpoint(tmp_path / "tiny", moe=moe, seed=7)
     spec = load_model_spec(ckpt, dtype="float32")
     cfg = RefitConfig(buffer_bytes=1 << 16, timeout_s=60.0, verify="full", placement="colocated")
     llm = start_engine(str(ckpt), tp=1, dtype="float32", worker_extension_cls=REFIT_EXTENSION,
                        weight_transfer_config={"backend": BACKEND})
     before = _segments()
     try:
-        for training, everything in ((MegatronParallel(), True), (MegatronParallel(tp=2, ep=2, etp=1), False)):
+        split = MegatronParallel(tp=2, ep=2, etp=1) if moe else MegatronParallel(tp=2)
+        for training, everything in ((MegatronParallel(), True), (split, False)):
             with local_cluster(spec, ckpt, training, VllmParallel(tp=1), cfg, train={"lr": 0.05},
                                engines=[llm]) as c:
                 d = c.driver

@@ -69,6 +69,37 @@ def test_pipeline_parallel_trainers_refit_one_engine(moe, training):
     assert plan.num_src == training.world_size
 
 
+def test_what_an_engine_replicates_crosses_into_its_node_once(moe):
+    """Trainers on node 0, one engine of TP2 on node 1: the pieces both of its workers hold
+    (norms, router, q/k norms) cross the fabric once, into one worker, which forwards them to
+    the other (a piece-level relay group); verified by checksums on both workers,
+    ``verify=full`` and token_mult_prob_error."""
+    from mcore_reshard.plan import get_plan
+
+    spec, ckpt, _ = moe
+    llm = start_engine(str(ckpt), tp=2, dtype="float32", worker_extension_cls=REFIT_EXTENSION,
+                       weight_transfer_config={"backend": BACKEND})
+    try:
+        place = Placement((Location(0, 0), Location(0, 1)), (Location(1, 0), Location(1, 1)), gpus_per_node=2)
+        with local_cluster(spec, ckpt, MegatronParallel(tp=2, ep=2, etp=1), VllmParallel(tp=2), CFG,
+                           train={"lr": 0.05}, engines=[llm], placement=place) as c:
+            plan, src, dst = c.driver.plan, c.driver.src, c.driver.dst
+            assert plan.relay_groups == ((0, 1),)
+            want = placement_report(plan, src, dst, place)
+            unrelayed = placement_report(get_plan(src, dst, bucket_bytes=plan.bucket_bytes, placement=place),
+                                         src, dst, place)
+            assert want.bytes_inter_node == want.bytes_inter_node_min < unrelayed.bytes_inter_node
+            c.step(TOKENS)
+            m = c.refit_once()
+            assert m.verified and m.bytes_moved == m.bytes_min and any("full verification" in n for n in m.notes)
+            reports = c.driver.last_reports
+            assert sum(r.bytes_sent for r in reports if r.side == "src") == want.bytes_inter_node
+            assert sum(r.bytes_sent for r in reports if r.side == "dst") == want.bytes_intra_node > 0
+            assert c.logprob_error(TOKENS) < BOUND
+    finally:
+        stop_engine(llm)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_every_dense_family_refits_live(tmp_path, family):
     ckpt = make_tiny_checkpoint(tmp_path / family, family=family, seed=11)

@@ -128,3 +128,109 @@ def test_both_members_relay_in_one_bucket():
     for r in (2, 3):
         assert res[r]["err"] is None, res[r]["err"]
         assert res[r]["bad"] == [] and res[r]["stats"].verified and res[r]["stats"].bytes_sent > 0
+
+
+# ---------------------------------------------------------------- piece-level relays
+# An engine of TP2 replicates some pieces over its two ranks (norms, the router, q/k norms);
+# with two such engines on a node, rank-level groups {0, 2}, {1, 3} alone would take those
+# pieces into the node twice. Piece-level relays take them once, into one holder, which
+# forwards them to all three others.
+
+
+def _tp2_layouts(nkv: int = 2):
+    from mcore_reshard.adapters.megatron.rules import MegatronParallel, megatron_layout
+    from mcore_reshard.adapters.vllm.rules import VllmParallel, vllm_layout
+    from toy_layouts import tiny_spec
+
+    spec = tiny_spec(moe=True, nkv=nkv)
+    src = megatron_layout(spec, MegatronParallel(tp=2, ep=2, etp=1))
+    dst = vllm_layout(spec, VllmParallel(tp=2, replicas=2))
+    place = Placement.separate(src.world_size, dst.world_size, gpus_per_node=4)  # node 0 trains, node 1 serves
+    return src, dst, place, plan_for_placement(src, dst, place, bucket_bytes=1 << 13)
+
+
+def _full_bytes(layout, itemsize: int) -> int:
+    return sum(math.prod(s) for s, _ in layout.tensors.values()) * itemsize
+
+
+@pytest.mark.parametrize("nkv", [2, 1])  # nkv=1: the KV head is replicated over the TP ranks too
+def test_replicated_pieces_cross_into_a_node_once(nkv):
+    from mcore_reshard.plan import get_plan
+    from mcore_reshard.transport.executor import zero_fill_padding
+    from mcore_reshard.transport.local import run_plan_locally
+    from test_transport import canonical, expected_equal, locals_of
+
+    src, dst, place, plan = _tp2_layouts(nkv)
+    assert relay_groups(dst, place) == ((0, 2), (1, 3))
+    assert plan.relay_groups == ((0, 1, 2, 3), (0, 2), (1, 3))  # + the pieces all four hold
+    shared = {t.canonical for t, g in zip(plan.transfers, plan.relay_of) if g == 0}
+    assert "model.norm.weight" in shared and any("input_layernorm" in n for n in shared)
+    assert not any("experts" in n for n in shared)  # sharded: one group per TP rank
+    rep = placement_report(plan, src, dst, place)
+    one_copy = _full_bytes(dst, plan.itemsize)
+    assert rep.bytes_inter_node == rep.bytes_inter_node_min == one_copy == sum(plan.send_bytes())
+    assert plan.bytes_planned == plan.bytes_min
+    # without piece-level groups the replicated pieces would cross twice
+    direct = placement_report(get_plan(src, dst, bucket_bytes=1 << 13, placement=place), src, dst, place)
+    assert direct.bytes_inter_node > rep.bytes_inter_node
+    # every member's slice holds each of its boxes once; forwarded ones included, every rank
+    # receives at most one budget per bucket
+    for r in range(dst.world_size):
+        mine = plan.for_rank("dst", r)
+        keys = [(t.dst_name, t.canonical, t.box.offsets, t.box.sizes) for t in mine.transfers]
+        assert len(set(keys)) == len(keys)
+        assert sum(t.nbytes for t in mine.transfers) == sum(p.numel - p.padding for p in dst.for_rank(r)) * 4
+        per_bucket = [0] * plan.num_buckets
+        for t in mine.transfers:
+            per_bucket[t.bucket] += t.nbytes
+        assert max(per_bucket) <= plan.bucket_bytes
+    # executed in one process: every destination holds exactly its descriptors' elements
+    canon = canonical(src.tensors, seed=9)
+    s = {r: locals_of(src, r, canon) for r in range(src.world_size)}
+    d = {r: locals_of(dst, r, None) for r in range(dst.world_size)}
+    assert run_plan_locally(plan, s, d) == plan.bytes_min
+    for r in range(dst.world_size):
+        zero_fill_padding(d[r], dst.for_rank(r))
+        assert expected_equal(dst, r, canon, d[r]) == []
+
+
+def _tp2_main(rank: int, world: int, port: int, q: Any) -> None:
+    out: dict[str, Any] = {}
+    try:
+        torch.set_num_threads(1)
+        src, dst, place, plan = _tp2_layouts()
+        rm = RankMap.disaggregated(src.world_size, dst.world_size)
+        s_rank, d_rank = rm.roles(rank)
+        group = RefitGroup.create("127.0.0.1", port, rank, world, 20.0, rank == 0, rank_map=rm)
+        out["ok"] = refit_once(plan, src, dst, s_rank, d_rank, group, rm, seed=6, tensors=src.tensors)
+        # destination rank 3 corrupts its first write of the final norm, which all four hold
+        # and one of the others receives over the fabric and forwards
+        out["flip"] = refit_once(plan, src, dst, s_rank, d_rank, group, rm, seed=8, tensors=src.tensors,
+                                 sink=(lambda d: FlippingSink(d, "model.norm.weight")) if d_rank == 3 else None)
+        group.close()
+    except BaseException:  # noqa: BLE001
+        out["crash"] = traceback.format_exc()
+    _ship(q, rank, out)
+
+
+@pytest.mark.slow
+def test_piece_relayed_refit_over_gloo_writes_every_member_and_names_a_bad_forwarded_write():
+    src, dst, place, plan = _tp2_layouts()
+    norm = [t for t, g in zip(plan.transfers, plan.relay_of) if t.canonical == "model.norm.weight"]
+    assert len(norm) == 1 and norm[0].dst != 3  # rank 3 gets it forwarded
+    world = src.world_size + dst.world_size
+    res = _spawn(_tp2_main, world, free_port())
+    rep = placement_report(plan, src, dst, place)
+    for r in range(world):
+        assert "crash" not in res[r], res[r].get("crash")
+        ok = res[r]["ok"]
+        assert ok["err"] is None and (ok["bad"] in (None, [])), (r, ok)
+        assert ok["stats"].verified
+    assert sum(res[r]["ok"]["stats"].bytes_sent for r in range(src.world_size)) == rep.bytes_inter_node
+    assert sum(res[r]["ok"]["stats"].bytes_sent for r in range(src.world_size, world)) == rep.bytes_intra_node
+    bad = res[src.world_size + 3]["flip"]
+    assert bad["err"] is not None and "checksum mismatch" in bad["err"] and "model.norm.weight" in bad["err"], bad
+    assert bad["bad"] == ["model.norm.weight"]
+    for r in range(world):
+        if r != src.world_size + 3:
+            assert res[r]["flip"]["err"] is None, (r, res[r]["flip"])

@@ -36,16 +36,20 @@ def layout_digest(side: SideLayout) -> str:
 
 
 def get_plan(src: SideLayout, dst: SideLayout, *, bucket_bytes: int, allow_cast: bool = False,
-             not_direct: tuple[tuple[str, str], ...] = (), placement: "Placement | None" = None) -> TransferPlan:
+             not_direct: tuple[tuple[str, str], ...] = (), placement: "Placement | None" = None,
+             charges: tuple[tuple[int, str, tuple[int, ...]], ...] = ()) -> TransferPlan:
     """The plan for both layouts (cached). ``placement``: senders are chosen by link class
-    first (same device, same node, other node), then by load; part of the cache key."""
+    first (same device, same node, other node), then by load; part of the cache key.
+    ``charges``: see ``build_plan`` (fan-out relays)."""
     key = (layout_digest(src), layout_digest(dst), bucket_bytes, allow_cast, not_direct)
     if placement is not None:  # plans without one keep their keys
         key += (placement,)
+    if charges:
+        key += (charges,)
     plan = _CACHE.get(key)
     if plan is None:
         plan = build_plan(src, dst, bucket_bytes=bucket_bytes, allow_cast=allow_cast, not_direct=not_direct,
-                          link_cost=None if placement is None else _link_cost(placement))
+                          link_cost=None if placement is None else _link_cost(placement), charges=charges)
         _CACHE[key] = plan
         while len(_CACHE) > _MAX:
             _CACHE.popitem(last=False)

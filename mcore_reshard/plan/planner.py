@@ -310,15 +310,20 @@ def build_plan(
     allow_cast: bool = False,
     not_direct: Iterable[tuple[str, str]] = (),
     link_cost: Callable[[int, int], int] | None = None,
+    charges: Iterable[tuple[int, str, tuple[int, ...]]] = (),
 ) -> TransferPlan:
     """Plan a refit from ``src`` (training) to ``dst`` (inference). See module docstring.
 
     ``link_cost(src rank, dst rank)``: a small integer per link class (e.g. 0 same device,
     1 same node, 2 other node); among a fragment's replicas the cheapest link wins, then the
-    least loaded. None: load only (plans bit-identical to those made before it existed)."""
+    least loaded. None: load only (plans bit-identical to those made before it existed).
+    ``charges``: (destination rank, local tensor, other destination ranks) -- what that
+    tensor receives also counts against those ranks' bucket budgets (fan-out relays: their
+    members receive it too, forwarded)."""
     t0 = time.perf_counter()
     with _gc_paused():
-        plan = _build_plan(src, dst, bucket_bytes, allow_cast, not_direct, link_cost)
+        plan = _build_plan(src, dst, bucket_bytes, allow_cast, not_direct, link_cost,
+                           {(r, n): tuple(o) for r, n, o in charges})
     object.__setattr__(plan, "plan_seconds", time.perf_counter() - t0)
     return plan
 
@@ -347,7 +352,7 @@ def _gc_paused() -> Iterator[None]:
 
 def _build_plan(
     src: SideLayout, dst: SideLayout, bucket_bytes: int, allow_cast: bool, not_direct: Iterable[tuple[str, str]],
-    link_cost: Callable[[int, int], int] | None = None,
+    link_cost: Callable[[int, int], int] | None = None, charges: dict[tuple[int, str], tuple[int, ...]] | None = None,
 ) -> TransferPlan:
     if bucket_bytes <= 0:
         raise PlanError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -378,7 +383,7 @@ def _build_plan(
     merged, first_numel = _merge(maybe)
     first_numel = {len(blocks.sites) + i: n for i, n in first_numel.items()}
     _add_moves(blocks, merged)
-    transfers, num_buckets, planned = _bucket(blocks, first_numel, itemsize, bucket_bytes, keys)
+    transfers, num_buckets, planned = _bucket(blocks, first_numel, itemsize, bucket_bytes, keys, charges)
     if reinterpret:
         _check_whole_elements(transfers, dict(reinterpret), dtype, bucket_bytes)
 
@@ -918,7 +923,8 @@ def _split(sender: _Sender, site: Piece | _Frag, itemsize: int, budget: int) -> 
 
 
 def _bucket(
-    blocks: _Blocks, first_numel: dict[int, int], itemsize: int, budget: int, keys: _Keys
+    blocks: _Blocks, first_numel: dict[int, int], itemsize: int, budget: int, keys: _Keys,
+    charges: dict[tuple[int, str], tuple[int, ...]] | None = None,
 ) -> tuple[list[Transfer], int, int]:
     """Pack transfers into rounds so each rank sends <= budget and receives <= budget per
     round; tensors go in model order so the receiver can finish layers early.
@@ -947,7 +953,7 @@ def _bucket(
         senders, sites = [s for _, (s, _) in cut], [f for _, (_, f) in cut]
         owner = list(range(len(cut)))
     placed = _placement(senders, owner, sites, keys, tie_break)
-    return _pack(senders, owner, sites, placed, itemsize, budget, keys)
+    return _pack(senders, owner, sites, placed, itemsize, budget, keys, charges)
 
 
 def _merge_order(blocks: _Blocks, owner: list[int], parent: Sequence[int], first_numel: dict[int, int]):
@@ -993,7 +999,7 @@ def _placement(
 
 def _pack(
     senders: list[_Sender], owner: list[int], sites: list[Piece | _Frag], placed: list[int], itemsize: int, budget: int,
-    keys: _Keys,
+    keys: _Keys, charges: dict[tuple[int, str], tuple[int, ...]] | None = None,
 ) -> tuple[list[Transfer], int, int]:
     """Rounds for the placed parts, then the transfers sorted by (round, src, dst), stable."""
     owners = list(map(owner.__getitem__, placed))
@@ -1001,7 +1007,8 @@ def _pack(
     by_site = list(map(sites.__getitem__, placed))
     src, dst = list(map(_SRC_OF, by_sender)), list(map(_RANK, by_site))
     nbytes = list(map([numel * itemsize for numel in map(_NUMEL, map(_BOX_OF, senders))].__getitem__, owners))
-    rounds = _rounds(src, dst, nbytes, budget, keys.num_src, keys.num_dst)
+    extra = [charges.get(k) for k in zip(dst, map(_LOCAL_NAME, by_site))] if charges else None
+    rounds = _rounds(src, dst, nbytes, budget, keys.num_src, keys.num_dst, extra)
     get = operator.itemgetter
     made = transfers_from_columns(len(placed), [
         src, dst, map(get(_CANONICAL), by_sender), map(get(_BOX), by_sender), map(get(_SRC_NAME), by_sender),
@@ -1024,9 +1031,13 @@ def _group_order(rounds: list[int], src: list[int], dst: list[int], num_src: int
     return sorted(range(len(group_of)), key=group_of.__getitem__)
 
 
-def _rounds(src: list[int], dst: list[int], nbytes: list[int], budget: int, num_src: int, num_dst: int) -> list[int]:
+def _rounds(src: list[int], dst: list[int], nbytes: list[int], budget: int, num_src: int, num_dst: int,
+            extra: list[tuple[int, ...] | None] | None = None) -> list[int]:
     """Greedy rounds in placement order: each part goes to the first round, from the first
-    its two ranks can still fill, where both stay within the budget (or both are empty)."""
+    its two ranks can still fill, where both stay within the budget (or both are empty).
+    ``extra``: per part, more destination ranks it counts against (see ``build_plan``)."""
+    if extra is not None and any(extra):
+        return _rounds_charged(src, dst, nbytes, budget, num_src, num_dst, extra)
     levels: list[list[int]] = []  # per round: bytes sent by each source, then received by each destination
     cur = [0] * (num_src + num_dst)  # first round each rank can still fill
     full = budget - (budget >> 6)  # a round with less than 1/64 of the budget left is skipped
@@ -1052,6 +1063,34 @@ def _rounds(src: list[int], dst: list[int], nbytes: list[int], budget: int, num_
             _advance(cur, s, levels, full)
         if b > full and r == cur[d]:
             _advance(cur, d, levels, full)
+        rounds.append(r)
+    return rounds
+
+
+def _rounds_charged(src: list[int], dst: list[int], nbytes: list[int], budget: int, num_src: int, num_dst: int,
+                    extra: list[tuple[int, ...] | None]) -> list[int]:
+    """``_rounds`` where a part also counts against other destination ranks: every rank it
+    counts against stays within the budget (or all of them are empty in that round)."""
+    levels: list[list[int]] = []
+    cur = [0] * (num_src + num_dst)
+    full = budget - (budget >> 6)
+    rounds: list[int] = []
+    width = num_src + num_dst
+    for s, d, nb, more in zip(src, dst, nbytes, extra):
+        ranks = (s, d + num_src) + tuple(m + num_src for m in (more or ()) if m != d)
+        r = max(cur[k] for k in ranks)
+        while True:
+            if r == len(levels):
+                levels.append([0] * width)
+            lv = levels[r]
+            after = [lv[k] + nb for k in ranks]
+            if all(a <= budget for a in after) or all(a == nb for a in after):
+                break
+            r += 1
+        for k, a in zip(ranks, after):
+            lv[k] = a
+            if a > full and r == cur[k]:
+                _advance(cur, k, levels, full)
         rounds.append(r)
     return rounds
 

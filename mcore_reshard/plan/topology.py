@@ -19,10 +19,10 @@ from typing import Iterable, Sequence
 
 from ..layout import Box, SideLayout
 from ..layout.descriptor import DTYPE_BYTES
-from .types import TransferPlan
+from .types import PlanError, TransferPlan
 
 __all__ = ["Location", "Links", "Placement", "PlacementReport", "TopologyConfig", "LINK_CLASSES",
-           "placement_report", "inter_node_minimum", "hf_ipc_bytes", "relay_groups", "same_device_pairs",
+           "placement_report", "inter_node_minimum", "hf_ipc_bytes", "relay_groups", "piece_relays", "same_device_pairs",
            "plan_for_placement"]
 
 #: Link classes, cheapest first.
@@ -311,15 +311,15 @@ def placement_report(plan: TransferPlan, src: SideLayout, dst: SideLayout, place
         recv_all[t.dst] += t.nbytes
     # Relays: a group member forwards what it receives from the sources to the other members.
     relay_sent = {c: [0] * plan.num_dst for c in LINK_CLASSES}
-    for g in plan.relay_groups:
-        direct = {m: recv_all[m] for m in g}
-        for a in g:
-            for m in g:
-                if m != a:
-                    c = placement.dst_link(a, m)
-                    totals[c] += direct[a]
-                    recv[c][m] += direct[a]
-                    relay_sent[c][a] += direct[a]
+    for t, g in zip(plan.transfers, plan.relay_of):
+        if g < 0:
+            continue
+        for m in plan.relay_groups[g]:
+            if m != t.dst:
+                c = placement.dst_link(t.dst, m)
+                totals[c] += t.nbytes
+                recv[c][m] += t.nbytes
+                relay_sent[c][t.dst] += t.nbytes
     busiest = {c: max(max(sent[c], default=0), max(recv[c], default=0), max(relay_sent[c], default=0))
                for c in LINK_CLASSES}
     seconds = 0.0
@@ -358,26 +358,97 @@ def relay_groups(dst: SideLayout, placement: Placement) -> tuple[tuple[int, ...]
     return tuple(sorted(tuple(g) for g in groups.values() if len(g) > 1))
 
 
-def _spread(plan: TransferPlan, groups: tuple[tuple[int, ...], ...]) -> TransferPlan:
-    """Hand each transfer addressed to a group's first rank to the group member with the
-    fewest bytes so far (plan order; ties to the lower rank): every member then receives its
-    share over the fabric and the rest from the other members. Each member receives the whole
-    group's bucket anyway, so the bucket budget holds."""
-    if not groups:
-        return plan
-    group_of = {g[0]: g for g in groups}
+def _spread(plan: TransferPlan, groups: tuple[tuple[int, ...], ...], group_of: list[int]) -> TransferPlan:
+    """Hand each relayed transfer (``group_of``: its group, -1 for none) to the member of its
+    group with the fewest bytes so far (plan order; ties to the lower rank): every member
+    then receives its share over the fabric and the rest from the other members. The
+    buckets were cut with every member's whole share counted (``charges``), so the bucket
+    budget holds."""
     load = {m: 0 for g in groups for m in g}
     out = []
-    for t in plan.transfers:
-        g = group_of.get(t.dst)
-        if g is None:
-            out.append(t)
+    for t, g in zip(plan.transfers, group_of):
+        if g >= 0:
+            a = min(groups[g], key=lambda m: (load[m], m))
+            load[a] += t.nbytes
+            if a != t.dst:
+                t = replace(t, dst=a)
+        out.append(t)
+    # stable: wire order inside each message kept
+    order = sorted(range(len(out)), key=lambda i: (out[i].bucket, out[i].src, out[i].dst))
+    return replace(plan, transfers=tuple(out[i] for i in order), relay_groups=groups,
+                   relay_of=tuple(group_of[i] for i in order), _by_src={}, _by_dst={}, _by_group={})
+
+
+def _piece_key(p, q) -> tuple:
+    """A destination piece as another rank would hold it identically (same local tensor,
+    same place in it): a box one member receives, unpacked the same way by every member."""
+    return (p.name, tuple(p.shape), p.dtype, q.canonical, q.box, q.view)
+
+
+@dataclass(frozen=True)
+class _Relays:
+    """Fan-out relays of one placement: the destination side reduced to one holder per
+    piece per node, the relay groups, and what the planner and ``_spread`` need."""
+
+    reduced: SideLayout
+    groups: tuple[tuple[int, ...], ...]
+    default: dict[int, int]  # holder rank -> group of its pieces held by no other holder (-1: none)
+    shared: dict[tuple[int, str, str], list[tuple[Box, int]]]  # (holder, local, canonical) -> (piece box, group)
+    charges: tuple[tuple[int, str, tuple[int, ...]], ...]
+
+    def group_of(self, t) -> int:
+        for box, g in self.shared.get((t.dst, t.dst_name, t.canonical), ()):
+            if box.contains(t.box):
+                return g
+        return self.default.get(t.dst, -1)
+
+
+def piece_relays(dst: SideLayout, placement: Placement) -> _Relays | None:
+    """Relay groups at piece level. Ranks with identical pieces on one node (rank r of
+    several engines, :func:`relay_groups`) form a group; then every piece that several of
+    those groups hold identically on one node (what an engine replicates over its TP ranks:
+    norms, the router, replicated KV heads) is held by the first of them only, in a group of
+    all their members -- so each distinct piece crosses into a node once. None: no relays."""
+    whole = relay_groups(dst, placement)
+    ident = {m: g for g in whole for m in g}
+    others = {m for g in whole for m in g[1:]}
+    holders: dict[tuple, list[int]] = {}
+    for p in dst.params:
+        if p.rank in others:
             continue
-        a = min(g, key=lambda m: (load[m], m))
-        load[a] += t.nbytes
-        out.append(t if a == t.dst else replace(t, dst=a))
-    out.sort(key=lambda t: (t.bucket, t.src, t.dst))  # stable: wire order inside each message kept
-    return replace(plan, transfers=tuple(out), relay_groups=groups, _by_src={}, _by_dst={})
+        node = placement.dst[p.rank].node
+        for q in p.pieces:
+            holders.setdefault((node, _piece_key(p, q)), []).append(p.rank)
+    multi = {k: sorted(set(v)) for k, v in holders.items() if len(set(v)) > 1}
+    if not whole and not multi:
+        return None
+    members_of = {k: tuple(sorted({m for r in reps for m in ident.get(r, (r,))})) for k, reps in multi.items()}
+    groups = tuple(sorted(set(whole) | set(members_of.values())))
+    index = {g: i for i, g in enumerate(groups)}
+    default = {g[0]: index[g] for g in whole}
+    shared: dict[tuple[int, str, str], list[tuple[Box, int]]] = {}
+    charged: dict[tuple[int, str], set[int]] = {}
+    dropped: set[tuple[int, tuple]] = set()
+    for (node, key), reps in multi.items():
+        owner = reps[0]
+        name, _, _, canonical, box, _ = key
+        shared.setdefault((owner, name, canonical), []).append((box, index[members_of[(node, key)]]))
+        charged.setdefault((owner, name), set()).update(reps[1:])
+        dropped.update((r, key) for r in reps[1:])
+    params = []
+    for p in dst.params:
+        if p.rank in others:
+            continue
+        if dropped:
+            kept = tuple(q for q in p.pieces if (p.rank, _piece_key(p, q)) not in dropped)
+            if not kept:
+                continue
+            if len(kept) != len(p.pieces):
+                p = replace(p, pieces=kept)
+        params.append(p)
+    reduced = SideLayout(dst.name, dst.world_size, tuple(params), dst.tensors, dst.notes)
+    charges = tuple(sorted((r, n, tuple(sorted(o))) for (r, n), o in charged.items()))
+    return _Relays(reduced, groups, default, shared, charges)
 
 
 def same_device_pairs(placement: Placement) -> tuple[tuple[int, int], ...]:
@@ -392,31 +463,53 @@ def same_device_pairs(placement: Placement) -> tuple[tuple[int, int], ...]:
 def plan_for_placement(src: SideLayout, dst: SideLayout, placement: Placement, links: Links = Links(), *,
                        bucket_bytes: int, allow_cast: bool = False,
                        not_direct: tuple[tuple[str, str], ...] = ()) -> TransferPlan:
-    """The plan for a placement: direct, or with fan-out relays where that lowers the modelled
-    time. Relays: in each group of identical destination ranks on one node, every box is
-    sent over the fabric to one member, which forwards it to the others over the node's links
-    -- so each box crosses into the node once, spread over the group's links."""
+    """The plan for a placement: direct, or with fan-out relays where that does not raise the
+    modelled time. Relays (:func:`piece_relays`): every distinct piece a node's inference
+    ranks hold is sent over the fabric to one of its holders there, which forwards it to the
+    others over the node's links -- so each element crosses into a node once, spread over the
+    group's links. A relayed plan must meet that floor exactly (else ``PlanError``)."""
     from .cache import get_plan
 
     direct = get_plan(src, dst, bucket_bytes=bucket_bytes, allow_cast=allow_cast, not_direct=not_direct,
                       placement=placement)
     pairs = same_device_pairs(placement)
-    groups = relay_groups(dst, placement)
-    if not groups:
+    relays = piece_relays(dst, placement)
+    if relays is None:
         return replace(direct, same_device=pairs, _by_src={}, _by_dst={}) if pairs else direct
-    others = {m for g in groups for m in g[1:]}
-    reduced = SideLayout(dst.name, dst.world_size, tuple(p for p in dst.params if p.rank not in others), dst.tensors)
-    relayed = get_plan(src, reduced, bucket_bytes=bucket_bytes, allow_cast=allow_cast, not_direct=not_direct,
-                       placement=placement)
-    relayed = replace(_spread(relayed, groups), bytes_min=direct.bytes_min,
-                      bytes_hf_broadcast=direct.bytes_hf_broadcast, padding=direct.padding)
+    relayed = get_plan(src, relays.reduced, bucket_bytes=bucket_bytes, allow_cast=allow_cast, not_direct=not_direct,
+                       placement=placement, charges=relays.charges)
+    relayed = replace(_spread(relayed, relays.groups, [relays.group_of(t) for t in relayed.transfers]),
+                      bytes_min=direct.bytes_min, bytes_hf_broadcast=direct.bytes_hf_broadcast, padding=direct.padding)
     t_direct = placement_report(direct, src, dst, placement, links).modelled_seconds
-    t_relay = placement_report(relayed, src, dst, placement, links).modelled_seconds
-    if t_relay >= t_direct:
+    rep = placement_report(relayed, src, dst, placement, links)
+    if rep.modelled_seconds > t_direct:
         return replace(direct, same_device=pairs, _by_src={}, _by_dst={}, notes=direct.notes + (
-            f"fan-out relays not used: modelled {t_relay:.4f} s with relays vs {t_direct:.4f} s direct",))
-    n = sum(len(g) for g in groups)
+            f"fan-out relays not used: modelled {rep.modelled_seconds:.4f} s with relays vs {t_direct:.4f} s direct",))
+    if rep.bytes_inter_node != rep.bytes_inter_node_min:
+        raise PlanError(f"fan-out relays move {rep.bytes_inter_node} bytes over the fabric, the floor (one copy per "
+                        f"inference node) is {rep.bytes_inter_node_min}: {_over_floor(relayed, src, dst, placement)}")
+    if relayed.bytes_planned != direct.bytes_min:
+        raise PlanError(f"fan-out relays deliver {relayed.bytes_planned} bytes, the destinations hold "
+                        f"{direct.bytes_min}")
+    n = len({m for g in relays.groups for m in g})
     return replace(relayed, same_device=pairs, notes=relayed.notes + (
-        f"fan-out relays: {len(groups)} group(s) of identical inference ranks ({n} ranks) on shared nodes take "
-        f"each box over the fabric once and forward it inside the node; modelled {t_relay:.4f} s vs "
-        f"{t_direct:.4f} s direct",))
+        f"fan-out relays: {len(relays.groups)} group(s) of inference ranks ({n} ranks) holding the same pieces on "
+        f"shared nodes take each box over the fabric once and forward it inside the node; modelled "
+        f"{rep.modelled_seconds:.4f} s vs {t_direct:.4f} s direct",))
+
+
+def _over_floor(plan: TransferPlan, src: SideLayout, dst: SideLayout, placement: Placement) -> str:
+    """Name the first destination tensor whose bytes into some node exceed that node's floor."""
+    moved: dict[tuple[int, str], int] = {}
+    for t in plan.transfers:
+        if placement.link(t.src, t.dst) == "inter_node":
+            key = (placement.dst[t.dst].node, t.canonical)
+            moved[key] = moved.get(key, 0) + t.nbytes
+    held = _boxes_by_node(dst, placement.dst)
+    local = _boxes_by_node(src, placement.src)
+    size = _element_bytes(dst, plan.itemsize)
+    for (node, name), nb in sorted(moved.items()):
+        floor = _covered(held[node][name], local.get(node, {}).get(name, ())) * size.get(name, plan.itemsize)
+        if nb > floor:
+            return f"{name} crosses into node {node} as {nb} bytes, its floor there is {floor}"
+    return "no single tensor is over its floor"

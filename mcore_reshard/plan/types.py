@@ -72,13 +72,13 @@ class RankPlan:
     transfers: tuple[Transfer, ...]
     #: Element type on the wire (the destination's; a cast happens while packing).
     dtype: str = "float32"
-    #: Fan-out relays (``plan.topology``), destination side: this rank's relay group (ranks
-    #: on one node holding identical pieces) and, per transfer, the member that receives it
-    #: from the source and forwards it to the others (``via``; empty: this rank itself).
-    relay_group: tuple[int, ...] = ()
-    via: tuple[int, ...] = ()
-    #: Source side: every relay group (its members also get the expected checksums).
+    #: Fan-out relays (``plan.topology``): every relay group of the plan (destination ranks on
+    #: one node that hold the same pieces; a rank may be in several), and per transfer its
+    #: group (``stream``; -1: not relayed) and, destination side, the member that receives it
+    #: from the source and forwards it to the group's others (``via``; this rank or a peer).
     relay_groups: tuple[tuple[int, ...], ...] = ()
+    stream: tuple[int, ...] = ()
+    via: tuple[int, ...] = ()
     #: Peers of the other side on this rank's device (from the plan's placement): messages
     #: between them move through shared memory, never through the group's sockets.
     same_device: tuple[int, ...] = ()
@@ -87,21 +87,32 @@ class RankPlan:
     #: transfers are in wire-dtype units.
     reinterpret: tuple[tuple[str, str], ...] = ()
 
-    def channels(self) -> list[dict[tuple[int, int], list[Transfer]]]:
-        """Destination side, per bucket: (source rank, via) -> transfers in wire order; ``via``
-        is this rank unless a relay-group member forwards the message."""
-        out: list[dict[tuple[int, int], list[Transfer]]] = [dict() for _ in range(self.num_buckets)]
+    def channels(self) -> list[dict[tuple[int, int, int], list[Transfer]]]:
+        """Destination side, per bucket: (source rank, via, relay group) -> transfers in wire
+        order; ``via`` is this rank unless a relay-group member forwards the message, the
+        group is -1 for a message that is not relayed."""
+        out: list[dict[tuple[int, int, int], list[Transfer]]] = [dict() for _ in range(self.num_buckets)]
         via = self.via or (self.rank,) * len(self.transfers)
-        for t, v in zip(self.transfers, via):
-            out[t.bucket].setdefault((t.src, v), []).append(t)
+        stream = self.stream or (-1,) * len(self.transfers)
+        for t, v, g in zip(self.transfers, via, stream):
+            out[t.bucket].setdefault((t.src, v, g), []).append(t)
         return out
 
     def buckets(self) -> list[dict[int, list[Transfer]]]:
-        """Per bucket: peer -> transfers in wire order."""
+        """Per bucket: peer -> transfers in wire order (relay groups not told apart)."""
         out: list[dict[int, list[Transfer]]] = [dict() for _ in range(self.num_buckets)]
         for t in self.transfers:
             peer = t.dst if self.side == "src" else t.src
             out[t.bucket].setdefault(peer, []).append(t)
+        return out
+
+    def messages(self) -> list[dict[tuple[int, int], list[Transfer]]]:
+        """Source side, per bucket: (destination rank, relay group) -> transfers in wire order:
+        one message each (a relayed one goes to ``dst``, which forwards it to its group)."""
+        out: list[dict[tuple[int, int], list[Transfer]]] = [dict() for _ in range(self.num_buckets)]
+        stream = self.stream or (-1,) * len(self.transfers)
+        for t, g in zip(self.transfers, stream):
+            out[t.bucket].setdefault((t.dst, g), []).append(t)
         return out
 
     @property
@@ -110,7 +121,7 @@ class RankPlan:
 
     def digest(self) -> str:
         """Hash of this slice: a rank checks the slice it was given is the one it runs."""
-        relays = (self.relay_group, self.via, self.relay_groups) if (self.relay_group or self.relay_groups) else None
+        relays = (self.relay_groups, self.stream, self.via) if self.relay_groups else None
         return plan_digest(self.transfers, self.num_buckets, self.dtype, relays=relays,
                            same_device=self.same_device or None, reinterpret=self.reinterpret or None)
 
@@ -138,10 +149,12 @@ class TransferPlan:
     casts: tuple[tuple[str, str, str], ...] = ()
     notes: tuple[str, ...] = ()
     plan_seconds: float = 0.0
-    #: Fan-out relays: groups of destination ranks on one node that hold identical pieces.
-    #: Each transfer to a group goes to one member over the fabric (``transfers``' ``dst``),
-    #: which forwards it to the others over the node's links.
+    #: Fan-out relays (``plan.topology``): groups of destination ranks on one node that hold
+    #: the same pieces, and per transfer its group (``relay_of``, aligned with ``transfers``;
+    #: -1: not relayed; empty without relays). A relayed transfer goes to one member over the
+    #: fabric (its ``dst``), which forwards it to the group's others over the node's links.
     relay_groups: tuple[tuple[int, ...], ...] = ()
+    relay_of: tuple[int, ...] = ()
     #: (source rank, destination rank) pairs on one device (``plan.topology``): the executor
     #: moves their messages through shared memory.
     same_device: tuple[tuple[int, int], ...] = ()
@@ -152,6 +165,7 @@ class TransferPlan:
     reinterpret: tuple[tuple[str, str], ...] = ()
     _by_src: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
     _by_dst: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
+    _by_group: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def bytes_planned(self) -> int:
@@ -169,10 +183,11 @@ class TransferPlan:
         out = [0] * self.num_dst
         for t in self.transfers:
             out[t.dst] += t.nbytes
-        for g in self.relay_groups:
-            total = sum(out[m] for m in g)
-            for m in g:
-                out[m] = total
+        for t, g in zip(self.transfers, self.relay_of):
+            if g >= 0:
+                for m in self.relay_groups[g]:
+                    if m != t.dst:
+                        out[m] += t.nbytes
         return out
 
     def for_rank(self, side: str, rank: int) -> RankPlan:
@@ -207,25 +222,36 @@ class TransferPlan:
             return RankPlan(side, rank, self.num_buckets, tuple(self.transfers[i] for i in index.get(rank, ())),
                             self.dtype)
         if side == "src":
-            return RankPlan(side, rank, self.num_buckets, tuple(self.transfers[i] for i in index.get(rank, ())),
-                            self.dtype, relay_groups=self.relay_groups)
-        group = next((g for g in self.relay_groups if rank in g), None)
-        if group is None:
-            return RankPlan(side, rank, self.num_buckets, tuple(self.transfers[i] for i in index.get(rank, ())),
-                            self.dtype)
+            mine = index.get(rank, ())
+            return RankPlan(side, rank, self.num_buckets, tuple(self.transfers[i] for i in mine), self.dtype,
+                            relay_groups=self.relay_groups, stream=tuple(self.relay_of[i] for i in mine))
+        if not self._by_group:
+            tmp = {}
+            for i, g in enumerate(self.relay_of):
+                if g >= 0:
+                    tmp.setdefault(g, []).append(i)
+            self._by_group.update({g: tuple(v) for g, v in tmp.items()})
+        groups = [g for g, members in enumerate(self.relay_groups) if rank in members]
+        if not groups:
+            mine = index.get(rank, ())
+            return RankPlan(side, rank, self.num_buckets, tuple(self.transfers[i] for i in mine), self.dtype,
+                            relay_groups=self.relay_groups, stream=tuple(self.relay_of[i] for i in mine),
+                            via=(rank,) * len(mine))
         from dataclasses import replace
 
-        mine = sorted(i for m in group for i in index.get(m, ()))  # plan order: bucket, source, ...
+        # plan order (bucket, source, ...): what this rank receives itself, and every transfer
+        # to its groups that a peer receives and forwards
+        mine = sorted(set(index.get(rank, ())).union(*(self._by_group.get(g, ()) for g in groups)))
         ts = tuple(self.transfers[i] if self.transfers[i].dst == rank else replace(self.transfers[i], dst=rank)
                    for i in mine)
-        return RankPlan(side, rank, self.num_buckets, ts, self.dtype, relay_group=group,
-                        via=tuple(self.transfers[i].dst for i in mine))
+        return RankPlan(side, rank, self.num_buckets, ts, self.dtype, relay_groups=self.relay_groups,
+                        stream=tuple(self.relay_of[i] for i in mine), via=tuple(self.transfers[i].dst for i in mine))
 
     def digest(self) -> str:
         """Stable hash of everything that moves; checked on every rank before the first byte.
         Casts are hashed only when there are any, so plans without casts keep their digests."""
         return plan_digest(self.transfers, self.num_buckets, self.dtype, self.casts,
-                           relays=self.relay_groups if self.relay_groups else None,
+                           relays=(self.relay_groups, self.relay_of) if self.relay_groups else None,
                            same_device=self.same_device or None, reinterpret=self.reinterpret or None)
 
 

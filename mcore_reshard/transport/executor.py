@@ -401,21 +401,21 @@ class _Run:
         self.src_rank = src.rank if src is not None else None
         self.dst_rank = dst.rank if dst is not None else None
         self.num_buckets = (src or dst).num_buckets if (src or dst) is not None else 0
-        self.send_b = src.buckets() if src is not None else [{} for _ in range(self.num_buckets)]
-        # Receives by channel (source rank, via): ``via`` is this rank, or -- with fan-out
-        # relays (``plan.topology``) -- the member of this rank's relay group that receives the
-        # message from the source and forwards it to the others.
+        # Sends by message (destination rank, relay group); receives by channel (source rank,
+        # via, relay group): ``via`` is this rank, or -- with fan-out relays (``plan.topology``)
+        # -- the member of the group that receives the message from the source and forwards it
+        # to the others; the group is -1 for a message that is not relayed.
+        self.send_b = src.messages() if src is not None else [{} for _ in range(self.num_buckets)]
         self.recv_b = dst.channels() if dst is not None else [{} for _ in range(self.num_buckets)]
-        self.relay_group = tuple(dst.relay_group) if dst is not None else ()
-        self.relay_groups = {m: g for g in (src.relay_groups if src is not None else ()) for m in g}
+        self.groups: tuple[tuple[int, ...], ...] = (src or dst).relay_groups if (src or dst) is not None else ()
         self.forwards: list[_Op] = []
         self.phase = {"pack": 0.0, "wire": 0.0, "unpack": 0.0, "verify": 0.0}
         self.bytes_sent = self.bytes_received = self.messages = 0
         self.verified = False
-        self.expected: dict[int, list[torch.Tensor]] = {}  # dst peer -> per-bucket (n, 2) sums
-        self.pending_sums: list[tuple[int, list[Any]]] = []  # packed bucket: (peer, rows or Transfer)
-        self.actual: dict[tuple[int, int], list[torch.Tensor]] = {}  # channel -> per-bucket (n, 2) sums
-        self.local_msgs: dict[int, torch.Tensor] = {}  # bucket -> message to myself
+        self.expected: dict[tuple[int, int], list[torch.Tensor]] = {}  # message key -> per-bucket (n, 2) sums
+        self.pending_sums: list[tuple[tuple[int, int], list[Any]]] = []  # packed bucket: (key, rows or Transfer)
+        self.actual: dict[tuple[int, int, int], list[torch.Tensor]] = {}  # channel -> per-bucket (n, 2) sums
+        self.local_msgs: dict[tuple[int, tuple[int, int, int]], torch.Tensor] = {}  # (bucket, channel) -> to myself
         # Same-device peers in other processes (CPU only): shared memory instead of the group.
         cpu = group.device.type == "cpu"
         self.shm_dst = {d for d in (src.same_device if src is not None and cpu else ()) if not self._is_me("dst", d)}
@@ -427,13 +427,13 @@ class _Run:
         self.acks: dict[int, list[_Op]] = {}  # send buffer -> consumed flags to wait for
         self.ack_sends: list[_Op] = []
         self.flags: list[torch.Tensor] = []  # ready flags in flight (kept alive until waited)
-        self.shm_msgs: dict[tuple[int, tuple[int, int]], torch.Tensor] = {}  # (bucket, channel) -> message
+        self.shm_msgs: dict[tuple[int, tuple[int, int, int]], torch.Tensor] = {}  # (bucket, channel) -> message
         # Zero-copy boxes: sent from the parameter and received into the destination, no
         # buffer between (see ``_is_direct``); everything else is packed into messages.
         self.direct: set[int] = set()  # id() of this rank's direct transfers
         for b in self.send_b:
-            for peer, ts in b.items():
-                if self._direct_peer_ok("dst", peer):
+            for key, ts in b.items():
+                if self._direct_peer_ok("dst", key):
                     self.direct.update(id(t) for t in ts if _is_direct(t, dtype.itemsize))
         for b in self.recv_b:
             for c, ts in b.items():
@@ -450,7 +450,7 @@ class _Run:
         n_send_bufs = min(2, sum(1 for b in self.send_b if b))
         n_recv_bufs = min(2, sum(1 for b in self.recv_b if any(not self._local(c) and not self._shm(c) for c in b)))
         self.itemsize = dtype.itemsize
-        if any(p in self.shm_dst for b in self.send_b for p in b):
+        if any(p in self.shm_dst for b in self.send_b for p, _ in b):
             # The send buffers live in one shared segment: the same bytes as private ones.
             self.nonce = new_nonce()
             path = segment_path(group.derived_key("shm"), self.me, self.nonce)
@@ -463,21 +463,21 @@ class _Run:
         self.buffer_bytes = self.extra_bytes = (n_send_bufs * send_numel + n_recv_bufs * recv_numel) * self.itemsize
         self.temp_bytes = 0
 
-    def _direct_peer_ok(self, side: str, peer: Any) -> bool:
+    def _direct_peer_ok(self, side: str, key: Any) -> bool:
         """Zero-copy boxes only go over plain group messages: not to myself, not through shared
-        memory, not to or from a relay group (whose members forward whole messages). Both ends
-        decide from the plan alone, so they agree."""
+        memory, not relayed (members forward whole messages). Both ends decide from the plan
+        alone, so they agree."""
         if side == "dst":
-            return not self._is_me("dst", peer) and peer not in self.shm_dst and peer not in self.relay_groups
-        return (peer[1] == self.dst_rank and not self._local(peer) and not self._shm(peer)
-                and not self.relay_group)
+            peer, g = key
+            return g < 0 and not self._is_me("dst", peer) and peer not in self.shm_dst
+        return key[2] < 0 and key[1] == self.dst_rank and not self._local(key) and not self._shm(key)
 
     def _packed_numel(self, ts: Sequence[Transfer]) -> int:
         return sum(t.box.numel for t in ts if id(t) not in self.direct)
 
-    def _shm(self, channel: tuple[int, int]) -> bool:
+    def _shm(self, channel: tuple[int, int, int]) -> bool:
         """A message from a same-device source in another process (through shared memory)."""
-        src, via = channel
+        src, via, _ = channel
         return via == self.dst_rank and src in self.shm_src
 
     def close(self, failed: bool) -> None:
@@ -493,17 +493,22 @@ class _Run:
     def _is_me(self, side: str, rank: int) -> bool:
         return self.rank_map.group_rank(side, rank) == self.me
 
-    def _local(self, channel: tuple[int, int]) -> bool:
+    def _local(self, channel: tuple[int, int, int]) -> bool:
         """A message from this process to itself (a colocated source and destination)."""
-        src, via = channel
+        src, via, _ = channel
         return via == self.dst_rank and self._is_me("src", src)
 
-    def _recv_from(self, k: int, channel: tuple[int, int]) -> tuple[int, int]:
+    def _recv_from(self, k: int, channel: tuple[int, int, int]) -> tuple[int, int]:
         """(group rank, tag) of the receive of ``channel`` in bucket ``k``."""
-        src, via = channel
+        src, via, g = channel
         if via == self.dst_rank:
-            return self.rank_map.group_rank("src", src), k
-        return self.rank_map.group_rank("dst", via), _relay_tag(self.num_buckets, k, src)
+            return self.rank_map.group_rank("src", src), self._tag(k, g)
+        return self.rank_map.group_rank("dst", via), self._tag(k, g, forwarded_from=src)
+
+    def _tag(self, k: int, g: int, forwarded_from: int | None = None) -> int:
+        """Tag of a message in bucket ``k`` (``num_buckets``: its checksums) of relay group
+        ``g`` (-1: none), sent by its source or (``forwarded_from`` = the source) forwarded."""
+        return _msg_tag(self.num_buckets, len(self.groups), k, g, forwarded_from)
 
     def _timed_sum(self, x: torch.Tensor) -> Any:
         """``box_sum`` for a sink's ``write_hashed``, remembering how long it took."""
@@ -521,11 +526,12 @@ class _Run:
         total = sum(message_numel(ts) for b in self.send_b + self.recv_b for ts in b.values())
         bar = _progress_bar(progress, total * self.itemsize)
         try:
-            peers = {self.rank_map.group_rank("dst", m) for b in self.send_b for p in b
-                     for m in self.relay_groups.get(p, (p,))}
+            peers = {self.rank_map.group_rank("dst", m) for b in self.send_b for p, g in b
+                     for m in (self.groups[g] if g >= 0 else (p,))}  # relays: every member gets the checksums
             peers |= {self._recv_from(0, c)[0] for b in self.recv_b for c in b}
-            peers |= {self.rank_map.group_rank("src", s) for b in self.recv_b for s, _ in b}  # checksums
-            peers |= {self.rank_map.group_rank("dst", m) for m in self.relay_group if m != self.dst_rank}
+            peers |= {self.rank_map.group_rank("src", c[0]) for b in self.recv_b for c in b}  # checksums
+            peers |= {self.rank_map.group_rank("dst", m) for b in self.recv_b for _, via, g in b
+                      if via == self.dst_rank and g >= 0 for m in self.groups[g]}  # what I forward
             self.group.connect(peers, self.timeout_s)
             ops = self._post_bucket(0, self._pack(0)) if self.num_buckets else []
             self._finish_sums()
@@ -571,7 +577,7 @@ class _Run:
             self._wait(k, self.acks.pop(i))
         buf = self.send_bufs[i] if self.send_bufs else None
         out, pos = {}, 0
-        for peer, ts in peers.items():
+        for key, ts in peers.items():
             t0 = time.perf_counter()
             msg = pack([t for t in ts if id(t) not in self.direct], self.src_tensors, buf[pos:])
             t1 = time.perf_counter()
@@ -590,9 +596,9 @@ class _Run:
                     sums.append(digest_bytes(raw[off : off + nb]) if raw is not None else
                                 self.box_sum(msg[off // self.itemsize : (off + nb) // self.itemsize]))
                     off += nb
-                self.pending_sums.append((peer, sums))
+                self.pending_sums.append((key, sums))
                 self.phase["verify"] += time.perf_counter() - t1
-            out[peer] = msg
+            out[key] = msg
             pos += msg.numel()
         fault = getattr(self, "fault", None)
         if fault is not None and fault.kind == "bitflip" and fault.bucket == k and out:
@@ -608,10 +614,10 @@ class _Run:
         """The expected rows of the bucket just posted: zero-copy boxes are hashed in the
         source tensor now, while their sends are on the wire, not before posting them."""
         t0 = time.perf_counter()
-        for peer, sums in self.pending_sums:
+        for key, sums in self.pending_sums:
             rows = [self.box_sum(local_view(self.src_tensors[x.src_name], x.src_view)) if isinstance(x, Transfer)
                     else x for x in sums]
-            self.expected.setdefault(peer, []).append(_rows(rows))
+            self.expected.setdefault(key, []).append(_rows(rows))
         self.pending_sums = []
         self._timed("verify", t0)
 
@@ -635,16 +641,16 @@ class _Run:
             direct = [t for t in ts if id(t) in self.direct]
             for i, t in enumerate(direct):
                 specs.append(("dsrc", (channel, t), self._landing(k, t), g, _direct_tag(k, i)))
-        for peer, msg in packed.items():
+        for (peer, stream), msg in packed.items():
             if self._is_me("dst", peer):
-                self.local_msgs[k] = msg
+                self.local_msgs[(k, (self.src_rank, peer, stream))] = msg
             elif peer in self.shm_dst:
-                shm_ops.append(self._post_ready(k, peer, msg))
+                shm_ops.append(self._post_ready(k, peer, stream, msg))
             else:
                 g = self.rank_map.group_rank("dst", peer)
                 if msg.numel():
-                    specs.append(("dst", peer, msg, g, k))
-                direct = [t for t in self.send_b[k][peer] if id(t) in self.direct]
+                    specs.append(("dst", peer, msg, g, self._tag(k, stream)))
+                direct = [t for t in self.send_b[k][(peer, stream)] if id(t) in self.direct]
                 for i, t in enumerate(direct):
                     specs.append(("ddst", peer, self._direct_source(k, t, i), g, _direct_tag(k, i)))
         return self._post_all(k, specs) + shm_ops
@@ -681,9 +687,10 @@ class _Run:
             x = self.temps.pop(key)
             self.temp_bytes -= x.numel() * x.element_size()
 
-    def _post_ready(self, k: int, peer: int, msg: torch.Tensor) -> _Op:
-        """Tell same-device ``peer`` where its bucket-``k`` message lies in my segment, and
-        post the receive of its consumed flag (waited before the buffer is packed again)."""
+    def _post_ready(self, k: int, peer: int, stream: int, msg: torch.Tensor) -> _Op:
+        """Tell same-device ``peer`` where its bucket-``k`` message (of relay group ``stream``)
+        lies in my segment, and post the receive of its consumed flag (waited before the
+        buffer is packed again)."""
         g = self.rank_map.group_rank("dst", peer)
         base = self.segment.data.data_ptr()
         offset = (msg.data_ptr() - base) // self.itemsize
@@ -691,29 +698,29 @@ class _Run:
         self.flags.append(flag)
         ack = torch.empty(1, dtype=torch.int64)
         i = k % len(self.send_bufs)
-        self.acks.setdefault(i, []).append(("ack", peer, ack, self._post(k, "dst", peer, ack, g, _ACK_TAG + k, recv=True)))
-        return ("shm_dst", peer, msg, self._post(k, "dst", peer, flag, g, k))
+        tag = _ACK_TAG + k * (len(self.groups) + 1) + stream + 1
+        self.acks.setdefault(i, []).append(("ack", peer, ack, self._post(k, "dst", peer, ack, g, tag, recv=True)))
+        return ("shm_dst", peer, msg, self._post(k, "dst", peer, flag, g, self._tag(k, stream)))
 
     def _consumed(self, k: int) -> None:
         """Bucket ``k`` is delivered (and forwarded): free each same-device sender's buffer."""
-        for src, via in self.recv_b[k]:
-            if self._shm((src, via)):
+        for channel in self.recv_b[k]:
+            if self._shm(channel):
                 flag = torch.tensor([k], dtype=torch.int64)
-                g = self.rank_map.group_rank("src", src)
-                self.ack_sends.append(("ack", (src, via), flag, self._post(k, "src", (src, via), flag, g, _ACK_TAG + k,
-                                                                           send=True)))
+                g = self.rank_map.group_rank("src", channel[0])
+                tag = _ACK_TAG + k * (len(self.groups) + 1) + channel[2] + 1
+                self.ack_sends.append(("ack", channel, flag, self._post(k, "src", channel, flag, g, tag, send=True)))
 
     def _forward(self, k: int, ops: list[_Op]) -> None:
-        """Fan-out relay: pass every message this rank received from a source in bucket ``k``
-        on to the other members of its relay group (the same bytes: no packing); waited for
-        after delivery, before the buffer is reused."""
-        others = [m for m in self.relay_group if m != self.dst_rank]
-        if not others:
-            return
-        specs = [("dst", m, self.shm_msgs.get((k, channel), t), self.rank_map.group_rank("dst", m),
-                  _relay_tag(self.num_buckets, k, channel[0]))
-                 for side, channel, t, _ in ops if side in ("src", "shm_src") and channel[1] == self.dst_rank
-                 for m in others]
+        """Fan-out relay: pass every relayed message this rank received from a source in bucket
+        ``k`` (over the group, through shared memory or from itself) on to the other members of
+        its relay group (the same bytes: no packing); waited for after delivery, before the
+        buffer is reused."""
+        got = {channel: self.shm_msgs.get((k, channel), t) for side, channel, t, _ in ops
+               if side in ("src", "shm_src") and channel[1] == self.dst_rank and channel[2] >= 0}
+        got.update({c: m for (b, c), m in self.local_msgs.items() if b == k and c[2] >= 0})
+        specs = [("dst", m, msg, self.rank_map.group_rank("dst", m), self._tag(k, g, forwarded_from=src))
+                 for (src, _, g), msg in sorted(got.items()) for m in self.groups[g] if m != self.dst_rank]
         self.forwards = self._post_all(k, specs)
 
     def _post_all(self, k: int, specs: list[tuple[str, Any, torch.Tensor, int, int]]) -> list[_Op]:
@@ -797,8 +804,8 @@ class _Run:
         side = {"shm_dst": "dst", "shm_src": "src", "ack": "dst", "ddst": "dst", "dsrc": "src"}.get(side, side)
         if isinstance(peer, tuple) and isinstance(peer[1], Transfer):  # a zero-copy box: its channel
             peer = peer[0]
-        if isinstance(peer, tuple):  # a receive channel (source, via)
-            src, via = peer
+        if isinstance(peer, tuple):  # a receive channel (source, via, relay group)
+            src, via, _ = peer
             who = self.rank_map.describe("src", src) + (
                 "" if via == self.dst_rank else f" relayed by {self.rank_map.describe('dst', via)}")
         else:
@@ -809,9 +816,8 @@ class _Run:
     def _deliver(self, k: int, recvs: list[_Op]) -> None:
         """Hand every box of bucket ``k`` to the sink, then checksum what it holds."""
         msgs = {channel: self.shm_msgs.pop((k, channel), slot) for side, channel, slot, _ in recvs if side != "dsrc"}
-        me = (self.src_rank, self.dst_rank)
-        if self.src_rank is not None and me in self.recv_b[k]:
-            msgs[me] = self.local_msgs.pop(k)
+        for key in [key for key in self.local_msgs if key[0] == k]:
+            msgs[key[1]] = self.local_msgs.pop(key)
         hashed = getattr(self.sink, "write_hashed", None)
         for peer, ts in self.recv_b[k].items():
             msg = msgs.get(peer)
@@ -858,7 +864,7 @@ class _Run:
             if self.verify:
                 self.actual.setdefault(peer, []).append(_rows(sums))
 
-    def _deliver_tensors(self, k: int, peer: tuple[int, int], ts: list[Transfer], msg: torch.Tensor | None) -> None:
+    def _deliver_tensors(self, k: int, peer: tuple[int, int, int], ts: list[Transfer], msg: torch.Tensor | None) -> None:
         """``_deliver`` into plain tensors (``TensorSink``, CPU): the packed boxes in one
         batched copy, then each box hashed where it now lies."""
         t0 = time.perf_counter()
@@ -901,22 +907,19 @@ class _Run:
         expected = {p: torch.cat(v).to(self.group.device) for p, v in self.expected.items()}
         specs = []
         for channel in sorted(self.actual):
-            if self._local(channel):
-                continue
-            src, via = channel
+            src, via, g = channel
+            if self._is_me("src", src):
+                continue  # my own expected rows
             n = sum(len(ts) for b in self.recv_b for c, ts in b.items() if c == channel)
-            tag = B if via == self.dst_rank else _relay_tag(B, B, via)
             specs.append(("src", channel, torch.empty((n, 2), dtype=torch.int64, device=self.group.device),
-                          self.rank_map.group_rank("src", src), tag))
-        for peer, t in sorted(expected.items()):
-            if not self._is_me("dst", peer):
-                specs.append(("dst", peer, t, self.rank_map.group_rank("dst", peer), B))
-            for m in self.relay_groups.get(peer, ()):
-                if m != peer:
-                    specs.append(("dst", m, t, self.rank_map.group_rank("dst", m), _relay_tag(B, B, peer)))
+                          self.rank_map.group_rank("src", src), self._tag(B, g, via if g >= 0 else None)))
+        for (peer, g), t in sorted(expected.items()):
+            for m in (self.groups[g] if g >= 0 else (peer,)):  # relayed: every member checks
+                if not self._is_me("dst", m):
+                    specs.append(("dst", m, t, self.rank_map.group_rank("dst", m), self._tag(B, g, peer if g >= 0 else None)))
         ops = self._post_all(B, specs)
         deadline = time.perf_counter() + self.timeout_s
-        got: dict[tuple[int, int], torch.Tensor] = {}
+        got: dict[tuple[int, int, int], torch.Tensor] = {}
         for side, peer, t, work in ops:
             try:
                 self.group.wait_work(work, max(deadline - time.perf_counter(), 1e-3))
@@ -926,9 +929,9 @@ class _Run:
                 raise self._error(B, side, peer, side == "dst", e) from e
             if side == "src":
                 got[peer] = t.cpu()
-        me = (self.src_rank, self.dst_rank)
-        if self.src_rank is not None and me in self.actual:
-            got[me] = expected[self.dst_rank].cpu()
+        for channel in self.actual:
+            if self._is_me("src", channel[0]):
+                got[channel] = expected[(channel[1], channel[2])].cpu()
         self._timed("verify", t0)
         bad = []
         for channel in sorted(self.actual):
@@ -945,11 +948,20 @@ class _Run:
             raise RefitError(f"checksum mismatch in {len(bad)} transfer(s): " + "; ".join(lines) + more)
 
 
-def _relay_tag(num_buckets: int, k: int, src: int) -> int:
-    """Tag of what a relay forwards: the message of source ``src`` in bucket ``k`` (and, with
-    ``k = num_buckets``, the checksums of relay ``src``'s channel): after the bucket tags and
-    the checksum tag, unique per (k, rank) (ranks < 4096, ``config.MAX_WORLD``)."""
-    return num_buckets + 1 + k * 4096 + src
+def _msg_tag(num_buckets: int, num_groups: int, k: int, g: int, forwarded_from: int | None = None) -> int:
+    """Tag of the message of bucket ``k`` (``k = num_buckets``: the checksums) in relay group
+    ``g``: ``k`` itself for a plain message (``num_buckets`` for plain checksums); relayed ones
+    after those, unique per (bucket, group, sent or forwarded, rank): a forwarded message
+    carries its source's rank, relayed checksums the rank that forwards the message. Below
+    the zero-copy tags (gloo tags are C ints; ranks < 4096, ``config.MAX_WORLD``)."""
+    if g < 0 and forwarded_from is None:
+        return k
+    slot = ((k * (num_groups + 1) + g + 1) * 2 + (forwarded_from is not None and k < num_buckets))
+    tag = num_buckets + 1 + slot * 4096 + (forwarded_from or 0)
+    if tag >= 1 << 29:
+        raise RefitError(f"{num_buckets} buckets x {num_groups} relay groups need tags past 2**29: "
+                         f"raise refit.buffer_bytes (fewer buckets)")
+    return tag
 
 
 #: Boxes of at least this many bytes, contiguous in both local tensors, skip the buffers: sent

@@ -19,7 +19,8 @@ def run_plan_locally(
     dst_tensors: Mapping[int, Mapping[str, torch.Tensor]],
 ) -> int:
     """Move every message of ``plan`` from ``src_tensors[rank][name]`` into
-    ``dst_tensors[rank][name]``; returns bytes moved."""
+    ``dst_tensors[rank][name]`` (a relayed one into every member of its group); returns the
+    bytes every destination received."""
     from .executor import WireTensors
 
     moved = 0
@@ -30,10 +31,12 @@ def run_plan_locally(
         dst_tensors = {r: WireTensors(dst_tensors.get(r, {}), dict(plan.for_rank("dst", r).reinterpret), wire)
                        for r in range(plan.num_dst)}
     for rank in range(plan.num_src):
-        for b, peers in enumerate(plan.for_rank("src", rank).buckets()):
-            for dst, transfers in peers.items():
+        for b, messages in enumerate(plan.for_rank("src", rank).messages()):
+            for (dst, g), transfers in messages.items():
                 buf = torch.empty(message_numel(transfers), dtype=wire)
                 msg = pack(transfers, src_tensors[rank], buf)
-                unpack(transfers, msg, dst_tensors[dst])
-                moved += msg.numel() * msg.element_size()
+                # a relayed message: every member of its group holds its boxes in the same place
+                for member in plan.relay_groups[g] if g >= 0 else (dst,):
+                    unpack(transfers, msg, dst_tensors[member])
+                    moved += msg.numel() * msg.element_size()
     return moved
