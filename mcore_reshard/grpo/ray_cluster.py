@@ -348,9 +348,14 @@ class EngineHandle:
                               f"{name!r}: {first_error_line(exc)}") from None
         except GetTimeoutError:
             raise RefitFailed(f"engine {self.index} did not finish {name!r} within {self.timeout_s:.0f}s") from None
-        except Exception as exc:  # noqa: BLE001 - the engine's own error
-            raise type(getattr(exc, "cause", None) or exc)(first_error_line(getattr(exc, "cause", None) or exc)) \
-                from None
+        except Exception as exc:  # noqa: BLE001 - the engine's own error, as its own type where it can be rebuilt
+            cause = getattr(exc, "cause", None) or exc
+            line = first_error_line(cause)
+            try:
+                err = type(cause)(line)
+            except Exception:  # noqa: BLE001 - a type that takes other arguments: name it instead
+                err = RefitFailed(f"engine {self.index} failed in {name!r}: {type(cause).__name__}: {line}")
+            raise err from None
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
