@@ -52,11 +52,15 @@ def unpack(transfers: Sequence[Transfer], buf: torch.Tensor, tensors: Mapping[st
 
 
 def _window(flats: dict[str, torch.Tensor], tensors: Mapping[str, torch.Tensor], name: str, v: View) -> torch.Tensor:
-    """``local_view(tensors[name], v)``, flattening each local tensor once per message."""
-    flat = flats.get(name)
-    if flat is None:
-        flat = flats[name] = tensors[name].view(-1)  # local tensors are contiguous (as local_view requires)
-    return flat.as_strided(v.shape, v.stride, flat.storage_offset() + v.offset)
+    """``local_view(tensors[name], v)``: one ``as_strided`` on the local tensor itself (local
+    tensors are contiguous, as ``local_view`` requires, so ``v``'s offset and strides are
+    those of its storage from the tensor's own offset on). ``flats`` caches the lookup."""
+    t = flats.get(name)
+    if t is None:
+        t = flats[name] = tensors[name]
+        if not t.is_contiguous():
+            raise ValueError(f"{name}: local tensors must be contiguous to address them by flat views")
+    return t.as_strided(v.shape, v.stride, t.storage_offset() + v.offset)
 
 
 @functools.lru_cache(maxsize=4096)
