@@ -57,6 +57,48 @@ def _int(t: torch.Tensor) -> torch.dtype:
     return {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
 
 
+# -- packing ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dim", [0, 1], ids=["dense-rows", "strided-columns"])
+def test_pack_unpack_moves_small_dense_boxes_by_memmove_and_the_rest_by_views(dim):
+    """Source split along ``dim`` -> destination rows split 2 ways: dim 0 gives dense boxes
+    (moved by bounds-checked memmove, reported as (address, nbytes)), dim 1 boxes of half
+    the columns, strided in the destination's rows (views and a batched copy). Both land bit
+    for bit; a source of another dtype is cast."""
+    from mcore_reshard.transport.checksum import digest_at
+    from mcore_reshard.transport.packing import pack, unpack
+
+    src, dst = split_layout(T, parts=2, dim=dim), split_layout(T, parts=2, dim=0, pad_rows=1)
+    plan = build_plan(src, dst, bucket_bytes=1 << 16)
+    canon = canonical(T, seed=2)
+    s = {r: locals_of(src, r, canon) for r in range(2)}
+    d = {r: locals_of(dst, r, None) for r in range(2)}
+    kinds = set()
+    for r in range(2):
+        for (peer, _), ts in plan.for_rank("src", r).messages()[0].items():
+            buf = torch.empty(sum(t.box.numel for t in ts) + 5)
+            msg = pack(ts, s[r], buf)
+            written = unpack(ts, msg, d[peer])
+            for t, w in zip(ts, written):
+                kinds.add(type(w))
+                want = local_view(d[peer][t.dst_name], t.dst_view)
+                if isinstance(w, tuple):  # the address and size of exactly that box
+                    assert w == (want.data_ptr(), want.numel() * want.element_size())
+                    assert digest_at(w) == digest(want)
+    zero = {r: {k: v.nan_to_num(0.0) for k, v in d[r].items()} for r in range(2)}
+    assert all(expected_equal(dst, r, canon, zero[r]) == [] for r in range(2))
+    assert kinds == ({tuple} if dim == 0 else {tuple, torch.Tensor})
+    # fp32 sources into a bf16 message: no memmove (dtypes differ), cast by the batched copy
+    ts = plan.for_rank("src", 0).messages()[0][(0, -1)]
+    msg = pack(ts, s[0], torch.empty(sum(t.box.numel for t in ts), dtype=torch.bfloat16))
+    got = {k: torch.zeros_like(v) for k, v in d[0].items()}
+    assert all(isinstance(w, torch.Tensor) for w in unpack(ts, msg, got))
+    for t in ts:
+        assert torch.equal(local_view(got[t.dst_name], t.dst_view),
+                           local_view(s[0][t.src_name], t.src_view).to(torch.bfloat16).float())
+
+
 # -- checksums -----------------------------------------------------------------------------
 
 

@@ -19,12 +19,13 @@ different strides give equal checksums.
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import torch
 import xxhash
 
-__all__ = ["checksum", "checksums", "digest", "digest_bytes"]
+__all__ = ["checksum", "checksums", "digest", "digest_at", "digest_bytes"]
 
 _WORD = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int32}
 _MULT = 0x9E3779B1  # odd, so i -> i*_MULT + 1 never collapses two positions mod 2**64
@@ -72,6 +73,13 @@ def digest(t: torch.Tensor) -> tuple[int, int]:
         raw = raw.view(torch.uint8)
     n = raw.numel()
     return digest_bytes(raw.numpy()) if n else (0, 0)
+
+
+def digest_at(at: tuple[int, int]) -> tuple[int, int]:
+    """``digest`` of ``nbytes`` at ``address`` (``(address, nbytes)`` from ``packing.unpack``:
+    a box it just wrote into a live tensor)."""
+    addr, nbytes = at
+    return digest_bytes((ctypes.c_char * nbytes).from_address(addr)) if nbytes else (0, 0)
 
 
 def digest_bytes(buf: Any) -> tuple[int, int]:

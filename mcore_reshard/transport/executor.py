@@ -58,7 +58,7 @@ from ..layout.descriptor import LocalParam, View
 from ..layout.torch_views import TORCH_DTYPES, local_view, zero_padding
 from ..plan.types import RankPlan, Transfer
 from ..protocol import VerifyMode
-from .checksum import _sums, digest, digest_bytes
+from .checksum import _sums, digest, digest_at, digest_bytes
 from ..errors import RefitAborted
 from .group import RankMap, RefitError, RefitGroup, error_class
 from .packing import message_numel, pack, unpack
@@ -874,7 +874,7 @@ class _Run:
         if self.verify:
             tensors = self.sink.tensors
             self.actual.setdefault(peer, []).append(_rows([
-                digest(local_view(tensors[t.dst_name], t.dst_view)) if id(t) in self.direct else digest(next(written))
+                digest(local_view(tensors[t.dst_name], t.dst_view)) if id(t) in self.direct else _digest_written(next(written))
                 for t in ts]))
         self.phase["unpack"] += t1 - t0
         self.phase["verify"] += time.perf_counter() - t1
@@ -946,6 +946,11 @@ class _Run:
                      f"bucket {t.bucket}" for t in bad[:5]]
             more = f"; ... and {len(bad) - 5} more" if len(bad) > 5 else ""
             raise RefitError(f"checksum mismatch in {len(bad)} transfer(s): " + "; ".join(lines) + more)
+
+
+def _digest_written(x: Any) -> tuple[int, int]:
+    """``digest`` of what ``unpack`` wrote: a view, or (address, nbytes) of a ``memmove``d box."""
+    return digest_at(x) if isinstance(x, tuple) else digest(x)
 
 
 def _msg_tag(num_buckets: int, num_groups: int, k: int, g: int, forwarded_from: int | None = None) -> int:
