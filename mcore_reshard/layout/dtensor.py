@@ -399,7 +399,18 @@ def dtensor_form(side: SideLayout, canonical: str) -> Form:
 def dtensor_forms(side: SideLayout) -> dict[str, Form]:
     """Every canonical tensor's form, in ``side.tensors`` order (one pass over the pieces)."""
     held = _holdings(side)
-    return {name: _form_from_holdings(held.get(name, {}), tuple(shape)) for name, (shape, _) in side.tensors.items()}
+    # A form depends on the holdings and the shape only: the layers of a model repeat a few of
+    # them thousands of times (experts x layers), so each distinct one is worked out once.
+    seen: dict[tuple, Form] = {}
+    out = {}
+    for name, (shape, _) in side.tensors.items():
+        h = held.get(name, {})
+        key = (tuple(shape), frozenset((r, frozenset(boxes)) for r, boxes in h.items()))
+        form = seen.get(key)
+        if form is None:
+            form = seen[key] = _form_from_holdings(h, tuple(shape))
+        out[name] = form
+    return out
 
 
 def dtensor_report(side: SideLayout) -> dict[str, str]:

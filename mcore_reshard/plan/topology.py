@@ -374,7 +374,8 @@ def _spread(plan: TransferPlan, groups: tuple[tuple[int, ...], ...], group_of: l
                 t = replace(t, dst=a)
         out.append(t)
     # stable: wire order inside each message kept
-    order = sorted(range(len(out)), key=lambda i: (out[i].bucket, out[i].src, out[i].dst))
+    keys = [(t.bucket, t.src, t.dst) for t in out]
+    order = sorted(range(len(out)), key=keys.__getitem__)
     return replace(plan, transfers=tuple(out[i] for i in order), relay_groups=groups,
                    relay_of=tuple(group_of[i] for i in order), _by_src={}, _by_dst={}, _by_group={})
 
