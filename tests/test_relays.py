@@ -234,3 +234,18 @@ def test_piece_relayed_refit_over_gloo_writes_every_member_and_names_a_bad_forwa
     for r in range(world):
         if r != src.world_size + 3:
             assert res[r]["flip"]["err"] is None, (r, res[r]["flip"])
+
+
+def test_relay_message_tags_are_unique_per_pair():
+    """Every message a rank can get from one peer in a refit has its own tag: plain ones are
+    the bucket (checksums: the bucket count), relayed ones one per (bucket, group, sent or
+    forwarded, source), relayed checksums one per (group, forwarding member); all below the
+    zero-copy tags."""
+    from mcore_reshard.transport.executor import _msg_tag
+
+    B, G, ranks = 5, 3, range(6)
+    tags = [_msg_tag(B, G, k, -1) for k in range(B + 1)]
+    tags += [_msg_tag(B, G, k, g) for k in range(B) for g in range(G)]
+    tags += [_msg_tag(B, G, k, g, forwarded_from=s) for k in range(B) for g in range(G) for s in ranks]
+    tags += [_msg_tag(B, G, B, g, forwarded_from=v) for g in range(G) for v in ranks]
+    assert len(set(tags)) == len(tags) and max(tags) < 1 << 29 and min(tags) == 0

@@ -486,6 +486,11 @@ def plan_for_placement(src: SideLayout, dst: SideLayout, placement: Placement, l
     if rep.modelled_seconds > t_direct:
         return replace(direct, same_device=pairs, _by_src={}, _by_dst={}, notes=direct.notes + (
             f"fan-out relays not used: modelled {rep.modelled_seconds:.4f} s with relays vs {t_direct:.4f} s direct",))
+    if (relayed.num_buckets + 2) * (len(relays.groups) + 1) * 2 * 4096 >= 1 << 29:  # the executor's message tags
+        return replace(direct, same_device=pairs, _by_src={}, _by_dst={}, notes=direct.notes + (
+            f"fan-out relays not used: {relayed.num_buckets} buckets x {len(relays.groups)} relay groups need more "
+            f"message tags than gloo has (raise refit.buffer_bytes for fewer buckets); modelled {t_direct:.4f} s "
+            f"direct vs {rep.modelled_seconds:.4f} s with relays",))
     if rep.bytes_inter_node != rep.bytes_inter_node_min:
         raise PlanError(f"fan-out relays move {rep.bytes_inter_node} bytes over the fabric, the floor (one copy per "
                         f"inference node) is {rep.bytes_inter_node_min}: {_over_floor(relayed, src, dst, placement)}")
