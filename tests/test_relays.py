@@ -21,6 +21,13 @@ from toy_layouts import split_layout
 NUM_SRC, PARTS, REPLICAS = 2, 2, 2
 
 
+def _join(rank: int, world: int, port: int, num_src: int, num_dst: int):
+    """This spawned rank's rank map, roles and refit group (sources first, then destinations)."""
+    rm = RankMap.disaggregated(num_src, num_dst)
+    s_rank, d_rank = rm.roles(rank)
+    return rm, s_rank, d_rank, RefitGroup.create("127.0.0.1", port, rank, world, 20.0, rank == 0, rank_map=rm)
+
+
 def _layouts():
     src = split_layout(T, parts=NUM_SRC, dim=0)
     dst = split_layout(T, parts=PARTS, dim=1, replicas=REPLICAS, pad_rows=1)  # rank r*PARTS + p
@@ -51,9 +58,7 @@ def _relay_main(rank: int, world: int, port: int, q: Any) -> None:
     try:
         torch.set_num_threads(1)
         src, dst, place, plan = _layouts()
-        rm = RankMap.disaggregated(NUM_SRC, PARTS * REPLICAS)
-        s_rank, d_rank = rm.roles(rank)
-        group = RefitGroup.create("127.0.0.1", port, rank, world, 20.0, rank == 0, rank_map=rm)
+        rm, s_rank, d_rank, group = _join(rank, world, port, NUM_SRC, PARTS * REPLICAS)
         out["ok"] = refit_once(plan, src, dst, s_rank, d_rank, group, rm, seed=3)
         out["flip"] = refit_once(plan, src, dst, s_rank, d_rank, group, rm, seed=4,
                                  sink=(lambda d: FlippingSink(d, "local.a")) if d_rank == 2 else None)
@@ -105,9 +110,7 @@ def _moe_main(rank: int, world: int, port: int, q: Any) -> None:
     try:
         torch.set_num_threads(1)
         src, dst, plan = _moe_layouts()
-        rm = RankMap.disaggregated(2, 2)
-        s_rank, d_rank = rm.roles(rank)
-        group = RefitGroup.create("127.0.0.1", port, rank, world, 20.0, rank == 0, rank_map=rm)
+        rm, s_rank, d_rank, group = _join(rank, world, port, 2, 2)
         out = refit_once(plan, src, dst, s_rank, d_rank, group, rm, seed=5, tensors=src.tensors)
         group.close()
     except BaseException:  # noqa: BLE001
@@ -199,9 +202,7 @@ def _tp2_main(rank: int, world: int, port: int, q: Any) -> None:
     try:
         torch.set_num_threads(1)
         src, dst, place, plan = _tp2_layouts()
-        rm = RankMap.disaggregated(src.world_size, dst.world_size)
-        s_rank, d_rank = rm.roles(rank)
-        group = RefitGroup.create("127.0.0.1", port, rank, world, 20.0, rank == 0, rank_map=rm)
+        rm, s_rank, d_rank, group = _join(rank, world, port, src.world_size, dst.world_size)
         out["ok"] = refit_once(plan, src, dst, s_rank, d_rank, group, rm, seed=6, tensors=src.tensors)
         # destination rank 3 corrupts its first write of the final norm, which all four hold
         # and one of the others receives over the fabric and forwards
