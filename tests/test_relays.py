@@ -21,11 +21,21 @@ from toy_layouts import split_layout
 NUM_SRC, PARTS, REPLICAS = 2, 2, 2
 
 
-def _join(rank: int, world: int, port: int, num_src: int, num_dst: int):
-    """This spawned rank's rank map, roles and refit group (sources first, then destinations)."""
-    rm = RankMap.disaggregated(num_src, num_dst)
-    s_rank, d_rank = rm.roles(rank)
-    return rm, s_rank, d_rank, RefitGroup.create("127.0.0.1", port, rank, world, 20.0, rank == 0, rank_map=rm)
+def _run_rank(rank: int, world: int, port: int, q: Any, num_src: int, num_dst: int, body) -> None:
+    """A spawned rank: join the refit group (sources first, then destinations), run
+    ``body(rank map, source rank, destination rank, group)`` and ship its result -- or the
+    traceback of any failure -- to the parent."""
+    out: dict[str, Any] = {}
+    try:
+        torch.set_num_threads(1)
+        rm = RankMap.disaggregated(num_src, num_dst)
+        s_rank, d_rank = rm.roles(rank)
+        group = RefitGroup.create("127.0.0.1", port, rank, world, 20.0, rank == 0, rank_map=rm)
+        out = body(rm, s_rank, d_rank, group)
+        group.close()
+    except BaseException:  # noqa: BLE001 -- ship every failure to the parent
+        out = {"crash": traceback.format_exc()}
+    _ship(q, rank, out)
 
 
 def _layouts():
@@ -54,18 +64,13 @@ def test_relay_plan_sends_each_box_into_the_node_once():
 
 
 def _relay_main(rank: int, world: int, port: int, q: Any) -> None:
-    out: dict[str, Any] = {}
-    try:
-        torch.set_num_threads(1)
+    def body(rm, s_rank, d_rank, group):
         src, dst, place, plan = _layouts()
-        rm, s_rank, d_rank, group = _join(rank, world, port, NUM_SRC, PARTS * REPLICAS)
-        out["ok"] = refit_once(plan, src, dst, s_rank, d_rank, group, rm, seed=3)
-        out["flip"] = refit_once(plan, src, dst, s_rank, d_rank, group, rm, seed=4,
-                                 sink=(lambda d: FlippingSink(d, "local.a")) if d_rank == 2 else None)
-        group.close()
-    except BaseException:  # noqa: BLE001 -- ship every failure to the parent
-        out["crash"] = traceback.format_exc()
-    _ship(q, rank, out)
+        return {"ok": refit_once(plan, src, dst, s_rank, d_rank, group, rm, seed=3),
+                "flip": refit_once(plan, src, dst, s_rank, d_rank, group, rm, seed=4,
+                                   sink=(lambda d: FlippingSink(d, "local.a")) if d_rank == 2 else None)}
+
+    _run_rank(rank, world, port, q, NUM_SRC, PARTS * REPLICAS, body)
 
 
 @pytest.mark.slow
@@ -106,16 +111,11 @@ def _moe_layouts():
 
 
 def _moe_main(rank: int, world: int, port: int, q: Any) -> None:
-    out: dict[str, Any] = {}
-    try:
-        torch.set_num_threads(1)
+    def body(rm, s_rank, d_rank, group):
         src, dst, plan = _moe_layouts()
-        rm, s_rank, d_rank, group = _join(rank, world, port, 2, 2)
-        out = refit_once(plan, src, dst, s_rank, d_rank, group, rm, seed=5, tensors=src.tensors)
-        group.close()
-    except BaseException:  # noqa: BLE001
-        out["crash"] = traceback.format_exc()
-    _ship(q, rank, out)
+        return refit_once(plan, src, dst, s_rank, d_rank, group, rm, seed=5, tensors=src.tensors)
+
+    _run_rank(rank, world, port, q, 2, 2, body)
 
 
 @pytest.mark.slow
@@ -198,20 +198,15 @@ def test_replicated_pieces_cross_into_a_node_once(nkv):
 
 
 def _tp2_main(rank: int, world: int, port: int, q: Any) -> None:
-    out: dict[str, Any] = {}
-    try:
-        torch.set_num_threads(1)
+    def body(rm, s_rank, d_rank, group):
         src, dst, place, plan = _tp2_layouts()
-        rm, s_rank, d_rank, group = _join(rank, world, port, src.world_size, dst.world_size)
-        out["ok"] = refit_once(plan, src, dst, s_rank, d_rank, group, rm, seed=6, tensors=src.tensors)
         # destination rank 3 corrupts its first write of the final norm, which all four hold
         # and one of the others receives over the fabric and forwards
-        out["flip"] = refit_once(plan, src, dst, s_rank, d_rank, group, rm, seed=8, tensors=src.tensors,
-                                 sink=(lambda d: FlippingSink(d, "model.norm.weight")) if d_rank == 3 else None)
-        group.close()
-    except BaseException:  # noqa: BLE001
-        out["crash"] = traceback.format_exc()
-    _ship(q, rank, out)
+        return {"ok": refit_once(plan, src, dst, s_rank, d_rank, group, rm, seed=6, tensors=src.tensors),
+                "flip": refit_once(plan, src, dst, s_rank, d_rank, group, rm, seed=8, tensors=src.tensors,
+                                   sink=(lambda d: FlippingSink(d, "model.norm.weight")) if d_rank == 3 else None)}
+
+    _run_rank(rank, world, port, q, 2, 4, body)
 
 
 @pytest.mark.slow

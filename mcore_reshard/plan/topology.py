@@ -206,15 +206,16 @@ def inter_node_minimum(src: SideLayout, dst: SideLayout, placement: Placement, i
 
 
 def _inter_node_minimum(src: SideLayout, dst: SideLayout, placement: Placement, itemsize: int) -> int:
+    return sum(_floors(src, dst, placement, itemsize).values())
+
+
+def _floors(src: SideLayout, dst: SideLayout, placement: Placement, itemsize: int) -> dict[tuple[int, str], int]:
+    """(destination node, tensor) -> bytes of it that must cross into that node."""
     held = _boxes_by_node(dst, placement.dst)
     local = _boxes_by_node(src, placement.src)
     size = _element_bytes(dst, itemsize)
-    total = 0
-    for node, tensors in held.items():
-        have = local.get(node, {})
-        for name, boxes in tensors.items():
-            total += _covered(boxes, have.get(name, ())) * size.get(name, itemsize)
-    return total
+    return {(node, name): _covered(boxes, local.get(node, {}).get(name, ())) * size.get(name, itemsize)
+            for node, tensors in held.items() for name, boxes in tensors.items()}
 
 
 def _element_bytes(dst: SideLayout, itemsize: int) -> dict[str, int]:
@@ -413,13 +414,12 @@ def piece_relays(dst: SideLayout, placement: Placement) -> _Relays | None:
     whole = relay_groups(dst, placement)
     ident = {m: g for g in whole for m in g}
     others = {m for g in whole for m in g[1:]}
+    keyed = [(p, [_piece_key(p, q) for q in p.pieces]) for p in dst.params if p.rank not in others]
     holders: dict[tuple, list[int]] = {}
-    for p in dst.params:
-        if p.rank in others:
-            continue
+    for p, keys in keyed:
         node = placement.dst[p.rank].node
-        for q in p.pieces:
-            holders.setdefault((node, _piece_key(p, q)), []).append(p.rank)
+        for key in keys:
+            holders.setdefault((node, key), []).append(p.rank)
     multi = {k: sorted(set(v)) for k, v in holders.items() if len(set(v)) > 1}
     if not whole and not multi:
         return None
@@ -437,11 +437,9 @@ def piece_relays(dst: SideLayout, placement: Placement) -> _Relays | None:
         charged.setdefault((owner, name), set()).update(reps[1:])
         dropped.update((r, key) for r in reps[1:])
     params = []
-    for p in dst.params:
-        if p.rank in others:
-            continue
+    for p, keys in keyed:
         if dropped:
-            kept = tuple(q for q in p.pieces if (p.rank, _piece_key(p, q)) not in dropped)
+            kept = tuple(q for q, key in zip(p.pieces, keys) if (p.rank, key) not in dropped)
             if not kept:
                 continue
             if len(kept) != len(p.pieces):
@@ -511,11 +509,9 @@ def _over_floor(plan: TransferPlan, src: SideLayout, dst: SideLayout, placement:
         if placement.link(t.src, t.dst) == "inter_node":
             key = (placement.dst[t.dst].node, t.canonical)
             moved[key] = moved.get(key, 0) + t.nbytes
-    held = _boxes_by_node(dst, placement.dst)
-    local = _boxes_by_node(src, placement.src)
-    size = _element_bytes(dst, plan.itemsize)
+    floors = _floors(src, dst, placement, plan.itemsize)
     for (node, name), nb in sorted(moved.items()):
-        floor = _covered(held[node][name], local.get(node, {}).get(name, ())) * size.get(name, plan.itemsize)
+        floor = floors.get((node, name), 0)
         if nb > floor:
             return f"{name} crosses into node {node} as {nb} bytes, its floor there is {floor}"
     return "no single tensor is over its floor"

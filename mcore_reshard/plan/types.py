@@ -232,11 +232,9 @@ class TransferPlan:
                     tmp.setdefault(g, []).append(i)
             self._by_group.update({g: tuple(v) for g, v in tmp.items()})
         groups = [g for g, members in enumerate(self.relay_groups) if rank in members]
-        if not groups:
-            mine = index.get(rank, ())
-            return RankPlan(side, rank, self.num_buckets, tuple(self.transfers[i] for i in mine), self.dtype,
-                            relay_groups=self.relay_groups, stream=tuple(self.relay_of[i] for i in mine),
-                            via=(rank,) * len(mine))
+        if not groups:  # nothing relayed to it: its own messages only (``via`` and ``stream`` default)
+            return RankPlan(side, rank, self.num_buckets, tuple(self.transfers[i] for i in index.get(rank, ())),
+                            self.dtype, relay_groups=self.relay_groups)
         from dataclasses import replace
 
         # plan order (bucket, source, ...): what this rank receives itself, and every transfer

@@ -510,6 +510,10 @@ class _Run:
         ``g`` (-1: none), sent by its source or (``forwarded_from`` = the source) forwarded."""
         return _msg_tag(self.num_buckets, len(self.groups), k, g, forwarded_from)
 
+    def _ack_tag(self, k: int, g: int) -> int:
+        """Tag of the consumed flag of a same-device message in bucket ``k`` of relay group ``g``."""
+        return _ACK_TAG + k * (len(self.groups) + 1) + g + 1
+
     def _timed_sum(self, x: torch.Tensor) -> Any:
         """``box_sum`` for a sink's ``write_hashed``, remembering how long it took."""
         t0 = time.perf_counter()
@@ -698,8 +702,8 @@ class _Run:
         self.flags.append(flag)
         ack = torch.empty(1, dtype=torch.int64)
         i = k % len(self.send_bufs)
-        tag = _ACK_TAG + k * (len(self.groups) + 1) + stream + 1
-        self.acks.setdefault(i, []).append(("ack", peer, ack, self._post(k, "dst", peer, ack, g, tag, recv=True)))
+        self.acks.setdefault(i, []).append(("ack", peer, ack, self._post(k, "dst", peer, ack, g, self._ack_tag(k, stream),
+                                                                         recv=True)))
         return ("shm_dst", peer, msg, self._post(k, "dst", peer, flag, g, self._tag(k, stream)))
 
     def _consumed(self, k: int) -> None:
@@ -708,8 +712,8 @@ class _Run:
             if self._shm(channel):
                 flag = torch.tensor([k], dtype=torch.int64)
                 g = self.rank_map.group_rank("src", channel[0])
-                tag = _ACK_TAG + k * (len(self.groups) + 1) + channel[2] + 1
-                self.ack_sends.append(("ack", channel, flag, self._post(k, "src", channel, flag, g, tag, send=True)))
+                self.ack_sends.append(("ack", channel, flag, self._post(k, "src", channel, flag, g,
+                                                                        self._ack_tag(k, channel[2]), send=True)))
 
     def _forward(self, k: int, ops: list[_Op]) -> None:
         """Fan-out relay: pass every relayed message this rank received from a source in bucket

@@ -31,7 +31,7 @@ def run_plan_locally(
         dst_tensors = {r: WireTensors(dst_tensors.get(r, {}), dict(plan.for_rank("dst", r).reinterpret), wire)
                        for r in range(plan.num_dst)}
     for rank in range(plan.num_src):
-        for b, messages in enumerate(plan.for_rank("src", rank).messages()):
+        for messages in plan.for_rank("src", rank).messages():
             for (dst, g), transfers in messages.items():
                 buf = torch.empty(message_numel(transfers), dtype=wire)
                 msg = pack(transfers, src_tensors[rank], buf)

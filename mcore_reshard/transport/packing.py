@@ -33,7 +33,7 @@ def pack(transfers: Sequence[Transfer], tensors: Mapping[str, torch.Tensor], out
     part. Small dense boxes on CPU by ``memmove``; the rest in one batched copy
     (``torch._foreach_copy_``: one dispatch for every box, a multi-tensor kernel on GPU)."""
     dsts, srcs, pos = [], [], 0
-    flats: dict[str, torch.Tensor] = {}
+    seen: dict[str, torch.Tensor] = {}
     base = out.storage_offset()
     raw = _Raw(out)
     for t in transfers:
@@ -43,7 +43,7 @@ def pack(transfers: Sequence[Transfer], tensors: Mapping[str, torch.Tensor], out
             pos += n
             continue
         dsts.append(out.as_strided(v.shape, _contiguous(v.shape), base + pos))
-        srcs.append(_window(flats, tensors, t.src_name, v))
+        srcs.append(_window(seen, tensors, t.src_name, v))
         pos += n
     if dsts:
         torch._foreach_copy_(dsts, srcs)
@@ -55,7 +55,7 @@ def unpack(transfers: Sequence[Transfer], buf: torch.Tensor, tensors: Mapping[st
     ``memmove``, the rest in one batched copy); returns what was written, in wire order: a
     view, or ``(address, nbytes)`` of a box moved by ``memmove`` (see ``checksum.digest_at``)."""
     dsts, srcs, written, pos = [], [], [], 0
-    flats: dict[str, torch.Tensor] = {}
+    seen: dict[str, torch.Tensor] = {}
     base = buf.storage_offset()
     raw = _Raw(buf)
     for t in transfers:
@@ -67,7 +67,7 @@ def unpack(transfers: Sequence[Transfer], buf: torch.Tensor, tensors: Mapping[st
                 written.append(at)
                 pos += n
                 continue
-        d = _window(flats, tensors, t.dst_name, v)
+        d = _window(seen, tensors, t.dst_name, v)
         dsts.append(d)
         srcs.append(buf.as_strided(v.shape, _contiguous(v.shape), base + pos))
         written.append(d)
@@ -118,13 +118,14 @@ def _dense(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     return View(0, shape, stride).is_contiguous()
 
 
-def _window(flats: dict[str, torch.Tensor], tensors: Mapping[str, torch.Tensor], name: str, v: View) -> torch.Tensor:
+def _window(seen: dict[str, torch.Tensor], tensors: Mapping[str, torch.Tensor], name: str, v: View) -> torch.Tensor:
     """``local_view(tensors[name], v)``: one ``as_strided`` on the local tensor itself (local
     tensors are contiguous, as ``local_view`` requires, so ``v``'s offset and strides are
-    those of its storage from the tensor's own offset on). ``flats`` caches the lookup."""
-    t = flats.get(name)
+    those of its storage from the tensor's own offset on). ``seen``: tensors already looked
+    up and checked in this message."""
+    t = seen.get(name)
     if t is None:
-        t = flats[name] = tensors[name]
+        t = seen[name] = tensors[name]
         if not t.is_contiguous():
             raise ValueError(f"{name}: local tensors must be contiguous to address them by flat views")
     return t.as_strided(v.shape, v.stride, t.storage_offset() + v.offset)
