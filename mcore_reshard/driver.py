@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import logging
 import secrets
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
@@ -70,24 +70,6 @@ def engine_world(llm: Any) -> int:
     return int(par.world_size) * int(getattr(par, "data_parallel_size", 1) or 1)
 
 
-def _gate(llm: Any, reason: str) -> None:
-    """Make ``llm.generate`` refuse until ``_ungate`` (this engine object only)."""
-    from .errors import RefitIncomplete
-
-    if "generate" in vars(llm):
-        return  # already gated
-
-    def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise RefitIncomplete(f"this engine is not serving: a streaming refit failed after it had committed part "
-                              f"of the new weights ({reason}); run a refit that succeeds first")
-
-    llm.generate = refuse
-
-
-def _ungate(llm: Any) -> None:
-    vars(llm).pop("generate", None)
-
-
 def engine_dtype(llm: Any) -> str:
     """The element type an engine serves (``torch.bfloat16`` -> ``"bfloat16"``)."""
     if "dtype" in vars(llm):
@@ -120,6 +102,13 @@ def dst_layout_of(engines: Sequence[Any], tensors: dict, name: str = "vllm") -> 
     return SideLayout(name, offset, tuple(params), tensors)
 
 
+def _engine_is_dead(exc: BaseException) -> bool:
+    """vLLM's words for an engine that will never answer again (a worker or the core died)."""
+    text = f"{type(exc).__name__}: {exc}"
+    return any(w in text for w in ("EngineDeadError", "Executor failed", "EngineCore encountered an issue",
+                                   "engine core process died", "died during"))
+
+
 class RefitDriver:
     """Plans once per layout, ships each rank its slice once, then refits by digest."""
 
@@ -141,6 +130,11 @@ class RefitDriver:
         self._shipped = ""
         self._offsets: list[int] = []
         self.secret = secrets.token_hex(16)  # per job: every control message is authenticated with it
+        self._epoch = 0  # refits so far: every request carries its number (signed messages are bound to it)
+        #: Engines that missed a deadline (index -> why): refused until replaced.
+        self.dead: dict[int, str] = {}
+        #: Engines kept paused after a refit they could not confirm (index -> why).
+        self.gated: dict[int, str] = {}
 
     # -- set-up ----------------------------------------------------------------------------
     def __enter__(self) -> "RefitDriver":
@@ -193,7 +187,7 @@ class RefitDriver:
         digest = plan.digest()
         rank_map = RankMap.disaggregated(self.src.world_size, self.dst.world_size)
         info = JoinInfo(self.host, self._port(), rank_map.world_size, rank_map, self.refit_config.timeout_s,
-                        secret=self.secret)
+                        secret=self.secret, nonce=secrets.token_hex(16))
         self.trainers.submit("join", info)
         inits = []
         for e, llm in enumerate(self.engines):
@@ -201,7 +195,8 @@ class RefitDriver:
             hi = lo + engine_world(llm)
             inits.append({"join": replace(info, dst_offset=lo).to_wire(), "plan_digest": digest,
                           "slices": {str(r): slice_to_wire(plan.for_rank("dst", r)) for r in range(lo, hi)}})
-        errors = self._on_engines(lambda llm, init: llm.init_weight_transfer_engine({"init_info": init}), inits)
+        errors = self._on_engines(lambda llm, init: llm.init_weight_transfer_engine({"init_info": init}), inits,
+                                  what="init_weight_transfer_engine", deadline_s=self.refit_config.timeout_s + 60.0)
         try:
             self.trainers.collect()
         except Exception as exc:  # noqa: BLE001 - reported with the engines' errors
@@ -213,17 +208,41 @@ class RefitDriver:
         self.trainers.collect()
         self._shipped = digest
 
-    def _on_engines(self, fn: Any, args: Sequence[Any] | None = None) -> list[str]:
-        """Run ``fn(llm, arg)`` on every engine at once; returns one error line per failure."""
+    def _on_engines(self, fn: Any, args: Sequence[Any] | None = None, *, what: str = "call",
+                    deadline_s: float = 300.0, only: int | None = None) -> list[str]:
+        """Run ``fn(llm, arg)`` on every engine (or engine ``only``) at once, each on its own
+        daemon thread with a deadline; returns one error line per failure. An engine that
+        misses its deadline is dead for this driver (``dead``): its call is left behind (a
+        stopped worker never answers) and later refits refuse it."""
+        idx = [only] if only is not None else list(range(len(self.engines)))
         args = list(args) if args is not None else [None] * len(self.engines)
-        with ThreadPoolExecutor(max(1, len(self.engines))) as ex:
-            futs = [ex.submit(fn, llm, a) for llm, a in zip(self.engines, args)]
-        errors = []
-        for e, f in enumerate(futs):
+        results: dict[int, BaseException | None] = {}
+
+        def run(e: int) -> None:
             try:
-                f.result()
-            except Exception as exc:  # noqa: BLE001 - collected, raised once by the caller
-                errors.append(f"engine {e}: {first_error_line(exc)}")
+                fn(self.engines[e], args[e])
+                results[e] = None
+            except BaseException as exc:  # noqa: BLE001 - collected, raised once by the caller
+                results[e] = exc
+
+        threads = {e: threading.Thread(target=run, args=(e,), daemon=True, name=f"engine-{e}-{what}") for e in idx
+                   if e not in self.dead}
+        for t in threads.values():
+            t.start()
+        deadline = time.monotonic() + deadline_s
+        errors = [f"engine {e} is dead ({self.dead[e]}): replace it" for e in idx if e in self.dead]
+        for e, t in threads.items():
+            t.join(max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                self.dead[e] = f"no answer to {what} within {deadline_s:.0f}s (a stopped or hung worker)"
+                errors.append(f"engine {e} is dead ({self.dead[e]}): replace it")
+            elif results.get(e) is not None:
+                exc = results[e]
+                if _engine_is_dead(exc):
+                    self.dead[e] = f"its engine core or a worker died: {first_error_line(exc)}"
+                    errors.append(f"engine {e} is dead ({self.dead[e]}): replace it")
+                else:
+                    errors.append(f"engine {e}: {first_error_line(exc)}")
         return errors
 
     # -- refits -------------------------------------------------------------------------------
@@ -233,26 +252,28 @@ class RefitDriver:
 
     def refit(self, *, trainer_command: str = "refit", trainer_args: tuple = (),
               request: RefitRequest | None = None, engine_fault: dict | None = None) -> RefitMetrics:
-        """One refit: every trainer endpoint and every engine at once; they vote, all commit or
-        none does. Raises ``RefitFailed`` naming every failing rank of either side. After a
-        failure the refit group is rebuilt at the next refit.
+        """One refit: every trainer endpoint and every engine at once; they vote, one decision
+        is written, all commit or none does. Raises ``RefitFailed`` naming every failing rank
+        of either side, and every engine that is gated. After a failure the refit group is
+        rebuilt at the next refit.
 
-        Never serve a model no one trained: in atomic mode a failed refit leaves every engine
-        on its previous weights; in streaming mode (``atomic=false``) a worker may already have
-        committed some layers, so the engines that cannot vouch for their weights are gated --
-        their ``generate`` raises ``RefitIncomplete`` -- until a later refit succeeds.
+        No engine ever serves a mix of old and new weights. Each engine's scheduler is paused
+        (vLLM's own ``sleep(level=0)``) for the refit; afterwards the driver reads every
+        worker's state and version (with a deadline): an engine whose workers all hold the
+        new version -- or, after a failed refit, all still the old one -- resumes; one whose
+        workers disagree, that cannot learn the decision, that streamed part of a failed
+        refit, or that cannot confirm, stays paused (**gated**: no model step runs for any
+        client -- ``generate``, ``enqueue``, ``AsyncLLM``, a server -- since they all meet in
+        vLLM's scheduler) until a refit succeeds. An engine that does not answer within its
+        deadline is dead for this driver: the refit says so in one line, and later refits
+        refuse it until it is replaced.
 
         ``trainer_command`` / ``trainer_args`` / ``request`` / ``engine_fault`` let fault tests
         run a variant (a fault injected on one rank, a digest no rank holds, a vLLM worker that
-        dies mid-refit: ``ReshardUpdateInfo.fault``)."""
-        try:
-            metrics = self._refit(trainer_command, trainer_args, request, engine_fault)
-        except BaseException as exc:
-            if not (request or self.request()).atomic:
-                self._gate_unsure_engines(first_error_line(exc))
-            raise
-        for llm in self.engines:
-            _ungate(llm)
+        dies at a protocol step: ``ReshardUpdateInfo.fault``)."""
+        if self.dead:
+            raise RefitFailed("; ".join(f"engine {e} is dead ({why}): replace it" for e, why in sorted(self.dead.items())))
+        metrics = self._refit(trainer_command, trainer_args, request, engine_fault)
         _log.info("refit %s: %d bytes moved (minimum %d) in %.3fs, peak extra %d bytes, verified=%s, phases %s",
                   metrics.transport, metrics.bytes_moved, metrics.bytes_min, metrics.seconds,
                   metrics.peak_extra_bytes, metrics.verified, metrics.phases)
@@ -263,35 +284,87 @@ class RefitDriver:
         cached = self._shipped == self.plan.digest()
         if not cached:
             self.connect()
-        request = request or self.request()
+        self._epoch += 1
+        request = replace(request or self.request(), epoch=self._epoch)
+        version = request.version_at(self._epoch)
         t0 = time.perf_counter()
+        errors = self._on_engines(lambda llm, _: llm.sleep(level=0, mode="keep"), what="pause", deadline_s=60.0)
         self.trainers.submit(trainer_command, request, *trainer_args)
-
         update_info = {"request": request.to_wire(), "fault": dict(engine_fault or {})}
 
         def update(llm: Any, _: Any) -> None:
             llm.start_weight_update()
-            llm.update_weights({"update_info": update_info})
-            llm.finish_weight_update()
+            try:
+                llm.update_weights({"update_info": update_info})
+            finally:
+                try:
+                    llm.finish_weight_update()  # always: a session left open wedges the next refit
+                except Exception:  # noqa: BLE001 - the failure was named by update_weights
+                    pass
 
-        errors = self._on_engines(update)
+        errors += self._on_engines(update, what="update_weights", deadline_s=request.timeout_s + 60.0)
+        replies, trainer_error = None, None
         try:
             replies = self.trainers.collect()
         except Exception as exc:  # noqa: BLE001 - the trainers' error names every failing rank
-            self._shipped = ""  # the group is broken on every rank: rejoin next time
             dead = getattr(self.trainers, "dead", lambda: [])()
-            raise RefitFailed("; ".join(dead + [first_error_line(exc)] + errors)) from exc
+            trainer_error = "; ".join(dead + [first_error_line(exc)])
         seconds = time.perf_counter() - t0
-        if errors:
-            self._shipped = ""
-            raise RefitFailed("; ".join(errors))
-        for llm in self.engines:
-            llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        trusted = trainer_error is None and not errors
+        errors += self._settle_engines(version, trusted)
+        if trainer_error is not None or errors:
+            self._shipped = ""  # the group is broken on every rank: rejoin next time
+            raise RefitFailed("; ".join(([trainer_error] if trainer_error else []) + errors))
         reports = [r for r in replies[0][1] if r is not None]
         self.last_reports = reports
-        return self._metrics(reports, seconds, cached)
+        return self._metrics(reports, seconds, cached, request)
 
-    def _metrics(self, reports: list[RankReport], seconds: float, cached: bool) -> RefitMetrics:
+    def _settle_engines(self, version: str, trusted: bool) -> list[str]:
+        """After the vote: confirm each engine's workers, then resume the whole ones and keep
+        the others gated (paused). Returns one line per engine gated or dead."""
+        out: list[str] = []
+        for e, llm in enumerate(self.engines):
+            if e in self.dead:
+                continue
+            verdict = self._confirm(e, llm, version, trusted)
+            if verdict in ("new", "old"):
+                self.gated.pop(e, None)
+                steps = [lambda: llm.reset_prefix_cache(), lambda: llm.update_weight_version(version)] \
+                    if verdict == "new" else []
+                steps.append(lambda: llm.wake_up(tags=["scheduling"]))
+                for step in steps:
+                    out += self._on_engines(lambda _l, _a, fn=step: fn(), only=e, what="resume", deadline_s=60.0)
+            else:
+                self.gated[e] = verdict
+                out.append(f"engine {e} is gated (paused, serving nothing) until a refit succeeds: {verdict}")
+        return out
+
+    def _confirm(self, e: int, llm: Any, version: str, trusted: bool) -> str:
+        """"new" / "old" when every worker holds that version whole, else why not (one line)."""
+        got: list[Any] = []
+        errs = self._on_engines(lambda x, _: got.append(x.collective_rpc("mr_status")), only=e, what="confirm",
+                                deadline_s=30.0)
+        if errs or not got:
+            if e in self.dead:
+                return self.dead[e]
+            # No diagnostics extension: the refit's own success is the only evidence.
+            return "new" if trusted else "its workers cannot be asked which weights they hold"
+        states = got[0]
+        bad = [f"worker {w}: {st.get('state')} ({st.get('reason', '')[:200]})" for w, st in enumerate(states)
+               if st.get("state") != "serving"]
+        if bad:
+            return "; ".join(bad)
+        versions = {st.get("version", "") for st in states}
+        if len(versions) != 1:
+            return "its workers hold different versions: " + ", ".join(
+                f"worker {w}: {st.get('version') or 'as loaded'}" for w, st in enumerate(states))
+        held = versions.pop()
+        if held == version:
+            return "new"
+        return "old" if not trusted else f"its workers hold {held or 'the weights as loaded'}, not {version}"
+
+    def _metrics(self, reports: list[RankReport], seconds: float, cached: bool,
+                 request: RefitRequest) -> RefitMetrics:
         src = [r for r in reports if r.side == "src"]
         dst = [r for r in reports if r.side == "dst"]
         phases: dict[str, float] = {}
@@ -300,7 +373,7 @@ class RefitDriver:
                 for k, v in r.phases.items():
                     key = f"{side}_{k}"
                     phases[key] = round(max(phases.get(key, 0.0), v), 6)
-        verify = self.refit_config.verify
+        verify = request.verify  # what was asked of the ranks, not the driver's default
         return RefitMetrics(
             transport="reshard",
             bytes_moved=sum(r.bytes_received for r in dst),
@@ -316,20 +389,14 @@ class RefitDriver:
             bytes_zero_copy=sum(r.bytes_zero_copy for r in dst),
         )
 
-    def _gate_unsure_engines(self, reason: str) -> None:
-        """After a failed streaming refit: gate every engine that has a worker not serving
-        (per the diagnostics extension), or every engine when it cannot tell."""
-        for llm in self.engines:
-            try:
-                unsure = any(st["state"] != "serving" for st in llm.collective_rpc("mr_status"))
-            except Exception:  # noqa: BLE001 - no extension, or the engine is gone
-                unsure = True
-            if unsure:
-                _gate(llm, reason)
-
     def status(self) -> list[dict]:
-        """Every worker's serving state and last outcome (diagnostics extension)."""
-        return [st for llm in self.engines for st in llm.collective_rpc("mr_status")]
+        """Every worker's serving state, version and last outcome (diagnostics extension)."""
+        got: list[list[dict]] = [[] for _ in self.engines]
+        errors = self._on_engines(lambda llm, e: got[e].extend(llm.collective_rpc("mr_status")),
+                                  list(range(len(self.engines))), what="status", deadline_s=30.0)
+        if errors:
+            raise RefitFailed("; ".join(errors))
+        return [st for per in got for st in per]
 
     def close(self) -> None:
         try:

@@ -121,7 +121,9 @@ class JoinInfo:
 
     ``dst_offset`` is the first destination rank of the receiving engine: engine ``e`` of
     several holds destination ranks ``dst_offset .. dst_offset + its world - 1``.
-    ``secret`` is the per-job key every control message is authenticated with.
+    ``secret`` is the per-job key every control message is authenticated with; ``nonce`` is
+    fresh per group (the driver draws one at every join): every signed message is bound to it,
+    so nothing recorded from another group is accepted in this one.
     """
 
     host: str
@@ -132,6 +134,7 @@ class JoinInfo:
     dst_offset: int = 0
     secret: str = ""
     prefix: str = "mcore_reshard/refit"
+    nonce: str = ""
 
     def __post_init__(self) -> None:
         _check_positive("timeout_s", self.timeout_s)
@@ -153,21 +156,33 @@ class JoinInfo:
 @dataclass(frozen=True)
 class RefitRequest:
     """One refit: which plan (every rank holds its slice already), how to verify, how long
-    to wait for a silent peer, and whether the engine commits all-or-nothing."""
+    to wait for a silent peer, and whether the engine commits all-or-nothing.
+
+    ``epoch`` numbers the refits of one group (every signed message of this refit carries it;
+    0: each rank counts itself). ``version`` is what every worker records when it commits
+    (the driver reads it back to confirm an engine is whole; default ``"<digest[:12]>@<epoch>"``).
+    """
 
     plan_digest: str
     verify: VerifyMode = VerifyMode.CHECKSUM
     timeout_s: float = 300.0
     #: All workers of an engine stage the new weights and commit together, or none does.
     atomic: bool = True
+    epoch: int = 0
+    version: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "verify", VerifyMode.parse(self.verify))
         _check_positive("timeout_s", self.timeout_s)
+        if not isinstance(self.epoch, int) or self.epoch < 0:
+            raise ConfigError(f"epoch={self.epoch!r} must be a non-negative integer")
+
+    def version_at(self, epoch: int) -> str:
+        return self.version or f"{self.plan_digest[:12]}@{epoch}"
 
     def to_wire(self) -> dict:
         return {"plan_digest": self.plan_digest, "verify": self.verify.value, "timeout_s": self.timeout_s,
-                "atomic": self.atomic}
+                "atomic": self.atomic, "epoch": self.epoch, "version": self.version}
 
     @staticmethod
     def from_wire(d: Mapping[str, Any]) -> "RefitRequest":

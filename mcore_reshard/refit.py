@@ -38,6 +38,25 @@ class LocalCluster:
     engines: list = field(default_factory=list)
     driver: RefitDriver | None = None
     _hf_state: dict = field(default_factory=dict)
+    #: How the trainer pool was started (``restart_trainers`` starts the same again).
+    setup: Any = None
+    placement: Any = None
+
+    def restart_trainers(self) -> None:
+        """A new trainer pool from the checkpoint (a restarted training job after a rank died)
+        and a new driver on the same engines; the next refit joins a new refit group."""
+        from .ports import free_port
+        from .trainer import TrainerPool
+
+        if self.pool is not None:
+            self.pool.close()
+        if self.driver is not None:
+            self.driver.close()
+        self.pool = None
+        self.setup = replace(self.setup, port=free_port())
+        self.pool = TrainerPool(self.setup)
+        self.driver = RefitDriver(self.pool, self.engines, self.refit, self.spec, placement=self.placement)
+        self.driver.__enter__()
 
     def refit_once(self, transport: str | None = None) -> RefitMetrics:
         """One refit with the configured (or given) transport; ``verify=full`` adds the
@@ -111,14 +130,18 @@ def local_cluster(spec: ModelSpec, checkpoint: Path, training: Any, vllm: Any, r
             c.engines.append(start_engine(str(checkpoint), tp=vllm.tp, dtype=spec.dtype, enable_ep=vllm.enable_ep,
                                           direct=refit.apply_mode == "direct", worker_extension_cls=REFIT_EXTENSION,
                                           weight_transfer_config={"backend": BACKEND}))
-        c.pool = TrainerPool(TrainerSetup(spec, training, str(checkpoint), free_port(),
-                                          timeout_s=max(refit.timeout_s, 120.0), train=dict(train or {}),
-                                          sync_before_refit=sync_before_refit))
+        c.setup = TrainerSetup(spec, training, str(checkpoint), free_port(), timeout_s=max(refit.timeout_s, 120.0),
+                               train=dict(train or {}), sync_before_refit=sync_before_refit)
+        c.pool = TrainerPool(c.setup)
         if placement is None and getattr(refit, "placement", "separate") == "colocated":
             placement = colocated_placement(training.world_size, sum(map(engine_world, c.engines)))
+        c.placement = placement
         c.driver = RefitDriver(c.pool, c.engines, refit, spec, placement=placement)
-        with c.driver:
+        c.driver.__enter__()
+        try:
             yield c
+        finally:
+            c.driver.close()
     finally:
         if c.pool is not None:
             c.pool.close()

@@ -19,11 +19,14 @@ from mcore_reshard.transport.group import RankMap, RefitGroup
 
 
 def _pair(secret: str = "s3cret", timeout_s: float = 10.0):
-    rm, port, groups = RankMap.disaggregated(1, 1), free_port(), {}
+    """Two ranks of one group; like the driver, every group gets a fresh nonce."""
+    import secrets
+
+    rm, port, groups, nonce = RankMap.disaggregated(1, 1), free_port(), {}, secrets.token_hex(8)
     th = threading.Thread(target=lambda: groups.update(
-        {1: RefitGroup.create("127.0.0.1", port, 1, 2, timeout_s, False, rank_map=rm, secret=secret)}))
+        {1: RefitGroup.create("127.0.0.1", port, 1, 2, timeout_s, False, rank_map=rm, secret=secret, nonce=nonce)}))
     th.start()
-    groups[0] = RefitGroup.create("127.0.0.1", port, 0, 2, timeout_s, True, rank_map=rm, secret=secret)
+    groups[0] = RefitGroup.create("127.0.0.1", port, 0, 2, timeout_s, True, rank_map=rm, secret=secret, nonce=nonce)
     th.join(20)
     return port, groups
 
@@ -54,39 +57,98 @@ class _Payload:
         return (open, (self.path, "w"))
 
 
-def test_planted_values_are_ignored_and_reported_never_unpickled(tmp_path):
+def test_planted_values_are_ignored_and_counted_never_unpickled(tmp_path, caplog):
     port, groups = _pair()
     marker = tmp_path / "pwned"
     try:
-        # A stray client on the same store, even one that knew the job's key prefix (it cannot:
-        # the prefix is derived from the secret), plants a pickle and a forged message.
+        # A stray client on the same store plants a pickle under the very key rank 1's next
+        # exchange value will use (it cannot know that name; this is the worst case).
         g0, g1 = groups[0], groups[1]
-        g0.store.set("ctl/0/1", pickle.dumps(_Payload(str(marker))))  # planted through the real prefix
+        slot = g0.control._slot("ctl", g0.control.epoch, 0, 1)
+        g0.store.set(slot, pickle.dumps(_Payload(str(marker))))
         got: dict = {}
         t = threading.Thread(target=lambda: got.update(v=g0.exchange({"from": 0}, timeout_s=10)))
         t.start()
-        time.sleep(0.3)  # rank 0 has read and rejected the planted value by now
-        assert "ctl/0/1" in g0.rejected
+        time.sleep(0.3)  # rank 0 has polled the planted value many times by now
+        assert g0.rejected["ctl"] >= 2
+        # counted on every poll, logged once
+        assert sum("rejected a ctl value" in r.getMessage() for r in caplog.records) == 1
         assert g1.exchange({"from": 1}, timeout_s=10) == [{"from": 0}, {"from": 1}]
         t.join(10)
         assert got["v"] == [{"from": 0}, {"from": 1}]  # the real value replaced the planted one
         assert not marker.exists()  # nothing was unpickled
-        # a forged abort (no valid MAC) stops nobody
-        g0.store.set(f"abort/{g0._epoch}", '{"mac": "00", "body": "\\"stop\\""}')
-        assert g0.abort_message() is None and f"abort/{g0._epoch}" in g0.rejected
     finally:
         _close(groups)
 
 
-def test_a_group_with_another_secret_cannot_read_the_job(tmp_path):
-    port, groups = _pair(secret="job-a")
+def _signed_vote(g, epoch: int, rank: int) -> bytes:
+    return g.store.get(g.control._slot("vote", epoch, 0, rank))
+
+
+def test_replayed_votes_and_aborts_are_rejected():
+    """A signed "ok" of rank 1 copied into the next refit, or from another group of the same
+    job, does not count: the other rank never commits on it."""
+    port, groups = _pair(timeout_s=10.0)
+    try:
+        g0, g1 = groups[0], groups[1]
+        for g in (g0, g1):
+            g.begin_refit(1)
+        out: dict = {}
+        t = threading.Thread(target=lambda: out.update(d=g1.decide(True, {"r": 1})))
+        t.start()
+        assert g0.decide(True, {"r": 0}).commit
+        t.join(10)
+        assert out["d"].commit and out["d"].payloads == ({"r": 0}, {"r": 1})
+        ok_vote = _signed_vote(g0, 1, 1)
+        g1.post_abort("source rank 1: failing on purpose")
+        abort = g0.store.get(g0.control._slot("abort", 1, 0, 1))
+        # refit 2: the recorded "ok" and abort of refit 1 are replayed into refit 2's slots
+        for g in (g0, g1):
+            g.begin_refit(2)
+        g0.store.set(g0.control._slot("vote", 2, 0, 1), ok_vote)
+        g0.store.set(g0.control._slot("abort", 2, 0, 1), abort)
+        g0.store.add(g0.control._slot("hint", 2, 0, -1), 1)
+        assert g0.abort_message() is None and g0.rejected["abort"] == 1  # the replayed abort stops nobody
+        t0 = time.monotonic()
+        d0 = g0.decide(True, {"r": 0}, timeout_s=1.0)  # rank 1 never votes in refit 2
+        assert not d0.commit and d0.known and time.monotonic() - t0 >= 1.0
+        assert "no vote" in d0.errors[0] and "group rank 1" in d0.errors[0]
+        assert g0.rejected["vote"] >= 1
+    finally:
+        _close(groups)
+    # another group of the same job (same secret, a new nonce): refit 1's vote means nothing there
+    port, groups = _pair(timeout_s=10.0)
     try:
         g0 = groups[0]
-        g0.store.set("ctl/9/0", g0._sign("ctl/9/0", '"hello"'))
-        # the same key through a prefix derived from another secret is simply not there
-        other = dist.PrefixStore("mcore_reshard/refit/" + "0" * 24, dist.TCPStore(
-            "127.0.0.1", port, 2, False, timeout=timedelta(seconds=5)))
-        assert not other.check(["ctl/9/0"])
+        for g in groups.values():
+            g.begin_refit(1)
+        g0.store.set(g0.control._slot("vote", 1, 0, 1), ok_vote)
+        assert not g0.decide(True, None, timeout_s=0.5).commit
+        assert g0.rejected["vote"] >= 1
+    finally:
+        _close(groups)
+
+
+def test_garbage_in_the_abort_path_does_not_delay_an_abort():
+    """An outside writer fills the store with garbage (even at the exact key of rank 1's
+    abort and its hint counter): rank 1's real abort still stops rank 0 at once."""
+    import torch
+
+    port, groups = _pair(timeout_s=60.0)
+    try:
+        g0, g1 = groups[0], groups[1]
+        for g in (g0, g1):
+            g.begin_refit(1)
+        g0.store.set(g0.control._slot("abort", 1, 0, 1), "garbage")
+        g0.store.add(g0.control._slot("hint", 1, 0, -1), 5)
+        for i in range(50):
+            g0.store.set(f"abort/{i}", "garbage")
+        work = g0.recv(torch.empty(4), 1, 7)  # rank 1 never sends
+        threading.Timer(0.5, g1.post_abort, args=("source rank 1: injected failure",)).start()
+        t0 = time.monotonic()
+        with pytest.raises(RefitAborted, match="injected failure"):
+            g0.wait_work(work, 60.0)
+        assert time.monotonic() - t0 < 2.0
     finally:
         _close(groups)
 
@@ -109,3 +171,66 @@ def test_abort_reaches_a_rank_blocked_in_a_receive_within_a_second():
         assert time.monotonic() - t0 < 2.0
     finally:
         _close(groups)
+
+
+def test_store_key_count_is_constant_over_1000_refits():
+    """Every refit's keys are deleted: the store does not grow with a long run."""
+    port, groups = _pair(timeout_s=10.0)
+    counts: list[int] = []
+    try:
+        def rank(g, n):
+            for e in range(1, n + 1):
+                g.begin_refit(e)
+                g.check_agreement(["digest", "checksum"])
+                assert g.decide(True, {"e": e}).commit
+                if g.rank == 0:
+                    counts.append(g._tcp_store.num_keys())
+
+        t = threading.Thread(target=rank, args=(groups[1], 1000))
+        t.start()
+        rank(groups[0], 1000)
+        t.join(60)
+        assert len(counts) == 1000
+        assert max(counts[10:]) <= max(counts[:10]), (counts[:10], max(counts[10:]))
+    finally:
+        _close(groups)
+
+
+def _die_between_last_byte_and_vote(rank: int, port: int, q) -> None:
+    import os
+
+    from mcore_reshard.transport.group import RankMap, RefitGroup
+
+    g = RefitGroup.create("127.0.0.1", port, rank, 3, 60.0, rank == 0, rank_map=RankMap.disaggregated(1, 2),
+                          secret="s", nonce="n")
+    g.begin_refit(1)
+    g.barrier()  # every rank is in the refit: the "transfer" is done
+    if rank == 2:
+        time.sleep(0.5)
+        os._exit(7)  # dies before it votes
+    t0 = time.monotonic()
+    d = g.decide(True, None, timeout_s=60.0)
+    q.put((rank, d.commit, d.known, list(d.errors), time.monotonic() - t0))
+
+
+def test_a_rank_that_dies_before_its_vote_is_known_to_every_rank_within_two_seconds():
+    """The death is visible at once (its sockets close), so no rank waits for the timeout."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_die_between_last_byte_and_vote, args=(r, port, q), daemon=True) for r in range(3)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict((r, rest) for r, *rest in (q.get(timeout=60) for _ in range(2)))
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    for r in (0, 1):
+        commit, known, errors, seconds = got[r]
+        assert not commit and known
+        assert any("group rank 2" in e and "died" in e for e in errors), errors
+        assert seconds < 2.0, seconds

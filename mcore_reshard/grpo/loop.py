@@ -7,8 +7,9 @@ policy's logprobs of the same tokens (``logprob_inference``) -> ``token_mult_pro
 reference logprobs (KL) -> one optimizer step (``policy_training``) -> refit through
 mcore-reshard, checksums verified, ``verify=full`` every N steps (``refit``).
 
-A refit that fails or is not verified, or a ``token_mult_prob_error`` above the dtype's bound,
-stops the run with an error naming the parameter / rank: it never trains on a wrong engine.
+A refit that fails is retried once on the same engines; one that fails again or is not
+verified, or a ``token_mult_prob_error`` above the dtype's bound, stops the run with an error
+naming the parameter / rank: it never trains on a wrong engine.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class GrpoRun:
         self._closers: list[Callable[[], None]] = []
         self.trainers = self.engines = self.driver = None
         self.initial_refit = None
+        self.refit_retries = 0  # failed refits recovered by one retry
 
     # -- set-up / shutdown ---------------------------------------------------------------
     def __enter__(self) -> "GrpoRun":
@@ -133,11 +135,20 @@ class GrpoRun:
 
     # -- one step --------------------------------------------------------------------------
     def _refit(self, full: bool) -> Any:
+        """One refit; a failed one is retried once on the same engines (the driver rejoins the
+        refit group; a gated engine resumes when the retry commits) before the run stops."""
         from ..verify import full_verification
 
         d = self.driver
         request = replace(d.request(), verify=VerifyMode.FULL) if full else d.request()
-        m = d.refit(request=request)
+        try:
+            m = d.refit(request=request)
+        except RefitFailed as exc:
+            if d.dead:
+                raise  # a dead engine must be replaced; retrying cannot help
+            print(f"refit failed, retrying once: {one_line(exc)}", file=sys.stderr)
+            self.refit_retries += 1
+            m = d.refit(request=request)
         if not m.verified and d.refit_config.verify.checksums:
             raise RefitFailed(f"refit not verified: {m.notes or 'a destination rank reported no checksum pass'}")
         if full:

@@ -310,6 +310,9 @@ class EngineActor:
         logprobs: before temperature, as the trainer computes them)."""
         from vllm import SamplingParams
 
+        from ..adapters.vllm.engine import check_serving
+
+        check_serving(self.llm)
         sp = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, ignore_eos=True, logprobs=0,
                             seed=seed)
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)

@@ -8,6 +8,7 @@ close-on-failure, the pair lookup of the bandwidth probe and the report format l
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
@@ -22,17 +23,23 @@ from .group import RefitGroup
 __all__ = ["RefitEndpoint", "Outcome"]
 
 
+@dataclass(frozen=True)
 class Outcome:
-    """The agreed result of one refit, as every rank of the group sees it after the vote."""
+    """The agreed result of one refit, as this rank read it after the vote.
 
-    def __init__(self, commit: bool, reports: list[RankReport | None], errors: list[str]) -> None:
-        self.commit = commit
-        self.reports = reports  # by group rank; None where a rank never voted
-        self.errors = errors  # "<who>: <first error line>", one per failing or silent rank
+    ``known`` False: this rank could not read the decision (the store's host died); it did
+    not commit, and an engine worker in that state must not serve (``weight_transfer.py``)."""
+
+    commit: bool
+    reports: list[RankReport | None]  # by group rank; None where a rank never voted
+    errors: list[str]  # "<who>: <first error line>", one per failing or silent rank
+    known: bool = True
+    epoch: int = 0
 
     def raise_if_failed(self) -> None:
         if not self.commit:
-            raise RefitFailed("refit aborted on every rank: " + "; ".join(self.errors))
+            head = "refit aborted on every rank: " if self.known else "refit decision unknown on this rank: "
+            raise RefitFailed(head + "; ".join(self.errors))
 
 
 class RefitEndpoint:
@@ -58,7 +65,8 @@ class RefitEndpoint:
         me = info.rank_map.group_rank(self.side, self.rank)
         self.group = RefitGroup.create(info.host, info.port, me, info.world_size, info.timeout_s, is_master=me == 0,
                                        device="cuda" if self.device.type == "cuda" else "cpu",
-                                       rank_map=info.rank_map, prefix=info.prefix, secret=info.secret)
+                                       rank_map=info.rank_map, prefix=info.prefix, secret=info.secret,
+                                       nonce=info.nonce)
         return me
 
     def set_plan(self, wire: Mapping[str, Any], plan_digest: str) -> str:
@@ -83,43 +91,35 @@ class RefitEndpoint:
         """Move this rank's bytes. A failure posts the group's abort signal (every other rank
         stops within a poll interval) and leaves the group broken (closed after the vote)."""
         if self.group is not None:
-            self.group.begin_refit()  # before any check, so even a refused refit aborts this one
+            self.group.begin_refit(request.epoch)  # before any check, so even a refused refit aborts this one
         s = self.plan_slice(request)
         src, dst = (s, None) if self.side == "src" else (None, s)
         return execute_plan(src, dst, src_tensors, sink, self.group, timeout_s=request.timeout_s,
                             verify=request.verify, progress=progress, plan_digest=request.plan_digest, fault=fault,
                             begin=False)
 
-    def vote(self, request: RefitRequest, report: RankReport | None, error: BaseException | None) -> Outcome:
-        """Every rank of the group (both sides, every engine) votes; all commit or none does.
-        A failed group is closed afterwards (``join`` makes a new one)."""
-        ok = error is None
+    def vote(self, request: RefitRequest, report: RankReport | None, error: BaseException | None,
+             fault: Fault | None = None) -> Outcome:
+        """Every rank of the group (both sides, every engine) votes; one decision is written
+        before anyone commits, and every rank reads it (``control.py``). Never raises: a rank
+        without a group, or one that cannot reach the store, gets a failed outcome. A group
+        whose refit failed is closed afterwards (``join`` makes a new one)."""
+        if fault is not None:
+            fault.hit("before_vote")
         if self.group is None:  # never joined (or already closed): no one to vote with
-            raise RefitError(f"{self.who}: refit without a refit group") from error
-        if not ok:  # ranks still inside their transfer stop at this signal, not at their timeout
-            self.group.post_abort(f"{self.who}: {type(error).__name__}: {first_error_line(error)}")
-        payload = {"report": report.to_wire() if report is not None else None,
-                   "error": "" if ok else f"{self.who}: {type(error).__name__}: {first_error_line(error)}"}
-        try:
-            commit, payloads = self.group.vote(ok, payload, timeout_s=request.timeout_s)
-        except Exception as exc:  # noqa: BLE001 - the store itself is gone: nobody can commit
-            commit, payloads = False, [None] * self.group.world_size
-            payload["error"] = payload["error"] or f"{self.who}: vote failed: {first_error_line(exc)}"
-            payloads[self.group.rank] = payload
-        reports, errors = [], []
-        early = any(p is not None and p["error"] for p in payloads)  # aborted at the first "no"
-        for g, p in enumerate(payloads):
-            if p is None:
-                if not early:
-                    errors.append(f"{self.group.rank_map.describe_group_rank(g)}: no vote within "
-                                  f"{request.timeout_s}s (dead or silent)")
-                reports.append(None)
-                continue
-            reports.append(RankReport.from_wire(p["report"]) if p["report"] else None)
-            if p["error"]:
-                errors.append(p["error"])
-        outcome = Outcome(commit, reports, errors)
-        if not commit:
+            why = f"{self.who}: refit without a refit group" + (f" ({first_error_line(error)})" if error else "")
+            return Outcome(False, [], [why], known=True, epoch=request.epoch)
+        line = "" if error is None else f"{self.who}: {type(error).__name__}: {first_error_line(error)}"
+        if error is not None:  # ranks still inside their transfer stop at this signal, not at their timeout
+            self.group.post_abort(line)
+        payload = {"report": report.to_wire() if report is not None else None}
+        after_vote = (lambda: fault.hit("after_vote")) if fault is not None else None
+        decision = self.group.decide(error is None, payload, line, timeout_s=request.timeout_s, after_vote=after_vote)
+        reports = [RankReport.from_wire(p["report"]) if p and p.get("report") else None for p in decision.payloads]
+        outcome = Outcome(decision.commit, reports, list(decision.errors), decision.known, self.group.control.epoch)
+        if fault is not None:
+            fault.hit("after_decision")
+        if not outcome.commit:
             self.leave()
         return outcome
 

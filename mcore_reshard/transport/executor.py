@@ -124,12 +124,46 @@ class _CallableSink:
 
 @dataclass(frozen=True)
 class Fault:
-    """Fault injection (tests, ``scripts/soak.py``): ``bitflip`` flips the lowest bit of the
-    first element a sender packs for bucket ``bucket``, after its checksum was taken -- a
-    corrupted wire, which the destination's checksums must catch."""
+    """Fault injection (tests, ``scripts/soak.py``; only the testing path sets one).
+
+    ``bitflip`` flips the lowest bit of the first element a sender packs for bucket
+    ``bucket``, after its checksum was taken -- a corrupted wire, which the destination's
+    checksums must catch. ``exit`` ends the rank's process abruptly at protocol step ``at``;
+    ``sleep`` stalls it there for ``seconds``. Steps (``transport/endpoint.py``):
+    ``before_vote`` (after its last byte), ``after_vote`` (before the decision is known),
+    ``after_decision`` (the decision read, before this rank commits). An ``exit`` with
+    ``seconds`` waits that long first (so its peers get that far too)."""
 
     kind: str = "bitflip"
     bucket: int = 0
+    at: str = ""
+    seconds: float = 0.0
+
+    STEPS = ("before_vote", "after_vote", "after_decision")
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("bitflip", "exit", "sleep"):
+            raise ValueError(f"Fault.kind={self.kind!r} is not one of bitflip, exit, sleep")
+        if self.kind != "bitflip" and self.at not in self.STEPS:
+            raise ValueError(f"Fault.at={self.at!r} is not one of {list(self.STEPS)}")
+
+    def hit(self, step: str) -> None:
+        """Act if this fault is set for protocol step ``step``."""
+        if self.kind == "bitflip" or self.at != step:
+            return
+        time.sleep(self.seconds)
+        if self.kind == "exit":
+            import os
+
+            os._exit(23)
+
+    def to_wire(self) -> dict:
+        return {"kind": self.kind, "bucket": self.bucket, "at": self.at, "seconds": self.seconds}
+
+    @staticmethod
+    def from_wire(d: Mapping[str, Any]) -> "Fault":
+        return Fault(str(d.get("kind", "bitflip")), int(d.get("bucket", 0)), str(d.get("at", "")),
+                     float(d.get("seconds", 0.0)))
 
 
 @dataclass(frozen=True)

@@ -15,36 +15,24 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import logging
-import socket
-import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import timedelta
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
 
 from ..errors import RefitAborted, RefitError, RefitTimeout
+from ..ports import bound_store
 from ..protocol import RankMap
+from .control import ControlPlane, Decision
 
 __all__ = ["RefitError", "RefitTimeout", "RankMap", "RefitGroup"]
 
 _CONNECT_TAG = (1 << 30) + 1  # never a bucket's tag
-_REJECTED = object()  # a control value that is missing or failed authentication
-_log = logging.getLogger("mcore_reshard.transport")
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    """A listening socket bound to ``host:port`` only (the store's server takes its fd)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(256)
-    return sock
+_LIVE_TAG = (1 << 31) - 4096  # + epoch % 4096: above every bucket and acknowledgement tag
 
 
 def error_class(e: BaseException) -> type[RefitError]:
@@ -54,13 +42,14 @@ def error_class(e: BaseException) -> type[RefitError]:
 
 
 class RefitGroup:
-    """A process group private to refits, plus a store-backed control channel.
+    """A process group private to refits, plus its signed control plane (``control.py``).
 
     Use ``RefitGroup.create`` on every participating process with the same host/port/world.
     """
 
     def __init__(self, store: dist.Store, pg: Any, rank: int, world_size: int, timeout_s: float,
-                 device: torch.device, rank_map: RankMap, tcp_store: dist.Store | None = None) -> None:
+                 device: torch.device, rank_map: RankMap, tcp_store: dist.Store | None = None,
+                 control: ControlPlane | None = None) -> None:
         self.store = store
         self.pg = pg
         self.rank = rank
@@ -69,53 +58,46 @@ class RefitGroup:
         self.device = device
         self.rank_map = rank_map
         self._tcp_store = tcp_store  # keep the master's server alive as long as the group
-        self._seq = 0
         self._buffers: dict[str, torch.Tensor] = {}
         #: Keep wire buffers between refits (no allocation and first-touch page faults per
         #: refit, at the price of holding them); ``release_buffers()`` frees them.
         self.keep_buffers = True
         self._connected: set[int] = set()
-        self._key = hashlib.sha256(b"hmac|").digest()
-        #: Store keys whose value failed authentication (reported, never used).
-        self.rejected: list[str] = []
+        self.control = control or ControlPlane(store, rank, world_size, rank_map, hashlib.sha256(b"hmac|").digest(),
+                                               "", timeout_s)
+        self.control.dead_peers = self._dead_peers
         self._waiter: ThreadPoolExecutor | None = None
-        self._posted_abort = False
-        self._epoch = 0
-        self._store_dead = False
+        self._watch: ThreadPoolExecutor | None = None
+        self._live: dict[int, Any] = {}  # group rank -> future of its liveness wait (rank 0 only)
+        self._live_sent: list[Any] = []
 
     @classmethod
     def create(cls, host: str, port: int, rank: int, world_size: int, timeout_s: float, is_master: bool,
                device: str | torch.device = "cpu", *, rank_map: RankMap | None = None,
-               prefix: str = "mcore_reshard/refit", secret: str = "") -> "RefitGroup":
+               prefix: str = "mcore_reshard/refit", secret: str = "", nonce: str = "") -> "RefitGroup":
         """Rendezvous at ``host:port`` (the master serves the store) and build the backend.
 
         The master's store listens on ``host`` only (a socket bound there is handed to the
-        store), never on a wildcard address. Keys live under a prefix derived from the job's
-        ``secret``, and every control message is authenticated with it (:meth:`exchange`), so
-        a process without the secret can neither find the group's keys nor plant a message.
-        ``rank_map`` defaults to the disaggregated map with no destinations; pass the real one
-        (``RankMap.disaggregated(num_src, num_dst)``) so errors can name sides and ranks.
+        store), never on a wildcard address. Every control message is signed with the job's
+        ``secret`` and bound to this group's ``nonce`` (fresh per join: ``control.py`` says
+        what that guarantees). ``rank_map`` defaults to the disaggregated map with no
+        destinations; pass the real one so errors can name sides and ranks.
         """
         rank_map = rank_map or RankMap(tuple(range(world_size)), ())
         if rank_map.world_size > world_size or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} / rank map of {rank_map.world_size} group ranks do not fit a group of "
                              f"{world_size}")
         timeout = timedelta(seconds=timeout_s)
-        listener = _listen(host, port) if is_master else None
-        tcp = dist.TCPStore(host, port, world_size, is_master, timeout=timeout, wait_for_workers=False,
-                            master_listen_fd=listener.fileno() if listener is not None else None)
-        tag = hashlib.sha256(f"prefix|{secret}".encode()).hexdigest()[:24]
-        store = dist.PrefixStore(f"{prefix}/{tag}", tcp)
+        tcp = bound_store(host, port, world_size, is_master, timeout_s)
+        store = dist.PrefixStore(prefix, tcp)
         device = torch.device(device)
         if device.type == "cuda":
             pg = _nccl_group(store, rank, world_size, timeout, device)
         else:
             pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
-        if listener is not None:
-            listener.detach()  # the store's server owns (and closes) the fd now: never close it twice
-        group = cls(store, pg, rank, world_size, timeout_s, device, rank_map, tcp)
-        group._key = hashlib.sha256(f"hmac|{secret}".encode()).digest()
-        return group
+        key = hashlib.sha256(f"hmac|{secret}".encode()).digest()
+        control = ControlPlane(store, rank, world_size, rank_map, key, nonce, timeout_s)
+        return cls(store, pg, rank, world_size, timeout_s, device, rank_map, tcp, control)
 
     # -- wire buffers ----------------------------------------------------------------------
 
@@ -169,115 +151,88 @@ class RefitGroup:
                           f"{self.rank_map.describe_group_rank(g)} failed (before bucket 0): {first}") from e
             self._connected.add(g)
 
-    # -- control plane (small picklable objects through the store) -------------------------
+    # -- liveness: a rank that dies is known to every rank in well under a second ----------------
+    #
+    # A dead process's sockets are closed by its kernel; gloo reports that to a thread blocked
+    # in ``wait`` on a pending receive from it (not to a poll). So group rank 0 keeps one such
+    # wait per peer for each refit (a one-byte message every peer sends once it has learned
+    # the decision): a peer that dies at any step before that -- mid-transfer, between its
+    # last byte and its vote, after its vote -- fails its wait at once, and rank 0 posts the
+    # abort on its behalf. A stopped (SIGSTOPped) peer keeps its sockets: that is what the
+    # timeout is for. Rank 0 itself hosts the store, so its death is seen by every rank's
+    # next store call.
+
+    def _live_tag(self) -> int:
+        return _LIVE_TAG + self.control.epoch % 4096
+
+    def _watch_peers(self) -> None:
+        if self.rank != 0 or self.world_size < 2 or self.pg is None or self.device.type != "cpu":
+            return  # NCCL reports a dead peer through its own watchdog, not to a waiting thread
+        if self._watch is None:
+            self._watch = ThreadPoolExecutor(self.world_size - 1, thread_name_prefix="refit-live")
+        # Waits of an earlier refit whose byte never came belong to a peer that left: drop them.
+        self._live = {}
+        # No timeout of its own: gloo closes a pair whose wait timed out, and a refit may
+        # outlast ``timeout_s``; each wait ends with the peer's byte, its death or ``close``.
+        tag, wait = self._live_tag(), timedelta(days=1)
+        for g in range(1, self.world_size):
+            work = self.recv(torch.zeros(1, dtype=torch.uint8, device=self.device), g, tag)
+            self._live[g] = self._watch.submit(work.wait, wait)
+
+    def _dead_peers(self) -> dict[int, str]:
+        dead = {}
+        for g, fut in self._live.items():
+            if fut.done() and fut.exception() is not None:
+                text = str(fut.exception()).strip()
+                if "timeout" in text.lower() or "timed out" in text.lower():
+                    continue  # this rank's own wait on that peer timed out: silent, not known dead
+                dead[g] = "its connection closed" if "closed" in text.lower() else (text.splitlines() or ["?"])[0][:120]
+        return dead
+
+    def signal_done(self) -> None:
+        """This rank learned the refit's decision: release rank 0's liveness wait on it."""
+        if self.rank == 0 or self.pg is None or self.device.type != "cpu":
+            return
+        try:
+            self._live_sent = [self.send(torch.ones(1, dtype=torch.uint8, device=self.device), 0, self._live_tag())]
+        except RuntimeError:
+            pass  # rank 0 is gone; nothing to release
+
+    # -- control plane ---------------------------------------------------------------------
+
+    @property
+    def rejected(self) -> Counter:
+        return self.control.rejected
 
     def derived_key(self, purpose: str) -> bytes:
         """A key for ``purpose`` (e.g. naming shared-memory segments) derived from the job's
-        secret; the control plane's own MAC key never leaves this object."""
-        return hmac.new(self._key, f"derive|{purpose}".encode(), hashlib.sha256).digest()
-
-    def _sign(self, key: str, body: str) -> str:
-        mac = hmac.new(self._key, f"{key}\0{body}".encode(), hashlib.sha256).hexdigest()
-        return json.dumps({"mac": mac, "body": body})
-
-    def _open(self, key: str, raw: bytes) -> Any:
-        """Decode one control message; an unauthenticated value is reported and ignored."""
-        try:
-            msg = json.loads(raw)
-            good = hmac.compare_digest(
-                msg["mac"], hmac.new(self._key, f"{key}\0{msg['body']}".encode(), hashlib.sha256).hexdigest())
-        except (ValueError, KeyError, TypeError):
-            good = False
-        if not good:
-            self.rejected.append(key)
-            _log.warning("refit group: ignored an unauthenticated control value under %r", key)
-            return _REJECTED
-        return json.loads(msg["body"])
+        secret; the control plane's own MAC key never leaves it."""
+        return hmac.new(self.control._key, f"derive|{purpose}".encode(), hashlib.sha256).digest()
 
     def exchange(self, obj: Any, timeout_s: float | None = None) -> list[Any]:
-        """All-gather a small JSON-able value among all group ranks through the store (no
-        tensors, no backend: it works before the data plane is trusted and after it broke).
+        return self.control.exchange(obj, timeout_s)
 
-        Values are JSON with an HMAC under the job secret: nothing read from the network is
-        unpickled, and a value planted by a process without the secret is ignored (and listed
-        in ``rejected``). Every rank must call it the same number of times (keys are
-        sequenced). Raises ``RefitTimeout`` naming the ranks that never contributed.
-        """
-        ranks = range(self.world_size)
-        timeout_s = timeout_s or self.timeout_s
-        seq = self._seq
-        self._seq += 1
-        keys = [f"ctl/{seq}/{r}" for r in ranks]
-        mine = keys[self.rank]
-        self.store.set(mine, self._sign(mine, json.dumps(obj)))
-        values: list[Any] = [_REJECTED] * self.world_size
-        deadline = time.monotonic() + timeout_s
-        while True:
-            missing = [r for r in ranks if values[r] is _REJECTED]
-            present = [r for r in missing if self.store.check([keys[r]])]
-            if present:
-                for r, raw in zip(present, self.store.multi_get([keys[r] for r in present])):
-                    values[r] = self._open(keys[r], raw)
-                missing = [r for r in ranks if values[r] is _REJECTED]
-            if not missing:
-                break
-            if time.monotonic() > deadline:
-                who = ", ".join(self.rank_map.describe_group_rank(r) for r in missing)
-                raise RefitTimeout(f"control exchange #{seq}: no answer from {who} within {timeout_s}s")
-            msg = self.abort_message()
-            if msg is not None:
-                raise RefitAborted(f"aborted by another rank: {msg}")
-            time.sleep(0.005)
-        if seq:
-            # Every rank posted #seq only after reading all of #seq-1: this rank's old key is
-            # dead, so the store does not grow with every refit of a long run.
-            self.store.delete_key(f"ctl/{seq - 1}/{self.rank}")
-        return values
-
-    # -- abort signal: a failing rank stops every other rank in well under a second ----------
-
-    def begin_refit(self) -> None:
-        """A new refit on this group (every rank calls it once per refit, in step): aborts
-        are per refit, so a group that survived a failed refit can run the next one."""
-        self._epoch += 1
-        self._posted_abort = False
+    def begin_refit(self, epoch: int | None = None) -> None:
+        """A new refit on this group (every rank calls it once per refit, in step, with the
+        request's epoch): aborts and votes are per refit, so a group that survived a failed
+        refit can run the next one."""
+        self.control.begin(self.control.epoch + 1 if not epoch else epoch)
+        self._watch_peers()
 
     def post_abort(self, message: str) -> None:
-        """Tell every rank of the group to stop (authenticated; the first message wins)."""
-        if self.store is None or self._store_dead:
-            return
-        key = f"abort/{self._epoch}"
-        body = self._sign(key, json.dumps(message))
-        self._posted_abort = True
-        try:
-            self.store.compare_set(key, "", body)
-        except Exception:  # noqa: BLE001 - the master (and so the store) may be gone already
-            pass
+        """Tell every rank of the group to stop (signed, this rank's own key)."""
+        self.control.post_abort(message)
 
     def abort_message(self) -> str | None:
-        """The abort another rank posted in this group, or None (this rank knows its own)."""
-        if self._posted_abort:
-            return None
-        key = f"abort/{self._epoch}"
-        if self._store_dead:
-            return None
-        try:
-            if not self.store.check([key]):
-                return None
-            value = self._open(key, self.store.get(key))
-        except Exception:  # noqa: BLE001 - the master (and its store) is gone
-            # Never poll a dead store again: its peers' data-plane waits end on their own
-            # (the master's connections closed with it) and name the real failure.
-            self._store_dead = True
-            return None
-        return None if value is _REJECTED else str(value)
+        """Why another rank (or a dead peer, or a dead store) stops this refit, or None."""
+        return self.control.abort_message()
 
     def wait_work(self, work: Any, timeout_s: float, poll_s: float = 0.05) -> None:
         """``work.wait`` with a deadline that also stops at another rank's abort signal.
 
         Gloo cannot cancel a posted receive, so the wait runs on a helper thread while this
-        one watches the store; on an abort it raises ``RefitAborted`` at once and leaves the
-        blocked wait behind (the group is broken and will be closed anyway)."""
+        one watches the control plane; on an abort it raises ``RefitAborted`` at once and
+        leaves the blocked wait behind (the group is broken and will be closed anyway)."""
         if self._waiter is None:
             self._waiter = ThreadPoolExecutor(1, thread_name_prefix="refit-wait")
         fut = self._waiter.submit(work.wait, timedelta(seconds=timeout_s))
@@ -286,11 +241,12 @@ class RefitGroup:
                 fut.result(timeout=poll_s)
                 return
             except FutureTimeout:
-                msg = self.abort_message()
-                if msg is not None:
+                try:
+                    self.control.raise_if_aborted()
+                except RefitAborted:
                     self._waiter.shutdown(wait=False)  # its thread is stuck in the wait
                     self._waiter = None
-                    raise RefitAborted(f"aborted by another rank: {msg}") from None
+                    raise
 
     def check_agreement(self, value: Any, what: str = "plan digest", timeout_s: float | None = None) -> None:
         """Every rank contributes ``value``; all must agree before the first byte moves.
@@ -306,36 +262,14 @@ class RefitGroup:
         detail = "; ".join(f"{self.rank_map.describe_group_rank(r)} has {values[r]}" for r in bad)
         raise RefitError(f"{what} disagreement: most ranks have {majority} but {detail}")
 
-    def vote(self, ok: bool, payload: Any, timeout_s: float | None = None) -> tuple[bool, list[Any]]:
-        """Two-phase commit over the control plane: every rank votes once per refit.
-
-        Returns ``(commit, payloads)``: commit only when every rank voted ok; abort as soon as
-        any vote present says no (a rank that failed does not make the others wait for the
-        rest). ``payloads[r]`` is rank r's payload, or None where it had not voted yet. A rank
-        that never votes aborts everyone after ``timeout_s``.
-        """
-        timeout_s = timeout_s or self.timeout_s
-        seq = self._seq
-        self._seq += 1
-        keys = [f"vote/{seq}/{r}" for r in range(self.world_size)]
-        self.store.set(keys[self.rank], self._sign(keys[self.rank], json.dumps({"ok": ok, "payload": payload})))
-        votes: list[Any] = [_REJECTED] * self.world_size
-        deadline = time.monotonic() + timeout_s
-        while True:
-            missing = [r for r in range(self.world_size) if votes[r] is _REJECTED]
-            present = [r for r in missing if self.store.check([keys[r]])]
-            if present:
-                for r, raw in zip(present, self.store.multi_get([keys[r] for r in present])):
-                    votes[r] = self._open(keys[r], raw)
-            got = [v for v in votes if v is not _REJECTED]
-            if any(not v["ok"] for v in got) or len(got) == self.world_size:
-                break
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.005)
-        payloads = [None if v is _REJECTED else v["payload"] for v in votes]
-        commit = all(v is not _REJECTED and v["ok"] for v in votes)
-        return commit, payloads
+    def decide(self, ok: bool, payload: Any, error: str = "", timeout_s: float | None = None,
+               after_vote: Callable[[], None] | None = None) -> Decision:
+        """Vote and learn the refit's one decision (``ControlPlane.decide``); then release rank
+        0's liveness wait on this rank."""
+        decision = self.control.decide(ok, payload, error, timeout_s, after_vote)
+        if decision.known:
+            self.signal_done()
+        return decision
 
     def barrier(self, timeout_s: float | None = None) -> None:
         self.exchange(None, timeout_s)
@@ -352,10 +286,12 @@ class RefitGroup:
                 except RefitAborted:
                     pass  # the refit failed on some rank; nobody waits for this group any more
         finally:
+            self.control.forget()
             pg, self.pg = self.pg, None
-            if self._waiter is not None:
-                self._waiter.shutdown(wait=False)
-                self._waiter = None
+            for pool in (self._waiter, self._watch):
+                if pool is not None:
+                    pool.shutdown(wait=False, cancel_futures=True)
+            self._waiter = self._watch = None
             try:
                 pg.shutdown()
             except Exception:  # noqa: BLE001 -- shutdown is best-effort on every backend

@@ -123,8 +123,11 @@ def init_megatron(par: MegatronParallel, rank: int, world: int, master_addr: str
     apply_cpu_patches()
     os.environ.setdefault("MASTER_ADDR", master_addr)
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
-                                world_size=world, timeout=timedelta(seconds=timeout_s))
+        # A store bound to ``master_addr`` only (``tcp://`` would listen on every interface).
+        from ...ports import bound_store
+
+        store = bound_store(master_addr, master_port, world, rank == 0, timeout_s)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=par.tp,
         pipeline_model_parallel_size=par.pp,

@@ -83,7 +83,7 @@ class TrainerEndpoint:
             report = self._endpoint.report(stats)
         except BaseException as exc:  # noqa: BLE001 - voted on, then raised below
             error = exc
-        outcome = self._endpoint.vote(request, report, error)
+        outcome = self._endpoint.vote(request, report, error, fault=fault if fault and fault.at else None)
         self.last_outcome, self.last_reports = outcome, outcome.reports
         outcome.raise_if_failed()
         return report

@@ -12,7 +12,8 @@ from typing import Any, Sequence
 from .worker import PLAIN_LINEAR_ENV
 from .worker import REFIT_EXTENSION as EXTENSION
 
-__all__ = ["EXTENSION", "start_engine", "stop_engine", "greedy", "prompt_logprobs", "after_refit", "describe"]
+__all__ = ["EXTENSION", "start_engine", "stop_engine", "greedy", "prompt_logprobs", "after_refit", "describe",
+           "check_serving"]
 
 def start_engine(model_dir: str, tp: int = 1, dtype: str = "float32", enable_ep: bool = False,
                  direct: bool = False, **kw: Any):
@@ -88,10 +89,22 @@ def after_refit(llm: Any) -> None:
     llm.reset_prefix_cache()
 
 
+def check_serving(llm: Any) -> None:
+    """Raise ``RefitIncomplete`` when the engine is gated (its scheduler paused by a refit
+    driver after a refit it could not confirm): vLLM would queue the request and never run
+    it, so a helper that waits for the answer says why instead of waiting."""
+    from ...errors import RefitIncomplete
+
+    if llm.llm_engine.is_sleeping():
+        raise RefitIncomplete("this engine is not serving: it is gated (its scheduler paused) until a refit "
+                              "succeeds -- the last refit did not commit on all of its workers")
+
+
 def greedy(llm: Any, prompts_token_ids: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:
     """Greedy completions (token ids) of each prompt."""
     from vllm import SamplingParams
 
+    check_serving(llm)
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts_token_ids], sp, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
@@ -101,6 +114,7 @@ def prompt_logprobs(llm: Any, token_ids: Sequence[int]) -> list[float]:
     """Log-probability of each given token after its prefix (len(token_ids) - 1 values)."""
     from vllm import SamplingParams
 
+    check_serving(llm)
     sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
     out = llm.generate([{"prompt_token_ids": list(token_ids)}], sp, use_tqdm=False)[0]
     vals = []

@@ -14,18 +14,19 @@ and drives it with vLLM's own calls:
 ``update_weights`` receives this worker's boxes over the refit group and writes them through
 :class:`VllmApplier` (vLLM's layerwise reload where the kernel repacks, in place where it keeps
 model format). Every rank of the refit (trainers and every engine's workers) then votes over
-the group's control plane: all commit or none does (``RefitRequest.atomic``), so an engine
-never serves a model no one trained. The outcome and every rank's ``RankReport`` reach the
-trainer endpoints through that same vote (vLLM's engine API has no channel back), which is
-where a failed refit raises. ``update_weights`` itself does not raise for a failed transfer:
-in vLLM's ``collective_rpc`` one worker raising leaves the other workers' replies queued and
-poisons the next call; the outcome is kept here (``last_outcome``) for diagnostics instead.
+the group's control plane, and one signed decision is written before anyone commits: all
+commit or none does (``RefitRequest.atomic``), so an engine never serves a model no one
+trained. The outcome and every rank's ``RankReport`` reach the trainer endpoints through that
+same vote (vLLM's engine API has no channel back). On the engine side a failed refit raises
+from ``update_weights`` on the engine's last worker only (see ``receive_weights``: an error
+from any other worker would poison vLLM's next RPC), and every worker keeps its state and the
+version it holds (``status()``, read by the driver to confirm an engine is whole).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -37,8 +38,9 @@ from vllm.distributed.weight_transfer.base import (
 
 from ...errors import RefitError
 from ...layout.descriptor import LocalParam
-from ...protocol import JoinInfo, RankReport, RefitRequest, VerifyMode
+from ...protocol import JoinInfo, RankReport, RefitRequest, VerifyMode, first_error_line
 from ...transport.endpoint import Outcome, RefitEndpoint
+from ...transport.executor import Fault
 from .apply import VllmApplier
 
 __all__ = ["ReshardInitInfo", "ReshardUpdateInfo", "ReshardWeightTransferEngine", "canonical_tensors",
@@ -59,7 +61,9 @@ class ReshardInitInfo(WeightTransferInitInfo):
 class ReshardUpdateInfo(WeightTransferUpdateInfo):
     """``request``: ``RefitRequest.to_wire()``. ``fault``: fault injection for tests and soak
     runs only, e.g. ``{"rank": 1, "exit_after_writes": 3}``: destination rank 1's worker process
-    exits abruptly after its third write (a vLLM worker dying mid-refit)."""
+    exits abruptly after its third write (a vLLM worker dying mid-refit); or
+    ``{"rank": 1, "kind": "exit" | "sleep", "at": "before_vote" | "after_vote" | "after_decision",
+    "seconds": s}`` (``transport.executor.Fault``)."""
 
     request: dict[str, Any] = field(default_factory=dict)
     fault: dict[str, Any] = field(default_factory=dict)
@@ -96,6 +100,10 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         self.last_report: RankReport | None = None
         #: Model-format copy of what the last ``verify=full`` refit received, by local name.
         self.received: dict[str, torch.Tensor] | None = None
+        #: The version this worker's weights are (``RefitRequest.version``; "" = as loaded).
+        self.version = ""
+        #: Why this worker refused its plan slice at init (its first refit votes no with it).
+        self.init_error = ""
 
     # -- descriptors ------------------------------------------------------------------------
     def params(self) -> list[LocalParam]:
@@ -117,19 +125,31 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
     def init_transfer_engine(self, init_info: ReshardInitInfo) -> None:
         """Join the refit group and keep this worker's plan slice, checked against what this
         worker records itself: every destination parameter the slice writes exists here and
-        receives exactly its non-padding elements."""
+        receives exactly its non-padding elements.
+
+        Never raises (one worker raising in ``collective_rpc`` leaves the others' replies
+        queued and poisons the engine's next call): a slice this worker refuses is kept as
+        ``init_error``, the worker still joins, and its first refit votes no with that line
+        before a byte moves."""
         info = JoinInfo.from_wire(init_info.join)
         rank = info.dst_offset + self.local_rank
-        wire = init_info.slices.get(str(rank))
-        if wire is None:
-            raise RefitError(f"vLLM destination rank {rank}: the init info carries no plan slice for it")
         endpoint = RefitEndpoint("dst", rank, self.device)
-        endpoint.set_plan(wire, init_info.plan_digest)
-        self._check_slice(endpoint, rank, init_info.plan_digest)
-        endpoint.join(info)
+        self.init_error = ""
+        try:
+            wire = init_info.slices.get(str(rank))
+            if wire is None:
+                raise RefitError(f"vLLM destination rank {rank}: the init info carries no plan slice for it")
+            endpoint.set_plan(wire, init_info.plan_digest)
+            self._check_slice(endpoint, rank, init_info.plan_digest)
+        except Exception as exc:  # noqa: BLE001 - reported by this worker's first vote
+            self.init_error = first_error_line(exc)
         if self.endpoint is not None:
             self.endpoint.leave()
         self.endpoint = endpoint
+        try:
+            endpoint.join(info)
+        except Exception as exc:  # noqa: BLE001 - a worker without a group votes no at its refit
+            self.init_error = self.init_error or f"{endpoint.who}: joining the refit group failed: {first_error_line(exc)}"
 
     def _check_slice(self, endpoint: RefitEndpoint, rank: int, digest: str) -> None:
         from ...layout.descriptor import DTYPE_BYTES
@@ -159,23 +179,53 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         """Nothing to open: layers are opened as their first bytes arrive (``VllmApplier``)."""
 
     def receive_weights(self, update_info: ReshardUpdateInfo) -> None:
-        """One whole refit: receive and stage (or stream), vote with every rank, commit or
-        roll back. Never raises for a failed transfer (see the module docstring)."""
+        """One whole refit: receive and stage (or stream), vote with every rank, read the one
+        decision, commit or roll back.
+
+        It raises only on the engine's last worker, and only when the refit did not commit
+        here: vLLM's ``collective_rpc`` reads the workers' replies in rank order, so an error
+        from the last one leaves no reply queued, and the caller (the driver, or an HTTP
+        controller's ``/update_weights``) sees the failure in one line. Every worker keeps
+        the outcome (``status()``)."""
+        outcome = self._receive(update_info)
+        self.last_outcome = outcome
+        if outcome.commit and outcome.known:
+            return
+        if self._last_worker():
+            word = "not committed" if outcome.known else "decision unknown (this engine must not serve)"
+            raise RefitError(f"refit {word}: {'; '.join(outcome.errors)[:800]}")
+
+    def _last_worker(self) -> bool:
+        par = self.vllm_config.parallel_config
+        world = int(par.world_size)
+        return self.local_rank % world == world - 1
+
+    def _receive(self, update_info: ReshardUpdateInfo) -> Outcome:
+        try:
+            request = RefitRequest.from_wire(update_info.request)
+        except Exception as exc:  # noqa: BLE001 - a bad request is this worker's "no"
+            return Outcome(False, [], [f"vLLM worker {self.local_rank}: bad update_info: {first_error_line(exc)}"])
         if self.endpoint is None:
-            raise RefitError("update_weights before init_weight_transfer_engine")
-        request = RefitRequest.from_wire(update_info.request)
+            return Outcome(False, [], [f"vLLM worker {self.local_rank}: update_weights before init_weight_transfer_engine"],
+                           epoch=request.epoch)
+        fault = _fault_for(update_info.fault, self.endpoint.rank)
         applier = self.applier(request.atomic)
         sink: Any = applier
         self.received = None
         if request.verify is VerifyMode.FULL:
             sink = _Tee(applier)
             self.received = sink.copies
-        fault = update_info.fault or {}
-        if fault.get("rank") == self.endpoint.rank and "exit_after_writes" in fault:
-            sink = _ExitAfter(sink, int(fault["exit_after_writes"]))
+        if "exit_after_writes" in (update_info.fault or {}) and update_info.fault.get("rank") == self.endpoint.rank:
+            sink = _ExitAfter(sink, int(update_info.fault["exit_after_writes"]))
         report, error = None, None
+        if applier.state == "updating":  # a refit that never reached its end on this worker
+            applier.abort("superseded by a new refit")
         applier.begin()
         try:
+            if self.init_error:
+                if self.endpoint.group is not None:
+                    self.endpoint.group.begin_refit(request.epoch)
+                raise RefitError(self.init_error)
             stats = self.endpoint.run(request, {}, sink)
             t0 = time.perf_counter()
             if request.atomic:
@@ -186,14 +236,19 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
             report = self.endpoint.report(stats, _apply_phases(applier.timings, finish_s))
         except BaseException as exc:  # noqa: BLE001 - voted on, then kept as the outcome
             error = exc
-        outcome = self.endpoint.vote(request, report, error)
+        outcome = self.endpoint.vote(request, report, error, fault=fault)
+        version = request.version_at(outcome.epoch)
         if outcome.commit and request.atomic:
             try:
                 applier.finish()  # everyone staged and verified: commit together
+                self.version = version
             except BaseException as exc:  # noqa: BLE001 - this engine no longer serves
-                outcome = Outcome(False, outcome.reports, outcome.errors + [f"{self.endpoint.who}: commit failed: {exc}"])
-        elif not outcome.commit:
-            reason = f"aborted: {'; '.join(outcome.errors)[:500]}"
+                outcome = replace(outcome, commit=False, errors=outcome.errors + [f"{self.endpoint.who}: commit failed: {exc}"])
+        elif outcome.commit:
+            self.version = version
+        else:
+            reason = f"aborted: {'; '.join(outcome.errors)[:500]}" if outcome.known else \
+                f"decision unknown: {'; '.join(outcome.errors)[:500]}"
             if applier.state == "updating":
                 try:
                     applier.abort(reason)
@@ -201,15 +256,39 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
                     pass  # streaming mode after a partial commit: the applier now refuses to serve
             else:
                 applier.invalidate(reason)  # streaming: finished here, failed elsewhere
-        self.last_outcome, self.last_report = outcome, report
+        self.last_report = report
+        return outcome
 
     def finish_weight_update(self) -> None:
         """Nothing to close: the commit happened inside ``update_weights`` (all ranks agreed)."""
+
+    def status(self) -> dict[str, Any]:
+        """This worker's serving state, the version it holds and the last refit's outcome.
+
+        ``state``: ``serving`` (whole weights of ``version``), ``not_serving`` (a streaming
+        refit committed part of the weights and then failed), ``unsure`` (this worker could
+        not learn the last refit's decision; it kept its old weights, but others may not)."""
+        ap = self._applier
+        state, reason = ("serving", "") if ap is None else (ap.state if ap.state != "updating" else "serving", ap.reason)
+        out = self.last_outcome
+        if out is not None and not out.known and state == "serving":
+            state, reason = "unsure", "; ".join(out.errors)[:500]
+        return {"state": state, "reason": reason, "version": self.version,
+                "committed": None if out is None else bool(out.commit and out.known),
+                "known": None if out is None else out.known,
+                "errors": [] if out is None else list(out.errors), "init_error": self.init_error}
 
     def shutdown(self) -> None:
         if self.endpoint is not None:
             self.endpoint.leave()
             self.endpoint = None
+
+
+def _fault_for(spec: dict | None, rank: int) -> Fault | None:
+    """Fault injection from ``ReshardUpdateInfo.fault`` (``{"rank", "kind", "at", "seconds"}``)."""
+    if not spec or spec.get("rank") != rank or "at" not in spec:
+        return None
+    return Fault.from_wire(spec)
 
 
 def _apply_phases(timings: dict[str, float], finish_s: float) -> dict[str, float]:

@@ -118,13 +118,14 @@ class ReshardWorkerExtension(HFBroadcastWorkerMethods):
         return select_modes(self._mr_model(), self.mr_params())
 
     def mr_status(self) -> dict[str, Any]:
-        """Serving state of this worker's model and the agreed outcome of the last refit."""
+        """Serving state of this worker's model, the version it holds, and the agreed outcome
+        of the last refit (``ReshardWeightTransferEngine.status``)."""
         eng = self._mr_engine()
-        ap = getattr(self, "_mr_current_applier", None) or (eng._applier if eng is not None else None)
-        out: dict[str, Any] = {"state": "serving" if ap is None else ap.state, "reason": "" if ap is None else ap.reason}
-        if eng is not None and eng.last_outcome is not None:
-            out.update(committed=eng.last_outcome.commit, errors=list(eng.last_outcome.errors))
-        return out
+        if eng is not None and getattr(self, "_mr_current_applier", None) is None:
+            return eng.status()
+        ap = getattr(self, "_mr_current_applier", None)
+        return {"state": "serving" if ap is None else ap.state, "reason": "" if ap is None else ap.reason,
+                "version": "", "committed": None, "known": None, "errors": [], "init_error": ""}
 
     def mr_received(self) -> bytes:
         """``verify=full``: this rank's model-format parameters after the last refit, pickled

@@ -1,0 +1,343 @@
+"""The refit group's control plane: signed messages through the rendezvous store.
+
+Every rank of a refit group (trainers and every engine's workers) talks through one
+``TCPStore``. The data plane (``group.py``) moves bytes; this class moves the few small
+messages that decide a refit: the per-refit agreement on the plan, the abort signal and the
+commit vote.
+
+What it guarantees, and against whom
+------------------------------------
+A process that can reach the store but does not hold the job's secret (another job on the
+host, an attacker on the network) can list every key (``TCPStore`` has no access control and
+``list_keys`` works), read every value, write and delete. So:
+
+* **Integrity holds.** Every value is JSON carrying an HMAC-SHA256 under the job's secret over
+  (the group's nonce, the message kind, the refit epoch, the sequence number, the sender's
+  rank, the body). The nonce is fresh per refit group (the driver draws it at every join), the
+  epoch and sequence are those of one refit, and the reader checks all of them: a value copied
+  from another group, another refit, another step of the same refit or another rank is
+  rejected (counted in ``rejected``, logged once per key, never used). Nothing read from the
+  network is unpickled. So no outside writer can forge a vote, an abort or a decision, and
+  no replay of a real one is accepted where it was not sent.
+* **Slots cannot be squatted.** Every key name is an HMAC of (nonce, kind, epoch, sequence,
+  rank): listing the store shows the names of messages already written, never the name of one
+  still to come, so no one can pre-plant a value a rank would then fail to overwrite. Each rank
+  posts its abort to its own key (``set``, never ``compare_set``); the only write-once key is
+  the refit's decision, whose name is unknown until its first writer creates it.
+* **Availability does not.** A writer on the store can delete or overwrite keys after they
+  appear: the refit then fails (a rank rejects the value and waits until its deadline, or the
+  decision cannot be read) and no engine commits on it -- an attacker can stop refits, never
+  make one commit wrong weights. Keep the store's address off untrusted networks.
+
+The decision
+------------
+``decide`` is a two-phase commit with one durable decision per refit: every rank writes its
+vote; the first rank that can decide (all votes ok -> commit; any "no", an abort signal, a
+peer known dead, or its own deadline -> abort) writes the signed decision with
+``compare_set`` (first writer wins); every rank commits only on reading a commit decision. A
+rank that cannot read the decision (the store's host died) gets ``known=False`` and must not
+serve what it staged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from ..errors import RefitAborted, RefitTimeout
+from ..protocol import RankMap
+
+__all__ = ["ControlPlane", "Decision", "StoreGone"]
+
+_log = logging.getLogger("mcore_reshard.transport")
+_POLL_S = 0.005
+
+
+class StoreGone(RefitAborted):
+    """The refit store is unreachable (its host, group rank 0, died or closed it)."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The one outcome of a refit that every rank reads (or knows it could not read)."""
+
+    commit: bool
+    errors: tuple[str, ...] = ()
+    #: False: this rank could not read the decision (store gone); it must not serve what it staged.
+    known: bool = True
+    #: Every rank's vote payload, by group rank (None where it had not voted or was not read).
+    payloads: tuple[Any, ...] = field(default=(), compare=False)
+
+
+class ControlPlane:
+    """One rank's signed messages in one refit group (see the module docstring)."""
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, rank_map: RankMap, key: bytes,
+                 nonce: str, timeout_s: float) -> None:
+        self.store, self.rank, self.world_size, self.rank_map = store, rank, world_size, rank_map
+        self._key, self.nonce, self.timeout_s = key, nonce, timeout_s
+        self.epoch = 0
+        self._seq = 0  # exchanges within the group (every rank calls them in step)
+        #: Rejected (unauthenticated, replayed or misplaced) values, by message kind.
+        self.rejected: Counter[str] = Counter()
+        self._logged: set[str] = set()
+        self.store_dead = False
+        self._posted_abort = False
+        self._abort: str | None = None
+        self._hint_seen = 0
+        self._last_ctl: str | None = None
+        self._epoch_keys: list[str] = []  # this rank's keys of the current refit
+        self._old_keys: list[str] = []  # ... and of the one before (deleted when the next begins)
+        #: Called by every poll: peers known dead (rank -> reason); set by the data plane.
+        self.dead_peers: Callable[[], dict[int, str]] = dict
+
+    # -- naming and signing -------------------------------------------------------------------
+    def _slot(self, kind: str, epoch: int, seq: int, rank: int) -> str:
+        tag = hmac.new(self._key, f"slot\0{self.nonce}\0{kind}\0{epoch}\0{seq}\0{rank}".encode(), hashlib.sha256)
+        return f"{kind}/{tag.hexdigest()[:24]}"
+
+    def _mac(self, kind: str, epoch: int, seq: int, rank: int, body: str) -> str:
+        msg = f"{self.nonce}\0{kind}\0{epoch}\0{seq}\0{rank}\0{body}".encode()
+        return hmac.new(self._key, msg, hashlib.sha256).hexdigest()
+
+    def _sign(self, kind: str, seq: int, obj: Any, rank: int | None = None) -> str:
+        rank = self.rank if rank is None else rank
+        body = json.dumps(obj)
+        return json.dumps({"k": kind, "e": self.epoch, "s": seq, "r": rank, "b": body,
+                           "m": self._mac(kind, self.epoch, seq, rank, body)})
+
+    def _open(self, slot: str, raw: bytes, kind: str, seq: int, rank: int | None) -> tuple[bool, Any, int]:
+        """(authentic, value, sender rank). ``rank`` None: any rank may have sent it."""
+        try:
+            msg = json.loads(raw)
+            r = int(msg["r"])
+            good = (msg["k"] == kind and msg["e"] == self.epoch and msg["s"] == seq and (rank is None or r == rank)
+                    and 0 <= r < self.world_size
+                    and hmac.compare_digest(str(msg["m"]), self._mac(kind, self.epoch, seq, r, msg["b"])))
+            if good:
+                return True, json.loads(msg["b"]), r
+        except (ValueError, KeyError, TypeError):
+            pass
+        self.rejected[kind] += 1
+        if slot not in self._logged:
+            self._logged.add(slot)
+            _log.warning("refit control plane: rejected a %s value that is not this refit's own (%s)", kind, slot)
+        return False, None, -1
+
+    # -- store access: any error means the store's host is gone ----------------------------------
+    def _store(self, fn: str, *args: Any) -> Any:
+        if self.store_dead:
+            raise StoreGone("the refit store is unreachable (its host, group rank 0, is gone)")
+        try:
+            return getattr(self.store, fn)(*args)
+        except Exception as exc:  # noqa: BLE001 - TCPStore raises RuntimeError/DistStoreError/...
+            self.store_dead = True
+            raise StoreGone(f"the refit store is unreachable (its host, group rank 0, is gone): "
+                            f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+
+    def _put(self, slot: str, value: str) -> None:
+        self._store("set", slot, value)
+        self._epoch_keys.append(slot)
+
+    def _read(self, slot: str) -> bytes | None:
+        return self._store("get", slot) if self._store("check", [slot]) else None
+
+    # -- refits ----------------------------------------------------------------------------------
+    def begin(self, epoch: int) -> None:
+        """A new refit: delete this rank's keys of the refit before the last one (a slow rank
+        may still read the last one's; none reads older ones) and reset the signals. Rank 0
+        also deletes that refit's decision and abort hint, so the store holds a constant
+        number of keys however many refits run."""
+        stale, self._old_keys = self._old_keys, self._epoch_keys
+        if self.rank == 0 and self.epoch:
+            self._old_keys = self._old_keys + [self._slot("decision", self.epoch, 0, -1),
+                                               self._slot("hint", self.epoch, 0, -1)]
+        self._epoch_keys = []
+        self._delete([k for k in stale if k != self._last_ctl])
+        self.epoch = epoch
+        self._posted_abort, self._abort, self._hint_seen = False, None, 0
+
+    def forget(self) -> None:
+        """Delete the keys this rank wrote (best effort, on leaving), except its last exchange
+        value: a peer may still be reading it in the closing barrier."""
+        keys, self._epoch_keys, self._old_keys = self._old_keys + self._epoch_keys, [], []
+        self._delete([k for k in keys if k != self._last_ctl])
+
+    def _delete(self, keys: list[str]) -> None:
+        if self.store_dead:
+            return
+        for k in keys:
+            try:
+                self.store.delete_key(k)
+            except Exception:  # noqa: BLE001 - the store may be gone; nothing left to clean then
+                self.store_dead = True
+                return
+
+    def post_abort(self, message: str) -> None:
+        """Tell every rank to stop: this rank's own abort key, then a hint counter pollers watch."""
+        self._posted_abort = True
+        try:
+            self._put(self._slot("abort", self.epoch, 0, self.rank), self._sign("abort", 0, message))
+            self._store("add", self._slot("hint", self.epoch, 0, -1), 1)
+        except StoreGone:
+            pass  # nobody can read it; every rank learns from the store's death instead
+
+    def abort_message(self) -> str | None:
+        """Why this refit is being aborted by someone else (another rank's abort, a peer known
+        dead, the store gone), or None. Raises nothing: a dead store is a message too."""
+        if self._abort is not None:
+            return self._abort
+        dead = self.dead_peers()
+        if dead:
+            g, why = min(dead.items())
+            msg = f"{self.rank_map.describe_group_rank(g)} died ({why})"
+            if self.rank == 0 and not self._posted_abort:
+                self.post_abort(msg)
+                self._posted_abort = False  # posted on the dead rank's behalf: this rank stops too
+            self._abort = msg
+            return msg
+        if self._posted_abort:
+            return None
+        try:
+            n = int(self._store("add", self._slot("hint", self.epoch, 0, -1), 0))
+            if n == self._hint_seen:
+                return None
+            self._hint_seen = n
+            for r in range(self.world_size):
+                if r == self.rank:
+                    continue
+                slot = self._slot("abort", self.epoch, 0, r)
+                raw = self._read(slot)
+                if raw is not None:
+                    ok, value, _ = self._open(slot, raw, "abort", 0, r)
+                    if ok:
+                        self._abort = str(value)
+                        return self._abort
+        except StoreGone as exc:
+            self._abort = str(exc)
+            return self._abort
+        return None
+
+    def raise_if_aborted(self) -> None:
+        msg = self.abort_message()
+        if msg is not None:
+            if self.store_dead:
+                raise StoreGone(msg)
+            raise RefitAborted(f"aborted by another rank: {msg}")
+
+    # -- all-gather ---------------------------------------------------------------------------------
+    def exchange(self, obj: Any, timeout_s: float | None = None) -> list[Any]:
+        """All-gather a small JSON-able value among all ranks (no tensors, no backend).
+        Raises ``RefitTimeout`` naming the ranks that never contributed, ``RefitAborted`` at
+        another rank's abort."""
+        timeout_s = timeout_s or self.timeout_s
+        seq = self._seq
+        self._seq += 1
+        slots = [self._slot("ctl", self.epoch, seq, r) for r in range(self.world_size)]
+        self._store("set", slots[self.rank], self._sign("ctl", seq, obj))
+        values: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for r in range(self.world_size):
+                if r not in values:
+                    raw = self._read(slots[r])
+                    if raw is not None:
+                        ok, value, _ = self._open(slots[r], raw, "ctl", seq, r)
+                        if ok:
+                            values[r] = value
+            if len(values) == self.world_size:
+                break
+            if time.monotonic() > deadline:
+                who = ", ".join(self.rank_map.describe_group_rank(r) for r in range(self.world_size) if r not in values)
+                raise RefitTimeout(f"control exchange #{seq}: no answer from {who} within {timeout_s}s")
+            self.raise_if_aborted()
+            time.sleep(_POLL_S)
+        # Every rank posts exchange n only after reading all of n-1: this rank's previous key
+        # is dead now. The last one goes at the next refit (``begin``) or on leaving.
+        if self._last_ctl is not None:
+            self._delete([self._last_ctl])
+        self._last_ctl = slots[self.rank]
+        return [values[r] for r in range(self.world_size)]
+
+    # -- the decision ---------------------------------------------------------------------------------
+    def decide(self, ok: bool, payload: Any, error: str = "", timeout_s: float | None = None,
+               after_vote: Callable[[], None] | None = None) -> Decision:
+        """Vote, then learn the refit's one decision (see the module docstring).
+
+        Never raises: a store that dies (before or after the decision was written) gives
+        ``Decision(commit=False, known=False)``."""
+        timeout_s = timeout_s or self.timeout_s
+        votes: dict[int, Any] = {}
+        try:
+            self._put(self._slot("vote", self.epoch, 0, self.rank),
+                      self._sign("vote", 0, {"ok": ok, "payload": payload, "error": error}))
+            if after_vote is not None:
+                after_vote()  # fault injection: stop or die with the vote written, the decision unread
+            decision_slot = self._slot("decision", self.epoch, 0, -1)
+            deadline = time.monotonic() + timeout_s
+            while True:
+                decided = self._read_decision(decision_slot)
+                if decided is not None:
+                    break
+                self._read_votes(votes)
+                proposal = self._proposal(votes, deadline, timeout_s)
+                if proposal is not None:
+                    raw = self._store("compare_set", decision_slot, "", self._sign("decision", 0, proposal))
+                    decided = self._open_decision(decision_slot, raw)
+                    if decided is not None:
+                        break
+                time.sleep(_POLL_S)
+            if decided["commit"]:
+                self._read_votes(votes)  # every vote is there: the committer read them all
+            return Decision(bool(decided["commit"]), tuple(decided["errors"]), True,
+                            tuple(votes.get(r, {}).get("payload") for r in range(self.world_size)))
+        except StoreGone as exc:
+            errors = [f"{self.rank_map.describe_group_rank(self.rank)}: could not learn the refit's decision: {exc}"]
+            return Decision(False, tuple(errors), False,
+                            tuple(votes.get(r, {}).get("payload") for r in range(self.world_size)))
+
+    def _read_decision(self, slot: str) -> dict | None:
+        raw = self._read(slot)
+        return None if raw is None else self._open_decision(slot, raw)
+
+    def _open_decision(self, slot: str, raw: bytes) -> dict | None:
+        ok, value, _ = self._open(slot, raw, "decision", 0, None)
+        return value if ok else None
+
+    def _read_votes(self, votes: dict[int, Any]) -> None:
+        for r in range(self.world_size):
+            if r in votes:
+                continue
+            slot = self._slot("vote", self.epoch, 0, r)
+            raw = self._read(slot)
+            if raw is not None:
+                good, value, _ = self._open(slot, raw, "vote", 0, r)
+                if good:
+                    votes[r] = value
+
+    def _proposal(self, votes: dict[int, Any], deadline: float, timeout_s: float) -> dict | None:
+        """What this rank would decide now, or None while it must keep waiting."""
+        errors = [v["error"] or f"{self.rank_map.describe_group_rank(r)}: voted no"
+                  for r, v in sorted(votes.items()) if not v["ok"]]
+        if errors:
+            return {"commit": False, "errors": errors}
+        if len(votes) == self.world_size:
+            return {"commit": True, "errors": []}
+        why = self.abort_message()
+        if why is not None and not self.store_dead:
+            return {"commit": False, "errors": [why]}
+        if self.store_dead:
+            raise StoreGone(why or "the refit store is unreachable")
+        if time.monotonic() > deadline:
+            silent = [f"{self.rank_map.describe_group_rank(r)}: no vote within {timeout_s}s (dead or silent)"
+                      for r in range(self.world_size) if r not in votes]
+            return {"commit": False, "errors": silent}
+        return None
