@@ -10,12 +10,16 @@ the minimum, verified, and the RSS of every process (this one and all its childr
 it. Reported: refits ok, seconds per refit (median, p95, max, median of the first 10 vs the last
 10), RSS growth per process from refit 10 to refit N, token_mult_prob_error after the last refit.
 
-``--faults``: on the same cluster, after the soak, one row per fault -- provoke it, time the
-driver's error, check the error names the failing rank (and for a bit flip the parameter), check
-the engine then serves exactly the weights it served before the fault (or refuses with a clear
-error), then one normal refit must verify and restore service. Rows: one bit flipped in flight; a
-refit request naming a plan digest no rank holds (every rank must stop within seconds, not at
-the timeout); last, since it breaks the trainer pool, a training rank dying mid-refit.
+``--faults``: on the same cluster, after the soak, the fault matrix (README "Reliability" is its
+output): a process killed or stalled at each protocol step -- mid-transfer, after its last byte,
+after its vote, the store's host between two workers reading the decision, a vLLM worker stalled
+past the timeout, a vLLM worker dying -- in both commit modes (``refit.atomic`` true and false),
+plus the control-plane attacks a second process on the store can make (a replayed vote,
+garbage at an abort key). Per row: the seconds until the driver's error (every rank had
+stopped by then), whether it names the failing rank, what ``generate`` and ``enqueue`` +
+``wait_for_completion`` served afterwards (old, new, or refused -- never a mix), and whether
+the next refit restored the same engine (after restarting the trainer pool where a training
+rank died, or replacing the engine where it died).
 
 A readable table goes to stdout (``--json``: exactly one JSON object); vLLM's logs go to
 stderr. Exit code 0 when every refit verified and every fault row behaved, else 1.
@@ -31,7 +35,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -39,7 +43,7 @@ from bench_refit import stdout_to_stderr  # scripts/ is on sys.path when run as 
 
 #: A refused refit (nothing moved) must stop every rank within this; a bit flip too (an abort
 #: signal, not the timeout).
-FAST_ERROR_S = 10.0
+FAST_ERROR_S = 5.0
 
 
 def parse_args() -> argparse.Namespace:
@@ -154,98 +158,255 @@ def soak(c: Any, tokens: list[int], args: argparse.Namespace, log: Callable[...,
 
 # -- the fault matrix ----------------------------------------------------------------------------
 
-def refit_with_digest(d: Any, digest: str) -> Any:
-    """A refit whose request names ``digest`` (a plan no rank holds): every rank must refuse."""
-    return d.refit(request=replace(d.request(), plan_digest=digest))
+@dataclass(frozen=True)
+class FaultCase:
+    """One row: how to provoke it, what the error must name, how fast (a death is visible at
+    once; only a stopped peer waits for the timeout), and what must be restarted after it."""
+
+    name: str
+    provoke: Callable[[Any], Any]
+    names: Callable[[str], bool]
+    max_seconds: Callable[[float], float]
+    restart: str = ""  # "trainers" (a training rank died) | "engine" (the engine died) | ""
 
 
-def fault_row(c: Any, tokens: list[int], name: str, provoke: Callable[[], Any], names_ok: Callable[[str], bool],
-              max_seconds: float, restore: bool, bound: float, log: Callable[..., None]) -> dict[str, Any]:
-    from mcore_reshard.adapters.vllm.engine import prompt_logprobs
+def _cases() -> list[FaultCase]:
+    from mcore_reshard.transport.executor import Fault
 
-    row: dict[str, Any] = {"fault": name, "seconds": None, "error": "", "names_ok": False, "served": "",
-                           "status": None, "restored": "n.a.", "notes": []}
+    wrong = "0" * 16
+    fast = lambda t: FAST_ERROR_S  # noqa: E731
+    return [
+        FaultCase("bit flipped in flight (training rank 0, bucket 1)",
+                  lambda d: d.refit(trainer_command="refit_with_fault", trainer_args=(0, Fault("bitflip", bucket=1))),
+                  lambda m: "checksum mismatch" in m and "model." in m, fast),
+        FaultCase("stale plan digest (refused before a byte moves)",
+                  lambda d: d.refit(request=replace(d.request(), plan_digest=wrong)),
+                  lambda m: wrong in m and "rank" in m, fast),
+        FaultCase("training rank 1 dies mid-transfer",
+                  lambda d: d.refit(trainer_command="refit_and_die", trainer_args=(1, 5)),
+                  lambda m: "training rank 1 died" in m, fast, "trainers"),
+        FaultCase("training rank 1 dies after its last byte, before its vote",
+                  lambda d: d.refit(trainer_command="refit_with_fault", trainer_args=(1, Fault("exit", at="before_vote"))),
+                  lambda m: "training rank 1 died" in m, fast, "trainers"),
+        FaultCase("training rank 1 dies after its vote",
+                  lambda d: d.refit(trainer_command="refit_with_fault", trainer_args=(1, Fault("exit", at="after_vote"))),
+                  lambda m: "training rank 1 died" in m, fast, "trainers"),
+        FaultCase("store host (training rank 0) dies between two workers reading the decision",
+                  lambda d: d.refit(trainer_command="refit_with_fault",
+                                    trainer_args=(0, Fault("exit", at="after_decision", seconds=0.5)),
+                                    engine_fault={"rank": 1, "kind": "sleep", "at": "after_vote", "seconds": 2.0}),
+                  lambda m: "training rank 0 died" in m, fast, "trainers"),
+        FaultCase("vLLM worker 1 stalled past the timeout before its vote (silent peer)",
+                  lambda d: d.refit(engine_fault={"rank": 1, "kind": "sleep", "at": "before_vote",
+                                                  "seconds": d.refit_config.timeout_s + 2}),
+                  lambda m: "no vote" in m and "destination rank 1" in m, lambda t: t + FAST_ERROR_S),
+        # last: the engine is gone afterwards and is replaced
+        FaultCase("vLLM worker 1 dies mid-transfer",
+                  lambda d: d.refit(engine_fault={"rank": 1, "exit_after_writes": 3}),
+                  lambda m: "engine 0" in m and "dead" in m, fast, "engine"),
+    ]
+
+
+def _classify(now: Any, old: list[float], new: list[float], bound: float) -> str:
+    from mcore_reshard.verify import token_mult_prob_error
+
+    if isinstance(now, str):
+        return now
+    if now == old:
+        return "old"
+    if token_mult_prob_error(now, new) <= bound:
+        return "new"
+    return "MIXED"
+
+
+def _through_enqueue(llm: Any, tokens: list[int]) -> tuple[Any, Any]:
+    """``enqueue`` + ``wait_for_completion`` (no helper in between): the prompt's logprobs,
+    or "refused (queued, no model step)" and the thread still waiting for them."""
+    import threading
+
+    from vllm import SamplingParams
+
+    llm.enqueue([{"prompt_token_ids": tokens}], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0),
+                use_tqdm=False)
+    got: dict = {}
+    th = threading.Thread(target=lambda: got.update(out=llm.wait_for_completion(use_tqdm=False)), daemon=True)
+    th.start()
+    th.join(3.0)
+    if th.is_alive():
+        return "refused (queued, no model step)", (th, got)
+    out = got["out"][0]
+    return [float(lp[t].logprob) for t, lp in zip(tokens[1:], out.prompt_logprobs[1:])], None
+
+
+def fault_row(c: Any, tokens: list[int], case: FaultCase, atomic: bool, bound: float,
+              log: Callable[..., None]) -> dict[str, Any]:
+    from mcore_reshard.adapters.vllm.engine import check_serving, prompt_logprobs
+    from mcore_reshard.errors import RefitIncomplete
+
+    row: dict[str, Any] = {"fault": case.name, "atomic": atomic, "seconds": None, "error": "", "names_ok": False,
+                           "generate": "", "enqueue": "", "restored": "no", "notes": []}
+    c.driver.refit_config = replace(c.refit, atomic=atomic)
     try:
         c.refit_once()  # engine and trainers on the same weights, group healthy
         c.step(tokens)  # new weights on the trainers, the old ones in the engine
-        old = [prompt_logprobs(llm, tokens) for llm in c.engines]
+        llm = c.engines[0]
+        old = prompt_logprobs(llm, tokens)
+        new = c.pool.call("logprobs", [tokens])[0][0]
     except Exception as exc:  # noqa: BLE001
         row["notes"].append(f"set-up failed: {type(exc).__name__}: {str(exc)[:300]}")
         row["behaved"] = False
         return row
     t0 = time.monotonic()
     try:
-        provoke()
-        row["seconds"] = time.monotonic() - t0
+        case.provoke(c.driver)
         row["error"] = "(no error raised)"
-        row["notes"].append("the faulty refit did not raise")
     except Exception as exc:  # noqa: BLE001 - the expected outcome
-        row["seconds"] = time.monotonic() - t0
-        row["error_type"] = type(exc).__name__
-        row["error"] = str(exc)
-        row["names_ok"] = names_ok(str(exc))
-    log(f"fault {name!r}: {row['seconds']:.2f}s: {row['error'][:300]}")
-    try:
-        row["status"] = c.driver.status()
-        if c.refit.atomic and not all(st.get("state") == "serving" and st.get("committed") is False
-                                      for st in row["status"]):
-            row["notes"].append(f"driver.status() after the fault is not 'serving, committed=False' on every "
-                                f"worker: {row['status']}")
-    except Exception as exc:  # noqa: BLE001
-        row["status"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-        row["notes"].append(f"driver.status() failed: {row['status']}")
-    try:
-        now = [prompt_logprobs(llm, tokens) for llm in c.engines]
-        row["served"] = "old weights" if now == old else "WRONG"
-        if now != old:
-            row["notes"].append("max |logprob diff| vs before the fault: "
-                                f"{max(abs(a - b) for x, y in zip(now, old) for a, b in zip(x, y)):.3g}")
-    except Exception as exc:  # noqa: BLE001 - a refusal is fine when it says why
-        msg = f"{type(exc).__name__}: {str(exc)}".strip()
-        row["served"] = "refused"
-        row["refusal"] = msg[:300]
-    if restore:
+        row["error"] = f"{type(exc).__name__}: {exc}"
+        row["names_ok"] = case.names(str(exc))
+    row["seconds"] = time.monotonic() - t0
+    log(f"fault {case.name!r} (atomic={atomic}): {row['seconds']:.2f}s: {row['error'][:300]}")
+    waiting = None
+    if case.restart != "engine":
         try:
-            m = c.refit_once()
-            err = c.logprob_error(tokens)
-            row["restore"] = {"seconds": m.seconds, "verified": m.verified, "bytes_ok": m.bytes_moved == m.bytes_min,
-                              "token_mult_prob_error": err}
-            row["restored"] = "yes" if (m.verified and m.bytes_moved == m.bytes_min and err <= bound) else "no"
+            check_serving(llm)
+            now: Any = prompt_logprobs(llm, tokens)
+        except RefitIncomplete:
+            now = "refused (gated)"
+        row["generate"] = _classify(now, old, new, bound)
+        try:
+            now, waiting = _through_enqueue(llm, tokens)
+            row["enqueue"] = _classify(now, old, new, bound)
         except Exception as exc:  # noqa: BLE001
-            row["restored"] = "no"
-            row["restore"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-        log(f"fault {name!r}: restore: {row['restore']}")
-    row["in_time"] = row["seconds"] is not None and row["seconds"] <= max_seconds
-    row["max_seconds"] = max_seconds
-    refusal_clear = row["served"] == "refused" and len(row.get("refusal", "")) > 10
-    row["behaved"] = bool(row["error"] != "(no error raised)" and row["names_ok"] and row["in_time"]
-                          and (row["served"] == "old weights" or refusal_clear)
-                          and (row["restored"] in ("yes", "n.a.")))
+            row["enqueue"] = f"error: {type(exc).__name__}: {str(exc)[:100]}"
+    else:
+        row["generate"] = row["enqueue"] = "engine dead (replaced)"
+    try:
+        if case.restart == "engine":
+            replace_engine(c)
+        elif case.restart == "trainers":
+            c.restart_trainers()
+        m = c.refit_once()
+        err = c.logprob_error(tokens)
+        row["restore"] = {"seconds": m.seconds, "verified": m.verified, "bytes_ok": m.bytes_moved == m.bytes_min,
+                          "token_mult_prob_error": err}
+        row["restored"] = "yes" if (m.verified and m.bytes_moved == m.bytes_min and err <= bound) else "no"
+        if waiting is not None:  # the queued request ran after the restoring refit, on its weights only
+            th, got = waiting
+            th.join(60)
+            out = got["out"][0]
+            ran = [float(lp[t].logprob) for t, lp in zip(tokens[1:], out.prompt_logprobs[1:])]
+            row["enqueue"] += "; ran after the restore on the restored weights" if ran == prompt_logprobs(
+                c.engines[0], tokens) else "; ran after the restore on OTHER weights"
+    except Exception as exc:  # noqa: BLE001
+        row["restore"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    c.driver.refit_config = c.refit
+    log(f"fault {case.name!r}: generate={row['generate']} enqueue={row['enqueue']} restored={row['restored']}")
+    row["max_seconds"] = case.max_seconds(c.refit.timeout_s)
+    row["in_time"] = row["seconds"] <= row["max_seconds"]
+    served_ok = all(not v.startswith(("MIXED", "error")) and "OTHER" not in v for v in (row["generate"], row["enqueue"]))
+    row["behaved"] = bool(row["error"] != "(no error raised)" and row["names_ok"] and row["in_time"] and served_ok
+                          and row["restored"] == "yes")
     return row
 
 
-def faults(c: Any, tokens: list[int], bound: float, log: Callable[..., None]) -> list[dict[str, Any]]:
-    from mcore_reshard.transport.executor import Fault
+def replace_engine(c: Any) -> None:
+    """A dead engine is replaced by a new one on the same checkpoint, with a new trainer pool
+    and driver (as a framework restarts a failed rollout worker)."""
+    from mcore_reshard.adapters.vllm.engine import start_engine, stop_engine
+    from mcore_reshard.adapters.vllm.plugin import BACKEND
+    from mcore_reshard.adapters.vllm.worker import REFIT_EXTENSION
 
-    d = c.driver
-    timeout = c.refit.timeout_s
-    wrong = "0" * 16
-    rows = [
-        fault_row(c, tokens, "bit flipped in flight (training rank 0, bucket 1)",
-                  lambda: d.refit(trainer_command="refit_with_fault", trainer_args=(0, Fault("bitflip", bucket=1))),
-                  lambda m: "checksum mismatch" in m and "rank" in m and "model." in m,
-                  FAST_ERROR_S, True, bound, log),
-        fault_row(c, tokens, "stale plan digest (refused refit)",
-                  lambda: refit_with_digest(d, wrong),
-                  lambda m: ("training rank" in m or "destination rank" in m) and wrong in m,
-                  FAST_ERROR_S, True, bound, log),
-        # last: the pool has a dead rank afterwards
-        fault_row(c, tokens, "training rank 1 dies mid-refit",
-                  lambda: d.refit(trainer_command="refit_and_die", trainer_args=(1, 5)),
-                  lambda m: "training rank 1 died" in m,
-                  timeout + 15, False, bound, log),
-    ]
+    for llm in c.engines:
+        try:
+            stop_engine(llm)
+        except Exception:  # noqa: BLE001 - it is dead already
+            pass
+    c.engines[:] = [start_engine(str(c.checkpoint), tp=c.vllm.tp, dtype=c.spec.dtype, enable_ep=c.vllm.enable_ep,
+                                 direct=c.refit.apply_mode == "direct", worker_extension_cls=REFIT_EXTENSION,
+                                 weight_transfer_config={"backend": BACKEND}) for _ in range(c.vllm.replicas)]
+    c.restart_trainers()
+
+
+def control_plane_rows(log: Callable[..., None]) -> list[dict[str, Any]]:
+    """Faults only a second process on the store can cause, tried on a live two-rank group of
+    this process: a signed vote of the previous refit replayed into this one, and garbage at
+    the key of a rank's abort. No engine is involved; the rows say what each rank decided."""
+    import secrets
+    import threading
+
+    import torch
+
+    from mcore_reshard.errors import RefitAborted
+    from mcore_reshard.ports import free_port
+    from mcore_reshard.transport.group import RankMap, RefitGroup
+
+    def pair() -> dict[int, Any]:
+        rm, port, nonce, groups = RankMap.disaggregated(1, 1), free_port(), secrets.token_hex(8), {}
+        th = threading.Thread(target=lambda: groups.update({1: RefitGroup.create(
+            "127.0.0.1", port, 1, 2, 10.0, False, rank_map=rm, secret="job", nonce=nonce)}))
+        th.start()
+        groups[0] = RefitGroup.create("127.0.0.1", port, 0, 2, 10.0, True, rank_map=rm, secret="job", nonce=nonce)
+        th.join(20)
+        return groups
+
+    rows = []
+    g = pair()
+    try:
+        for x in g.values():
+            x.begin_refit(1)
+        th = threading.Thread(target=lambda: g[1].decide(True, None))
+        th.start()
+        g[0].decide(True, None)
+        th.join(10)
+        replay = g[0].store.get(g[0].control._slot("vote", 1, 0, 1))
+        for x in g.values():
+            x.begin_refit(2)
+        g[0].store.set(g[0].control._slot("vote", 2, 0, 1), replay)  # rank 1 failed and never votes
+        t0 = time.monotonic()
+        d = g[0].decide(True, None, timeout_s=1.0)
+        rows.append({"fault": "replayed signed 'ok' vote of the previous refit", "atomic": "n/a",
+                     "seconds": time.monotonic() - t0, "error": "; ".join(d.errors), "names_ok": True,
+                     "generate": "n/a (no engine)", "enqueue": "n/a (no engine)", "restored": "n/a",
+                     "notes": [f"rejected values: {dict(g[0].rejected)}"],
+                     "behaved": (not d.commit) and g[0].rejected["vote"] >= 1})
+    finally:
+        for x in g.values():
+            x.close(barrier=False)
+    g = pair()
+    try:
+        for x in g.values():
+            x.begin_refit(1)
+        g[0].store.set(g[0].control._slot("abort", 1, 0, 1), "garbage")
+        g[0].store.add(g[0].control._slot("hint", 1, 0, -1), 7)
+        work = g[0].recv(torch.empty(1), 1, 9)
+        threading.Timer(0.3, g[1].post_abort, args=("source rank 1: failed",)).start()
+        t0 = time.monotonic()
+        try:
+            g[0].wait_work(work, 10.0)
+            err = "(no abort)"
+        except RefitAborted as exc:
+            err = str(exc)
+        secs = time.monotonic() - t0
+        rows.append({"fault": "garbage at a rank's abort key, then its real abort", "atomic": "n/a", "seconds": secs,
+                     "error": err, "names_ok": "source rank 1" in err, "generate": "n/a (no engine)",
+                     "enqueue": "n/a (no engine)", "restored": "n/a", "notes": [f"rejected: {dict(g[0].rejected)}"],
+                     "behaved": "source rank 1" in err and secs < 2.0})
+    finally:
+        for x in g.values():
+            x.close(barrier=False)
+    for r in rows:
+        log(f"control plane: {r['fault']}: {r['error'][:200]} ({r['seconds']:.2f}s)")
     return rows
+
+
+def faults(c: Any, tokens: list[int], bound: float, log: Callable[..., None]) -> list[dict[str, Any]]:
+    """Every case in both commit modes (atomic and streaming); the engine-killing case once,
+    last; then the control-plane rows."""
+    cases = _cases()
+    rows = [fault_row(c, tokens, case, atomic, bound, log) for atomic in (True, False)
+            for case in cases if case.restart != "engine"]
+    rows += [fault_row(c, tokens, case, True, bound, log) for case in cases if case.restart == "engine"]
+    return rows + control_plane_rows(log)
 
 
 # -- report ---------------------------------------------------------------------------------------
@@ -270,26 +431,23 @@ def table(res: dict[str, Any]) -> str:
     for k, g in s["rss_growth"].items():
         lines.append(f"{k:<28} {format_bytes(g['rss_from']):>14} {format_bytes(g['rss_to']):>14} {g['growth_pct']:>8.2f}%")
     if res.get("faults") is not None:
-        head = f"{'fault':<52} {'s to error':>10}  {'error (first 100 chars)':<100}  {'served after fault':<18} {'restored':<8} ok"
-        lines += ["", head, "-" * len(head)]
+        lines += ["", "| fault | atomic | s until every rank knew | generate served | enqueue served | "
+                      "next refit restored | ok |", "|---|---|---|---|---|---|---|"]
         for r in res["faults"]:
-            err = " ".join(r["error"].split())[:100]
             secs = "n/a" if r["seconds"] is None else f"{r['seconds']:.2f}"
-            lines.append(f"{r['fault']:<52} {secs:>10}  {err:<100}  {r['served']:<18} {r['restored']:<8} "
-                         f"{'yes' if r['behaved'] else 'NO'}")
+            lines.append(f"| {r['fault']} | {r['atomic']} | {secs} | {r['generate']} | {r['enqueue']} | "
+                         f"{r['restored']} | {'yes' if r['behaved'] else 'NO'} |")
+        lines.append("")
         for r in res["faults"]:
-            extra = []
+            extra = [f"error: {' '.join(r['error'].split())[:240]}"]
             if not r["names_ok"]:
                 extra.append("error does not name the failing rank/parameter as expected")
             if not r.get("in_time", True):
                 extra.append(f"took longer than {r['max_seconds']:.0f}s")
-            if r.get("refusal"):
-                extra.append(f"refusal: {r['refusal'][:200]}")
-            if isinstance(r.get("restore"), dict) and r["restore"]:
+            if isinstance(r.get("restore"), dict) and "error" in r["restore"]:
                 extra.append(f"restore: {r['restore']}")
             extra += r["notes"]
-            if extra:
-                lines.append(f"  {r['fault']}: " + "; ".join(str(e) for e in extra))
+            lines.append(f"  {r['fault']} (atomic={r['atomic']}): " + "; ".join(str(e) for e in extra))
     lines += ["", f"RESULT: {'PASS' if res['ok'] else 'FAIL'} (total wall time {res['wall_seconds']:.1f}s, "
               f"cluster start {res['startup_seconds']:.1f}s)"]
     return "\n".join(lines)

@@ -13,7 +13,7 @@ from .worker import PLAIN_LINEAR_ENV
 from .worker import REFIT_EXTENSION as EXTENSION
 
 __all__ = ["EXTENSION", "start_engine", "stop_engine", "greedy", "prompt_logprobs", "after_refit", "describe",
-           "check_serving"]
+           "check_serving", "AsyncEngine", "start_async_engine"]
 
 def start_engine(model_dir: str, tp: int = 1, dtype: str = "float32", enable_ep: bool = False,
                  direct: bool = False, **kw: Any):
@@ -22,6 +22,13 @@ def start_engine(model_dir: str, tp: int = 1, dtype: str = "float32", enable_ep:
     ``direct=True`` keeps CPU dense linears in model format (plain ``F.linear``) so
     refits write them in place; the default keeps vLLM's repacked kernels.
     """
+    from vllm import LLM
+
+    return LLM(**_engine_args(model_dir, tp, dtype, enable_ep, direct, kw))
+
+
+def _engine_args(model_dir: str, tp: int, dtype: str, enable_ep: bool, direct: bool, kw: dict) -> dict[str, Any]:
+    """Engine settings (and the CPU environment) shared by ``LLM`` and ``AsyncLLM``."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         cores = os.cpu_count() or tp
@@ -31,8 +38,6 @@ def start_engine(model_dir: str, tp: int = 1, dtype: str = "float32", enable_ep:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
             f"{r % cores}" if per <= 1 else f"{r * per}-{r * per + per - 1}" for r in range(tp))
     os.environ[PLAIN_LINEAR_ENV] = "1" if direct else "0"
-    from vllm import LLM
-
     args: dict[str, Any] = dict(
         model=str(model_dir), skip_tokenizer_init=True, dtype=dtype, enforce_eager=True,
         max_model_len=256, max_num_seqs=4, seed=0, tensor_parallel_size=tp,
@@ -40,7 +45,84 @@ def start_engine(model_dir: str, tp: int = 1, dtype: str = "float32", enable_ep:
     )
     args.update(_cpu_mla_args(model_dir))
     args.update(kw)
-    return LLM(**args)
+    return args
+
+
+class AsyncEngine:
+    """vLLM's ``AsyncLLM`` on its own event-loop thread, with the blocking weight-transfer
+    calls a driver makes (the same names as ``LLM``'s), while clients submit ``generate``
+    coroutines to ``loop`` (``submit``) and keep generating during a refit's calls.
+
+    ``world_size`` and ``dtype`` are stated up front, as for any remote engine handle.
+    """
+
+    def __init__(self, engine: Any, loop: Any, thread: Any) -> None:
+        self.engine, self.loop, self._thread = engine, loop, thread
+        par = engine.vllm_config.parallel_config
+        self.world_size = int(par.world_size) * int(getattr(par, "data_parallel_size", 1) or 1)
+        self.dtype = str(engine.vllm_config.model_config.dtype).replace("torch.", "")
+
+    def submit(self, coro: Any) -> Any:
+        """Run a coroutine on the engine's loop; returns a ``concurrent.futures.Future``."""
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        return self.submit(getattr(self.engine, name)(*args, **kwargs)).result()
+
+    def init_weight_transfer_engine(self, request: dict) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        self._call("init_weight_transfer_engine", WeightTransferInitRequest(init_info=request["init_info"]))
+
+    def update_weights(self, request: dict) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        self._call("update_weights", WeightTransferUpdateRequest(update_info=request["update_info"]))
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return lambda *args, **kwargs: self._call(name, *args, **kwargs)
+
+    def shutdown(self) -> None:
+        self.loop.call_soon_threadsafe(self.engine.shutdown)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(30)
+
+
+def start_async_engine(model_dir: str, tp: int = 1, dtype: str = "float32", enable_ep: bool = False,
+                       direct: bool = False, **kw: Any) -> AsyncEngine:
+    """An ``AsyncLLM`` on ``model_dir`` with the same settings as :func:`start_engine`."""
+    import asyncio
+    import threading
+
+    llm_args = _engine_args(model_dir, tp, dtype, enable_ep, direct, kw)
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    loop = asyncio.new_event_loop()
+    ready: dict[str, Any] = {}
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        try:
+            ready["engine"] = AsyncLLM.from_engine_args(AsyncEngineArgs(**llm_args))
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller
+            ready["error"] = exc
+            return
+        finally:
+            ready["done"] = True
+        loop.run_forever()
+
+    thread = threading.Thread(target=run, name="async-llm-loop", daemon=True)
+    thread.start()
+    while "done" not in ready:
+        thread.join(0.1)
+    if "error" in ready:
+        raise ready["error"]
+    return AsyncEngine(ready["engine"], loop, thread)
 
 
 def _cpu_mla_args(model_dir: str) -> dict[str, Any]:
@@ -72,6 +154,9 @@ def _cpu_mla_args(model_dir: str) -> dict[str, Any]:
 
 def stop_engine(llm: Any) -> None:
     """Shut the engine core (and its workers) down now, not at interpreter exit."""
+    if isinstance(llm, AsyncEngine):
+        llm.shutdown()
+        return
     core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     if core is not None:
         core.shutdown()
@@ -95,7 +180,8 @@ def check_serving(llm: Any) -> None:
     it, so a helper that waits for the answer says why instead of waiting."""
     from ...errors import RefitIncomplete
 
-    if llm.llm_engine.is_sleeping():
+    sleeping = llm.is_sleeping() if isinstance(llm, AsyncEngine) else llm.llm_engine.is_sleeping()
+    if sleeping:
         raise RefitIncomplete("this engine is not serving: it is gated (its scheduler paused) until a refit "
                               "succeeds -- the last refit did not commit on all of its workers")
 
