@@ -180,7 +180,7 @@ def test_store_key_count_is_constant_over_1000_refits():
     try:
         def rank(g, n):
             for e in range(1, n + 1):
-                g.begin_refit(e)
+                g.begin_refit(e, watch=True)
                 g.check_agreement(["digest", "checksum"])
                 assert g.decide(True, {"e": e}).commit
                 if g.rank == 0:
@@ -203,7 +203,7 @@ def _die_between_last_byte_and_vote(rank: int, port: int, q) -> None:
 
     g = RefitGroup.create("127.0.0.1", port, rank, 3, 60.0, rank == 0, rank_map=RankMap.disaggregated(1, 2),
                           secret="s", nonce="n")
-    g.begin_refit(1)
+    g.begin_refit(1, watch=True)
     g.barrier()  # every rank is in the refit: the "transfer" is done
     if rank == 2:
         time.sleep(0.5)

@@ -91,7 +91,7 @@ class RefitEndpoint:
         """Move this rank's bytes. A failure posts the group's abort signal (every other rank
         stops within a poll interval) and leaves the group broken (closed after the vote)."""
         if self.group is not None:
-            self.group.begin_refit(request.epoch)  # before any check, so even a refused refit aborts this one
+            self.group.begin_refit(request.epoch, watch=True)  # before any check: even a refused refit aborts
         s = self.plan_slice(request)
         src, dst = (s, None) if self.side == "src" else (None, s)
         return execute_plan(src, dst, src_tensors, sink, self.group, timeout_s=request.timeout_s,

@@ -70,6 +70,7 @@ class RefitGroup:
         self._watch: ThreadPoolExecutor | None = None
         self._live: dict[int, Any] = {}  # group rank -> future of its liveness wait (rank 0 only)
         self._live_sent: list[Any] = []
+        self._watched = False  # this refit ends with a vote that releases rank 0's watch
 
     @classmethod
     def create(cls, host: str, port: int, rank: int, world_size: int, timeout_s: float, is_master: bool,
@@ -169,7 +170,8 @@ class RefitGroup:
         if self.rank != 0 or self.world_size < 2 or self.pg is None or self.device.type != "cpu":
             return  # NCCL reports a dead peer through its own watchdog, not to a waiting thread
         if self._watch is None:
-            self._watch = ThreadPoolExecutor(self.world_size - 1, thread_name_prefix="refit-live")
+            # Room for a second round in case a peer never released one (it left the group).
+            self._watch = ThreadPoolExecutor(2 * (self.world_size - 1), thread_name_prefix="refit-live")
         # Waits of an earlier refit whose byte never came belong to a peer that left: drop them.
         self._live = {}
         # No timeout of its own: gloo closes a pair whose wait timed out, and a refit may
@@ -191,7 +193,7 @@ class RefitGroup:
 
     def signal_done(self) -> None:
         """This rank learned the refit's decision: release rank 0's liveness wait on it."""
-        if self.rank == 0 or self.pg is None or self.device.type != "cpu":
+        if self.rank == 0 or self.pg is None or self.device.type != "cpu" or not self._watched:
             return
         try:
             self._live_sent = [self.send(torch.ones(1, dtype=torch.uint8, device=self.device), 0, self._live_tag())]
@@ -212,12 +214,16 @@ class RefitGroup:
     def exchange(self, obj: Any, timeout_s: float | None = None) -> list[Any]:
         return self.control.exchange(obj, timeout_s)
 
-    def begin_refit(self, epoch: int | None = None) -> None:
+    def begin_refit(self, epoch: int | None = None, *, watch: bool = False) -> None:
         """A new refit on this group (every rank calls it once per refit, in step, with the
         request's epoch): aborts and votes are per refit, so a group that survived a failed
-        refit can run the next one."""
+        refit can run the next one. ``watch``: this refit ends with a vote (``decide``), in
+        which every rank releases rank 0's liveness wait on it -- rank 0 then watches every
+        peer's socket for this refit."""
         self.control.begin(self.control.epoch + 1 if not epoch else epoch)
-        self._watch_peers()
+        self._watched = watch
+        if watch:
+            self._watch_peers()
 
     def post_abort(self, message: str) -> None:
         """Tell every rank of the group to stop (signed, this rank's own key)."""

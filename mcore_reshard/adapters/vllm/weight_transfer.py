@@ -39,6 +39,7 @@ from vllm.distributed.weight_transfer.base import (
 from ...errors import RefitError
 from ...layout.descriptor import LocalParam
 from ...protocol import JoinInfo, RankReport, RefitRequest, VerifyMode, first_error_line
+from ...slice_store import fetch_slice
 from ...transport.endpoint import Outcome, RefitEndpoint
 from ...transport.executor import Fault
 from .apply import VllmApplier
@@ -49,12 +50,16 @@ __all__ = ["ReshardInitInfo", "ReshardUpdateInfo", "ReshardWeightTransferEngine"
 
 @dataclass
 class ReshardInitInfo(WeightTransferInitInfo):
-    """``join``: ``JoinInfo.to_wire()``; ``slices``: destination rank (as a string) -> plan
-    slice (``plan.wire.slice_to_wire``) for every worker of this engine; ``plan_digest``."""
+    """``join``: ``JoinInfo.to_wire()``; ``plan_digest``; and each worker's plan slice, either
+    inline in ``slices`` (destination rank as a string -> ``plan.wire.slice_to_wire``; every
+    worker receives all of them) or by digest in ``slice_digests`` (destination rank -> slice
+    digest; each worker reads its own slice from the refit group's store after joining, where a
+    trainer published it: ``slice_store``). ``slices`` wins for a rank present in both."""
 
     join: dict[str, Any] = field(default_factory=dict)
     slices: dict[str, Any] = field(default_factory=dict)
     plan_digest: str = ""
+    slice_digests: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -135,14 +140,10 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         rank = info.dst_offset + self.local_rank
         endpoint = RefitEndpoint("dst", rank, self.device)
         self.init_error = ""
-        try:
-            wire = init_info.slices.get(str(rank))
-            if wire is None:
-                raise RefitError(f"vLLM destination rank {rank}: the init info carries no plan slice for it")
-            endpoint.set_plan(wire, init_info.plan_digest)
-            self._check_slice(endpoint, rank, init_info.plan_digest)
-        except Exception as exc:  # noqa: BLE001 - reported by this worker's first vote
-            self.init_error = first_error_line(exc)
+        wire = init_info.slices.get(str(rank))
+        by_digest = (init_info.slice_digests or {}).get(str(rank)) if wire is None else None
+        if by_digest is None:
+            self._take_slice(endpoint, rank, wire, init_info.plan_digest)
         if self.endpoint is not None:
             self.endpoint.leave()
         self.endpoint = endpoint
@@ -150,6 +151,25 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
             endpoint.join(info)
         except Exception as exc:  # noqa: BLE001 - a worker without a group votes no at its refit
             self.init_error = self.init_error or f"{endpoint.who}: joining the refit group failed: {first_error_line(exc)}"
+        if by_digest is not None and endpoint.group is not None:
+            try:
+                wire = fetch_slice(endpoint.group.store, str(by_digest), info.timeout_s, endpoint.who)
+            except Exception as exc:  # noqa: BLE001 - reported by this worker's first vote
+                self.init_error = first_error_line(exc)
+            else:
+                self._take_slice(endpoint, rank, wire, init_info.plan_digest)
+
+    def _take_slice(self, endpoint: RefitEndpoint, rank: int, wire: dict[str, Any] | None, digest: str) -> None:
+        """Keep ``wire`` as this worker's slice once it is checked; a refusal is kept as
+        ``init_error`` (never raised: see ``init_transfer_engine``)."""
+        try:
+            if wire is None:
+                raise RefitError(f"vLLM destination rank {rank}: the init info carries no plan slice "
+                                 f"(nor a slice digest) for it")
+            endpoint.set_plan(wire, digest)
+            self._check_slice(endpoint, rank, digest)
+        except Exception as exc:  # noqa: BLE001 - reported by this worker's first vote
+            self.init_error = first_error_line(exc)
 
     def _check_slice(self, endpoint: RefitEndpoint, rank: int, digest: str) -> None:
         from ...layout.descriptor import DTYPE_BYTES
@@ -224,7 +244,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         try:
             if self.init_error:
                 if self.endpoint.group is not None:
-                    self.endpoint.group.begin_refit(request.epoch)
+                    self.endpoint.group.begin_refit(request.epoch, watch=True)
                 raise RefitError(self.init_error)
             stats = self.endpoint.run(request, {}, sink)
             t0 = time.perf_counter()
