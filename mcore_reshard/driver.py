@@ -102,6 +102,15 @@ def dst_layout_of(engines: Sequence[Any], tensors: dict, name: str = "vllm") -> 
     return SideLayout(name, offset, tuple(params), tensors)
 
 
+def _finish_quietly(llm: Any) -> None:
+    """Close the weight-update session after a failed update (one left open wedges the next
+    refit); its own error adds nothing to the update's."""
+    try:
+        llm.finish_weight_update()
+    except Exception:  # noqa: BLE001
+        pass
+
+
 def _engine_is_dead(exc: BaseException) -> bool:
     """vLLM's words for an engine that will never answer again (a worker or the core died)."""
     text = f"{type(exc).__name__}: {exc}"
@@ -296,11 +305,11 @@ class RefitDriver:
             llm.start_weight_update()
             try:
                 llm.update_weights({"update_info": update_info})
-            finally:
-                try:
-                    llm.finish_weight_update()  # always: a session left open wedges the next refit
-                except Exception:  # noqa: BLE001 - the failure was named by update_weights
-                    pass
+            except BaseException as exc:
+                if not _engine_is_dead(exc):  # a dead engine never answers again: do not wait on it
+                    _finish_quietly(llm)
+                raise
+            llm.finish_weight_update()
 
         errors += self._on_engines(update, what="update_weights", deadline_s=request.timeout_s + 60.0)
         replies, trainer_error = None, None

@@ -166,9 +166,11 @@ class ControlPlane:
         self._posted_abort, self._abort, self._hint_seen = False, None, 0
 
     def forget(self) -> None:
-        """Delete the keys this rank wrote (best effort, on leaving), except its last exchange
-        value: a peer may still be reading it in the closing barrier."""
-        keys, self._epoch_keys, self._old_keys = self._old_keys + self._epoch_keys, [], []
+        """On leaving: delete this rank's keys of the refit before the last (best effort). The
+        last refit's stay -- a rank that fails leaves right after the vote, while its peers may
+        still be reading its abort or vote -- and go with the store: a group that failed is
+        never used again, and its store lives only as long as its rank 0."""
+        keys, self._old_keys = self._old_keys, []
         self._delete([k for k in keys if k != self._last_ctl])
 
     def _delete(self, keys: list[str]) -> None:
@@ -221,6 +223,10 @@ class ControlPlane:
                     if ok:
                         self._abort = str(value)
                         return self._abort
+            decided = self._read_decision(self._slot("decision", self.epoch, 0, -1))
+            if decided is not None and not decided["commit"]:  # decided abort: stop, whoever posted
+                self._abort = "; ".join(decided["errors"]) or "the refit was decided: abort"
+                return self._abort
         except StoreGone as exc:
             self._abort = str(exc)
             return self._abort
@@ -290,6 +296,9 @@ class ControlPlane:
                 self._read_votes(votes)
                 proposal = self._proposal(votes, deadline, timeout_s)
                 if proposal is not None:
+                    if not proposal["commit"] and not self._posted_abort:
+                        # ranks still inside their transfer watch the abort hint, not the decision
+                        self.post_abort("; ".join(proposal["errors"])[:500])
                     raw = self._store("compare_set", decision_slot, "", self._sign("decision", 0, proposal))
                     decided = self._open_decision(decision_slot, raw)
                     if decided is not None:
