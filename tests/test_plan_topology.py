@@ -168,3 +168,176 @@ def test_colocated_moe_plan_takes_every_same_device_byte():
     assert rep.bytes_inter_node == rep.bytes_inter_node_min == 0
     blind = placement_report(get_plan(src, dst, bucket_bytes=1 << 16), src, dst, place)
     assert blind.bytes_same_device < rep.bytes_same_device
+
+
+# ------------------------------------------------- relays: EPLB copies, bits-carried tensors
+
+
+def _eplb_layouts(experts: int, redundant: int, dp: int):
+    """megatron EP2 on node 0 -> one vLLM engine of DP``dp`` x TP1 with EP and ``redundant``
+    EPLB slots on node 1: a redundant slot holds another rank's expert (or its own again)."""
+    from mcore_reshard.adapters.vllm.rules import VllmParallel
+
+    spec = tiny_spec(moe=True, experts=experts)
+    src = megatron_layout(spec, MegatronParallel(tp=1, ep=2, dp=2))
+    dst = vllm_layout(spec, VllmParallel(tp=1, dp=dp, enable_ep=True, num_redundant_experts=redundant))
+    place = Placement.separate(src.world_size, dst.world_size, gpus_per_node=dst.world_size)
+    return src, dst, place
+
+
+def _run_dst_slices(plan, src, dst, seed: int) -> dict:
+    """Execute ``plan`` in one process as the ranks do: each source packs its messages, every
+    receiver -- a relay group's members too -- unpacks them with the transfers of its own
+    slice (``for_rank``), at its own places. Returns the destination locals."""
+    import torch
+
+    from mcore_reshard.layout.torch_views import TORCH_DTYPES
+    from mcore_reshard.transport.executor import zero_fill_padding
+    from mcore_reshard.transport.packing import message_numel, pack, unpack
+    from test_transport import canonical, locals_of
+
+    canon = canonical(src.tensors, seed=seed)
+    s = {r: locals_of(src, r, canon) for r in range(src.world_size)}
+    d = {r: locals_of(dst, r, None) for r in range(dst.world_size)}
+    channels = {r: plan.for_rank("dst", r).channels() for r in range(plan.num_dst)}
+    for rank in range(plan.num_src):
+        for k, messages in enumerate(plan.for_rank("src", rank).messages()):
+            for (to, g), ts in messages.items():
+                msg = pack(ts, s[rank], torch.empty(message_numel(ts), dtype=TORCH_DTYPES[plan.dtype]))
+                for m in plan.relay_groups[g] if g >= 0 else (to,):
+                    mine = channels[m][k].pop((rank, to, g))
+                    assert [(t.canonical, t.box) for t in mine] == [(t.canonical, t.box) for t in ts]
+                    unpack(mine, msg, d[m])
+    assert all(not c for per in channels.values() for c in per), "a receiver expects a message nobody sent"
+    for r in range(dst.world_size):
+        zero_fill_padding(d[r], dst.for_rank(r))
+    return {"canon": canon, "dst": d}
+
+
+def test_redundant_expert_copies_on_one_node_cross_into_it_once():
+    """vLLM EPLB: 8 experts + 4 redundant slots over 4 EP ranks -- rank 2 holds expert 0 in
+    its last slot, rank 3 experts 1..3. Each copy is a second holder of the same box: the box
+    crosses into the node once and the holder forwards it, the other unpacks it at its slot."""
+    from test_transport import expected_equal
+
+    src, dst, place = _eplb_layouts(experts=8, redundant=4, dp=4)
+    plan = plan_for_placement(src, dst, place, bucket_bytes=1 << 13)
+    rep = placement_report(plan, src, dst, place)
+    assert plan.bytes_planned == plan.bytes_min
+    assert rep.bytes_inter_node == rep.bytes_inter_node_min < placement_report(
+        get_plan(src, dst, bucket_bytes=1 << 13, placement=place), src, dst, place).bytes_inter_node
+    assert plan.relay_sites and not any("direct path" in n or "not used" in n for n in plan.notes)
+    copies = {site[2] for box in plan.relay_sites for site in box}
+    assert "model.layers.0.mlp.experts.0.down_proj.weight" in copies
+    assert len(copies) == 4 * 4 * 3  # experts 0..3 x 4 layers x gate, up, down
+    # the copy's holders: rank 0 (slot 0) and rank 2 (slot 2) of the w2 stack
+    (box,) = [b for b in plan.relay_sites if b[0][2] == "model.layers.0.mlp.experts.0.down_proj.weight"]
+    assert [(r, v.offset != box[0][4].offset) for r, _, _, _, v in box] == [(0, False), (2, True)]
+    # every member's slice lands each box at its own place, each once
+    for r in range(dst.world_size):
+        mine = plan.for_rank("dst", r).transfers
+        keys = [(t.dst_name, t.dst_view.offset, t.canonical, t.box.offsets) for t in mine]
+        assert len(set(keys)) == len(keys)
+        assert sum(t.nbytes for t in mine) == sum(p.numel - p.padding for p in dst.for_rank(r)) * plan.itemsize
+    out = _run_dst_slices(plan, src, dst, seed=11)
+    for r in range(dst.world_size):
+        assert expected_equal(dst, r, out["canon"], out["dst"][r]) == []
+    # the members' places are part of the digest; a plan without them keeps its old one
+    from dataclasses import replace
+
+    assert replace(plan, relay_sites=()).digest() != plan.digest()
+
+
+def test_a_rank_holding_an_expert_twice_keeps_the_direct_path_and_says_so():
+    """4 experts + 8 redundant slots over 2 EP ranks: rank 0 holds experts 0, 1 twice. The
+    node's floor counts them once, no relay forwards to the rank itself: those tensors keep
+    the direct path, the notes say which and why -- a performance miss, never a PlanError."""
+    from test_transport import expected_equal
+
+    src, dst, place = _eplb_layouts(experts=4, redundant=8, dp=2)
+    plan = plan_for_placement(src, dst, place, bucket_bytes=1 << 13)
+    rep = placement_report(plan, src, dst, place)
+    assert plan.bytes_planned == plan.bytes_min
+    assert rep.bytes_inter_node > rep.bytes_inter_node_min
+    (note,) = [n for n in plan.notes if "keep the direct path" in n]
+    assert "destination rank 0 holds model.layers.0.mlp.experts.0." in note and "twice" in note
+    assert "crosses into node 1 as" in note
+    held_twice = {t.canonical for t in plan.transfers if ".experts.0." in t.canonical or ".experts.1." in t.canonical}
+    assert held_twice and all(g < 0 for t, g in zip(plan.transfers, plan.relay_of) if t.canonical in held_twice)
+    direct = placement_report(get_plan(src, dst, bucket_bytes=1 << 13, placement=place), src, dst, place)
+    assert rep.bytes_inter_node < direct.bytes_inter_node  # experts 2, 3 (one copy per rank) still relayed
+    out = _run_dst_slices(plan, src, dst, seed=12)
+    for r in range(dst.world_size):
+        assert expected_equal(dst, r, out["canon"], out["dst"][r]) == []
+
+
+def test_relays_of_a_tensor_carried_as_its_bits_reach_every_member():
+    """A tiny DeepSeek-V3 in bf16: its fp32 router bias travels as bf16 bits (boxes twice as
+    wide on the wire). Two engines of TP2 on one node share the bias: relayed once, it must
+    still reach all four ranks (it reached its first holder only, and the plan was refused
+    for delivering fewer bytes than the destinations hold)."""
+    from mcore_reshard.checkpoint import TINY_DEEPSEEK_V3
+    from mcore_reshard.layout.spec import spec_from_hf_config
+    from mcore_reshard.transport.executor import zero_fill_padding
+    from mcore_reshard.transport.local import run_plan_locally
+    from test_transport import canonical, expected_equal, locals_of
+
+    spec = spec_from_hf_config(TINY_DEEPSEEK_V3, dtype="bfloat16")
+    src = megatron_layout(spec, MegatronParallel(tp=2, ep=2, etp=1))
+    dst = vllm_layout(spec, VllmParallel(tp=2, replicas=2))
+    place = Placement.separate(src.world_size, dst.world_size, gpus_per_node=4)
+    plan = plan_for_placement(src, dst, place, bucket_bytes=1 << 14)
+    assert plan.reinterpret and plan.relay_groups
+    rep = placement_report(plan, src, dst, place)
+    assert plan.bytes_planned == plan.bytes_min and rep.bytes_inter_node == rep.bytes_inter_node_min
+    bias = [g for t, g in zip(plan.transfers, plan.relay_of) if t.canonical in dict(plan.reinterpret)]
+    assert bias and all(len(plan.relay_groups[g]) == 4 for g in bias)
+    canon = canonical(src.tensors, seed=13)
+    s = {r: locals_of(src, r, canon) for r in range(src.world_size)}
+    d = {r: locals_of(dst, r, None) for r in range(dst.world_size)}
+    assert run_plan_locally(plan, s, d) == plan.bytes_planned
+    for r in range(dst.world_size):
+        zero_fill_padding(d[r], dst.for_rank(r))
+        assert expected_equal(dst, r, canon, d[r]) == []
+
+
+def test_bucket_rounds_skip_rounds_without_room_at_once():
+    """``_rounds``' skip list (``_first_fit``) places every part where the one-by-one scan
+    does: a busy sender whose rounds are left just short of full by equal parts (the case
+    that made a 2000-round plan take minutes), with charged relay members, and random ones."""
+    import random
+
+    from mcore_reshard.plan import planner
+
+    def scan(src, dst, nbytes, budget, num_src, num_dst, extra):
+        levels, cur, full, out = [], [0] * (num_src + num_dst), budget - (budget >> 6), []
+        for s, d, nb, more in zip(src, dst, nbytes, extra):
+            ranks = (s, d + num_src) + tuple(m + num_src for m in (more or ()) if m != d)
+            r = max(cur[k] for k in ranks)
+            while True:
+                if r == len(levels):
+                    levels.append([0] * (num_src + num_dst))
+                after = [levels[r][k] + nb for k in ranks]
+                if all(a <= budget for a in after) or all(a == nb for a in after):
+                    break
+                r += 1
+            for k, a in zip(ranks, after):
+                levels[r][k] = a
+                if a > full and r == cur[k]:
+                    planner._advance(cur, k, levels, full)
+            out.append(r)
+        return out
+
+    rng = random.Random(7)
+    budget = 64 * 42 - 1  # 41 parts of 64 leave a round of the sender just under its "full" mark, no room
+    cases = [([0] * 5000, [rng.randrange(4) for _ in range(5000)], [64] * 5000, [None] * 5000)]
+    for _ in range(20):
+        n = rng.randrange(1, 800)
+        src = [rng.randrange(3) for _ in range(n)]
+        dst = [rng.randrange(5) for _ in range(n)]
+        nbytes = [rng.choice([1, 40, 64, 64, 64, 700, budget, budget + 5]) for _ in range(n)]
+        extra = [tuple(rng.sample(range(5), rng.randrange(3))) if rng.random() < 0.3 else None for _ in range(n)]
+        cases += [(src, dst, nbytes, extra), (src, dst, nbytes, [None] * n)]
+    for src, dst, nbytes, extra in cases:
+        want = scan(src, dst, nbytes, budget, 3, 5, extra)
+        assert planner._rounds(src, dst, nbytes, budget, 3, 5, extra) == want

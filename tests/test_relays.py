@@ -245,3 +245,75 @@ def test_relay_message_tags_are_unique_per_pair():
     tags += [_msg_tag(B, G, k, g, forwarded_from=s) for k in range(B) for g in range(G) for s in ranks]
     tags += [_msg_tag(B, G, B, g, forwarded_from=v) for g in range(G) for v in ranks]
     assert len(set(tags)) == len(tags) and max(tags) < 1 << 29 and min(tags) == 0
+
+
+# ------------------------------------------------------- EPLB: a redundant copy is a holder
+# One engine of DP4 x TP1 with EP and 4 redundant slots (8 experts, 12 slots) on node 1: rank 2
+# holds expert 0 again in its last slot, rank 3 experts 1..3 in its slots. Each copy crosses into
+# the node once; the member that did not receive it unpacks the forwarded bytes at its own slot.
+
+
+def _eplb_layouts():
+    from mcore_reshard.adapters.megatron.rules import MegatronParallel, megatron_layout
+    from mcore_reshard.adapters.vllm.rules import VllmParallel, vllm_layout
+    from toy_layouts import tiny_spec
+
+    spec = tiny_spec(moe=True)
+    src = megatron_layout(spec, MegatronParallel(tp=1, ep=2, dp=2))
+    dst = vllm_layout(spec, VllmParallel(tp=1, dp=4, enable_ep=True, num_redundant_experts=4))
+    place = Placement.separate(src.world_size, dst.world_size, gpus_per_node=4)
+    return src, dst, place, plan_for_placement(src, dst, place, bucket_bytes=1 << 13)
+
+
+W2 = "model.layers.0.mlp.experts.routed_experts.w2_weight"  # vLLM's stack of the layer's down_projs
+
+
+class _FlipSlot(FlippingSink):
+    """``FlippingSink`` that corrupts the write at one place only: a slot of a stacked tensor."""
+
+    def __init__(self, tensors, target: str, offset: int) -> None:
+        super().__init__(tensors, target)
+        self.offset = offset
+
+    def write(self, local_name, view, tensor) -> None:
+        if view.offset == self.offset:
+            super().write(local_name, view, tensor)
+        else:  # a plain write
+            super(FlippingSink, self).write(local_name, view, tensor)
+
+
+def _eplb_main(rank: int, world: int, port: int, q: Any) -> None:
+    def body(rm, s_rank, d_rank, group):
+        src, dst, _, plan = _eplb_layouts()
+        # destination rank 2 corrupts its write of expert 0's down_proj, which it holds in its
+        # last slot (offset 2 x 16 x 8) as a copy of rank 0's first
+        return {"ok": refit_once(plan, src, dst, s_rank, d_rank, group, rm, seed=21, tensors=src.tensors),
+                "flip": refit_once(plan, src, dst, s_rank, d_rank, group, rm, seed=22, tensors=src.tensors,
+                                   sink=(lambda d: _FlipSlot(d, W2, 2 * 16 * 8)) if d_rank == 2 else None)}
+
+    _run_rank(rank, world, port, q, 2, 4, body)
+
+
+@pytest.mark.slow
+def test_redundant_expert_copies_relayed_over_gloo_land_in_their_own_slots():
+    src, dst, place, plan = _eplb_layouts()
+    rep = placement_report(plan, src, dst, place)
+    assert plan.relay_sites and rep.bytes_inter_node == rep.bytes_inter_node_min
+    world = src.world_size + dst.world_size
+    res = _spawn(_eplb_main, world, free_port())
+    for r in range(world):
+        assert "crash" not in res[r], res[r].get("crash")
+        ok = res[r]["ok"]
+        assert ok["err"] is None and ok["bad"] in (None, []), (r, ok)
+        assert ok["stats"].verified
+    assert sum(res[r]["ok"]["stats"].bytes_sent for r in range(src.world_size)) == rep.bytes_inter_node
+    # rank 2 unpacks expert 0 at its own slot: the forwarded or received copy is checked there
+    expert0 = "model.layers.0.mlp.experts.0.down_proj.weight"
+    mine = [t for t in plan.for_rank("dst", 2).transfers if t.canonical == expert0]
+    assert [(t.dst_name, t.dst_view.offset) for t in mine] == [(W2, 2 * 16 * 8)]
+    bad = res[src.world_size + 2]["flip"]
+    assert bad["err"] is not None and "checksum mismatch" in bad["err"] and "experts.0.down_proj" in bad["err"], bad
+    assert bad["bad"] == [W2]
+    for r in range(world):
+        if r != src.world_size + 2:
+            assert res[r]["flip"]["err"] is None, (r, res[r]["flip"])

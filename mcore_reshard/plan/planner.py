@@ -1043,12 +1043,14 @@ def _rounds(src: list[int], dst: list[int], nbytes: list[int], budget: int, num_
     full = budget - (budget >> 6)  # a round with less than 1/64 of the budget left is skipped
     rounds: list[int] = []
     width = num_src + num_dst
+    low: dict[tuple[int, int], int] = {}  # see ``_first_fit``
     for s, d, nb in zip(src, dst, nbytes):
         d += num_src
         r = cur[s]
         rd = cur[d]
         if rd > r:
             r = rd
+        scanned = 0
         while True:
             if r == len(levels):
                 levels.append([0] * width)
@@ -1057,6 +1059,9 @@ def _rounds(src: list[int], dst: list[int], nbytes: list[int], budget: int, num_
             if (a <= budget and b <= budget) or (a == nb and b == nb):
                 break
             r += 1
+            scanned += 1
+            if scanned == _SCAN and nb <= budget:
+                r = _first_fit(levels, (s, d), nb, budget, r, cur, low)
         lv[s] = a
         lv[d] = b
         if a > full and r == cur[s]:
@@ -1076,9 +1081,11 @@ def _rounds_charged(src: list[int], dst: list[int], nbytes: list[int], budget: i
     full = budget - (budget >> 6)
     rounds: list[int] = []
     width = num_src + num_dst
+    low: dict[tuple[int, int], int] = {}  # see ``_first_fit``
     for s, d, nb, more in zip(src, dst, nbytes, extra):
         ranks = (s, d + num_src) + tuple(m + num_src for m in (more or ()) if m != d)
         r = max(cur[k] for k in ranks)
+        scanned = 0
         while True:
             if r == len(levels):
                 levels.append([0] * width)
@@ -1087,12 +1094,49 @@ def _rounds_charged(src: list[int], dst: list[int], nbytes: list[int], budget: i
             if all(a <= budget for a in after) or all(a == nb for a in after):
                 break
             r += 1
+            scanned += 1
+            if scanned == _SCAN and nb <= budget:
+                r = _first_fit(levels, ranks, nb, budget, r, cur, low)
         for k, a in zip(ranks, after):
             lv[k] = a
             if a > full and r == cur[k]:
                 _advance(cur, k, levels, full)
         rounds.append(r)
     return rounds
+
+
+#: Rounds a part tries one by one before ``_first_fit`` takes over (most fit in the first).
+_SCAN = 4
+
+
+def _first_fit(levels: list[list[int]], ranks: Sequence[int], nb: int, budget: int, r: int, cur: list[int],
+               low: dict[tuple[int, int], int]) -> int:
+    """The first round from ``r`` where every rank of ``ranks`` has room for ``nb`` bytes
+    (``len(levels)``: a new one), as the one-by-one scan finds it, without rescanning rounds.
+
+    Loads only grow, so a round without room for ``nb`` on rank ``k`` never gets it again,
+    and rounds before ``cur[k]`` are never tried for ``k``: ``low[(k, nb)]`` remembers where
+    that prefix ends. Parts of one size to one busy sender would otherwise each rescan all
+    its rounds left just short of full (quadratic: minutes on a 2000-round plan)."""
+    n = len(levels)
+    while r < n:
+        moved = False
+        for k in ranks:
+            x = low.get((k, nb), 0)
+            if cur[k] > x:
+                x = cur[k]
+            while x < n and levels[x][k] + nb > budget:
+                x += 1
+            low[(k, nb)] = x  # the first round k has room for nb in
+            if x < r:
+                x = r
+                while x < n and levels[x][k] + nb > budget:
+                    x += 1
+            if x > r:
+                r, moved = x, True
+        if not moved:
+            break
+    return r
 
 
 def _advance(cur: list[int], k: int, levels: list[list[int]], full: int) -> None:

@@ -17,9 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
 
-from ..layout import Box, SideLayout
+from ..layout import Box, SideLayout, View
 from ..layout.descriptor import DTYPE_BYTES
-from .types import PlanError, TransferPlan
+from .types import PlanError, TransferPlan, member_site
 
 __all__ = ["Location", "Links", "Placement", "PlacementReport", "TopologyConfig", "LINK_CLASSES",
            "placement_report", "inter_node_minimum", "hf_ipc_bytes", "relay_groups", "piece_relays", "same_device_pairs",
@@ -359,32 +359,44 @@ def relay_groups(dst: SideLayout, placement: Placement) -> tuple[tuple[int, ...]
     return tuple(sorted(tuple(g) for g in groups.values() if len(g) > 1))
 
 
-def _spread(plan: TransferPlan, groups: tuple[tuple[int, ...], ...], group_of: list[int]) -> TransferPlan:
+def _spread(plan: TransferPlan, groups: tuple[tuple[int, ...], ...], group_of: list[int],
+            sites: tuple[tuple[tuple[int, str, str, Box, View], ...], ...] = ()) -> TransferPlan:
     """Hand each relayed transfer (``group_of``: its group, -1 for none) to the member of its
     group with the fewest bytes so far (plan order; ties to the lower rank): every member
     then receives its share over the fabric and the rest from the other members. The
     buckets were cut with every member's whole share counted (``charges``), so the bucket
-    budget holds."""
+    budget holds. ``sites``: boxes the members hold at different places (``relay_sites``):
+    a transfer handed to another member lands at that member's place."""
     load = {m: 0 for g in groups for m in g}
+    index: dict = {}
     out = []
     for t, g in zip(plan.transfers, group_of):
         if g >= 0:
             a = min(groups[g], key=lambda m: (load[m], m))
             load[a] += t.nbytes
             if a != t.dst:
-                t = replace(t, dst=a)
+                if sites:
+                    name, view = member_site(sites, index, t, a)
+                    t = replace(t, dst=a, dst_name=name, dst_view=view)
+                else:
+                    t = replace(t, dst=a)
         out.append(t)
     # stable: wire order inside each message kept
     keys = [(t.bucket, t.src, t.dst) for t in out]
     order = sorted(range(len(out)), key=keys.__getitem__)
     return replace(plan, transfers=tuple(out[i] for i in order), relay_groups=groups,
-                   relay_of=tuple(group_of[i] for i in order), _by_src={}, _by_dst={}, _by_group={})
+                   relay_of=tuple(group_of[i] for i in order), relay_sites=sites,
+                   _by_src={}, _by_dst={}, _by_group={}, _sites={})
 
 
 def _piece_key(p, q) -> tuple:
     """A destination piece as another rank would hold it identically (same local tensor,
     same place in it): a box one member receives, unpacked the same way by every member."""
     return (p.name, tuple(p.shape), p.dtype, q.canonical, q.box, q.view)
+
+
+#: A member's place for a relayed box: (rank, local tensor, canonical, box, view).
+_Site = tuple[int, str, str, Box, View]
 
 
 @dataclass(frozen=True)
@@ -395,47 +407,112 @@ class _Relays:
     reduced: SideLayout
     groups: tuple[tuple[int, ...], ...]
     default: dict[int, int]  # holder rank -> group of its pieces held by no other holder (-1: none)
-    shared: dict[tuple[int, str, str], list[tuple[Box, int]]]  # (holder, local, canonical) -> (piece box, group)
+    #: (holder, local, canonical) -> (piece box, group, the holder's view of it where the members
+    #: hold it at different places -- a transfer must land in that piece -- else None)
+    shared: dict[tuple[int, str, str], list[tuple[Box, int, View | None]]]
     charges: tuple[tuple[int, str, tuple[int, ...]], ...]
+    #: Per box its members hold at different places, every member's place (``relay_sites``).
+    sites: tuple[tuple[_Site, ...], ...] = ()
+    #: (node, tensor) whose pieces keep the direct path there, and each destination rank's node.
+    direct: frozenset[tuple[int, str]] = frozenset()
+    nodes: tuple[int, ...] = ()
 
     def group_of(self, t) -> int:
-        for box, g in self.shared.get((t.dst, t.dst_name, t.canonical), ()):
-            if box.contains(t.box):
+        for box, g, view in self.shared.get((t.dst, t.dst_name, t.canonical), ()):
+            if box.contains(t.box) and (view is None or view.sub(box, t.box) == t.dst_view):
                 return g
+        if self.direct and (self.nodes[t.dst], t.canonical) in self.direct:
+            return -1
         return self.default.get(t.dst, -1)
 
+    def in_wire_units(self, reinterpret: Sequence[tuple[str, str]], itemsize: int) -> "_Relays":
+        """The same relays with the boxes and views of tensors carried as their bits
+        (``TransferPlan.reinterpret``: one fp32 element is two bf16 wire elements along the last
+        dim) as the plan's transfers have them -- else a relayed transfer of such a tensor would
+        lie in no piece and reach its holder only."""
+        ratio = {name: DTYPE_BYTES[d] // itemsize for name, d in reinterpret}
+        if not ratio or not any(k[2] in ratio for k in self.shared):
+            return self
 
-def piece_relays(dst: SideLayout, placement: Placement) -> _Relays | None:
+        def wire(name: str, box: Box, view: View | None) -> tuple[Box, View | None]:
+            r = ratio.get(name)
+            if r is None:
+                return box, view
+            box = Box((*box.offsets[:-1], box.offsets[-1] * r), (*box.sizes[:-1], box.sizes[-1] * r))
+            if view is not None:
+                view = View(view.offset * r, box.sizes, (*(s * r for s in view.stride[:-1]), 1))
+            return box, view
+
+        def entry(name: str, box: Box, g: int, view: View | None) -> tuple[Box, int, View | None]:
+            box, view = wire(name, box, view)
+            return box, g, view
+
+        shared = {k: [entry(k[2], b, g, v) for b, g, v in e] if k[2] in ratio else e for k, e in self.shared.items()}
+        sites = tuple(tuple((r, n, c, *wire(c, b, v)) for r, n, c, b, v in s) for s in self.sites)
+        return replace(self, shared=shared, sites=sites)
+
+
+def piece_relays(dst: SideLayout, placement: Placement,
+                 direct: frozenset[tuple[int, str]] = frozenset()) -> _Relays | None:
     """Relay groups at piece level. Ranks with identical pieces on one node (rank r of
-    several engines, :func:`relay_groups`) form a group; then every piece that several of
-    those groups hold identically on one node (what an engine replicates over its TP ranks:
-    norms, the router, replicated KV heads) is held by the first of them only, in a group of
-    all their members -- so each distinct piece crosses into a node once. None: no relays."""
+    several engines, :func:`relay_groups`) form a group; then every box of a tensor that
+    several of those groups hold on one node is held by the first of them only, in a group
+    of all their members -- so each distinct box crosses into a node once. The holders may
+    hold it alike (what an engine replicates over its TP ranks: norms, the router,
+    replicated KV heads) or at different places (vLLM EPLB's redundant expert copies: another
+    slot of another rank; each member then unpacks it at its own place, ``relay_sites``). A
+    rank holding one box twice gets it once relayed and once more directly. ``direct``:
+    (node, tensor) whose pieces keep the direct path on that node. None: no relays."""
     whole = relay_groups(dst, placement)
     ident = {m: g for g in whole for m in g}
     others = {m for g in whole for m in g[1:]}
-    keyed = [(p, [_piece_key(p, q) for q in p.pieces]) for p in dst.params if p.rank not in others]
-    holders: dict[tuple, list[int]] = {}
+    nodes = tuple(loc.node for loc in placement.dst)
+    keyed = []
+    for p in dst.params:
+        if p.rank in others:  # the first of its group holds the same (unless kept direct)
+            if not direct:
+                continue
+            kept = tuple(q for q in p.pieces if (nodes[p.rank], q.canonical) in direct)
+            if not kept:
+                continue
+            if len(kept) != len(p.pieces):
+                p = replace(p, pieces=kept)
+        keyed.append((p, [_piece_key(p, q) for q in p.pieces]))
+    holders: dict[tuple, list[tuple[int, tuple]]] = {}  # (node, tensor, box) -> (rank, piece key) per site
     for p, keys in keyed:
-        node = placement.dst[p.rank].node
+        node, rank = nodes[p.rank], p.rank
         for key in keys:
-            holders.setdefault((node, key), []).append(p.rank)
-    multi = {k: sorted(set(v)) for k, v in holders.items() if len(set(v)) > 1}
+            if direct and (node, key[3]) in direct:
+                continue
+            holders.setdefault((node, key[3], key[4]), []).append((rank, key))
+    multi: dict[tuple, list[tuple[int, tuple]]] = {}  # the boxes several ranks hold: one site per rank
+    for k, found in holders.items():
+        if len(found) > 1:
+            first: dict[int, tuple] = {}
+            for rank, key in found:
+                first.setdefault(rank, key)
+            if len(first) > 1:
+                multi[k] = sorted(first.items(), key=lambda s: s[0])
     if not whole and not multi:
         return None
-    members_of = {k: tuple(sorted({m for r in reps for m in ident.get(r, (r,))})) for k, reps in multi.items()}
+    members_of = {k: tuple(sorted({m for r, _ in reps for m in ident.get(r, (r,))})) for k, reps in multi.items()}
     groups = tuple(sorted(set(whole) | set(members_of.values())))
     index = {g: i for i, g in enumerate(groups)}
     default = {g[0]: index[g] for g in whole}
-    shared: dict[tuple[int, str, str], list[tuple[Box, int]]] = {}
+    shared: dict[tuple[int, str, str], list[tuple[Box, int, View | None]]] = {}
     charged: dict[tuple[int, str], set[int]] = {}
     dropped: set[tuple[int, tuple]] = set()
-    for (node, key), reps in multi.items():
-        owner = reps[0]
-        name, _, _, canonical, box, _ = key
-        shared.setdefault((owner, name, canonical), []).append((box, index[members_of[(node, key)]]))
-        charged.setdefault((owner, name), set()).update(reps[1:])
-        dropped.update((r, key) for r in reps[1:])
+    sites: list[tuple[_Site, ...]] = []
+    for k, reps in multi.items():
+        owner, okey = reps[0]
+        name, _, _, canonical, box, view = okey
+        alike = len(holders[k]) == len(reps) and all(key == okey for _, key in reps[1:])
+        shared.setdefault((owner, name, canonical), []).append((box, index[members_of[k]], None if alike else view))
+        charged.setdefault((owner, name), set()).update(r for r, _ in reps[1:])
+        dropped.update(reps[1:])
+        if not alike:
+            sites.append(tuple(sorted(((m, key[0], canonical, box, key[5]) for r, key in reps
+                                       for m in ident.get(r, (r,))), key=lambda s: s[0])))
     params = []
     for p, keys in keyed:
         if dropped:
@@ -447,7 +524,7 @@ def piece_relays(dst: SideLayout, placement: Placement) -> _Relays | None:
         params.append(p)
     reduced = SideLayout(dst.name, dst.world_size, tuple(params), dst.tensors, dst.notes)
     charges = tuple(sorted((r, n, tuple(sorted(o))) for (r, n), o in charged.items()))
-    return _Relays(reduced, groups, default, shared, charges)
+    return _Relays(reduced, groups, default, shared, charges, tuple(sites), frozenset(direct), nodes)
 
 
 def same_device_pairs(placement: Placement) -> tuple[tuple[int, int], ...]:
@@ -463,10 +540,12 @@ def plan_for_placement(src: SideLayout, dst: SideLayout, placement: Placement, l
                        bucket_bytes: int, allow_cast: bool = False,
                        not_direct: tuple[tuple[str, str], ...] = ()) -> TransferPlan:
     """The plan for a placement: direct, or with fan-out relays where that does not raise the
-    modelled time. Relays (:func:`piece_relays`): every distinct piece a node's inference
-    ranks hold is sent over the fabric to one of its holders there, which forwards it to the
+    modelled time. Relays (:func:`piece_relays`): every distinct box a node's inference ranks
+    hold is sent over the fabric to one of its holders there, which forwards it to the
     others over the node's links -- so each element crosses into a node once, spread over the
-    group's links. A relayed plan must meet that floor exactly (else ``PlanError``)."""
+    group's links. Where relays cannot meet that floor for some tensors (a rank holding a
+    box twice), those keep the direct path and the notes say so: a performance miss never
+    refuses a layout. Bytes delivered other than the destinations hold are a ``PlanError``."""
     from .cache import get_plan
 
     direct = get_plan(src, dst, bucket_bytes=bucket_bytes, allow_cast=allow_cast, not_direct=not_direct,
@@ -475,43 +554,124 @@ def plan_for_placement(src: SideLayout, dst: SideLayout, placement: Placement, l
     relays = piece_relays(dst, placement)
     if relays is None:
         return replace(direct, same_device=pairs, _by_src={}, _by_dst={}) if pairs else direct
-    relayed = get_plan(src, relays.reduced, bucket_bytes=bucket_bytes, allow_cast=allow_cast, not_direct=not_direct,
-                       placement=placement, charges=relays.charges)
-    relayed = replace(_spread(relayed, relays.groups, [relays.group_of(t) for t in relayed.transfers]),
-                      bytes_min=direct.bytes_min, bytes_hf_broadcast=direct.bytes_hf_broadcast, padding=direct.padding)
+
+    def relay(relays: _Relays) -> tuple[TransferPlan, PlacementReport]:
+        plan = get_plan(src, relays.reduced, bucket_bytes=bucket_bytes, allow_cast=allow_cast,
+                        not_direct=not_direct, placement=placement, charges=relays.charges)
+        relays = relays.in_wire_units(plan.reinterpret, plan.itemsize)
+        plan = replace(_spread(plan, relays.groups, [relays.group_of(t) for t in plan.transfers], relays.sites),
+                       bytes_min=direct.bytes_min, bytes_hf_broadcast=direct.bytes_hf_broadcast, padding=direct.padding)
+        if plan.bytes_planned != direct.bytes_min:  # a lost or doubled box: never a performance matter
+            raise PlanError(f"fan-out relays deliver {plan.bytes_planned} bytes, the destinations hold "
+                            f"{direct.bytes_min}: {_misdelivered(plan, direct)}")
+        return plan, placement_report(plan, src, dst, placement, links)
+
+    def keep_direct(why: str) -> TransferPlan:
+        return replace(direct, same_device=pairs, _by_src={}, _by_dst={}, notes=direct.notes + (
+            f"fan-out relays not used: {why}",))
+
     t_direct = placement_report(direct, src, dst, placement, links).modelled_seconds
-    rep = placement_report(relayed, src, dst, placement, links)
+    relayed, rep = relay(relays)
     if rep.modelled_seconds > t_direct:
-        return replace(direct, same_device=pairs, _by_src={}, _by_dst={}, notes=direct.notes + (
-            f"fan-out relays not used: modelled {rep.modelled_seconds:.4f} s with relays vs {t_direct:.4f} s direct",))
-    if (relayed.num_buckets + 2) * (len(relays.groups) + 1) * 2 * 4096 >= 1 << 29:  # the executor's message tags
-        return replace(direct, same_device=pairs, _by_src={}, _by_dst={}, notes=direct.notes + (
-            f"fan-out relays not used: {relayed.num_buckets} buckets x {len(relays.groups)} relay groups need more "
+        return keep_direct(f"modelled {rep.modelled_seconds:.4f} s with relays vs {t_direct:.4f} s direct")
+    kept: tuple[str, ...] = ()
+    if rep.bytes_inter_node > rep.bytes_inter_node_min:
+        over = _over_floor(relayed, src, dst, placement)
+        why = f"({_why_over(dst, placement, over)}), e.g. {_over_line(over[0])}"
+        kept = (f"fan-out relays keep the direct path for {len(over)} (node, tensor) pair(s) they cannot take "
+                f"into the node once {why}",)
+        relays = piece_relays(dst, placement, direct=frozenset((node, name) for node, name, _, _ in over))
+        if relays is None:
+            return keep_direct(f"nothing is left to relay once the {len(over)} (node, tensor) pair(s) they cannot "
+                               f"take into the node once keep the direct path {why}")
+        relayed, rep = relay(relays)
+        if rep.modelled_seconds > t_direct:
+            return keep_direct(f"modelled {rep.modelled_seconds:.4f} s with relays (some tensors direct) vs "
+                               f"{t_direct:.4f} s direct")
+    elif rep.bytes_inter_node < rep.bytes_inter_node_min:
+        raise PlanError(f"fan-out relays move {rep.bytes_inter_node} bytes over the fabric, below the floor (one "
+                        f"copy per inference node) of {rep.bytes_inter_node_min}: some box never reaches its node")
+    if not _tags_fit(relayed, relays) and relays.sites:
+        # the boxes members hold at different places bring groups of their own: with those
+        # boxes direct, the other relays may fit the tags
+        nodes = relays.nodes
+        alias = relays.direct | {(nodes[site[0]], site[2]) for box in relays.sites for site in box}
+        fewer = piece_relays(dst, placement, direct=frozenset(alias))
+        if fewer is not None:
+            plan, fewer_rep = relay(fewer)
+            if _tags_fit(plan, fewer) and fewer_rep.modelled_seconds <= t_direct:
+                kept += (f"fan-out relays keep the direct path for {len(alias - relays.direct)} (node, tensor) pair(s) "
+                         f"their holders on a node hold at different places (e.g. redundant expert copies): relaying "
+                         f"them too needs {relayed.num_buckets} buckets x {len(relays.groups)} relay groups, more "
+                         f"message tags than gloo has (raise refit.buffer_bytes for fewer buckets); modelled "
+                         f"{rep.modelled_seconds:.4f} s with them relayed",)
+                relays, relayed, rep = fewer, plan, fewer_rep
+    if not _tags_fit(relayed, relays):
+        return keep_direct(
+            f"{relayed.num_buckets} buckets x {len(relays.groups)} relay groups need more "
             f"message tags than gloo has (raise refit.buffer_bytes for fewer buckets); modelled {t_direct:.4f} s "
-            f"direct vs {rep.modelled_seconds:.4f} s with relays",))
-    if rep.bytes_inter_node != rep.bytes_inter_node_min:
-        raise PlanError(f"fan-out relays move {rep.bytes_inter_node} bytes over the fabric, the floor (one copy per "
-                        f"inference node) is {rep.bytes_inter_node_min}: {_over_floor(relayed, src, dst, placement)}")
-    if relayed.bytes_planned != direct.bytes_min:
-        raise PlanError(f"fan-out relays deliver {relayed.bytes_planned} bytes, the destinations hold "
-                        f"{direct.bytes_min}")
+            f"direct vs {rep.modelled_seconds:.4f} s with relays")
     n = len({m for g in relays.groups for m in g})
     return replace(relayed, same_device=pairs, notes=relayed.notes + (
         f"fan-out relays: {len(relays.groups)} group(s) of inference ranks ({n} ranks) holding the same pieces on "
         f"shared nodes take each box over the fabric once and forward it inside the node; modelled "
-        f"{rep.modelled_seconds:.4f} s vs {t_direct:.4f} s direct",))
+        f"{rep.modelled_seconds:.4f} s vs {t_direct:.4f} s direct",) + kept)
 
 
-def _over_floor(plan: TransferPlan, src: SideLayout, dst: SideLayout, placement: Placement) -> str:
-    """Name the first destination tensor whose bytes into some node exceed that node's floor."""
+def _tags_fit(plan: TransferPlan, relays: _Relays) -> bool:
+    """Whether the executor's message tags (gloo's are C ints, below 2**29) cover every
+    (bucket, relay group) of a relayed plan."""
+    return (plan.num_buckets + 2) * (len(relays.groups) + 1) * 2 * 4096 < 1 << 29
+
+
+def _over_floor(plan: TransferPlan, src: SideLayout, dst: SideLayout,
+                placement: Placement) -> list[tuple[int, str, int, int]]:
+    """(node, tensor, bytes moved into it, floor) of every destination tensor whose bytes into
+    some node exceed that node's floor, in (node, tensor) order."""
     moved: dict[tuple[int, str], int] = {}
     for t in plan.transfers:
         if placement.link(t.src, t.dst) == "inter_node":
             key = (placement.dst[t.dst].node, t.canonical)
             moved[key] = moved.get(key, 0) + t.nbytes
     floors = _floors(src, dst, placement, plan.itemsize)
-    for (node, name), nb in sorted(moved.items()):
-        floor = floors.get((node, name), 0)
-        if nb > floor:
-            return f"{name} crosses into node {node} as {nb} bytes, its floor there is {floor}"
-    return "no single tensor is over its floor"
+    return [(node, name, nb, floors.get((node, name), 0)) for (node, name), nb in sorted(moved.items())
+            if nb > floors.get((node, name), 0)]
+
+
+def _over_line(over: tuple[int, str, int, int]) -> str:
+    node, name, nb, floor = over
+    return f"{name} crosses into node {node} as {nb} bytes, its floor there is {floor}"
+
+
+def _why_over(dst: SideLayout, placement: Placement, over: Sequence[tuple[int, str, int, int]]) -> str:
+    """Why relays miss the floor for ``over``: the one cause the relays leave to the direct
+    path is a rank holding a box twice (the floor counts it once per node)."""
+    want = {(node, name) for node, name, _, _ in over}
+    seen: set[tuple[int, str, Box]] = set()
+    for p in dst.params:
+        for q in p.pieces:
+            if (placement.dst[p.rank].node, q.canonical) in want:
+                k = (p.rank, q.canonical, q.box)
+                if k in seen:
+                    return (f"destination rank {p.rank} holds {q.canonical} {q.box.offsets}+{q.box.sizes} twice, "
+                            f"e.g. as two redundant expert slots")
+                seen.add(k)
+    return "no relay group takes them into the node once"
+
+
+def _misdelivered(plan: TransferPlan, direct: TransferPlan) -> str:
+    """Name the first destination local tensor a relayed plan delivers other bytes to than
+    the direct plan does (which the planner proved exact)."""
+    got: dict[tuple[int, str], int] = {}
+    index: dict = {}
+    for t, g in zip(plan.transfers, plan.relay_of):
+        for m in plan.relay_groups[g] if g >= 0 else (t.dst,):
+            name = t.dst_name if m == t.dst else member_site(plan.relay_sites, index, t, m)[0]
+            got[(m, name)] = got.get((m, name), 0) + t.nbytes
+    want: dict[tuple[int, str], int] = {}
+    for t in direct.transfers:
+        want[(t.dst, t.dst_name)] = want.get((t.dst, t.dst_name), 0) + t.nbytes
+    for key in sorted(set(got) | set(want)):
+        if got.get(key, 0) != want.get(key, 0):
+            return f"{key[1]} on destination rank {key[0]} gets {got.get(key, 0)} bytes, it holds {want.get(key, 0)}"
+    return "every local tensor gets its bytes"

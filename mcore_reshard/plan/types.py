@@ -16,7 +16,7 @@ from typing import Iterable, Sequence
 
 from ..layout.descriptor import Box, View
 
-__all__ = ["PlanError", "Transfer", "RankPlan", "TransferPlan"]
+__all__ = ["PlanError", "Transfer", "RankPlan", "TransferPlan", "member_site"]
 
 
 class PlanError(ValueError):
@@ -163,9 +163,16 @@ class TransferPlan:
     #: wire-dtype elements (an fp32 element is two bf16 ones), never cast. Its transfers' boxes
     #: and views are in wire units (last dim x itemsize ratio); ``bytes_min`` counts real bytes.
     reinterpret: tuple[tuple[str, str], ...] = ()
+    #: Relayed boxes whose group's members hold them at different places (vLLM EPLB: a
+    #: redundant expert copy in another slot of another rank): per box, every member's
+    #: (rank, local tensor, canonical, box, view), in wire units. A member unpacks a relayed
+    #: transfer inside such a box at its own place (``member_site``). Empty: every member
+    #: holds each relayed box where its receiver does.
+    relay_sites: tuple[tuple[tuple[int, str, str, Box, View], ...], ...] = ()
     _by_src: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
     _by_dst: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
     _by_group: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
+    _sites: dict = field(default_factory=dict, repr=False, compare=False)  # member_site's index
 
     @property
     def bytes_planned(self) -> int:
@@ -240,17 +247,50 @@ class TransferPlan:
         # plan order (bucket, source, ...): what this rank receives itself, and every transfer
         # to its groups that a peer receives and forwards
         mine = sorted(set(index.get(rank, ())).union(*(self._by_group.get(g, ()) for g in groups)))
-        ts = tuple(self.transfers[i] if self.transfers[i].dst == rank else replace(self.transfers[i], dst=rank)
-                   for i in mine)
+        if self.relay_sites:
+            ts = tuple(self.transfers[i] if self.transfers[i].dst == rank else self._at_member(self.transfers[i], rank)
+                       for i in mine)
+        else:
+            ts = tuple(self.transfers[i] if self.transfers[i].dst == rank else replace(self.transfers[i], dst=rank)
+                       for i in mine)
         return RankPlan(side, rank, self.num_buckets, ts, self.dtype, relay_groups=self.relay_groups,
                         stream=tuple(self.relay_of[i] for i in mine), via=tuple(self.transfers[i].dst for i in mine))
+
+    def _at_member(self, t: Transfer, member: int) -> Transfer:
+        """Relayed transfer ``t`` as group member ``member`` receives it: at its own place."""
+        from dataclasses import replace
+
+        name, view = member_site(self.relay_sites, self._sites, t, member)
+        return replace(t, dst=member, dst_name=name, dst_view=view)
 
     def digest(self) -> str:
         """Stable hash of everything that moves; checked on every rank before the first byte.
         Casts are hashed only when there are any, so plans without casts keep their digests."""
-        return plan_digest(self.transfers, self.num_buckets, self.dtype, self.casts,
-                           relays=(self.relay_groups, self.relay_of) if self.relay_groups else None,
+        relays = None
+        if self.relay_groups:  # members' own places only when some differ: older digests stay
+            relays = (self.relay_groups, self.relay_of) + ((self.relay_sites,) if self.relay_sites else ())
+        return plan_digest(self.transfers, self.num_buckets, self.dtype, self.casts, relays=relays,
                            same_device=self.same_device or None, reinterpret=self.reinterpret or None)
+
+
+def member_site(sites: Sequence[tuple[tuple[int, str, str, Box, View], ...]], index: dict, t: Transfer,
+                member: int) -> tuple[str, View]:
+    """(local tensor, view) where relay-group ``member`` holds the box of ``t``, a transfer to
+    another member (``t.dst``): its own place where ``sites`` (``TransferPlan.relay_sites``)
+    lists the box ``t`` lies in, else the receiver's (the members hold it alike).
+    ``index``: a cache for ``sites``, (re)filled on first use with them."""
+    if index.get(None) is not sites:
+        index.clear()
+        index[None] = sites
+        for k, box_sites in enumerate(sites):
+            for rank, name, canonical, box, view in box_sites:
+                index.setdefault((rank, name, canonical), []).append((box, view, k))
+    for box, view, k in index.get((t.dst, t.dst_name, t.canonical), ()):
+        if box.contains(t.box) and view.sub(box, t.box) == t.dst_view:
+            for rank, name, _, m_box, m_view in sites[k]:
+                if rank == member:
+                    return name, m_view.sub(m_box, t.box)
+    return t.dst_name, t.dst_view
 
 
 def plan_digest(

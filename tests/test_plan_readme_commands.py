@@ -1,0 +1,126 @@
+"""Every ``mcore-reshard plan`` command the docs show plans, and the layouts the planner used to
+refuse for a performance reason plan at the per-rank minimum: fan-out relays meet the
+one-copy-per-node floor, or the plan keeps the direct path for what they cannot and its notes
+say so -- a performance miss is never an error."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from mcore_reshard.cli import main, plan_from_recipe
+from mcore_reshard.config import load_plan
+from mcore_reshard.plan.cache import clear_plan_cache
+from mcore_reshard.plan.topology import placement_report, plan_for_placement
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+_FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.M | re.S)
+_PLAN = re.compile(r"(?:^|[\s/])mcore-reshard plan(?=\s|$)(.*)$")
+
+
+def doc_plan_commands() -> list[tuple[str, list[str]]]:
+    """(where, arguments after ``plan``) of every ``mcore-reshard plan`` line in the docs'
+    code blocks, shell comments dropped."""
+    out = []
+    for path in DOCS:
+        for block in _FENCE.findall(path.read_text()):
+            for line in block.splitlines():
+                m = _PLAN.search(line)
+                if m:
+                    args = shlex.split(m.group(1), comments=True)
+                    out.append((f"{path.name}: mcore-reshard plan {' '.join(args)}".strip(), args))
+    return out
+
+
+COMMANDS = doc_plan_commands()
+
+#: Full-size MoE plans take 10-40 s each on one core; the dense qwen3-8b one about one.
+_FAST = ("model=qwen3-8b",)
+
+
+def test_the_docs_show_plan_commands():
+    where = [w for w, _ in COMMANDS]
+    assert len(COMMANDS) >= 6, where
+    assert any("model=deepseek-v3" in w and "vllm.enable_ep=true" in w for w in where)
+    assert any(args == [] for _, args in COMMANDS)  # the default
+    assert any(a in w for w in where for a in _FAST)
+
+
+@pytest.fixture
+def _fresh_plans():
+    yield
+    clear_plan_cache()  # full-size plans: do not keep eight of them alive for the next tests
+
+
+@pytest.mark.parametrize("args", [
+    pytest.param(args, id=where, marks=() if any(a in args for a in _FAST) else pytest.mark.slow)
+    for where, args in COMMANDS
+])
+def test_doc_plan_command_plans(args, capsys, monkeypatch, _fresh_plans):
+    """Through the CLI's own entry point, in-process, from the checkout (``--recipe`` paths
+    are relative to it)."""
+    monkeypatch.chdir(ROOT)
+    rc = main(["plan", *args])
+    err = capsys.readouterr().err
+    assert rc == 0 and "error" not in err, err
+
+
+def _plan(overrides: list[str]):
+    """The CLI's plan for ``overrides``: layouts, the placement's plan and its report."""
+    recipe = load_plan(overrides)
+    src, dst, _ = plan_from_recipe(recipe)
+    where = recipe.topology.place(src.world_size, dst.world_size)
+    plan = plan_for_placement(src, dst, where, recipe.topology.links, bucket_bytes=recipe.refit.bucket_bytes,
+                              allow_cast=recipe.refit.allow_cast)
+    return plan, placement_report(plan, src, dst, where, recipe.topology.links)
+
+
+QWEN3_235B_EPLB = ["model=qwen3-235b-a22b", "training.tp=1", "training.pp=4", "training.first_stage_layers=1",
+                   "training.last_stage_layers=3", "training.ep=2", "training.dp=2", "vllm.tp=1", "vllm.pp=2",
+                   "vllm.dp=4", "vllm.enable_ep=true", "vllm.num_redundant_experts=8"]
+DEEPSEEK_V3 = ["model=deepseek-v3", "training.pp=16", "training.first_stage_layers=3", "training.last_stage_layers=2",
+               "training.ep=64", "training.dp=64", "vllm.tp=8", "vllm.replicas=8", "vllm.enable_ep=true"]
+
+
+@pytest.mark.slow
+def test_redundant_expert_copies_meet_the_floor(_fresh_plans):
+    """vLLM EPLB's 8 redundant slots hold experts 0..7 a second time on another rank of each
+    node: relays count that rank as a second holder of the same box, so the box crosses into
+    the node once. (It was refused: expert 0 crossed into node 1 twice.) With buckets of 2 GiB
+    every relay fits the executor's message tags and the fabric carries exactly the floor."""
+    plan, rep = _plan([*QWEN3_235B_EPLB, "refit.buffer_bytes=4294967296"])
+    assert plan.bytes_planned == plan.bytes_min
+    assert rep.bytes_inter_node == rep.bytes_inter_node_min
+    assert plan.relay_sites and any(".experts.0.down_proj." in site[2] for box in plan.relay_sites for site in box)
+    assert not any("direct path" in n or "not used" in n for n in plan.notes)
+
+
+@pytest.mark.slow
+def test_redundant_expert_copies_with_the_default_buffer(_fresh_plans):
+    """With 512 MiB buckets the busiest trainer alone needs ~1700 rounds: relaying the EPLB
+    copies too would need more message tags than gloo has, so those copies keep the direct
+    path, every other box is relayed, and the notes say so."""
+    plan, rep = _plan(QWEN3_235B_EPLB)
+    assert plan.bytes_planned == plan.bytes_min
+    assert plan.relay_groups
+    assert rep.bytes_inter_node_min < rep.bytes_inter_node
+    (note,) = [n for n in plan.notes if "keep the direct path" in n]
+    assert "redundant expert copies" in note and "message tags" in note
+
+
+@pytest.mark.slow
+def test_deepseek_v3_readme_layout_meets_the_floor(_fresh_plans):
+    """The README's DeepSeek-V3 command: its fp32 router bias, carried as bf16 bits, is
+    relayed inside each node (it reached one rank per node only, so the plan was refused for
+    delivering fewer bytes than the destinations hold)."""
+    plan, rep = _plan(DEEPSEEK_V3)
+    assert plan.bytes_planned == plan.bytes_min
+    assert rep.bytes_inter_node == rep.bytes_inter_node_min
+    bias = dict(plan.reinterpret)
+    assert bias and any(g >= 0 for t, g in zip(plan.transfers, plan.relay_of) if t.canonical in bias)
+    assert not any("direct path" in n or "not used" in n for n in plan.notes)
