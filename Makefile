@@ -42,3 +42,13 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# vLLM's OpenAI-compatible server with the mcore_reshard backend and the RL routes (dev mode),
+# on a fresh tiny MoE checkpoint (no tokenizer: token ids in and out). See docs/http-server.md.
+PORT ?= 8000
+.PHONY: serve-tiny
+serve-tiny: $(STAMP)
+	d=$$(mktemp -d) && \
+	$(BIN)/python -c 'import sys; from mcore_reshard.checkpoint import make_tiny_checkpoint; print(make_tiny_checkpoint(sys.argv[1], moe=True))' $$d/tiny-moe && \
+	exec $(BIN)/python -m mcore_reshard.serve $$d/tiny-moe --host 127.0.0.1 --port $(PORT) \
+	    --skip-tokenizer-init --dtype float32 --enforce-eager --max-model-len 256 --max-num-seqs 4

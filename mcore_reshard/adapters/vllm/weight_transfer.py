@@ -6,6 +6,8 @@ and drives it with vLLM's own calls:
 
     llm.init_weight_transfer_engine({"init_info": {"join": JoinInfo.to_wire(), "slices": {...},
                                                    "plan_digest": ...}})   # once per layout
+    # or "slice_digests": {rank: digest} instead of "slices": each worker reads its own slice
+    # from the refit group's store after joining (``slice_store``; the init info stays small)
     llm.start_weight_update()
     llm.update_weights({"update_info": {"request": RefitRequest.to_wire()}})  # every refit
     llm.finish_weight_update()

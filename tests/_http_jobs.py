@@ -1,0 +1,94 @@
+"""Trainer processes for the HTTP-server test: megatron-core ranks that build a
+``TrainerEndpoint``, plan against the vLLM server's rules, publish the engine's plan slices
+in the refit group's store (the init info names them by digest only) and hand the controller
+(the test process) its JSON messages through a queue: a refit, a second one after training
+(which the controller makes fail), and a retry in a new refit group."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from mcore_reshard.adapters.megatron.build import WorldCtx, init_megatron
+from mcore_reshard.adapters.megatron.endpoint import TrainerEndpoint
+from mcore_reshard.adapters.megatron.rules import MegatronParallel
+from mcore_reshard.adapters.megatron.train import TrainSettings, build_policy
+from mcore_reshard.adapters.vllm.rules import VllmParallel, vllm_layout
+from mcore_reshard.checkpoint import load_canonical
+from mcore_reshard.errors import RefitError
+from mcore_reshard.layout import SideLayout, load_model_spec
+from mcore_reshard.plan import build_plan
+from mcore_reshard.plan.wire import slice_to_wire
+from mcore_reshard.ports import free_port
+from mcore_reshard.protocol import JoinInfo, RankMap, RefitRequest, first_error_line
+from mcore_reshard.slice_store import publish_slices, slice_digests
+
+
+def http_refit_job(ctx: WorldCtx, ckpt: str, dtype: str, par: MegatronParallel, vllm: VllmParallel,
+                   tokens: list[int], to_controller: Any) -> dict:
+    import torch.distributed as dist
+
+    spec = load_model_spec(ckpt, dtype=dtype)
+    init_megatron(par, ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)
+    policy = build_policy(spec, par, TrainSettings(dtype=dtype, lr=0.05))
+    policy.load_canonical(load_canonical(ckpt))
+    policy.train_step([tokens])
+
+    ep = TrainerEndpoint(policy.chunks, spec, sync_params=policy.sync_params)
+    every: list = [None] * ctx.world_size
+    dist.all_gather_object(every, ep.describe())
+    src = SideLayout("megatron", ctx.world_size, tuple(p for r in every for p in r), spec.tensor_table())
+    dst = vllm_layout(spec, vllm)
+    plan = build_plan(src, dst, bucket_bytes=1 << 16)
+    digest = plan.digest()
+    boxed = [free_port() if ctx.rank == 0 else None]
+    dist.broadcast_object_list(boxed, src=0)
+    rank_map = RankMap.disaggregated(src.world_size, dst.world_size)
+    info = JoinInfo("127.0.0.1", boxed[0], rank_map.world_size, rank_map, 120.0, secret="test-secret",
+                    nonce="http-test-1")
+    dst_slices = {str(r): slice_to_wire(plan.for_rank("dst", r)) for r in range(dst.world_size)}
+    first = RefitRequest(digest, timeout_s=120.0, version="refit-1")
+    if ctx.rank == 0:  # the controller's message is JSON only: join, plan digest, one digest per slice
+        to_controller.put({"init_info": {"join": info.to_wire(), "plan_digest": digest,
+                                         "slice_digests": slice_digests(dst_slices)},
+                           "update_info": {"request": first.to_wire()}})
+    ep.join(info)
+    if ctx.rank == 0:  # the store lives with this group: publish after every join
+        publish_slices(ep.group.store, dst_slices)
+    ep.set_plan(slice_to_wire(plan.for_rank("src", ctx.rank)), digest)
+    ep.refit(first)
+    logprobs_1 = policy.logprobs([tokens])[0]
+
+    policy.train_step([tokens])  # weights the engine must never serve: the next refit fails
+    # A short timeout: an engine that refuses a refit before any byte leaves the group at once
+    # (its abort key goes with it), so the trainers only stop at their deadline.
+    second = RefitRequest(digest, timeout_s=30.0, version="refit-2")
+    if ctx.rank == 0:
+        to_controller.put({"update_info": {"request": second.to_wire()}})
+    error, t0 = "", time.monotonic()
+    try:
+        ep.refit(second)
+    except RefitError as exc:
+        error = first_error_line(exc)
+    second_s = time.monotonic() - t0
+    logprobs_2 = policy.logprobs([tokens])[0]
+
+    # The controller's retry after the failed refit: a new group (fresh port and nonce), the
+    # slices published in its new store, the same plan.
+    boxed = [free_port() if ctx.rank == 0 else None]
+    dist.broadcast_object_list(boxed, src=0)
+    info = JoinInfo("127.0.0.1", boxed[0], rank_map.world_size, rank_map, 120.0, secret="test-secret",
+                    nonce="http-test-2")
+    third = RefitRequest(digest, timeout_s=120.0, version="refit-3")
+    if ctx.rank == 0:
+        to_controller.put({"init_info": {"join": info.to_wire(), "plan_digest": digest,
+                                         "slice_digests": slice_digests(dst_slices)},
+                           "update_info": {"request": third.to_wire()}})
+    ep.join(info)
+    if ctx.rank == 0:
+        publish_slices(ep.group.store, dst_slices)
+    ep.refit(third)
+    ep.leave()
+    return {"logprobs_1": logprobs_1, "logprobs_2": logprobs_2, "second_error": error, "second_s": second_s,
+            "init_info_bytes_inline": len(json.dumps(dst_slices))}
