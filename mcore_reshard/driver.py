@@ -102,6 +102,10 @@ def dst_layout_of(engines: Sequence[Any], tensors: dict, name: str = "vllm") -> 
     return SideLayout(name, offset, tuple(params), tensors)
 
 
+#: Seconds an engine may take to answer ``update_weights`` after every trainer is done.
+ENGINE_GRACE_S = 15.0
+
+
 def _finish_quietly(llm: Any) -> None:
     """Close the weight-update session after a failed update (one left open wedges the next
     refit); its own error adds nothing to the update's."""
@@ -223,6 +227,11 @@ class RefitDriver:
         daemon thread with a deadline; returns one error line per failure. An engine that
         misses its deadline is dead for this driver (``dead``): its call is left behind (a
         stopped worker never answers) and later refits refuse it."""
+        return self._join(self._spawn(fn, args, what=what, only=only), deadline_s)
+
+    def _spawn(self, fn: Any, args: Sequence[Any] | None = None, *, what: str = "call",
+               only: int | None = None) -> tuple:
+        """Start ``fn(llm, arg)`` on the engines (daemon threads); ``_join`` collects them."""
         idx = [only] if only is not None else list(range(len(self.engines)))
         args = list(args) if args is not None else [None] * len(self.engines)
         results: dict[int, BaseException | None] = {}
@@ -238,12 +247,16 @@ class RefitDriver:
                    if e not in self.dead}
         for t in threads.values():
             t.start()
+        return idx, threads, results, what
+
+    def _join(self, spawned: tuple, deadline_s: float) -> list[str]:
+        idx, threads, results, what = spawned
         deadline = time.monotonic() + deadline_s
-        errors = [f"engine {e} is dead ({self.dead[e]}): replace it" for e in idx if e in self.dead]
+        errors = [f"engine {e} is dead ({self.dead[e]}): replace it" for e in idx if e in self.dead and e not in threads]
         for e, t in threads.items():
             t.join(max(0.0, deadline - time.monotonic()))
             if t.is_alive():
-                self.dead[e] = f"no answer to {what} within {deadline_s:.0f}s (a stopped or hung worker)"
+                self.dead[e] = f"no answer to {what} within {deadline_s:.0f}s (a dead, stopped or hung worker)"
                 errors.append(f"engine {e} is dead ({self.dead[e]}): replace it")
             elif results.get(e) is not None:
                 exc = results[e]
@@ -311,13 +324,17 @@ class RefitDriver:
                 raise
             llm.finish_weight_update()
 
-        errors += self._on_engines(update, what="update_weights", deadline_s=request.timeout_s + 60.0)
+        updating = self._spawn(update, what="update_weights")
         replies, trainer_error = None, None
         try:
             replies = self.trainers.collect()
         except Exception as exc:  # noqa: BLE001 - the trainers' error names every failing rank
             dead = getattr(self.trainers, "dead", lambda: [])()
             trainer_error = "; ".join(dead + [first_error_line(exc)])
+        # Every trainer has read the decision (or died): a worker that read it too answers
+        # within moments. One that does not within the grace is dead or stuck, and so is its
+        # engine (vLLM's core waits on that worker's reply without a deadline).
+        errors += self._join(updating, ENGINE_GRACE_S)
         seconds = time.perf_counter() - t0
         trusted = trainer_error is None and not errors
         errors += self._settle_engines(version, trusted)
@@ -336,6 +353,9 @@ class RefitDriver:
             if e in self.dead:
                 continue
             verdict = self._confirm(e, llm, version, trusted)
+            if e in self.dead:  # it died during the refit: nothing to resume
+                out.append(f"engine {e} is dead ({self.dead[e]}): replace it")
+                continue
             if verdict in ("new", "old"):
                 self.gated.pop(e, None)
                 steps = [lambda: llm.reset_prefix_cache(), lambda: llm.update_weight_version(version)] \

@@ -61,8 +61,8 @@ def http_refit_job(ctx: WorldCtx, ckpt: str, dtype: str, par: MegatronParallel, 
     logprobs_1 = policy.logprobs([tokens])[0]
 
     policy.train_step([tokens])  # weights the engine must never serve: the next refit fails
-    # A short timeout: an engine that refuses a refit before any byte leaves the group at once
-    # (its abort key goes with it), so the trainers only stop at their deadline.
+    # The engine refuses this refit before any byte moves; its abort stops the trainers at once
+    # (a short timeout all the same, so a regression costs seconds, not minutes).
     second = RefitRequest(digest, timeout_s=30.0, version="refit-2")
     if ctx.rank == 0:
         to_controller.put({"update_info": {"request": second.to_wire()}})
