@@ -103,7 +103,7 @@ def dst_layout_of(engines: Sequence[Any], tensors: dict, name: str = "vllm") -> 
 
 
 #: Seconds an engine may take to answer ``update_weights`` after every trainer is done.
-ENGINE_GRACE_S = 15.0
+ENGINE_GRACE_S = 10.0
 
 
 def _finish_quietly(llm: Any) -> None:

@@ -191,7 +191,11 @@ def test_store_key_count_is_constant_over_1000_refits():
         rank(groups[0], 1000)
         t.join(60)
         assert len(counts) == 1000
-        assert max(counts[10:]) <= max(counts[:10]), (counts[:10], max(counts[10:]))
+        # Bounded, not growing: the last 200 refits hold no more keys than the first 200 (a
+        # key of the next refit may already be there when one is counted: +1 at most).
+        early, late = counts[10:210], counts[-200:]
+        assert max(late) <= max(early) + 1 and sum(late) / 200 <= sum(early) / 200 + 0.5, (early[:20], late[-20:])
+        assert max(counts) < 20
     finally:
         _close(groups)
 

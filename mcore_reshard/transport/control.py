@@ -59,6 +59,7 @@ __all__ = ["ControlPlane", "Decision", "StoreGone"]
 
 _log = logging.getLogger("mcore_reshard.transport")
 _POLL_S = 0.005
+_VOTE_AFTER_ABORT_S = 0.5  # how long a decider waits for the aborting rank's own "no" vote
 
 
 class StoreGone(RefitAborted):
@@ -92,6 +93,7 @@ class ControlPlane:
         self.store_dead = False
         self._posted_abort = False
         self._abort: str | None = None
+        self._abort_seen: float | None = None
         self._hint_seen = 0
         self._last_ctl: str | None = None
         self._epoch_keys: list[str] = []  # this rank's keys of the current refit
@@ -163,7 +165,7 @@ class ControlPlane:
         self._epoch_keys = []
         self._delete([k for k in stale if k != self._last_ctl])
         self.epoch = epoch
-        self._posted_abort, self._abort, self._hint_seen = False, None, 0
+        self._posted_abort, self._abort, self._hint_seen, self._abort_seen = False, None, 0, None
 
     def forget(self) -> None:
         """On leaving: delete this rank's keys of the refit before the last (best effort). The
@@ -342,6 +344,12 @@ class ControlPlane:
             return {"commit": True, "errors": []}
         why = self.abort_message()
         if why is not None and not self.store_dead:
+            # The rank that posted the abort votes "no" with its full error a moment later:
+            # wait briefly for it, so the decision names the failure as that rank saw it.
+            if self._abort_seen is None:
+                self._abort_seen = time.monotonic()
+            if time.monotonic() - self._abort_seen < _VOTE_AFTER_ABORT_S:
+                return None
             return {"commit": False, "errors": [why]}
         if self.store_dead:
             raise StoreGone(why or "the refit store is unreachable")
