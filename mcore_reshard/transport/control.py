@@ -216,15 +216,10 @@ class ControlPlane:
                 return None
             self._hint_seen = n
             for r in range(self.world_size):
-                if r == self.rank:
-                    continue
-                slot = self._slot("abort", self.epoch, 0, r)
-                raw = self._read(slot)
-                if raw is not None:
-                    ok, value, _ = self._open(slot, raw, "abort", 0, r)
-                    if ok:
-                        self._abort = str(value)
-                        return self._abort
+                ok, value = self._read_msg("abort", 0, r) if r != self.rank else (False, None)
+                if ok:
+                    self._abort = str(value)
+                    return self._abort
             decided = self._read_decision(self._slot("decision", self.epoch, 0, -1))
             if decided is not None and not decided["commit"]:  # decided abort: stop, whoever posted
                 self._abort = "; ".join(decided["errors"]) or "the refit was decided: abort"
@@ -255,12 +250,9 @@ class ControlPlane:
         deadline = time.monotonic() + timeout_s
         while True:
             for r in range(self.world_size):
-                if r not in values:
-                    raw = self._read(slots[r])
-                    if raw is not None:
-                        ok, value, _ = self._open(slots[r], raw, "ctl", seq, r)
-                        if ok:
-                            values[r] = value
+                ok, value = self._read_msg("ctl", seq, r) if r not in values else (False, None)
+                if ok:
+                    values[r] = value
             if len(values) == self.world_size:
                 break
             if time.monotonic() > deadline:
@@ -325,14 +317,18 @@ class ControlPlane:
 
     def _read_votes(self, votes: dict[int, Any]) -> None:
         for r in range(self.world_size):
-            if r in votes:
-                continue
-            slot = self._slot("vote", self.epoch, 0, r)
-            raw = self._read(slot)
-            if raw is not None:
-                good, value, _ = self._open(slot, raw, "vote", 0, r)
-                if good:
-                    votes[r] = value
+            ok, value = self._read_msg("vote", 0, r) if r not in votes else (False, None)
+            if ok:
+                votes[r] = value
+
+    def _read_msg(self, kind: str, seq: int, rank: int) -> tuple[bool, Any]:
+        """(there and authentic, value) of ``rank``'s ``kind`` message #``seq`` of this refit."""
+        slot = self._slot(kind, self.epoch, seq, rank)
+        raw = self._read(slot)
+        if raw is None:
+            return False, None
+        ok, value, _ = self._open(slot, raw, kind, seq, rank)
+        return ok, value
 
     def _proposal(self, votes: dict[int, Any], deadline: float, timeout_s: float) -> dict | None:
         """What this rank would decide now, or None while it must keep waiting."""
