@@ -237,7 +237,7 @@ def test_relay_message_tags_are_unique_per_pair():
     the bucket (checksums: the bucket count), relayed ones one per (bucket, group, sent or
     forwarded, source), relayed checksums one per (group, forwarding member); all below the
     zero-copy tags."""
-    from mcore_reshard.transport.executor import _msg_tag
+    from mcore_reshard.plan.tags import message_tag as _msg_tag
 
     B, G, ranks = 5, 3, range(6)
     tags = [_msg_tag(B, G, k, -1) for k in range(B + 1)]

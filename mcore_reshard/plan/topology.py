@@ -19,6 +19,7 @@ from typing import Iterable, Sequence
 
 from ..layout import Box, SideLayout, View
 from ..layout.descriptor import DTYPE_BYTES
+from .tags import relayed_tags_fit
 from .types import PlanError, TransferPlan, member_site
 
 __all__ = ["Location", "Links", "Placement", "PlacementReport", "TopologyConfig", "LINK_CLASSES",
@@ -621,7 +622,7 @@ def plan_for_placement(src: SideLayout, dst: SideLayout, placement: Placement, l
 def _tags_fit(plan: TransferPlan, relays: _Relays) -> bool:
     """Whether the executor's message tags (gloo's are C ints, below 2**29) cover every
     (bucket, relay group) of a relayed plan."""
-    return (plan.num_buckets + 2) * (len(relays.groups) + 1) * 2 * 4096 < 1 << 29
+    return relayed_tags_fit(plan.num_buckets, len(relays.groups))
 
 
 def _over_floor(plan: TransferPlan, src: SideLayout, dst: SideLayout,

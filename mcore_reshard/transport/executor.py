@@ -18,7 +18,7 @@ in the same bucket rounds. Both ends decide from the plan slice alone, so they a
 
 Tags: data of bucket k uses tag k, the closing checksum message uses tag ``num_buckets``; a pair
 exchanges at most one packed message per bucket, so tags are unique per (bucket, pair) within a
-refit; zero-copy boxes have their own tags (``_direct_tag``). Messages a group rank sends to
+refit; zero-copy boxes have their own tags (``plan.tags.direct_tag``). Messages a group rank sends to
 itself (colocated refits) are copied locally, never sent.
 
 Same-device peers (``RankPlan.same_device``: a colocated trainer and vLLM worker in separate
@@ -56,7 +56,8 @@ import torch
 
 from ..layout.descriptor import LocalParam, View
 from ..layout.torch_views import TORCH_DTYPES, local_view, zero_padding
-from ..plan.types import RankPlan, Transfer
+from ..plan.tags import ack_tag, direct_tag, message_tag
+from ..plan.types import PlanError, RankPlan, Transfer
 from ..protocol import VerifyMode
 from .checksum import _sums, digest, digest_at, digest_bytes
 from ..errors import RefitAborted
@@ -415,7 +416,6 @@ class ReinterpretSink:
 # same-device messages: "shm_src" (tensor: the ready flag received) | "shm_dst" (the message).
 _Op = tuple[str, int, torch.Tensor, Any]
 #: Tags of the consumed flags: above the connect tag, one per bucket.
-_ACK_TAG = (1 << 30) + 2
 
 
 class _Run:
@@ -542,11 +542,14 @@ class _Run:
     def _tag(self, k: int, g: int, forwarded_from: int | None = None) -> int:
         """Tag of a message in bucket ``k`` (``num_buckets``: its checksums) of relay group
         ``g`` (-1: none), sent by its source or (``forwarded_from`` = the source) forwarded."""
-        return _msg_tag(self.num_buckets, len(self.groups), k, g, forwarded_from)
+        try:
+            return message_tag(self.num_buckets, len(self.groups), k, g, forwarded_from)
+        except PlanError as e:
+            raise RefitError(str(e)) from None
 
     def _ack_tag(self, k: int, g: int) -> int:
         """Tag of the consumed flag of a same-device message in bucket ``k`` of relay group ``g``."""
-        return _ACK_TAG + k * (len(self.groups) + 1) + g + 1
+        return ack_tag(len(self.groups), k, g)
 
     def _timed_sum(self, x: torch.Tensor) -> Any:
         """``box_sum`` for a sink's ``write_hashed``, remembering how long it took."""
@@ -678,7 +681,7 @@ class _Run:
             pos += n
             direct = [t for t in ts if id(t) in self.direct]
             for i, t in enumerate(direct):
-                specs.append(("dsrc", (channel, t), self._landing(k, t), g, _direct_tag(k, i)))
+                specs.append(("dsrc", (channel, t), self._landing(k, t), g, direct_tag(k, i)))
         for (peer, stream), msg in packed.items():
             if self._is_me("dst", peer):
                 self.local_msgs[(k, (self.src_rank, peer, stream))] = msg
@@ -690,7 +693,7 @@ class _Run:
                     specs.append(("dst", peer, msg, g, self._tag(k, stream)))
                 direct = [t for t in self.send_b[k][(peer, stream)] if id(t) in self.direct]
                 for i, t in enumerate(direct):
-                    specs.append(("ddst", peer, self._direct_source(k, t, i), g, _direct_tag(k, i)))
+                    specs.append(("ddst", peer, self._direct_source(k, t, i), g, direct_tag(k, i)))
         return self._post_all(k, specs) + shm_ops
 
     def _direct_source(self, k: int, t: Transfer, i: int) -> torch.Tensor:
@@ -991,22 +994,6 @@ def _digest_written(x: Any) -> tuple[int, int]:
     return digest_at(x) if isinstance(x, tuple) else digest(x)
 
 
-def _msg_tag(num_buckets: int, num_groups: int, k: int, g: int, forwarded_from: int | None = None) -> int:
-    """Tag of the message of bucket ``k`` (``k = num_buckets``: the checksums) in relay group
-    ``g``: ``k`` itself for a plain message (``num_buckets`` for plain checksums); relayed ones
-    after those, unique per (bucket, group, sent or forwarded, rank): a forwarded message
-    carries its source's rank, relayed checksums the rank that forwards the message. Below
-    the zero-copy tags (gloo tags are C ints; ranks < 4096, ``config.MAX_WORLD``)."""
-    if g < 0 and forwarded_from is None:
-        return k
-    slot = ((k * (num_groups + 1) + g + 1) * 2 + (forwarded_from is not None and k < num_buckets))
-    tag = num_buckets + 1 + slot * 4096 + (forwarded_from or 0)
-    if tag >= 1 << 29:
-        raise RefitError(f"{num_buckets} buckets x {num_groups} relay groups need tags past 2**29: "
-                         f"raise refit.buffer_bytes (fewer buckets)")
-    return tag
-
-
 #: Boxes of at least this many bytes, contiguous in both local tensors, skip the buffers: sent
 #: from the parameter and received straight into the destination (``Sink.target``). Smaller
 #: ones are packed: one message per peer beats one message per box there.
@@ -1015,14 +1002,6 @@ DIRECT_MIN_BYTES = 256 << 10
 
 def _is_direct(t: Transfer, itemsize: int) -> bool:
     return t.box.numel * itemsize >= DIRECT_MIN_BYTES and t.src_view.is_contiguous() and t.dst_view.is_contiguous()
-
-
-def _direct_tag(k: int, i: int) -> int:
-    """Tag of the ``i``-th zero-copy box of a pair in bucket ``k``: above the data, checksum
-    and relay tags, below the consumed flags' (gloo tags are C ints)."""
-    if i >= 1 << 16 or k >= 1 << 13:
-        raise ValueError(f"zero-copy tag out of range (bucket {k}, box {i})")
-    return (1 << 29) + (k << 16) + i
 
 
 def _bytes(t: torch.Tensor) -> Any:

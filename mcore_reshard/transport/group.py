@@ -25,14 +25,13 @@ import torch
 import torch.distributed as dist
 
 from ..errors import RefitAborted, RefitError, RefitTimeout
+from ..plan.tags import CONNECT_TAG, live_tag
 from ..ports import bound_store
 from ..protocol import RankMap
 from .control import ControlPlane, Decision
 
 __all__ = ["RefitError", "RefitTimeout", "RankMap", "RefitGroup"]
 
-_CONNECT_TAG = (1 << 30) + 1  # never a bucket's tag
-_LIVE_TAG = (1 << 31) - 4096  # + epoch % 4096: above every bucket and acknowledgement tag
 
 
 def error_class(e: BaseException) -> type[RefitError]:
@@ -144,7 +143,7 @@ class RefitGroup:
         ping = torch.zeros(1, dtype=torch.uint8, device=self.device)
         for g in sorted(set(peers) - self._connected - {self.rank}):
             try:
-                (self.send(ping, g, _CONNECT_TAG) if self.rank < g else self.recv(ping, g, _CONNECT_TAG)).wait(wait)
+                (self.send(ping, g, CONNECT_TAG) if self.rank < g else self.recv(ping, g, CONNECT_TAG)).wait(wait)
             except RuntimeError as e:
                 cls = error_class(e)
                 first = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -164,7 +163,7 @@ class RefitGroup:
     # next store call.
 
     def _live_tag(self) -> int:
-        return _LIVE_TAG + self.control.epoch % 4096
+        return live_tag(self.control.epoch)
 
     def _watch_peers(self) -> None:
         if self.rank != 0 or self.world_size < 2 or self.pg is None or self.device.type != "cpu":
