@@ -2,7 +2,9 @@
 ``TrainerEndpoint``, plan against the vLLM server's rules, publish the engine's plan slices
 in the refit group's store (the init info names them by digest only) and hand the controller
 (the test process) its JSON messages through a queue: a refit, a second one after training
-(which the controller makes fail), and a retry in a new refit group."""
+(which the controller makes fail), a retry in a new refit group, then two faults of their own:
+a flipped bit on the wire, the same in a streaming refit, and a killed trainer (rank 1 exits
+before its vote)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from mcore_reshard.plan.wire import slice_to_wire
 from mcore_reshard.ports import free_port
 from mcore_reshard.protocol import JoinInfo, RankMap, RefitRequest, first_error_line
 from mcore_reshard.slice_store import publish_slices, slice_digests
+from mcore_reshard.transport.executor import Fault
 
 
 def http_refit_job(ctx: WorldCtx, ckpt: str, dtype: str, par: MegatronParallel, vllm: VllmParallel,
@@ -89,6 +92,58 @@ def http_refit_job(ctx: WorldCtx, ckpt: str, dtype: str, par: MegatronParallel, 
     if ctx.rank == 0:
         publish_slices(ep.group.store, dst_slices)
     ep.refit(third)
+
+    # A flipped bit on the wire (rank 0 flips one after its checksum was taken): the engine's
+    # checksums catch it, no one commits. Trained weights first, so a torn refit would show.
+    policy.train_step([tokens])
+    logprobs_3 = policy.logprobs([tokens])[0]
+    fourth = RefitRequest(digest, timeout_s=30.0, version="refit-4")
+    if ctx.rank == 0:
+        to_controller.put({"update_info": {"request": fourth.to_wire()}})
+    flip_error = ""
+    try:
+        ep.refit(fourth, fault=Fault("bitflip", bucket=0) if ctx.rank == 0 else None)
+    except RefitError as exc:
+        flip_error = first_error_line(exc)
+
+    # A streaming refit (layers go live as they complete) with a flipped bit, in a new group
+    # (a failed refit closes its group): it fails after layers went live, a mix in the workers.
+    fifth = RefitRequest(digest, timeout_s=30.0, version="refit-5", atomic=False)
+    _rejoin(ep, ctx, rank_map, dst_slices, digest, fifth, "http-test-3", to_controller)
+    torn_error = ""
+    try:
+        ep.refit(fifth, fault=Fault("bitflip", bucket=2) if ctx.rank == 0 else None)
+    except RefitError as exc:
+        torn_error = first_error_line(exc)
+
+    # A killed trainer: rank 1 exits after its last byte, before its vote, in a new group.
+    sixth = RefitRequest(digest, timeout_s=30.0, version="refit-6")
+    _rejoin(ep, ctx, rank_map, dst_slices, digest, sixth, "http-test-4", to_controller)
+    kill_error = ""
+    try:
+        ep.refit(sixth, fault=Fault("exit", at="before_vote") if ctx.rank == 1 else None)
+    except RefitError as exc:
+        kill_error = first_error_line(exc)
     ep.leave()
-    return {"logprobs_1": logprobs_1, "logprobs_2": logprobs_2, "second_error": error, "second_s": second_s,
+    return {"logprobs_1": logprobs_1, "logprobs_2": logprobs_2, "logprobs_3": logprobs_3, "second_error": error,
+            "second_s": second_s, "flip_error": flip_error, "torn_error": torn_error,
+            "kill_error": kill_error,
             "init_info_bytes_inline": len(json.dumps(dst_slices))}
+
+
+def _rejoin(ep: TrainerEndpoint, ctx: WorldCtx, rank_map: RankMap, dst_slices: dict, digest: str,
+            request: RefitRequest, nonce: str, to_controller: Any) -> None:
+    """A new refit group (fresh port and nonce): hand the controller its init info and the
+    request, join, publish the engine's slices in the new store."""
+    import torch.distributed as dist
+
+    boxed = [free_port() if ctx.rank == 0 else None]
+    dist.broadcast_object_list(boxed, src=0)
+    info = JoinInfo("127.0.0.1", boxed[0], rank_map.world_size, rank_map, 120.0, secret="test-secret", nonce=nonce)
+    if ctx.rank == 0:
+        to_controller.put({"init_info": {"join": info.to_wire(), "plan_digest": digest,
+                                         "slice_digests": slice_digests(dst_slices)},
+                           "update_info": {"request": request.to_wire()}})
+    ep.join(info)
+    if ctx.rank == 0:
+        publish_slices(ep.group.store, dst_slices)

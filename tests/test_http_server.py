@@ -1,7 +1,11 @@
 """A running vLLM OpenAI-compatible server as a refit destination, driven by JSON over HTTP
 only (``mcore_reshard.http``): megatron TP2xEP2 ranks refit it, then a refit the engine refuses
 (wrong plan digest) must leave it paused at the last committed version, then the controller's
-retry (a new refit group) commits. One server start, TP2 (``MCORE_RESHARD_HTTP_TEST_TP=1`` for
+retry (a new refit group) commits; then the trainers' own faults, a flipped bit on the wire and
+a streaming refit with a flipped bit, and a killed trainer, are refused the same way, and after
+each the server's clients are checked: ``/v1/completions`` waits (the server stays paused);
+resumed by hand after an atomic refit failed it serves the last committed weights whole, and
+resumed by hand on the weights a failed streaming refit tore, its workers refuse the step. One server start, TP2 (``MCORE_RESHARD_HTTP_TEST_TP=1`` for
 TP1): with more than one worker, closing a failed session matters (vLLM leaves it open on all
 but the worker that raised, and the retry's ``/start_weight_update`` would be refused)."""
 
@@ -103,7 +107,8 @@ def test_http_server_refit_then_refused_refit_keeps_it_paused(server):
     def trainers() -> None:
         try:
             out["ranks"] = run_world(http_refit_job, 2, (model, "float32", MegatronParallel(tp=2, ep=2, etp=1),
-                                                         VllmParallel(tp=SERVER_TP), TOKENS, q), timeout_s=900)
+                                                         VllmParallel(tp=SERVER_TP), TOKENS, q), timeout_s=900,
+                                    may_exit=(1,))
         except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
             out["error"] = exc
 
@@ -135,12 +140,43 @@ def test_http_server_refit_then_refused_refit_keeps_it_paused(server):
         refit_servers([url], msg["update_info"], "refit-3", init_info=msg["init_info"], timeouts=TIMEOUTS)
         assert api.weight_version() == "refit-3" and not api.is_paused()
         served_3 = prompt_logprobs(url, model, TOKENS)
+
+        # 4. The trainers train again; one flips a bit on the wire: refused over HTTP.
+        msg = q.get(timeout=600)
+        with pytest.raises(RefitFailed) as flipped:
+            refit_servers([url], msg["update_info"], "refit-4", timeouts=TIMEOUTS)
+        flip_state, flip_hangs = (api.weight_version(), api.is_paused()), _completion_hangs(url, model)
+        api.resume()
+        flip_served = prompt_logprobs(url, model, TOKENS)
+
+        # 5. The same flipped bit in a streaming refit (atomic=false; a new group, as after
+        # every failure): layers went live as they completed, so the workers hold a mix.
+        # Left paused (not resumed).
+        msg = q.get(timeout=600)
+        with pytest.raises(RefitFailed) as torn:
+            refit_servers([url], msg["update_info"], "refit-5", init_info=msg["init_info"], timeouts=TIMEOUTS)
+        print(f"streaming refit refused: {torn.value}")
+        torn_state, torn_hangs = (api.weight_version(), api.is_paused()), _completion_hangs(url, model)
+
+        # 6. A trainer is killed after its last byte, before its vote (a new group).
+        msg = q.get(timeout=600)
+        t6 = time.monotonic()
+        with pytest.raises(RefitFailed) as killed:
+            refit_servers([url], msg["update_info"], "refit-6", init_info=msg["init_info"], timeouts=TIMEOUTS)
+        kill_s = time.monotonic() - t6
+        kill_state, kill_hangs = (api.weight_version(), api.is_paused()), _completion_hangs(url, model)
         t.join(timeout=900)
+        # Resumed by hand, bypassing the gate: the torn model (refit 5; refit 6 did not heal
+        # it) must refuse to compute, in the workers themselves.
+        api.resume()
+        with pytest.raises(RefitFailed) as bypass:
+            prompt_logprobs(url, model, TOKENS, timeout_s=120.0)
     finally:
         if t.is_alive():
             t.join(timeout=60)
     assert "error" not in out, out.get("error")
     ranks = out["ranks"]
+    assert ranks[1] is None  # the killed trainer
     line = str(failed.value)
     assert "\n" not in line and line.startswith(f"{url} POST /update_weights: HTTP 500")
     assert "asked to run plan ffffffffffffffff" in line and "kept paused" in line, line
@@ -163,5 +199,29 @@ def test_http_server_refit_then_refused_refit_keeps_it_paused(server):
     assert token_mult_prob_error(refused_served, ranks[0]["logprobs_2"]) > 1.001
     # The retry committed them.
     assert token_mult_prob_error(served_3, ranks[0]["logprobs_2"]) < 1.001
+
+    # A flipped bit: every destination checksum is checked before the vote; the server says
+    # which rank saw what, keeps refit 3's version, stays paused, and serves refit 3 whole.
+    print(f"flipped bit over HTTP: {flipped.value}\nstreaming, flipped bit: {torn.value}\n"
+          f"killed trainer over HTTP ({kill_s:.1f}s): {killed.value}")
+    for exc in (flipped.value, torn.value, killed.value):
+        msg_line = str(exc)
+        assert "\n" not in msg_line and msg_line.startswith(f"{url} POST /update_weights: HTTP 500"), msg_line
+        assert "kept paused" in msg_line and re.search(r"rank [0-9]+", msg_line), msg_line
+    assert "checksum" in str(flipped.value) and "checksum" in ranks[0]["flip_error"], (flipped.value, ranks[0])
+    assert flip_state == ("refit-3", True) and flip_hangs
+    assert token_mult_prob_error(flip_served, ranks[0]["logprobs_2"]) < 1.001
+    assert token_mult_prob_error(flip_served, ranks[0]["logprobs_3"]) > 1.001
+    # A streaming refit that failed: the same over HTTP; the server stays paused.
+    assert "checksum" in str(torn.value) and "checksum" in ranks[0]["torn_error"], (torn.value, ranks[0])
+    assert torn_state == ("refit-3", True) and torn_hangs
+    # A killed trainer: the decision names it (rank 0 learns of its death at once), the same.
+    assert re.search(r"source rank 1 \(group rank 1\) died", str(killed.value)), killed.value
+    assert "source rank 1 (group rank 1) died" in ranks[0]["kill_error"], ranks[0]
+    assert kill_state == ("refit-3", True) and kill_hangs
+    # Resumed by hand on torn weights: no completion is computed; a worker refused the step.
+    log = log_path.read_text(errors="replace")
+    print(f"resumed by hand on torn weights: {bypass.value}")
+    assert re.search(r"model step refused: refit .*(already torn|partly replaced|already committed)", log), log[-3000:]
     print(f"init info: {len(json.dumps(init_info))} B by digest vs {ranks[0]['init_info_bytes_inline']} B of slices inline;"
           f" server log {log_path}; trainers' refused refit: {ranks[0]['second_s']:.1f}s: {ranks[0]['second_error']}")

@@ -56,11 +56,13 @@ def _entry(fn: Callable, ctx: WorldCtx, args: tuple, queue, threads: int) -> Non
 
 
 def run_world(fn: Callable[..., Any], world: int, args: Sequence[Any] = (), *, timeout_s: float = 300.0,
-              threads: int = 1) -> list[Any]:
+              threads: int = 1, may_exit: Sequence[int] = ()) -> list[Any]:
     """Run ``fn(WorldCtx, *args)`` in ``world`` spawned processes; return results by rank.
 
     ``fn`` must be importable (module level). Raises RuntimeError naming the rank and its
-    traceback when any rank fails or dies, and kills every rank on failure or timeout.
+    traceback when any rank fails or dies, and kills every rank on failure or timeout. A rank
+    in ``may_exit`` (a fault test kills it on purpose) may die without a result: its result is
+    None and the others run on.
     """
     import queue as queue_mod
 
@@ -87,6 +89,9 @@ def run_world(fn: Callable[..., Any], world: int, args: Sequence[Any] = (), *, t
                 rank, ok, value = q.get(timeout=min(left, 1.0))
             except queue_mod.Empty:
                 dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode not in (None, 0)]
+                for r in [r for r in dead if r in may_exit]:
+                    results[r] = None
+                    dead.remove(r)
                 if dead:
                     raise RuntimeError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
                 continue
