@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo refit test plan install clean bench
+.PHONY: demo refit test test-fast plan install clean bench
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -35,6 +35,12 @@ plan: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
+
+# The tests that start nothing (no process, world, engine or cluster) and are not heavy (no
+# full-size plan, soak or vLLM/megatron/transformers import): planner, rules, DTensor forms,
+# recipes, the algorithm. Under a minute. `-m "not slow"` runs every test that starts nothing.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow and not heavy" tests
 
 bench: $(STAMP)
 	$(BIN)/python scripts/bench_plan.py

@@ -17,81 +17,35 @@ import json
 import sys
 from typing import Sequence
 
+from .config import load_plan, load_refit_job, plan_from_recipe, plan_recipe, recipe_from_config
 from .errors import ConfigError
+from .grpo.dry_run import dry_run
+from .grpo.recipe import load_grpo_recipe
 from .layout import LayoutError
+from .policy import load_recipe_file
 from .protocol import one_line as _one_line
 
 __all__ = ["main", "recipe_from_config", "plan_from_recipe"]
 
 
-def recipe_from_config(cfg):
-    """The ``RecipeLayout`` of a composed ``configs/plan.yaml`` (every setting checked)."""
-    from .config import recipe_from_config as build
-
-    return build(cfg)
-
-
-def plan_from_recipe(recipe):
-    """(training layout, vLLM layout, plan) from metadata alone."""
-    from .config import plan_layouts
-
-    return plan_layouts(recipe.spec, recipe.training, recipe.vllm, recipe.refit, recipe.vllm_spec)
-
-
 def _cmd_plan(args, overrides: Sequence[str]) -> int:
-    from .config import load_plan, load_recipe_file
-    from .plan import plan_report
-
     if args.recipe is not None:
         if overrides:
             raise ConfigError(f"--recipe takes no overrides (got {list(overrides)}); edit the recipe")
         recipe = load_recipe_file(args.recipe)
     else:
         recipe = load_plan(overrides)
-    src, dst, plan = plan_from_recipe(recipe)
-    spec = recipe.spec
-    report = plan_report(plan)
-    from .layout import dtensor_report, dtensor_summary
-
-    forms = {"training": dtensor_report(src), "vllm": dtensor_report(dst)}
-    placed = None
-    if recipe.topology is not None:
-        from .plan.topology import placement_report, plan_for_placement
-
-        where = recipe.topology.place(src.world_size, dst.world_size)
-        plan = plan_for_placement(src, dst, where, recipe.topology.links, bucket_bytes=recipe.refit.bucket_bytes,
-                                  allow_cast=recipe.refit.allow_cast)
-        report = plan_report(plan)
-        placed = placement_report(plan, src, dst, where, recipe.topology.links)
-    if args.json:
-        out = report.to_json()
-        if placed is not None:
-            out.update(placed.to_json())
-        out["dtensor"] = {side: dtensor_summary(r) for side, r in forms.items()}
-        if args.dtensor:
-            out["dtensor_forms"] = forms
-        print(json.dumps(out))
-    else:
-        title = f"refit plan: {spec.name} ({spec.dtype}), training {src.name} -> vLLM {dst.name}"
-        print(report.table(title))
-        for line in placed.lines() if placed is not None else ():
-            print(line)
-        for side, r in forms.items():
-            print(f"{side} {dtensor_summary(r)}")
-            if args.dtensor:
-                for name, form in r.items():
-                    print(f"  {name}: {form}")
+    planned = plan_recipe(recipe)
+    print(json.dumps(planned.to_json(args.dtensor)) if args.json else planned.table(args.dtensor))
     return 0
 
 
 def _cmd_refit(args, overrides: Sequence[str]) -> int:
-    from .config import load_refit_job
-
     for flag in ("recipe", "dtensor"):
         if getattr(args, flag):
             raise ConfigError(f"--{flag} is an option of 'plan', not of 'refit'")
     job = load_refit_job(overrides)  # every check, before any process starts
-    from .refit import run_refit_job
+    from .refit import run_refit_job  # the run path: trainer processes and vLLM engines
 
     return run_refit_job(job, as_json=args.json)
 
@@ -105,20 +59,16 @@ def _cmd_grpo(args, overrides: Sequence[str]) -> int:
     if not overrides:
         raise _UsageError("grpo needs a recipe file: mcore-reshard grpo RECIPE [a.b.c=value ...] [--dry-run]")
     path, *rest = overrides
-    from .grpo.recipe import load_grpo_recipe
-
     recipe = load_grpo_recipe(path, rest)
     if args.dry_run:
         if args.address is not None:
             raise ConfigError("--address joins a Ray cluster to run the loop; --dry-run starts nothing")
-        from .grpo.dry_run import dry_run
-
         report = dry_run(recipe)
         print(json.dumps(report.to_json()) if args.json else report.table())
         return 0
     if recipe.local_problem is not None:  # before anything heavy is imported
         raise ConfigError(recipe.local_problem)
-    from .grpo.loop import run_grpo
+    from .grpo.loop import run_grpo  # the run path: Ray
 
     return run_grpo(recipe, address=args.address, as_json=args.json)
 

@@ -1,16 +1,21 @@
 """The refit driver: orchestration only.
 
-    descriptors (trainer endpoints + engines) -> plan (pure, cached) -> ship slices -> refits
+    descriptors (trainer ranks + engines) -> plan (pure, cached) -> ship slices -> refits
     -> every rank's RankReport gathered into RefitMetrics
 
-It holds handles to trainer endpoints (a :class:`~.trainer.TrainerPool` here; any object with
-the same ``submit``/``collect`` calls works, e.g. ``grpo.ray_cluster.RayTrainerGroup``) and to
+It drives the training side through the rank protocol (``ranks.RefitRanks``: a
+``trainer.TrainerPool``, a ``grpo.ray_cluster.RayRankGroup``, or a framework's own group) and
 vLLM engines (``LLM`` objects started with ``weight_transfer_config={"backend": "mcore_reshard"}``,
-or handles with the same methods plus ``world_size`` and ``dtype``), and talks to the engines only through
-vLLM's own weight-transfer calls (plus the diagnostics extension for recording and status).
-Opened as one context manager::
+or handles with the same methods and an ``engine_info``), talking to the engines only through
+vLLM's own weight-transfer calls. An engine with the diagnostics extension is described by
+what its workers record and confirmed by asking them; a plain one is described by the rules
+(``adapters.vllm.rules.vllm_layout``) and checks its slice against what it holds at init.
 
-    with RefitDriver(pool, engines, refit_config, spec) as driver:
+A refit runs through a :class:`Transport`: :class:`ReshardTransport` (shard to shard, the
+default) or the HF-broadcast baseline (``hf_broadcast.HFBroadcastTransport``). Opened as one
+context manager::
+
+    with RefitDriver(trainers, engines, refit_config, spec) as driver:
         metrics = driver.refit()
 """
 
@@ -21,18 +26,25 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
+from .adapters.vllm.rules import vllm_layout
 from .errors import RefitFailed
+from .faults import Faults
 from .layout import LocalParam, ModelSpec, Piece, SideLayout
 from .plan import get_plan
 from .plan.types import TransferPlan
 from .plan.wire import slice_to_wire
 from .policy import RefitConfig
 from .ports import free_port
-from .protocol import JoinInfo, RankMap, RankReport, RefitRequest, first_error_line
+from .protocol import EngineInitInfo, JoinInfo, RankMap, RankReport, RefitRequest, WorkerStatus, first_error_line
+from .ranks import RefitRanks
 
-__all__ = ["RefitDriver", "RefitMetrics", "engine_world", "engine_dtype", "dst_layout_of"]
+if TYPE_CHECKING:
+    from .adapters.vllm.engine import EngineInfo
+
+__all__ = ["RefitDriver", "RefitMetrics", "Transport", "ReshardTransport", "EngineCalls", "engine_world",
+           "engine_dtype", "dst_layout_of", "ENGINE_GRACE_S"]
 
 _log = logging.getLogger("mcore_reshard.driver")
 
@@ -63,18 +75,17 @@ class RefitMetrics:
 
 
 def engine_world(llm: Any) -> int:
-    """Workers of one engine (tp * pp * dp); a remote engine's handle states it (``world_size``)."""
-    if "world_size" in vars(llm):
-        return int(vars(llm)["world_size"])
-    par = llm.llm_engine.vllm_config.parallel_config
-    return int(par.world_size) * int(getattr(par, "data_parallel_size", 1) or 1)
+    """Workers of one engine (tp * pp * dp)."""
+    from .adapters.vllm.engine import engine_info
+
+    return engine_info(llm).world_size
 
 
 def engine_dtype(llm: Any) -> str:
     """The element type an engine serves (``torch.bfloat16`` -> ``"bfloat16"``)."""
-    if "dtype" in vars(llm):
-        return str(vars(llm)["dtype"])
-    return str(llm.llm_engine.vllm_config.model_config.dtype).replace("torch.", "")
+    from .adapters.vllm.engine import engine_info
+
+    return engine_info(llm).dtype
 
 
 def _restamp(params: Sequence[LocalParam], offset: int) -> list[LocalParam]:
@@ -88,18 +99,26 @@ def _restamp(params: Sequence[LocalParam], offset: int) -> list[LocalParam]:
     return out
 
 
-def dst_layout_of(engines: Sequence[Any], tensors: dict, name: str = "vllm") -> SideLayout:
-    """Every engine's recorded destination pieces (diagnostics extension), ranks offset per engine."""
-    from .adapters.vllm.engine import describe
+def dst_layout_of(engines: Sequence[Any], spec: ModelSpec, name: str = "vllm") -> SideLayout:
+    """Every engine's destination pieces, ranks offset per engine: what its workers recorded
+    (diagnostics extension), else the rules' layout for its parallel sizes (a plain engine,
+    which refuses at init a slice that does not match what it holds). ``spec`` is in the
+    engines' dtype."""
+    from .adapters.vllm.engine import describe, engine_info
 
     params: list[LocalParam] = []
     offset = 0
     for llm in engines:
-        per_worker = describe(llm)
+        info = engine_info(llm)
+        if info.diagnostics:
+            per_worker = describe(llm)
+        else:
+            rules = vllm_layout(spec, replace(info.parallel, replicas=1))
+            per_worker = [rules.for_rank(r) for r in range(rules.world_size)]
         for worker_params in per_worker:
             params.extend(_restamp(worker_params, offset))
         offset += len(per_worker)
-    return SideLayout(name, offset, tuple(params), tensors)
+    return SideLayout(name, offset, tuple(params), spec.tensor_table())
 
 
 #: Seconds an engine may take to answer ``update_weights`` after every trainer is done.
@@ -122,18 +141,50 @@ def _engine_is_dead(exc: BaseException) -> bool:
                                    "engine core process died", "died during"))
 
 
-class RefitDriver:
-    """Plans once per layout, ships each rank its slice once, then refits by digest."""
+class Transport(Protocol):
+    """One way of moving a refit's weights from the trainers into the engines: the driver hands
+    it the request and itself (trainers, engines, layouts, plan, and ``on_engines`` to call every
+    engine at once with a deadline)."""
 
-    def __init__(self, trainers: Any, engines: Sequence[Any], refit: RefitConfig, spec: ModelSpec, *,
+    #: ``RefitMetrics.transport``.
+    name: str
+    #: The vLLM worker extension its engine end needs (a qualified class name; None: any
+    #: engine with the ``mcore_reshard`` weight-transfer backend).
+    worker_extension: str | None
+
+    def refit(self, driver: "RefitDriver", request: RefitRequest, faults: Faults | None) -> "RefitMetrics": ...
+
+    def close(self, driver: "RefitDriver") -> None:
+        """Release what it set up on either side (the driver closes every transport it ran)."""
+
+
+@dataclass
+class EngineCalls:
+    """One call started on some engines (``RefitDriver.start_on_engines``)."""
+
+    what: str
+    threads: dict[int, threading.Thread]
+    results: dict[int, BaseException | None]
+    asked: list[int]
+
+
+class RefitDriver:
+    """Plans once per layout, ships each rank its slice once, then refits by digest.
+
+    ``trainers``: the training side (``ranks.RefitRanks``); ``engines``: vLLM engines or handles;
+    ``host`` / ``port``: the refit group's master, training rank 0's address, and a function
+    giving a port free there; ``transport``: how :meth:`refit` moves the weights by default."""
+
+    def __init__(self, trainers: RefitRanks, engines: Sequence[Any], refit: RefitConfig, spec: ModelSpec, *,
                  src: SideLayout | None = None, dst: SideLayout | None = None, host: str = "127.0.0.1",
-                 port: Any = None, placement: Any = None, links: Any = None) -> None:
+                 port: Callable[[], int] | None = None, placement: Any = None, links: Any = None,
+                 transport: Transport | None = None) -> None:
         self.trainers, self.engines, self.refit_config, self.spec = trainers, list(engines), refit, spec
         #: The refit group's master: training rank 0's address, and a function giving a port free
         #: there (default: free here, for trainers on this machine).
         self.host = host
         self._port = port or (lambda: free_port(host))
-        #: Where every rank sits (``plan.topology.Placement``): the plan then prefers fan-out
+        #: Where every rank sits (``plan.topology.RankPlacement``): the plan then prefers fan-out
         #: relays where they lower the modelled time at ``links``' bandwidths.
         self.placement, self.links = placement, links
         self.last_reports: list[RankReport] = []
@@ -141,7 +192,10 @@ class RefitDriver:
         self.plan: TransferPlan | None = None
         self.modes: dict[str, str] = {}
         self._shipped = ""
-        self._offsets: list[int] = []
+        #: What each engine is (world size, dtype, parallel sizes, extension), read at describe.
+        self.engine_infos: list[EngineInfo] = []
+        self.transport: Transport = transport or ReshardTransport()
+        self._ran: list[Transport] = []  # every transport that ran: closed with the driver
         self.secret = secrets.token_hex(16)  # per job: every control message is authenticated with it
         self._epoch = 0  # refits so far: every request carries its number (signed messages are bound to it)
         #: Engines that missed a deadline (index -> why): refused until replaced.
@@ -158,29 +212,42 @@ class RefitDriver:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    @property
+    def engine_offsets(self) -> list[int]:
+        """Engine ``e``'s first destination rank."""
+        sizes = [i.world_size for i in self.engine_infos]
+        return [sum(sizes[:e]) for e in range(len(sizes))]
+
+    def free_port(self) -> int:
+        """A port free where the refit group's master listens (training rank 0)."""
+        return self._port()
+
     def describe(self) -> TransferPlan:
         """Both sides' descriptors -> the plan (cached on the layouts' digests)."""
+        from .adapters.vllm.engine import engine_info
+
         tensors = self.spec.tensor_table()
         if self.src is None:
-            params = tuple(p for rank in self.trainers.call("describe") for p in rank)
+            params = tuple(p for rank in self.trainers.describe().wait() for p in rank)
             self.src = SideLayout("megatron-live", self.trainers.world_size, params, tensors)
-        sizes = [engine_world(llm) for llm in self.engines]
-        self._offsets = [sum(sizes[:e]) for e in range(len(sizes))]
+        self.engine_infos = [engine_info(llm) for llm in self.engines]
+        sizes = [i.world_size for i in self.engine_infos]
         if self.dst is None:
             # The engine's own dtype: a trainer in another one (fp32 main weights, a bf16 model
             # into an fp32 engine) is planned as a cast, allowed only with refit.allow_cast.
-            dst_tensors = self.spec.with_dtype(engine_dtype(self.engines[0])).tensor_table()
-            self.dst = dst_layout_of(self.engines, dst_tensors, name=f"vllm({len(self.engines)} engine(s) of {sizes[0]})")
-        not_direct: tuple = ()
-        try:
-            self.modes = {}
-            for rank_modes in self.engines[0].collective_rpc("mr_modes"):
-                self.modes.update(rank_modes)
-            not_direct = tuple(sorted(
-                (name, "kernel format differs from model format: written through vLLM's layerwise reload")
-                for name, mode in self.modes.items() if mode != "direct"))
-        except Exception:  # noqa: BLE001 - a plain engine without the diagnostics extension
-            not_direct = (("*", "unknown: the engine has no mcore_reshard diagnostics extension to ask"),)
+            self.dst = dst_layout_of(self.engines, self.spec.with_dtype(self.engine_infos[0].dtype),
+                                     name=f"vllm({len(self.engines)} engine(s) of {sizes[0]})")
+        not_direct: tuple = (("*", "unknown: the engine has no mcore_reshard diagnostics extension to ask"),)
+        if self.engine_infos[0].diagnostics:
+            try:
+                self.modes = {}
+                for rank_modes in self.engines[0].collective_rpc("mr_modes"):
+                    self.modes.update(rank_modes)
+                not_direct = tuple(sorted(
+                    (name, "kernel format differs from model format: written through vLLM's layerwise reload")
+                    for name, mode in self.modes.items() if mode != "direct"))
+            except Exception as exc:  # noqa: BLE001 - the plan is still right; only this note is unknown
+                not_direct = (("*", f"unknown: asking the engine failed: {first_error_line(exc)}"),)
         cfg = self.refit_config
         if self.placement is not None:
             from .plan.topology import Links, plan_for_placement
@@ -201,37 +268,47 @@ class RefitDriver:
         rank_map = RankMap.disaggregated(self.src.world_size, self.dst.world_size)
         info = JoinInfo(self.host, self._port(), rank_map.world_size, rank_map, self.refit_config.timeout_s,
                         secret=self.secret, nonce=secrets.token_hex(16))
-        self.trainers.submit("join", info)
+        joining = self.trainers.join(info)
         inits = []
-        for e, llm in enumerate(self.engines):
-            lo = self._offsets[e]
-            hi = lo + engine_world(llm)
-            inits.append({"join": replace(info, dst_offset=lo).to_wire(), "plan_digest": digest,
-                          "slices": {str(r): slice_to_wire(plan.for_rank("dst", r)) for r in range(lo, hi)}})
-        errors = self._on_engines(lambda llm, init: llm.init_weight_transfer_engine({"init_info": init}), inits,
-                                  what="init_weight_transfer_engine", deadline_s=self.refit_config.timeout_s + 60.0)
+        for lo, eng in zip(self.engine_offsets, self.engine_infos):
+            slices = {r: slice_to_wire(plan.for_rank("dst", r)) for r in range(lo, lo + eng.world_size)}
+            inits.append(EngineInitInfo(replace(info, dst_offset=lo), digest, slices))
+        errors = self.on_engines(lambda llm, init: llm.init_weight_transfer_engine({"init_info": init.to_wire()}),
+                                 inits, what="init_weight_transfer_engine",
+                                 deadline_s=self.refit_config.timeout_s + 60.0)
         try:
-            self.trainers.collect()
+            joining.wait()
         except Exception as exc:  # noqa: BLE001 - reported with the engines' errors
             errors.append(f"training side: {first_error_line(exc)}")
         if errors:
             raise RefitFailed("joining the refit group failed: " + "; ".join(errors))
-        self.trainers.submit_each("set_plan", [(slice_to_wire(plan.for_rank("src", r)), digest)
-                                               for r in range(self.src.world_size)])
-        self.trainers.collect()
+        self.trainers.set_plan([slice_to_wire(plan.for_rank("src", r)) for r in range(self.src.world_size)],
+                               digest).wait()
         self._shipped = digest
 
-    def _on_engines(self, fn: Any, args: Sequence[Any] | None = None, *, what: str = "call",
-                    deadline_s: float = 300.0, only: int | None = None) -> list[str]:
+    def ensure_connected(self) -> bool:
+        """Connect unless the plan's slices are shipped on a healthy group; True when they
+        were (the refit runs on the cached plan)."""
+        if self._shipped == self.plan.digest():
+            return True
+        self.connect()
+        return False
+
+    def disconnect(self) -> None:
+        """The refit group is broken on every rank (a failed refit): rejoin at the next one."""
+        self._shipped = ""
+
+    def on_engines(self, fn: Callable[[Any, Any], Any], args: Sequence[Any] | None = None, *, what: str = "call",
+                   deadline_s: float = 300.0, only: int | None = None) -> list[str]:
         """Run ``fn(llm, arg)`` on every engine (or engine ``only``) at once, each on its own
         daemon thread with a deadline; returns one error line per failure. An engine that
         misses its deadline is dead for this driver (``dead``): its call is left behind (a
         stopped worker never answers) and later refits refuse it."""
-        return self._join(self._spawn(fn, args, what=what, only=only), deadline_s)
+        return self.wait_on_engines(self.start_on_engines(fn, args, what=what, only=only), deadline_s)
 
-    def _spawn(self, fn: Any, args: Sequence[Any] | None = None, *, what: str = "call",
-               only: int | None = None) -> tuple:
-        """Start ``fn(llm, arg)`` on the engines (daemon threads); ``_join`` collects them."""
+    def start_on_engines(self, fn: Callable[[Any, Any], Any], args: Sequence[Any] | None = None, *,
+                         what: str = "call", only: int | None = None) -> EngineCalls:
+        """Start ``fn(llm, arg)`` on the engines (daemon threads); ``wait_on_engines`` collects them."""
         idx = [only] if only is not None else list(range(len(self.engines)))
         args = list(args) if args is not None else [None] * len(self.engines)
         results: dict[int, BaseException | None] = {}
@@ -247,10 +324,11 @@ class RefitDriver:
                    if e not in self.dead}
         for t in threads.values():
             t.start()
-        return idx, threads, results, what
+        return EngineCalls(what, threads, results, idx)
 
-    def _join(self, spawned: tuple, deadline_s: float) -> list[str]:
-        idx, threads, results, what = spawned
+    def wait_on_engines(self, calls: EngineCalls, deadline_s: float) -> list[str]:
+        """One error line per engine that failed or missed ``deadline_s`` (then dead)."""
+        idx, threads, results, what = calls.asked, calls.threads, calls.results, calls.what
         deadline = time.monotonic() + deadline_s
         errors = [f"engine {e} is dead ({self.dead[e]}): replace it" for e in idx if e in self.dead and e not in threads]
         for e, t in threads.items():
@@ -272,47 +350,89 @@ class RefitDriver:
         cfg = self.refit_config
         return RefitRequest(self.plan.digest(), cfg.verify, cfg.timeout_s, cfg.atomic)
 
-    def refit(self, *, trainer_command: str = "refit", trainer_args: tuple = (),
-              request: RefitRequest | None = None, engine_fault: dict | None = None) -> RefitMetrics:
-        """One refit: every trainer endpoint and every engine at once; they vote, one decision
-        is written, all commit or none does. Raises ``RefitFailed`` naming every failing rank
-        of either side, and every engine that is gated. After a failure the refit group is
-        rebuilt at the next refit.
+    def next_epoch(self) -> int:
+        """The number of the next refit on this driver's groups (signed messages are bound to it)."""
+        self._epoch += 1
+        return self._epoch
 
-        No engine ever serves a mix of old and new weights. Each engine's scheduler is paused
-        (vLLM's own ``sleep(level=0)``) for the refit; afterwards the driver reads every
-        worker's state and version (with a deadline): an engine whose workers all hold the
-        new version -- or, after a failed refit, all still the old one -- resumes; one whose
-        workers disagree, that cannot learn the decision, that streamed part of a failed
-        refit, or that cannot confirm, stays paused (**gated**: no model step runs for any
-        client -- ``generate``, ``enqueue``, ``AsyncLLM``, a server -- since they all meet in
-        vLLM's scheduler) until a refit succeeds. An engine that does not answer within its
-        deadline is dead for this driver: the refit says so in one line, and later refits
-        refuse it until it is replaced.
+    def refit(self, request: RefitRequest | None = None, *, transport: Transport | None = None,
+              faults: Faults | None = None) -> RefitMetrics:
+        """One refit through ``transport`` (default: this driver's, shard to shard), with
+        ``request`` (default: :meth:`request`, from the refit config). Raises ``RefitFailed``
+        naming every failing rank of either side, and every engine that is gated or dead.
 
-        ``trainer_command`` / ``trainer_args`` / ``request`` / ``engine_fault`` let fault tests
-        run a variant (a fault injected on one rank, a digest no rank holds, a vLLM worker that
-        dies at a protocol step: ``ReshardUpdateInfo.fault``)."""
+        ``faults``: fault injection (tests and soak runs only): a fault on one training rank or
+        one vLLM worker (``faults.Faults``)."""
         if self.dead:
             raise RefitFailed("; ".join(f"engine {e} is dead ({why}): replace it" for e, why in sorted(self.dead.items())))
-        metrics = self._refit(trainer_command, trainer_args, request, engine_fault)
+        transport = transport or self.transport
+        if not any(t is transport for t in self._ran):
+            self._ran.append(transport)
+        metrics = transport.refit(self, request or self.request(), faults)
         _log.info("refit %s: %d bytes moved (minimum %d) in %.3fs, peak extra %d bytes, verified=%s, phases %s",
                   metrics.transport, metrics.bytes_moved, metrics.bytes_min, metrics.seconds,
                   metrics.peak_extra_bytes, metrics.verified, metrics.phases)
         return metrics
 
-    def _refit(self, trainer_command: str, trainer_args: tuple, request: RefitRequest | None,
-               engine_fault: dict | None) -> RefitMetrics:
-        cached = self._shipped == self.plan.digest()
-        if not cached:
-            self.connect()
-        self._epoch += 1
-        request = replace(request or self.request(), epoch=self._epoch)
-        version = request.version_at(self._epoch)
+    def status(self) -> list[WorkerStatus]:
+        """Every worker's serving state, version and last outcome (diagnostics extension)."""
+        from .adapters.vllm.engine import worker_status
+
+        got: list[list[WorkerStatus]] = [[] for _ in self.engines]
+        errors = [f"engine {e}: no diagnostics extension (worker_extension_cls) to ask its workers"
+                  for e, info in enumerate(self.engine_infos) if not info.diagnostics]
+        errors += self.on_engines(lambda llm, e: got[e].extend(worker_status(llm)), list(range(len(self.engines))),
+                                  what="status", deadline_s=30.0)
+        if errors:
+            raise RefitFailed("; ".join(errors))
+        return [st for per in got for st in per]
+
+    def close(self) -> None:
+        for transport in reversed(self._ran):
+            try:
+                transport.close(self)
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
+        try:
+            self.trainers.leave().wait()
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            pass
+        for llm in self.engines:
+            try:
+                llm.shutdown_weight_transfer_engine()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+class ReshardTransport:
+    """Shard to shard (the default transport): every trainer endpoint and every engine at
+    once; they vote, one decision is written, all commit or none does. After a failure the
+    refit group is rebuilt at the next refit.
+
+    No engine ever serves a mix of old and new weights. Each engine's scheduler is paused
+    (vLLM's own ``sleep(level=0)``) for the refit; afterwards the driver reads every worker's
+    state and version (with a deadline): an engine whose workers all hold the new version --
+    or, after a failed refit, all still the old one -- resumes; one whose workers disagree,
+    that cannot learn the decision, that streamed part of a failed refit, or that cannot
+    confirm, stays paused (**gated**: no model step runs for any client -- ``generate``,
+    ``enqueue``, ``AsyncLLM``, a server -- since they all meet in vLLM's scheduler) until a
+    refit succeeds. An engine that does not answer within its deadline is dead for the driver:
+    the refit says so in one line, and later refits refuse it until it is replaced. A plain
+    engine (no diagnostics extension) cannot be asked: the refit's own outcome decides."""
+
+    name = "reshard"
+    worker_extension: str | None = None
+
+    def refit(self, driver: RefitDriver, request: RefitRequest, faults: Faults | None) -> RefitMetrics:
+        cached = driver.ensure_connected()
+        epoch = driver.next_epoch()
+        request = replace(request, epoch=epoch)
+        version = request.version_at(epoch)
+        faults = faults or Faults()
         t0 = time.perf_counter()
-        errors = self._on_engines(lambda llm, _: llm.sleep(level=0, mode="keep"), what="pause", deadline_s=60.0)
-        self.trainers.submit(trainer_command, request, *trainer_args)
-        update_info = {"request": request.to_wire(), "fault": dict(engine_fault or {})}
+        errors = driver.on_engines(lambda llm, _: llm.sleep(level=0, mode="keep"), what="pause", deadline_s=60.0)
+        refitting = driver.trainers.refit(request, faults.trainer)
+        update_info = {"request": request.to_wire(), "fault": faults.engine.to_wire() if faults.engine else {}}
 
         def update(llm: Any, _: Any) -> None:
             llm.start_weight_update()
@@ -324,116 +444,102 @@ class RefitDriver:
                 raise
             llm.finish_weight_update()
 
-        updating = self._spawn(update, what="update_weights")
+        updating = driver.start_on_engines(update, what="update_weights")
         replies, trainer_error = None, None
         try:
-            replies = self.trainers.collect()
+            replies = refitting.wait()
         except Exception as exc:  # noqa: BLE001 - the trainers' error names every failing rank
-            dead = getattr(self.trainers, "dead", lambda: [])()
-            trainer_error = "; ".join(dead + [first_error_line(exc)])
+            trainer_error = "; ".join(driver.trainers.dead() + [first_error_line(exc)])
         # Every trainer has read the decision (or died): a worker that read it too answers
         # within moments. One that does not within the grace is dead or stuck, and so is its
         # engine (vLLM's core waits on that worker's reply without a deadline).
-        errors += self._join(updating, ENGINE_GRACE_S)
+        errors += driver.wait_on_engines(updating, ENGINE_GRACE_S)
         seconds = time.perf_counter() - t0
         trusted = trainer_error is None and not errors
-        errors += self._settle_engines(version, trusted)
+        errors += self._settle(driver, version, trusted)
         if trainer_error is not None or errors:
-            self._shipped = ""  # the group is broken on every rank: rejoin next time
+            driver.disconnect()  # the group is broken on every rank: rejoin next time
             raise RefitFailed("; ".join(([trainer_error] if trainer_error else []) + errors))
-        reports = [r for r in replies[0][1] if r is not None]
-        self.last_reports = reports
-        return self._metrics(reports, seconds, cached, request)
+        reports = [r for r in replies[0].reports if r is not None]
+        driver.last_reports = reports
+        return _metrics(driver, reports, seconds, cached, request)
 
-    def _settle_engines(self, version: str, trusted: bool) -> list[str]:
+    def close(self, driver: RefitDriver) -> None:
+        """Nothing beyond the refit group, which the driver leaves itself."""
+
+    def _settle(self, driver: RefitDriver, version: str, trusted: bool) -> list[str]:
         """After the vote: confirm each engine's workers, then resume the whole ones and keep
         the others gated (paused). Returns one line per engine gated or dead."""
         out: list[str] = []
-        for e, llm in enumerate(self.engines):
-            if e in self.dead:
+        for e, llm in enumerate(driver.engines):
+            if e in driver.dead:
                 continue
-            verdict = self._confirm(e, llm, version, trusted)
-            if e in self.dead:  # it died during the refit: nothing to resume
-                out.append(f"engine {e} is dead ({self.dead[e]}): replace it")
+            verdict = self._confirm(driver, e, version, trusted)
+            if e in driver.dead:  # it died during the refit: nothing to resume
+                out.append(f"engine {e} is dead ({driver.dead[e]}): replace it")
                 continue
             if verdict in ("new", "old"):
-                self.gated.pop(e, None)
+                driver.gated.pop(e, None)
                 steps = [lambda: llm.reset_prefix_cache(), lambda: llm.update_weight_version(version)] \
                     if verdict == "new" else []
                 steps.append(lambda: llm.wake_up(tags=["scheduling"]))
                 for step in steps:
-                    out += self._on_engines(lambda _l, _a, fn=step: fn(), only=e, what="resume", deadline_s=60.0)
+                    out += driver.on_engines(lambda _l, _a, fn=step: fn(), only=e, what="resume", deadline_s=60.0)
             else:
-                self.gated[e] = verdict
+                driver.gated[e] = verdict
                 out.append(f"engine {e} is gated (paused, serving nothing) until a refit succeeds: {verdict}")
         return out
 
-    def _confirm(self, e: int, llm: Any, version: str, trusted: bool) -> str:
+    def _confirm(self, driver: RefitDriver, e: int, version: str, trusted: bool) -> str:
         """"new" / "old" when every worker holds that version whole, else why not (one line)."""
-        got: list[Any] = []
-        errs = self._on_engines(lambda x, _: got.append(x.collective_rpc("mr_status")), only=e, what="confirm",
-                                deadline_s=30.0)
+        from .adapters.vllm.engine import worker_status
+
+        got: list[list[WorkerStatus]] = []
+        errs = ["no diagnostics extension"] if not driver.engine_infos[e].diagnostics else driver.on_engines(
+            lambda x, _: got.append(worker_status(x)), only=e, what="confirm", deadline_s=30.0)
         if errs or not got:
-            if e in self.dead:
-                return self.dead[e]
-            # No diagnostics extension: the refit's own success is the only evidence.
+            if e in driver.dead:
+                return driver.dead[e]
+            # A plain engine (or one that cannot answer): the refit's own success is the only evidence.
             return "new" if trusted else "its workers cannot be asked which weights they hold"
         states = got[0]
-        bad = [f"worker {w}: {st.get('state')} ({st.get('reason', '')[:200]})" for w, st in enumerate(states)
-               if st.get("state") != "serving"]
+        bad = [f"worker {w}: {st.state} ({st.reason[:200]})" for w, st in enumerate(states) if st.state != "serving"]
         if bad:
             return "; ".join(bad)
-        versions = {st.get("version", "") for st in states}
+        versions = {st.version for st in states}
         if len(versions) != 1:
             return "its workers hold different versions: " + ", ".join(
-                f"worker {w}: {st.get('version') or 'as loaded'}" for w, st in enumerate(states))
+                f"worker {w}: {st.version or 'as loaded'}" for w, st in enumerate(states))
         held = versions.pop()
         if held == version:
             return "new"
         return "old" if not trusted else f"its workers hold {held or 'the weights as loaded'}, not {version}"
 
-    def _metrics(self, reports: list[RankReport], seconds: float, cached: bool,
-                 request: RefitRequest) -> RefitMetrics:
-        src = [r for r in reports if r.side == "src"]
-        dst = [r for r in reports if r.side == "dst"]
-        phases: dict[str, float] = {}
-        for side, rs in (("src", src), ("dst", dst)):
-            for r in rs:
-                for k, v in r.phases.items():
-                    key = f"{side}_{k}"
-                    phases[key] = round(max(phases.get(key, 0.0), v), 6)
-        verify = request.verify  # what was asked of the ranks, not the driver's default
-        return RefitMetrics(
-            transport="reshard",
-            bytes_moved=sum(r.bytes_received for r in dst),
-            bytes_min=self.plan.bytes_min,
-            seconds=seconds,
-            transfer_seconds=max((r.seconds for r in reports), default=0.0),
-            peak_extra_bytes=max((r.peak_extra_bytes for r in reports), default=0),
-            verified=verify.checksums and len(dst) == self.dst.world_size and all(r.verified for r in dst),
-            plan_digest=self.plan.digest(),
-            plan_cached=cached,
-            phases=phases,
-            bytes_same_device=sum(r.bytes_same_device for r in dst),
-            bytes_zero_copy=sum(r.bytes_zero_copy for r in dst),
-        )
 
-    def status(self) -> list[dict]:
-        """Every worker's serving state, version and last outcome (diagnostics extension)."""
-        got: list[list[dict]] = [[] for _ in self.engines]
-        errors = self._on_engines(lambda llm, e: got[e].extend(llm.collective_rpc("mr_status")),
-                                  list(range(len(self.engines))), what="status", deadline_s=30.0)
-        if errors:
-            raise RefitFailed("; ".join(errors))
-        return [st for per in got for st in per]
-
-    def close(self) -> None:
-        try:
-            self.trainers.call("leave")
-        except Exception:  # noqa: BLE001 - best effort on the way out
-            pass
-        for llm in self.engines:
-            try:
-                llm.shutdown_weight_transfer_engine()
-            except Exception:  # noqa: BLE001
-                pass
+def _metrics(driver: RefitDriver, reports: list[RankReport], seconds: float, cached: bool,
+             request: RefitRequest) -> RefitMetrics:
+    src = [r for r in reports if r.side == "src"]
+    dst = [r for r in reports if r.side == "dst"]
+    phases: dict[str, float] = {}
+    for side, rs in (("src", src), ("dst", dst)):
+        for r in rs:
+            for k, v in r.phases.items():
+                key = f"{side}_{k}"
+                phases[key] = round(max(phases.get(key, 0.0), v), 6)
+    # Verified: checksums were asked of the ranks in this very request, and every destination
+    # rank reported a pass (not the driver's default config, which a caller may override).
+    checked = request.verify.checksums and len(dst) == driver.dst.world_size and all(r.verified for r in dst)
+    return RefitMetrics(
+        transport="reshard",
+        bytes_moved=sum(r.bytes_received for r in dst),
+        bytes_min=driver.plan.bytes_min,
+        seconds=seconds,
+        transfer_seconds=max((r.seconds for r in reports), default=0.0),
+        peak_extra_bytes=max((r.peak_extra_bytes for r in reports), default=0),
+        verified=checked,
+        plan_digest=driver.plan.digest(),
+        plan_cached=cached,
+        phases=phases,
+        bytes_same_device=sum(r.bytes_same_device for r in dst),
+        bytes_zero_copy=sum(r.bytes_zero_copy for r in dst),
+    )

@@ -7,27 +7,53 @@ rank 0 broadcasts bucket after bucket of full tensors to every vLLM worker, and 
 lets vLLM's own loaders cut out its part inside vLLM's layerwise reload. Every inference rank
 receives the whole model.
 
-Both ends live here: :func:`hf_send` runs on every training rank (gather, then rank 0
-broadcasts) and :class:`HFBroadcastWorkerMethods` is mixed into the vLLM worker extension
-(join the broadcast group, receive, reload through vLLM's own loaders).
+It is a second transport behind the driver's one interface, with every end here:
+
+* the driver end, :class:`HFBroadcastTransport` (``driver.refit(transport=...)``);
+* the trainer end, rank tasks the training ranks run through the rank protocol
+  (:class:`JoinBroadcast`, :class:`SendBroadcast`, :class:`LeaveBroadcast`): gather over the
+  refit group, then training rank 0 broadcasts;
+* the engine end, :class:`HFBroadcastWorkerExtension`: the diagnostics worker extension plus
+  the broadcast group's calls, for engines started to run the baseline
+  (``worker_extension_cls=HF_BROADCAST_EXTENSION``), with the one vLLM patch the reload needs
+  on CPU (:func:`reload_weights`).
+
+Every message between them is typed (:class:`BroadcastJoin`, :class:`BroadcastStats`,
+:class:`SendStats`).
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 
+from .adapters.vllm.apply import reprepack_cpu_moe
+from .adapters.vllm.worker import ReshardWorkerExtension
+from .driver import RefitDriver, RefitMetrics
+from .errors import RefitFailed
+from .faults import Faults
 from .layout.descriptor import DTYPE_BYTES, Box, LocalParam, Piece, SideLayout, View, contiguous_strides
 from .layout.torch_views import TORCH_DTYPES
+from .plan import get_plan
+from .plan.types import TransferPlan
+from .protocol import RankMap, RefitRequest
+from .ranks import RankContext
+from .transport.executor import execute_plan
+from .transport.group import RefitGroup
 
-__all__ = ["gather_layout", "hf_buckets", "BroadcastStats", "broadcast_send", "broadcast_receive", "hf_send",
-           "HFBroadcastWorkerMethods", "HF_PREFIX"]
+__all__ = ["gather_layout", "hf_buckets", "BroadcastStats", "broadcast_send", "broadcast_receive", "BroadcastJoin",
+           "SendStats", "JoinBroadcast", "SendBroadcast", "LeaveBroadcast", "HFBroadcastWorkerExtension",
+           "HFBroadcastTransport", "HF_BROADCAST_EXTENSION", "HF_PREFIX", "reload_weights"]
 
 HF_PREFIX = "mcore_reshard/hf"
+
+#: The worker extension of an engine that runs the baseline (and every diagnostic).
+HF_BROADCAST_EXTENSION = "mcore_reshard.hf_broadcast.HFBroadcastWorkerExtension"
 
 
 def gather_layout(tensors: Mapping[str, tuple[tuple[int, ...], str]]) -> SideLayout:
@@ -64,11 +90,21 @@ def _nbytes(shape, dtype: str) -> int:
 
 @dataclass(frozen=True)
 class BroadcastStats:
+    """One end's share of a broadcast (a vLLM worker's reply to ``mr_hf_receive``)."""
+
     bytes_sent: int  # by the root, counted once per receiver (what the wire carries)
     bytes_received: int
     buckets: int
     seconds: float
     peak_extra_bytes: int
+
+    def to_wire(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_wire(d: Mapping[str, Any]) -> "BroadcastStats":
+        return BroadcastStats(int(d["bytes_sent"]), int(d["bytes_received"]), int(d["buckets"]), float(d["seconds"]),
+                              int(d["peak_extra_bytes"]))
 
 
 def broadcast_send(full: Mapping[str, torch.Tensor], tensors: Mapping[str, tuple[tuple[int, ...], str]], group,
@@ -116,77 +152,153 @@ def broadcast_receive(tensors: Mapping[str, tuple[tuple[int, ...], str]], group,
     return BroadcastStats(0, stats["bytes"], stats["buckets"], time.perf_counter() - t0, stats["peak"])
 
 
-def hf_send(gather_plan, src_rank: int, num_src: int, local: Mapping[str, torch.Tensor],
-            tensors: Mapping[str, tuple[tuple[int, ...], str]], refit_group, hf_group, *, buffer_bytes: int,
-            timeout_s: float) -> dict:
-    """Training side of the baseline, on every training rank: gather every tensor whole on
-    rank 0 (HF names and layout) over the refit group, then rank 0 broadcasts them bucket by
-    bucket to every vLLM worker over ``hf_group``."""
-    from .protocol import RankMap
-    from .transport.executor import execute_plan
-
-    t0 = time.perf_counter()
-    rank_map = RankMap(tuple(range(num_src)), (0,))  # gather into training rank 0
-    full = None
-    if src_rank == 0:
-        full = {n: torch.empty(shape, dtype=TORCH_DTYPES[dt]) for n, (shape, dt) in tensors.items()}
-    gather = execute_plan(gather_plan.for_rank("src", src_rank), gather_plan.for_rank("dst", 0) if full is not None else None,
-                          local, full, refit_group, rank_map, timeout_s=timeout_s, verify=False)
-    peak = gather.peak_extra_bytes
-    if full is not None:
-        sent = broadcast_send(full, tensors, hf_group, buffer_bytes=buffer_bytes, timeout_s=timeout_s)
-        peak += sent.peak_extra_bytes + sum(t.numel() * t.element_size() for t in full.values())
-    return {"gather_bytes": gather.bytes_received, "gather_seconds": gather.seconds,
-            "seconds": time.perf_counter() - t0, "peak_extra_bytes": peak}
+# ---------------------------------------------------------------------------- trainer end
 
 
-class HFBroadcastWorkerMethods:
-    """Mixed into the vLLM worker extension; ``self`` is the vLLM worker."""
+@dataclass(frozen=True)
+class SendStats:
+    """A training rank's part of one baseline refit: its gather, and on rank 0 the broadcast."""
 
-    def mr_hf_join(self, host: str, port: int, world: int, timeout_s: float, dst_offset: int = 0,
-                   secret: str = "") -> int:
-        """Join the baseline's broadcast group: training rank 0 is group rank 0."""
-        from .transport.group import RefitGroup
+    gather_bytes: int
+    gather_seconds: float
+    seconds: float
+    peak_extra_bytes: int
 
-        me = 1 + dst_offset + int(self.rank)  # type: ignore[attr-defined]
-        old = getattr(self, "_mr_hf_group", None)
-        if old is not None:
-            old.close(barrier=False)
+
+class _Group:
+    """The broadcast group as a rank resource (closed with the rank, without a barrier)."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def close(self) -> None:
+        self.group.close(barrier=False)
+
+
+@dataclass(frozen=True)
+class JoinBroadcast:
+    """Trainer end: training rank 0 roots the broadcast group (the other ranks only gather)."""
+
+    host: str
+    port: int
+    world: int
+    timeout_s: float
+    secret: str
+
+    def run(self, rank: RankContext) -> None:
+        LeaveBroadcast().run(rank)
+        if rank.rank == 0:
+            rank.resources[HF_PREFIX] = _Group(RefitGroup.create(self.host, self.port, 0, self.world, self.timeout_s,
+                                                                 is_master=True, prefix=HF_PREFIX, secret=self.secret))
+
+
+@dataclass(frozen=True)
+class SendBroadcast:
+    """Trainer end of one refit, on every training rank: gather every tensor whole on rank 0
+    (HF names and layout) over the refit group, then rank 0 broadcasts them bucket by bucket to
+    every vLLM worker."""
+
+    gather_plan: TransferPlan
+    buffer_bytes: int
+    timeout_s: float
+
+    def run(self, rank: RankContext) -> SendStats:
+        t0 = time.perf_counter()
+        tensors = rank.spec.tensor_table()
+        plan, me = self.gather_plan, rank.rank
+        full = None
+        if me == 0:
+            full = {n: torch.empty(shape, dtype=TORCH_DTYPES[dt]) for n, (shape, dt) in tensors.items()}
+        gather = execute_plan(plan.for_rank("src", me), plan.for_rank("dst", 0) if full is not None else None,
+                              rank.synced_tensors(), full, rank.refit_group(), RankMap(tuple(range(plan.num_src)), (0,)),
+                              timeout_s=self.timeout_s, verify=False)
+        peak = gather.peak_extra_bytes
+        if full is not None:
+            sent = broadcast_send(full, tensors, rank.resources[HF_PREFIX].group, buffer_bytes=self.buffer_bytes,
+                                  timeout_s=self.timeout_s)
+            peak += sent.peak_extra_bytes + sum(t.numel() * t.element_size() for t in full.values())
+        return SendStats(gather.bytes_received, gather.seconds, time.perf_counter() - t0, peak)
+
+
+@dataclass(frozen=True)
+class LeaveBroadcast:
+    """Trainer end: close this rank's broadcast group, if any."""
+
+    def run(self, rank: RankContext) -> None:
+        group = rank.resources.pop(HF_PREFIX, None)
+        if group is not None:
+            group.close()
+
+
+# ---------------------------------------------------------------------------- engine end
+
+
+@dataclass(frozen=True)
+class BroadcastJoin:
+    """Where a vLLM worker joins the broadcast group: training rank 0 is group rank 0, engine
+    ``e``'s workers follow from ``dst_offset`` (its first destination rank)."""
+
+    host: str
+    port: int
+    world: int
+    timeout_s: float
+    dst_offset: int = 0
+    secret: str = ""
+
+    def to_wire(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_wire(d: Mapping[str, Any]) -> "BroadcastJoin":
+        return BroadcastJoin(str(d["host"]), int(d["port"]), int(d["world"]), float(d["timeout_s"]),
+                             int(d.get("dst_offset", 0)), str(d.get("secret", "")))
+
+
+def reload_weights(worker: Any, stream: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Load (HF name, full tensor) pairs through vLLM's layerwise reload, its own loaders cutting
+    this worker's part. vLLM 0.32 CPU forgets the MoE pad + prepack on reload: it must run on
+    the rebuilt model-format layer before the copy into the (padded, prepacked) kernel tensors,
+    so the copy is patched for the duration of this reload only."""
+    import vllm.model_executor.model_loader.reload.layerwise as layerwise
+    from vllm.config import set_current_vllm_config
+
+    original = layerwise._copy_and_restore_kernel_tensors
+
+    def copy_after_prepack(layer: Any, info: Any) -> None:
+        reprepack_cpu_moe(layer)  # no-op off CPU and for layers without w13_weight
+        original(layer, info)
+
+    layerwise._copy_and_restore_kernel_tensors = copy_after_prepack
+    try:
+        with set_current_vllm_config(worker.vllm_config):
+            worker.model_runner.reload_weights(weights_iterator=stream, is_checkpoint_format=True)
+    finally:
+        layerwise._copy_and_restore_kernel_tensors = original
+
+
+class HFBroadcastWorkerExtension(ReshardWorkerExtension):
+    """Engine end: the diagnostics extension plus the broadcast group's calls, for engines that
+    run the baseline. Mixed into vLLM's worker class; ``self`` is the worker."""
+
+    def mr_hf_join(self, join: dict) -> int:
+        """Join the broadcast group (``BroadcastJoin`` on the wire); returns this worker's group rank."""
+        j = BroadcastJoin.from_wire(join)
+        me = 1 + j.dst_offset + int(self.rank)  # type: ignore[attr-defined]
+        self.mr_hf_leave()
         dev = "cuda" if str(self.device).startswith("cuda") else "cpu"  # type: ignore[attr-defined]
-        self._mr_hf_group = RefitGroup.create(host, port, me, world, timeout_s, is_master=False, prefix=HF_PREFIX,
-                                              device=dev, secret=secret)
+        self._mr_hf_group = RefitGroup.create(j.host, j.port, me, j.world, j.timeout_s, is_master=False,
+                                              prefix=HF_PREFIX, device=dev, secret=j.secret)
         return me
 
     def mr_hf_receive(self, buffer_bytes: int, timeout_s: float) -> dict:
-        """Receive every full HF tensor and let vLLM's loaders cut this rank's part, inside
-        vLLM's layerwise reload (then re-prepack CPU MoE kernels, which 0.32 forgets)."""
-        from dataclasses import asdict
-
-        import vllm.model_executor.model_loader.reload.layerwise as layerwise
-        from vllm.config import set_current_vllm_config
-
-        from .adapters.vllm.apply import _reprepack_cpu_moe
+        """Receive every full HF tensor and reload through vLLM's loaders (``BroadcastStats``
+        on the wire)."""
         from .adapters.vllm.weight_transfer import canonical_tensors
 
-        def consume(stream: Iterable[tuple[str, torch.Tensor]]) -> None:
-            # vLLM 0.32 CPU forgets the MoE pad + prepack on reload; it must run on the rebuilt
-            # model-format layer before the copy into the (padded, prepacked) kernel tensors.
-            original = layerwise._copy_and_restore_kernel_tensors
-
-            def copy_after_prepack(layer, info):
-                _reprepack_cpu_moe(layer)  # no-op off CPU and for layers without w13_weight
-                original(layer, info)
-
-            layerwise._copy_and_restore_kernel_tensors = copy_after_prepack
-            try:
-                with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
-                    self.model_runner.reload_weights(weights_iterator=stream, is_checkpoint_format=True)  # type: ignore[attr-defined]
-            finally:
-                layerwise._copy_and_restore_kernel_tensors = original
-
-        stats = broadcast_receive(canonical_tensors(self.vllm_config), self._mr_hf_group, 0, consume,  # type: ignore[attr-defined]
-                                  buffer_bytes=buffer_bytes, timeout_s=timeout_s)
-        return asdict(stats)
+        stats = broadcast_receive(canonical_tensors(self.vllm_config), self._mr_hf_group, 0,  # type: ignore[attr-defined]
+                                  lambda stream: reload_weights(self, stream), buffer_bytes=buffer_bytes,
+                                  timeout_s=timeout_s)
+        return stats.to_wire()
 
     def mr_hf_leave(self) -> None:
         g = getattr(self, "_mr_hf_group", None)
@@ -195,57 +307,90 @@ class HFBroadcastWorkerMethods:
             self._mr_hf_group = None
 
 
-def refit_hf_broadcast(driver: Any, state: dict) -> Any:
-    """Run the baseline with a driver's trainers and engines (the refit group must exist: the
-    gather runs over it). ``state`` keeps the broadcast group and gather plan between calls."""
+# ---------------------------------------------------------------------------- driver end
 
-    from .driver import RefitMetrics
-    from .plan import get_plan
-    from .ports import free_port
 
-    cfg = driver.refit_config
-    tensors = driver.src.tensors
-    if "gather_plan" not in state:
-        state["gather_plan"] = get_plan(driver.src, gather_layout(tensors), bucket_bytes=cfg.bucket_bytes)
-    if not state.get("joined"):
-        port, world = free_port(driver.host), 1 + driver.dst.world_size
-        driver.trainers.submit("hf_join", driver.host, port, world, cfg.timeout_s, driver.secret)
-        # Every engine joins at once: creating the group is a rendezvous of all its ranks.
-        errors = driver._on_engines(
-            lambda llm, offset: llm.collective_rpc("mr_hf_join", args=(driver.host, port, world, cfg.timeout_s, offset,
-                                                                       driver.secret)), driver._offsets)
-        driver.trainers.collect()
+def _runs_baseline(extension: str) -> bool:
+    """Whether an engine's worker extension (qualified name) has the baseline's engine end."""
+    mod, _, name = extension.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(mod), name) if mod else None
+    except (ImportError, AttributeError):
+        return False
+    return isinstance(cls, type) and issubclass(cls, HFBroadcastWorkerExtension)
+
+
+class HFBroadcastTransport:
+    """The baseline as a transport: ``driver.refit(transport=HFBroadcastTransport())``. Its
+    engines need ``worker_extension_cls=HF_BROADCAST_EXTENSION``; the refit group must exist
+    (the gather runs over it). Keeps the broadcast group (and the driver it was formed with)
+    and the gather plan between refits."""
+
+    name = "hf_broadcast"
+    worker_extension: str | None = HF_BROADCAST_EXTENSION
+
+    def __init__(self) -> None:
+        self._gather_plan: TransferPlan | None = None
+        self._joined: RefitDriver | None = None  # the driver whose ranks form the broadcast group
+
+    def refit(self, driver: RefitDriver, request: RefitRequest, faults: Faults | None) -> RefitMetrics:
+        if faults is not None and (faults.trainer or faults.engine):
+            raise RefitFailed("hf_broadcast: fault injection is implemented for the reshard transport only")
+        missing = [e for e, info in enumerate(driver.engine_infos) if not _runs_baseline(info.worker_extension)]
+        if missing:
+            raise RefitFailed(f"hf_broadcast: engine(s) {missing} were not started with "
+                              f"worker_extension_cls={HF_BROADCAST_EXTENSION!r}")
+        driver.ensure_connected()
+        cfg = driver.refit_config
+        if self._joined is not driver:  # first refit, after a failed one, or a new driver (restarted trainers)
+            self._gather_plan = get_plan(driver.src, gather_layout(driver.src.tensors), bucket_bytes=cfg.bucket_bytes)
+            self._join(driver, request.timeout_s)
+        t0 = time.perf_counter()
+        sending = driver.trainers.run(SendBroadcast(self._gather_plan, cfg.buffer_bytes, request.timeout_s))
+        dst_stats: list[BroadcastStats] = []
+        errors = driver.on_engines(lambda llm, _: dst_stats.extend(BroadcastStats.from_wire(w) for w in llm.collective_rpc(
+            "mr_hf_receive", args=(cfg.buffer_bytes, request.timeout_s))))
+        try:
+            src_stats = sending.wait()
+        except Exception:
+            self._joined = None
+            raise
+        seconds = time.perf_counter() - t0
         if errors:
-            from .errors import RefitFailed
+            self._joined = None
+            raise RefitFailed("hf_broadcast: " + "; ".join(errors))
+        for llm in driver.engines:
+            llm.reset_prefix_cache()
+        phases = {"gather": max(s.gather_seconds for s in src_stats), "root": max(s.seconds for s in src_stats),
+                  "receive_and_reload": max(s.seconds for s in dst_stats)}
+        return RefitMetrics(
+            transport=self.name,
+            bytes_moved=sum(s.gather_bytes for s in src_stats) + sum(s.bytes_received for s in dst_stats),
+            bytes_min=driver.plan.bytes_min,
+            seconds=seconds,
+            transfer_seconds=max([s.seconds for s in dst_stats] + [s.seconds for s in src_stats]),
+            peak_extra_bytes=max([s.peak_extra_bytes for s in dst_stats] + [s.peak_extra_bytes for s in src_stats]),
+            verified=False,  # nothing is checksummed on this path, whatever the request asked
+            notes=("no checksum verification on the baseline path; checked by logprobs",),
+            phases={k: round(v, 6) for k, v in phases.items()},
+        )
 
+    def _join(self, driver: RefitDriver, timeout_s: float) -> None:
+        """Training rank 0 and every vLLM worker form the broadcast group; every engine joins at
+        once (creating the group is a rendezvous of all its ranks)."""
+        port, world = driver.free_port(), 1 + driver.dst.world_size
+        joining = driver.trainers.run(JoinBroadcast(driver.host, port, world, timeout_s, driver.secret))
+        joins = [BroadcastJoin(driver.host, port, world, timeout_s, lo, driver.secret).to_wire()
+                 for lo in driver.engine_offsets]
+        errors = driver.on_engines(lambda llm, join: llm.collective_rpc("mr_hf_join", args=(join,)), joins)
+        joining.wait()
+        if errors:
             raise RefitFailed("hf_broadcast join: " + "; ".join(errors))
-        state["joined"] = True
-    t0 = time.perf_counter()
-    driver.trainers.submit("hf_send", state["gather_plan"], cfg.buffer_bytes, cfg.timeout_s)
-    errors = driver._on_engines(lambda llm, _: state.setdefault("dst", []).extend(
-        llm.collective_rpc("mr_hf_receive", args=(cfg.buffer_bytes, cfg.timeout_s))))
-    src_stats = driver.trainers.collect()
-    seconds = time.perf_counter() - t0
-    if errors:
-        state["joined"] = False
-        from .errors import RefitFailed
+        self._joined = driver
 
-        raise RefitFailed("hf_broadcast: " + "; ".join(errors))
-    dst_stats, state["dst"] = state.pop("dst", []), []
-    for llm in driver.engines:
-        llm.reset_prefix_cache()
-    gather_bytes = sum(s["gather_bytes"] for s in src_stats)
-    phases = {"gather": max(s["gather_seconds"] for s in src_stats),
-              "root": max(s["seconds"] for s in src_stats),
-              "receive_and_reload": max(s["seconds"] for s in dst_stats)}
-    return RefitMetrics(
-        transport="hf_broadcast",
-        bytes_moved=gather_bytes + sum(s["bytes_received"] for s in dst_stats),
-        bytes_min=driver.plan.bytes_min,
-        seconds=seconds,
-        transfer_seconds=max([s["seconds"] for s in dst_stats] + [s["seconds"] for s in src_stats]),
-        peak_extra_bytes=max([s["peak_extra_bytes"] for s in dst_stats] + [s["peak_extra_bytes"] for s in src_stats]),
-        verified=False,
-        notes=("no checksum verification on the baseline path; checked by logprobs",),
-        phases={k: round(v, 6) for k, v in phases.items()},
-    )
+    def close(self, driver: RefitDriver) -> None:
+        """Both ends leave the broadcast group."""
+        if self._joined is driver:
+            self._joined = None
+        driver.on_engines(lambda llm, _: llm.collective_rpc("mr_hf_leave"), what="hf_leave", deadline_s=30.0)
+        driver.trainers.run(LeaveBroadcast()).wait()

@@ -9,8 +9,10 @@ own controller -- moves these messages between them, over whatever control chann
     describe -> join(JoinInfo) -> set_plan(plan slice) -> refit(RefitRequest) -> RankReport ... -> leave
 
 Every message is a frozen dataclass with ``to_wire()`` / ``from_wire()`` to plain JSON-able
-values: nothing here is ever unpickled, and a setting (e.g. ``VerifyMode``) reaches the rank
-that uses it whole. Both ends answer a refit the same way: a vote over the refit group carrying
+values (tensors as raw bytes): nothing here is ever unpickled, and a setting (e.g.
+``VerifyMode``) reaches the rank that uses it whole. That includes what crosses vLLM's RPC: an
+engine's init info (:class:`EngineInitInfo`) and the diagnostics extension's replies
+(:class:`WorkerStatus`, :class:`WorkerLayout`, :class:`ReceivedWeights`). Both ends answer a refit the same way: a vote over the refit group carrying
 their ``RankReport`` or one error line (``transport/endpoint.py``). Bytes never travel in these
 messages; they move over the refit group (``transport``).
 """
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 from .errors import ConfigError
+from .layout.descriptor import Box, LocalParam, Piece, View
 
 __all__ = [
     "VerifyMode",
@@ -30,6 +33,10 @@ __all__ = [
     "JoinInfo",
     "RefitRequest",
     "RankReport",
+    "EngineInitInfo",
+    "WorkerStatus",
+    "WorkerLayout",
+    "ReceivedWeights",
     "first_error_line",
     "one_line",
 ]
@@ -218,6 +225,115 @@ class RankReport:
     @staticmethod
     def from_wire(d: Mapping[str, Any]) -> "RankReport":
         return RankReport(**dict(d))
+
+
+@dataclass(frozen=True)
+class EngineInitInfo:
+    """One engine's ``init_weight_transfer_engine`` message (vLLM's ``init_info``): where the
+    refit group meets, the plan's digest, and each of the engine's destination ranks' plan
+    slice, inline (``slices``: rank -> ``plan.wire.slice_to_wire``) or by digest
+    (``slice_digests``: each worker reads its own from the refit group's store after joining,
+    so the message stays small). ``slices`` wins for a rank present in both."""
+
+    join: JoinInfo
+    plan_digest: str
+    slices: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)
+    slice_digests: Mapping[int, str] = field(default_factory=dict)
+
+    def to_wire(self) -> dict:
+        out: dict[str, Any] = {"join": self.join.to_wire(), "plan_digest": self.plan_digest,
+                               "slices": {str(r): s for r, s in self.slices.items()}}
+        if self.slice_digests:
+            out["slice_digests"] = {str(r): d for r, d in self.slice_digests.items()}
+        return out
+
+    @staticmethod
+    def from_wire(d: Mapping[str, Any]) -> "EngineInitInfo":
+        return EngineInitInfo(JoinInfo.from_wire(d["join"]), str(d.get("plan_digest", "")),
+                              {int(r): s for r, s in (d.get("slices") or {}).items()},
+                              {int(r): str(g) for r, g in (d.get("slice_digests") or {}).items()})
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    """One vLLM worker's serving state, the version it holds and the last refit's outcome
+    (the diagnostics extension's ``mr_status``; the driver reads it to confirm an engine).
+
+    ``state``: ``serving`` (whole weights of ``version``; "" = as loaded), ``not_serving`` (a
+    streaming refit committed part of the weights and then failed), ``unsure`` (this worker
+    could not learn the last refit's decision). ``committed`` / ``known``: None before any
+    refit."""
+
+    state: str = "serving"
+    reason: str = ""
+    version: str = ""
+    committed: bool | None = None
+    known: bool | None = None
+    errors: tuple[str, ...] = ()
+    init_error: str = ""
+
+    def to_wire(self) -> dict:
+        return {"state": self.state, "reason": self.reason, "version": self.version, "committed": self.committed,
+                "known": self.known, "errors": list(self.errors), "init_error": self.init_error}
+
+    @staticmethod
+    def from_wire(d: Mapping[str, Any]) -> "WorkerStatus":
+        return WorkerStatus(str(d.get("state", "")), str(d.get("reason", "")), str(d.get("version", "")),
+                            d.get("committed"), d.get("known"), tuple(str(e) for e in d.get("errors", ())),
+                            str(d.get("init_error", "")))
+
+
+@dataclass(frozen=True)
+class WorkerLayout:
+    """One vLLM worker's destination pieces as it recorded them (``mr_describe``)."""
+
+    params: tuple[LocalParam, ...]
+
+    def to_wire(self) -> list:
+        return [[p.rank, p.name, list(p.shape), p.dtype,
+                 [[q.rank, q.local_name, q.canonical, list(q.box.offsets), list(q.box.sizes), q.view.offset,
+                   list(q.view.shape), list(q.view.stride)] for q in p.pieces]] for p in self.params]
+
+    @staticmethod
+    def from_wire(rows: Any) -> "WorkerLayout":
+        def piece(q: list) -> Piece:
+            return Piece(int(q[0]), str(q[1]), str(q[2]), Box(tuple(q[3]), tuple(q[4])),
+                         View(int(q[5]), tuple(q[6]), tuple(q[7])))
+
+        return WorkerLayout(tuple(LocalParam(int(r[0]), str(r[1]), tuple(r[2]), str(r[3]),
+                                             tuple(piece(q) for q in r[4])) for r in rows))
+
+
+@dataclass(frozen=True)
+class ReceivedWeights:
+    """``verify=full``: one worker's model-format parameters after the last refit (torch
+    tensors by local name), each read ``live`` (the kernel keeps model format) or from the
+    copy the engine ``received``. On the wire a tensor is its dtype, shape and raw bytes."""
+
+    tensors: Mapping[str, Any]
+    where: Mapping[str, str]
+
+    def to_wire(self) -> dict:
+        import torch
+
+        def raw(t: Any) -> dict:
+            t = t.detach().contiguous().cpu()
+            return {"dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape),
+                    "data": t.view(-1).view(torch.uint8).numpy().tobytes()}
+
+        return {"tensors": {n: raw(t) for n, t in self.tensors.items()}, "where": dict(self.where)}
+
+    @staticmethod
+    def from_wire(d: Mapping[str, Any]) -> "ReceivedWeights":
+        import torch
+
+        def tensor(w: Mapping[str, Any]) -> Any:
+            dtype, shape = getattr(torch, str(w["dtype"])), tuple(int(n) for n in w["shape"])
+            if not w["data"]:
+                return torch.empty(shape, dtype=dtype)
+            return torch.frombuffer(bytearray(w["data"]), dtype=torch.uint8).view(dtype).reshape(shape)
+
+        return ReceivedWeights({n: tensor(w) for n, w in d["tensors"].items()}, dict(d["where"]))
 
 
 def one_line(exc: BaseException) -> str:

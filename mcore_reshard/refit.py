@@ -3,7 +3,8 @@ in local processes -> one or more vLLM engines, refit, verified, trained, refit 
 compared with the HF-broadcast baseline on the same weights.
 
 This module only starts processes and reports; the refit itself is the driver's
-(``driver.py``), the checks are ``verify.py``'s, the baseline is ``hf_broadcast.py``'s.
+(``driver.py``), the checks are ``verify.py``'s, the baseline is ``hf_broadcast.py``'s (a
+second transport behind the driver's one interface).
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from .driver import RefitDriver, RefitMetrics, engine_world
+from .driver import RefitDriver, RefitMetrics, ReshardTransport, Transport, engine_world
 from .errors import RefitFailed
 from .layout import ModelSpec, load_model_spec
+from .protocol import VerifyMode
+from .settings import TINY_MODELS
 from .verify import full_verification, token_mult_prob_error
 
 __all__ = ["LocalCluster", "colocated_placement", "local_cluster", "RefitFailed", "RefitMetrics", "run_refit_job", "token_mult_prob_error"]
@@ -37,7 +40,9 @@ class LocalCluster:
     pool: Any = None
     engines: list = field(default_factory=list)
     driver: RefitDriver | None = None
-    _hf_state: dict = field(default_factory=dict)
+    #: The transports this job runs, by ``refit.transport`` name (one instance each: a
+    #: transport keeps its state between refits).
+    transports: dict[str, Transport] = field(default_factory=lambda: job_transports())
     #: How the trainer pool was started (``restart_trainers`` starts the same again).
     setup: Any = None
     placement: Any = None
@@ -55,20 +60,17 @@ class LocalCluster:
         self.pool = None
         self.setup = replace(self.setup, port=free_port())
         self.pool = TrainerPool(self.setup)
-        self.driver = RefitDriver(self.pool, self.engines, self.refit, self.spec, placement=self.placement)
+        self.driver = RefitDriver(self.pool, self.engines, self.refit, self.spec, placement=self.placement,
+                                  transport=self.transports[self.refit.transport])
         self.driver.__enter__()
 
     def refit_once(self, transport: str | None = None) -> RefitMetrics:
         """One refit with the configured (or given) transport; ``verify=full`` adds the
-        element-wise comparison."""
-        from .hf_broadcast import refit_hf_broadcast
-        from .protocol import VerifyMode
-
-        if (transport or self.refit.transport) == "hf_broadcast":
-            return refit_hf_broadcast(self.driver, self._hf_state)
-        m = self.driver.refit()
-        if self.refit.verify is VerifyMode.FULL:
-            note = full_verification(self.driver.src, self.driver.dst, self.pool.call("local_tensors"), self.engines)
+        element-wise comparison where the transport verified (checksums) what it moved."""
+        request = self.driver.request()
+        m = self.driver.refit(request, transport=self.transports[transport or self.refit.transport])
+        if request.verify is VerifyMode.FULL and m.verified:
+            note = full_verification(self.driver.src, self.driver.dst, self.pool.local_tensors().wait(), self.engines)
             m = replace(m, notes=m.notes + (note,))
         return m
 
@@ -76,33 +78,51 @@ class LocalCluster:
         """token_mult_prob_error of every engine against a megatron forward; the worst one."""
         from .adapters.vllm.engine import prompt_logprobs
 
-        train = self.pool.call("logprobs", [list(tokens)])[0][0]
+        train = self.pool.logprobs([list(tokens)]).wait()[0][0]
         return max(token_mult_prob_error(prompt_logprobs(llm, list(tokens)), train) for llm in self.engines)
 
     def step(self, tokens: Sequence[int]) -> float:
-        return self.pool.call("step", [list(tokens)])[0]
+        return self.pool.train_step([list(tokens)]).wait()[0]
 
     def raw_bandwidth(self, pairs: Sequence[tuple[int, int]], nbytes: int) -> float:
         """The local floor: one ``nbytes`` gloo message per (source, destination) group-rank
         pair over the refit group, all pairs at once; bytes/s of the slowest pair."""
+        from .adapters.vllm.engine import raw_bandwidth
+
         t = self.refit.timeout_s
-        pairs = [tuple(p) for p in pairs]
-        self.pool.submit("raw_bandwidth", pairs, nbytes, t)
+        pairs = [(int(a), int(b)) for a, b in pairs]
+        probing = self.pool.raw_bandwidth(pairs, nbytes, t)
         got: list = []
-        errors = self.driver._on_engines(lambda llm, _: got.extend(llm.collective_rpc("mr_raw_bandwidth", args=(pairs, nbytes, t))))
-        got += self.pool.collect()
+        errors = self.driver.on_engines(lambda llm, _: got.extend(raw_bandwidth(llm, pairs, nbytes, t)),
+                                        what="raw_bandwidth")
+        got += probing.wait()
         if errors:
             raise RefitFailed("raw bandwidth probe: " + "; ".join(errors))
         return min(float(g) for g in got if g is not None)
+
+
+def job_transports() -> dict[str, Transport]:
+    """The local job's transports: shard to shard, and the HF baseline it is compared with."""
+    from .hf_broadcast import HFBroadcastTransport
+
+    return {"reshard": ReshardTransport(), "hf_broadcast": HFBroadcastTransport()}
+
+
+def engine_extension(transports: Sequence[Transport]) -> str:
+    """The worker extension engines need to run every one of ``transports`` with the
+    diagnostics (the baseline's extends the diagnostics one)."""
+    from .adapters.vllm.worker import REFIT_EXTENSION
+
+    return next((t.worker_extension for t in transports if t.worker_extension), REFIT_EXTENSION)
 
 
 def colocated_placement(num_src: int, num_dst: int) -> Any:
     """The local job's colocated mode: training rank i and vLLM worker i share device i, all on
     one node. On CPU a device is a label: the processes stay separate, their same-device bytes
     move through shared memory."""
-    from .plan.topology import Placement
+    from .plan.topology import RankPlacement
 
-    return Placement.colocated(num_src, num_dst, gpus_per_node=max(num_src, num_dst, 1))
+    return RankPlacement.colocated(num_src, num_dst, gpus_per_node=max(num_src, num_dst, 1))
 
 
 @contextmanager
@@ -110,25 +130,26 @@ def local_cluster(spec: ModelSpec, checkpoint: Path, training: Any, vllm: Any, r
                   train: dict | None = None, engines: list | None = None,
                   sync_before_refit: bool = True, placement: Any = None) -> Iterator[LocalCluster]:
     """Start ``vllm.replicas`` engines (weight-transfer backend ``mcore_reshard`` plus the
-    diagnostics extension) and the trainer pool, open a driver on them, and close all of it.
+    worker extension every transport of the job needs, diagnostics included) and the trainer
+    pool, open a driver on them, and close all of it.
     ``engines``: use these running engines instead (they are left running: several trainer
     layouts can refit one engine in turn, each joining a new refit group). ``placement``: where
-    each rank sits (``plan.topology.Placement``; default: ``refit.placement=colocated`` builds
+    each rank sits (``plan.topology.RankPlacement``; default: ``refit.placement=colocated`` builds
     :func:`colocated_placement`, else no placement, direct plans)."""
     from .adapters.vllm.engine import start_engine, stop_engine
     from .adapters.vllm.plugin import BACKEND
-    from .adapters.vllm.worker import REFIT_EXTENSION
     from .ports import free_port
     from .trainer import TrainerPool, TrainerSetup
 
     c = LocalCluster(spec, checkpoint, training, vllm, refit)
+    extension = engine_extension(list(c.transports.values()))
     own = engines is None
     if not own:
         c.engines = list(engines)
     try:
         for _ in range(vllm.replicas if own else 0):
             c.engines.append(start_engine(str(checkpoint), tp=vllm.tp, dtype=spec.dtype, enable_ep=vllm.enable_ep,
-                                          direct=refit.apply_mode == "direct", worker_extension_cls=REFIT_EXTENSION,
+                                          direct=refit.apply_mode == "direct", worker_extension_cls=extension,
                                           weight_transfer_config={"backend": BACKEND}))
         c.setup = TrainerSetup(spec, training, str(checkpoint), free_port(), timeout_s=max(refit.timeout_s, 120.0),
                                train=dict(train or {}), sync_before_refit=sync_before_refit)
@@ -136,7 +157,8 @@ def local_cluster(spec: ModelSpec, checkpoint: Path, training: Any, vllm: Any, r
         if placement is None and getattr(refit, "placement", "separate") == "colocated":
             placement = colocated_placement(training.world_size, sum(map(engine_world, c.engines)))
         c.placement = placement
-        c.driver = RefitDriver(c.pool, c.engines, refit, spec, placement=placement)
+        c.driver = RefitDriver(c.pool, c.engines, refit, spec, placement=placement,
+                               transport=c.transports[refit.transport])
         c.driver.__enter__()
         try:
             yield c
@@ -146,11 +168,6 @@ def local_cluster(spec: ModelSpec, checkpoint: Path, training: Any, vllm: Any, r
         if c.pool is not None:
             c.pool.close()
         for llm in c.engines if own else ():
-            for method in ("mr_hf_leave",):
-                try:
-                    llm.collective_rpc(method)
-                except Exception:  # noqa: BLE001 - best effort before the engine goes
-                    pass
             stop_engine(llm)
 
 
@@ -170,9 +187,7 @@ def _checkpoint(job: Any, workdir: Path) -> Path:
 
     if job.checkpoint is not None:
         return Path(job.checkpoint)
-    family = {"tiny-moe": "qwen3_moe", "tiny-dense": "qwen3", "tiny-llama": "llama", "tiny-qwen2": "qwen2",
-              "tiny-deepseek-v3": "deepseek_v3"}[job.model]
-    return make_tiny_checkpoint(workdir / job.model, family=family, dtype=job.dtype, seed=job.seed)
+    return make_tiny_checkpoint(workdir / job.model, family=TINY_MODELS[job.model], dtype=job.dtype, seed=job.seed)
 
 
 def _run_job(job: Any, workdir: Path, as_json: bool) -> int:

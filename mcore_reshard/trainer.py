@@ -1,33 +1,41 @@
-"""Training ranks of the local refit job: megatron-core ranks in spawned processes, each
-holding a :class:`~.adapters.megatron.train.Policy` (the production stack: ``Float16Module``,
-megatron DDP, the distributed optimizer) and a :class:`TrainerEndpoint`.
+"""Training ranks: what answers the rank protocol (``ranks.py``) where a rank lives, and the
+local job's pool of them.
 
-This is one driver's way of running trainer endpoints (a framework runs them in its own
-processes, e.g. Ray actors). The driver talks to every rank over queues with typed protocol
-messages; every wait has a timeout, and a dead rank is named. Refit bytes move only over the
-refit group.
+:class:`EndpointRank` is one rank's side of a refit around a ``TrainerEndpoint`` (a framework's
+own process or actor holds one); :class:`MegatronRank` adds this project's policy (the
+production stack: ``Float16Module``, megatron DDP, the distributed optimizer) and the training
+calls. :class:`TrainerPool` runs ``MegatronRank`` s in spawned processes behind the rank
+protocol, over queues; every wait has a timeout, and a dead rank is named. Refit bytes move
+only over the refit group.
 """
 
 from __future__ import annotations
 
 import os
-import pickle
 import queue as queue_mod
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 from .adapters.megatron.rules import MegatronParallel
 from .errors import TrainerError
-from .layout import ModelSpec
+from .faults import TrainerFault
+from .layout import LocalParam, ModelSpec
+from .losses import GrpoBatch, PgLossSettings, clipped_pg_loss
 from .protocol import JoinInfo, RefitRequest
+from .ranks import RankCall, RankGroup, RankTask, RefitReply
 
-__all__ = ["TrainerSetup", "TrainerPool", "TrainerError"]
+__all__ = ["TrainerSetup", "EndpointRank", "MegatronRank", "TrainerPool", "TrainerError"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class TrainerSetup:
+    """How a job starts its megatron ranks (locally or as Ray actors): one value every rank
+    builds its policy from."""
+
     spec: ModelSpec
     par: MegatronParallel
     checkpoint: str  # HF checkpoint directory, loaded through the descriptors
@@ -44,8 +52,80 @@ class TrainerSetup:
     sync_before_refit: bool = True
 
 
-class _Rank:
-    """The state a training rank keeps between commands: its policy and its endpoint."""
+class EndpointRank:
+    """A training rank's side of the refit protocol (``ranks.RefitRank``) around a
+    ``TrainerEndpoint``: what a framework's own process or actor holds to answer the calls
+    (``call.run(rank)``). ``sync_params``: the optimizer's parameter sync a transport's trainer
+    end runs before it reads the weights (default: the endpoint's own)."""
+
+    def __init__(self, endpoint: Any, sync_params: Callable[[], None] | None = None) -> None:
+        from .adapters.megatron.endpoint import sync_params_before_refit
+
+        self.endpoint = endpoint
+        self._sync = sync_params or (lambda: sync_params_before_refit(endpoint.chunks))
+        self._resources: dict[str, Any] = {}
+
+    # -- what a transport's trainer end sees (ranks.RankContext) --------------------------------
+    @property
+    def rank(self) -> int:
+        return int(self.endpoint.rank)
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self.endpoint.spec
+
+    @property
+    def resources(self) -> dict[str, Any]:
+        return self._resources
+
+    def refit_group(self) -> Any:
+        return self.endpoint.group
+
+    def synced_tensors(self) -> Mapping[str, Any]:
+        self._sync()
+        return self.endpoint.local_tensors()
+
+    # -- the refit protocol -----------------------------------------------------------------------
+    def describe(self) -> list[LocalParam]:
+        return self.endpoint.describe()
+
+    def join(self, info: JoinInfo) -> int:
+        return self.endpoint.join(info)
+
+    def set_plan(self, slice_wire: Mapping[str, Any], digest: str) -> str:
+        return self.endpoint.set_plan(slice_wire, digest)
+
+    def refit(self, request: RefitRequest, fault: TrainerFault | None = None) -> RefitReply:
+        """This rank's report, plus every rank's (from the vote) on rank 0. ``fault``: fault
+        injection (tests, ``scripts/soak.py``); only rank ``fault.rank`` acts on it."""
+        mine = fault if fault is not None and fault.rank == self.rank else None
+        if mine is not None and mine.die_after_reads is not None:
+            tensors = _DieAfter(self.endpoint.local_tensors(), mine.die_after_reads, os._exit)
+            self.endpoint.local_tensors = lambda: tensors  # this rank's next read goes through it
+        report = self.endpoint.refit(request, fault=mine.fault if mine is not None else None)
+        return RefitReply(report, tuple(self.endpoint.last_reports) if self.rank == 0 else ())
+
+    def leave(self) -> None:
+        self.endpoint.leave()
+
+    def run(self, task: RankTask[T]) -> T:
+        """A transport's own trainer end (e.g. the HF baseline's gather and broadcast)."""
+        return task.run(self)
+
+    def close(self) -> None:
+        self.endpoint.leave()
+        while self._resources:
+            _, res = self._resources.popitem()
+            try:
+                res.close()
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
+
+
+class MegatronRank(EndpointRank):
+    """A training rank of this project's jobs (``ranks.TrainerRank``): a megatron-core
+    :class:`~.adapters.megatron.train.Policy` built from the checkpoint, its endpoint, and the
+    training calls the jobs need."""
 
     def __init__(self, rank: int, setup: TrainerSetup) -> None:
         import torch
@@ -56,49 +136,16 @@ class _Rank:
         from .checkpoint import load_canonical
 
         torch.set_num_threads(setup.threads)
-        self.rank, self.setup, self.spec = rank, setup, setup.spec
+        self.setup = setup
         init_megatron(setup.par, rank, setup.par.world_size, setup.host, setup.port, setup.timeout_s)
-        settings = TrainSettings(**{"dtype": self.spec.dtype, **setup.train})
-        self.policy = build_policy(self.spec, setup.par, settings)
+        settings = TrainSettings(**{"dtype": setup.spec.dtype, **setup.train})
+        self.policy = build_policy(setup.spec, setup.par, settings)
         self.policy.load_canonical(load_canonical(setup.checkpoint))
         sync = self.policy.sync_params if setup.sync_before_refit else (lambda: None)
-        self.endpoint = TrainerEndpoint(self.policy.chunks, self.spec, rank=rank, sync_params=sync)
-        self.hf_group = None
+        super().__init__(TrainerEndpoint(self.policy.chunks, setup.spec, rank=rank, sync_params=sync),
+                         sync_params=self.policy.sync_params)
         self.reference: dict[str, Any] | None = None  # frozen initial weights (GRPO's KL reference)
 
-    # -- the refit protocol (trainer endpoint) -----------------------------------------------
-    def describe(self):
-        return self.endpoint.describe()
-
-    def join(self, info: JoinInfo) -> int:
-        return self.endpoint.join(info)
-
-    def set_plan(self, slice_wire: dict, digest: str) -> str:
-        return self.endpoint.set_plan(slice_wire, digest)
-
-    def refit(self, request: RefitRequest, progress: bool = False, fault: Any = None):
-        """This rank's report, plus every rank's (from the vote) on rank 0."""
-        report = self.endpoint.refit(request, progress=progress and self.rank == 0, fault=fault)
-        return report, (self.endpoint.last_reports if self.rank == 0 else None)
-
-    def refit_with_fault(self, request: RefitRequest, fault_rank: int, fault: Any):
-        """Fault injection: like :meth:`refit`, with ``fault`` (``transport.executor.Fault``,
-        e.g. one bit flipped in flight) on training rank ``fault_rank`` only."""
-        return self.refit(request, fault=fault if self.rank == fault_rank else None)
-
-    def refit_and_die(self, request: RefitRequest, die_rank: int, after_reads: int):
-        """Fault injection (tests, ``scripts/soak.py``): like :meth:`refit`, but rank
-        ``die_rank`` exits abruptly after its packer has read ``after_reads`` source tensors --
-        a trainer dying mid-refit."""
-        if self.rank == die_rank:
-            tensors = _DieAfter(self.endpoint.local_tensors(), after_reads, os._exit)
-            self.endpoint.local_tensors = lambda: tensors  # this rank's next read goes through it
-        return self.refit(request)
-
-    def leave(self) -> None:
-        self.endpoint.leave()
-
-    # -- training ------------------------------------------------------------------------
     def _batch(self, token_ids: Sequence[Sequence[int]]) -> list[list[int]]:
         """Each data-parallel rank takes a share, and the interleaved (virtual) pipeline
         schedule needs a multiple of pp micro-batches:
@@ -109,19 +156,16 @@ class _Rank:
         reps = -(-k // len(batch)) if len(batch) % k else 1
         return batch * reps
 
-    def step(self, token_ids: Sequence[Sequence[int]]) -> float:
+    def train_step(self, token_ids: Sequence[Sequence[int]]) -> float:
         """One optimizer step of next-token cross-entropy (through megatron's schedule)."""
         return self.policy.train_step(self._batch(token_ids))
 
     def logprobs(self, token_ids: Sequence[Sequence[int]]) -> list[list[float]]:
         return self.policy.logprobs(self._batch(token_ids))[: len(token_ids)]
 
-    def grpo_step(self, token_ids: Sequence[Sequence[int]], batch: Any, loss: Any) -> float:
-        """One GRPO optimizer step: ``batch`` (``grpo.algorithm.GrpoBatch``) holds per sequence
-        its advantage, the previous and reference logprobs and the completion mask; ``loss``
-        (``grpo.recipe.LossSettings``) the clipping and KL settings."""
-        from .grpo.algorithm import clipped_pg_loss
-
+    def grpo_step(self, token_ids: Sequence[Sequence[int]], batch: GrpoBatch, loss: PgLossSettings) -> float:
+        """One GRPO optimizer step: ``batch`` holds per sequence its advantage, the previous and
+        reference logprobs and the completion mask; ``loss`` the clipping and KL settings."""
         n = len(token_ids)
 
         def loss_fn(lp, index):
@@ -149,37 +193,10 @@ class _Rank:
 
     def local_tensors(self) -> dict[str, Any]:
         """Copies of the synced local parameters (``verify=full`` gathers them)."""
-        self.policy.sync_params()
-        return {n: t.detach().clone() for n, t in self.endpoint.local_tensors().items()}
+        return {n: t.detach().clone() for n, t in self.synced_tensors().items()}
 
-    # -- baseline and diagnostics ---------------------------------------------------------
-    def hf_join(self, host: str, port: int, world: int, timeout_s: float, secret: str) -> None:
-        """Baseline broadcast group: training rank 0 (root) and every vLLM worker."""
-        from .hf_broadcast import HF_PREFIX
-        from .transport.group import RefitGroup
-
-        if self.rank == 0:
-            if self.hf_group is not None:
-                self.hf_group.close(barrier=False)
-            self.hf_group = RefitGroup.create(host, port, 0, world, timeout_s, is_master=True, prefix=HF_PREFIX,
-                                              secret=secret)
-
-    def hf_send(self, gather_plan, buffer_bytes: int, timeout_s: float) -> dict:
-        from .hf_broadcast import hf_send
-
-        self.policy.sync_params()
-        return hf_send(gather_plan, self.rank, self.setup.par.world_size, self.endpoint.local_tensors(),
-                       self.spec.tensor_table(), self.endpoint.group, self.hf_group, buffer_bytes=buffer_bytes,
-                       timeout_s=timeout_s)
-
-    def raw_bandwidth(self, pairs: list[tuple[int, int]], nbytes: int, timeout_s: float) -> float | None:
-        return self.endpoint.raw_bandwidth(pairs, nbytes, timeout_s)
-
-    def close(self) -> None:
-        self.endpoint.leave()
-        if self.hf_group is not None:
-            self.hf_group.close(barrier=False)
-            self.hf_group = None
+    def raw_bandwidth(self, pairs: Sequence[tuple[int, int]], nbytes: int, timeout_s: float) -> float | None:
+        return self.endpoint.raw_bandwidth([tuple(p) for p in pairs], nbytes, timeout_s)
 
 
 class _DieAfter(dict):
@@ -196,30 +213,46 @@ class _DieAfter(dict):
         return super().__getitem__(key)
 
 
-def _rank_main(rank: int, setup: TrainerSetup, cmds, results) -> None:
-    """Command loop of one training rank. Every reply carries the command's sequence number,
-    so a reply left over from a failed command can never be taken for the next one's."""
+@dataclass(frozen=True)
+class _Command:
+    seq: int
+    call: RankCall[Any] | None  # None: stop
+
+
+@dataclass(frozen=True)
+class _Reply:
+    """Every reply carries its command's sequence number, so a reply left over from a failed
+    command can never be taken for the next one's."""
+
+    rank: int
+    seq: int
+    ok: bool
+    value: Any = None  # the call's typed reply, or the error with its traceback
+
+
+def _rank_main(rank: int, setup: TrainerSetup, commands: Any, replies: Any) -> None:
+    """Command loop of one training rank: run each typed call on this rank's ``MegatronRank``."""
     try:
-        state = _Rank(rank, setup)
-        results.put((rank, 0, True, None))
+        state = MegatronRank(rank, setup)
+        replies.put(_Reply(rank, 0, True))
     except BaseException:  # noqa: BLE001 - reported to the driver with its traceback
-        results.put((rank, 0, False, f"in start-up:\n{traceback.format_exc()}"))
+        replies.put(_Reply(rank, 0, False, f"in start-up:\n{traceback.format_exc()}"))
         return
     while True:
-        seq, cmd, args = cmds.get()
-        if cmd == "stop":
+        cmd: _Command = commands.get()
+        if cmd.call is None:
             state.close()
-            results.put((rank, seq, True, None))
+            replies.put(_Reply(rank, cmd.seq, True))
             return
         try:
-            out = getattr(state, cmd)(*args)
-            results.put((rank, seq, True, pickle.dumps(out)))
+            replies.put(_Reply(rank, cmd.seq, True, cmd.call.run(state)))
         except BaseException:  # noqa: BLE001
-            results.put((rank, seq, False, f"in {cmd!r}:\n{traceback.format_exc()}"))
+            replies.put(_Reply(rank, cmd.seq, False, f"in {cmd.call.what!r}:\n{traceback.format_exc()}"))
 
 
-class TrainerPool:
-    """``world`` megatron ranks in spawned processes, driven by commands from this process.
+class TrainerPool(RankGroup):
+    """``world`` megatron ranks in spawned processes: the rank protocol (``ranks.RankGroup``)
+    over local queues.
 
     The queues are local IPC between this process and the ranks it spawned (the refit group's
     control plane is separate and authenticated)."""
@@ -229,65 +262,49 @@ class TrainerPool:
 
         self.setup = setup
         self.world_size = setup.par.world_size
+        self.timeout_s = setup.timeout_s
         ctx = mp.get_context("spawn")
-        self._results = ctx.Queue()
-        self._cmds = [ctx.Queue() for _ in range(self.world_size)]
-        self.procs = [ctx.Process(target=_rank_main, args=(r, setup, self._cmds[r], self._results), daemon=True)
+        self._replies = ctx.Queue()
+        self._commands = [ctx.Queue() for _ in range(self.world_size)]
+        self.procs = [ctx.Process(target=_rank_main, args=(r, setup, self._commands[r], self._replies), daemon=True)
                       for r in range(self.world_size)]
         for p in self.procs:
             p.start()
-        self._pending: str | None = None
         self._seq = 0
         try:
-            self._collect("start-up", setup.timeout_s)
+            self._collect("start-up", 0, setup.timeout_s)
         except BaseException:
             self.close()  # never leave half a pool running
             raise
 
-    def submit(self, cmd: str, *args: Any) -> None:
-        """Start ``cmd`` on every rank without waiting (pair with :meth:`collect`)."""
-        self.submit_each(cmd, [args] * self.world_size)
-
-    def submit_each(self, cmd: str, args_per_rank: Sequence[tuple]) -> None:
-        """Start ``cmd`` with rank-specific arguments (e.g. each rank's plan slice)."""
-        if self._pending is not None:
-            raise RuntimeError(f"command {self._pending!r} still pending")
-        self._pending = cmd
+    def _send(self, what: str, calls: Sequence[RankCall[Any]]) -> Callable[[float], list[Any]]:
         self._seq += 1
-        for q, args in zip(self._cmds, args_per_rank, strict=True):
-            q.put((self._seq, cmd, tuple(args)))
+        seq = self._seq
+        for q, call in zip(self._commands, calls, strict=True):
+            q.put(_Command(seq, call))
+        return lambda timeout_s: self._collect(what, seq, timeout_s)
 
-    def collect(self, timeout_s: float | None = None) -> list[Any]:
-        cmd, self._pending = self._pending, None
-        if cmd is None:
-            raise RuntimeError("nothing submitted")
-        return self._collect(cmd, timeout_s or self.setup.timeout_s)
-
-    def call(self, cmd: str, *args: Any, timeout_s: float | None = None) -> list[Any]:
-        self.submit(cmd, *args)
-        return self.collect(timeout_s)
-
-    def _collect(self, cmd: str, timeout_s: float) -> list[Any]:
+    def _collect(self, what: str, seq: int, timeout_s: float) -> list[Any]:
         out: dict[int, Any] = {}
         deadline = time.monotonic() + timeout_s
         while len(out) < self.world_size:
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = sorted(set(range(self.world_size)) - set(out))
-                raise TrainerError(f"training rank(s) {missing} did not finish {cmd!r} within {timeout_s:.0f}s")
+                raise TrainerError(f"training rank(s) {missing} did not finish {what!r} within {timeout_s:.0f}s")
             try:
-                rank, seq, ok, value = self._results.get(timeout=min(left, 0.5))
+                reply: _Reply = self._replies.get(timeout=min(left, 0.5))
             except queue_mod.Empty:
                 dead = [r for r, p in enumerate(self.procs) if r not in out and not p.is_alive()]
                 if dead:
                     raise TrainerError(f"training rank {dead[0]} died (exit code {self.procs[dead[0]].exitcode}) "
-                                       f"during {cmd!r}") from None
+                                       f"during {what!r}") from None
                 continue
-            if seq != self._seq:
+            if reply.seq != seq:
                 continue  # a reply to an earlier command that failed elsewhere first
-            if not ok:
-                raise TrainerError(f"training rank {rank} failed {value}")
-            out[rank] = pickle.loads(value) if isinstance(value, bytes) else value
+            if not reply.ok:
+                raise TrainerError(f"training rank {reply.rank} failed {reply.value}")
+            out[reply.rank] = reply.value
         return [out[r] for r in range(self.world_size)]
 
     def dead(self) -> list[str]:
@@ -300,9 +317,9 @@ class TrainerPool:
         self.procs[rank].kill()
 
     def close(self) -> None:
-        for r, q in enumerate(self._cmds):
+        for r, q in enumerate(self._commands):
             if self.procs[r].is_alive():
-                q.put((-1, "stop", ()))
+                q.put(_Command(-1, None))
         deadline = time.monotonic() + 10
         for p in self.procs:
             p.join(timeout=max(0.1, deadline - time.monotonic()))

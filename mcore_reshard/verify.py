@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import math
-import pickle
 from typing import Any, Sequence
 
 from .errors import RefitError
@@ -32,6 +31,7 @@ def full_verification(src: SideLayout, dst: SideLayout, trainer_locals: Sequence
     ``RefitError`` naming the parameter and destination rank of the first mismatch."""
     import torch
 
+    from .adapters.vllm.engine import received_weights
     from .layout.torch_views import box_slices, local_view
 
     canonical: dict[str, torch.Tensor] = {}
@@ -49,10 +49,9 @@ def full_verification(src: SideLayout, dst: SideLayout, trainer_locals: Sequence
     compared = {"live": 0, "received": 0}
     rank = 0
     for llm in engines:
-        for blob in llm.collective_rpc("mr_received"):
-            held = pickle.loads(blob)
+        for held in received_weights(llm):
             for p in by_rank.get(rank, []):
-                tensor, where = held[p.name]
+                tensor, where = held.tensors[p.name], held.where[p.name]
                 for q in p.pieces:
                     want = canonical[q.canonical][box_slices(q.box)].to(tensor.dtype)
                     if not torch.equal(local_view(tensor.contiguous(), q.view), want):

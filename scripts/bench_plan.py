@@ -65,7 +65,8 @@ def main() -> None:
         mine = plan.for_rank("dst", 0)
         t3 = time.perf_counter()
         rep = plan_report(plan)
-        from mcore_reshard.plan.topology import Links, TopologyConfig, placement_report
+        from mcore_reshard.plan.topology import Links, placement_report
+        from mcore_reshard.topology_config import TopologyConfig
 
         placed = placement_report(plan, src, dst, TopologyConfig().place(src.world_size, dst.world_size), Links())
         target = TARGETS_1024 if src.world_size >= 1024 else TARGETS.get(model)

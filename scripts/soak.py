@@ -173,38 +173,38 @@ class FaultCase:
 
 def _cases() -> list[FaultCase]:
     from mcore_reshard.driver import ENGINE_GRACE_S
+    from mcore_reshard.faults import EngineFault, Faults, TrainerFault
     from mcore_reshard.transport.executor import Fault
 
     wrong = "0" * 16
     fast = lambda t: FAST_ERROR_S  # noqa: E731
     return [
         FaultCase("bit flipped in flight (training rank 0, bucket 1)",
-                  lambda d: d.refit(trainer_command="refit_with_fault", trainer_args=(0, Fault("bitflip", bucket=1))),
+                  lambda d: d.refit(faults=Faults(TrainerFault(0, Fault("bitflip", bucket=1)))),
                   lambda m: "checksum mismatch" in m and "model." in m, fast),
         FaultCase("stale plan digest (refused before a byte moves)",
                   lambda d: d.refit(request=replace(d.request(), plan_digest=wrong)),
                   lambda m: wrong in m and "rank" in m, fast),
         FaultCase("training rank 1 dies mid-transfer",
-                  lambda d: d.refit(trainer_command="refit_and_die", trainer_args=(1, 5)),
+                  lambda d: d.refit(faults=Faults(TrainerFault(1, die_after_reads=5))),
                   lambda m: "training rank 1 died" in m, fast, "trainers"),
         FaultCase("training rank 1 dies after its last byte, before its vote",
-                  lambda d: d.refit(trainer_command="refit_with_fault", trainer_args=(1, Fault("exit", at="before_vote"))),
+                  lambda d: d.refit(faults=Faults(TrainerFault(1, Fault("exit", at="before_vote")))),
                   lambda m: "training rank 1 died" in m, fast, "trainers"),
         FaultCase("training rank 1 dies after its vote",
-                  lambda d: d.refit(trainer_command="refit_with_fault", trainer_args=(1, Fault("exit", at="after_vote"))),
+                  lambda d: d.refit(faults=Faults(TrainerFault(1, Fault("exit", at="after_vote")))),
                   lambda m: "training rank 1 died" in m, fast, "trainers"),
         FaultCase("store host (training rank 0) dies between two workers reading the decision",
-                  lambda d: d.refit(trainer_command="refit_with_fault",
-                                    trainer_args=(0, Fault("exit", at="after_decision", seconds=0.5)),
-                                    engine_fault={"rank": 1, "kind": "sleep", "at": "after_vote", "seconds": 2.0}),
+                  lambda d: d.refit(faults=Faults(TrainerFault(0, Fault("exit", at="after_decision", seconds=0.5)),
+                                                  EngineFault(1, Fault("sleep", at="after_vote", seconds=2.0)))),
                   lambda m: "training rank 0 died" in m, fast, "trainers"),
         FaultCase("vLLM worker 1 stalled past the timeout before its vote (silent peer)",
-                  lambda d: d.refit(engine_fault={"rank": 1, "kind": "sleep", "at": "before_vote",
-                                                  "seconds": d.refit_config.timeout_s + 2}),
+                  lambda d: d.refit(faults=Faults(engine=EngineFault(1, Fault(
+                      "sleep", at="before_vote", seconds=d.refit_config.timeout_s + 2)))),
                   lambda m: "no vote" in m and "destination rank 1" in m, lambda t: t + FAST_ERROR_S),
         # last: the engine is gone afterwards and is replaced
         FaultCase("vLLM worker 1 dies mid-transfer",
-                  lambda d: d.refit(engine_fault={"rank": 1, "exit_after_writes": 3}),
+                  lambda d: d.refit(faults=Faults(engine=EngineFault(1, exit_after_writes=3))),
                   # every rank of the refit knows at once; vLLM's core then waits on the dead
                   # worker's reply without a deadline, so the driver names the engine dead after
                   # its grace (driver.ENGINE_GRACE_S) once every trainer is done
@@ -256,7 +256,7 @@ def fault_row(c: Any, tokens: list[int], case: FaultCase, atomic: bool, bound: f
         c.step(tokens)  # new weights on the trainers, the old ones in the engine
         llm = c.engines[0]
         old = prompt_logprobs(llm, tokens)
-        new = c.pool.call("logprobs", [tokens])[0][0]
+        new = c.pool.logprobs([tokens]).wait()[0][0]
     except Exception as exc:  # noqa: BLE001
         row["notes"].append(f"set-up failed: {type(exc).__name__}: {str(exc)[:300]}")
         row["behaved"] = False

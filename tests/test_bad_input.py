@@ -322,7 +322,7 @@ def test_recipe_atomic_maps_to_refit_config(tmp_path, capsys):
     d["policy"]["megatron_cfg"]["mcore_reshard"]["atomic"] = False
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump(d))
-    from mcore_reshard.config import load_recipe_file
+    from mcore_reshard.policy import load_recipe_file
 
     assert load_recipe_file(path).refit.atomic is False
     assert load_recipe_file(RECIPE).refit.atomic is True
@@ -330,6 +330,7 @@ def test_recipe_atomic_maps_to_refit_config(tmp_path, capsys):
 
 
 
+@pytest.mark.heavy  # writes five HF checkpoints (imports transformers)
 def test_tiny_specs_match_the_written_checkpoints(tmp_path):
     """load_refit_job builds a tiny model's spec from its config dict, writing nothing: it must
     equal the spec of the checkpoint the job writes later."""

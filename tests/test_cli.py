@@ -26,6 +26,7 @@ def plan_json(capsys, *args: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.heavy  # the default full-size plan (Qwen3-30B-A3B, 8 engines)
 def test_default_plan_json_is_minimal(capsys):
     rep = plan_json(capsys)
     assert KEYS <= set(rep)
@@ -41,12 +42,14 @@ def test_default_plan_json_is_minimal(capsys):
     assert rep["dtensor"]["training"].startswith("dtensor form:")
 
 
+@pytest.mark.heavy  # two full-size plans
 def test_recipe_gives_the_same_plan_as_the_default_config(capsys):
     a = plan_json(capsys)
     b = plan_json(capsys, "--recipe", "recipes/grpo-qwen3-30b-a3b-megatron-reshard.yaml")
     assert a["digest"] == b["digest"] and a["bytes_min"] == b["bytes_min"]
 
 
+@pytest.mark.slow  # a subprocess
 def test_console_entry_point_runs():
     out = run_cli("plan", "--json", "model=qwen3-8b", "training.ep=1", "vllm.tp=4", "vllm.replicas=4")
     assert out.returncode == 0, out.stderr
@@ -117,6 +120,7 @@ def test_config_sections_match_the_dataclasses():
     assert refit["vllm"]["replicas"] == 1 and refit["vllm"]["pp"] == refit["vllm"]["dp"] == 1
 
 
+@pytest.mark.slow  # a subprocess
 def test_refit_rejects_bad_input_before_starting_anything():
     """The console entry point: one line, exit 2, in well under the ~35 s a vLLM start takes."""
     import time

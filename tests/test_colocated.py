@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 import torch
 
-from mcore_reshard.plan.topology import Placement, placement_report, plan_for_placement
+from mcore_reshard.plan.topology import RankPlacement, placement_report, plan_for_placement
 from mcore_reshard.ports import free_port
 from mcore_reshard.transport.executor import Fault, TensorSink, execute_plan, zero_fill_padding
 from mcore_reshard.transport.group import RankMap, RefitError, RefitGroup
 from mcore_reshard.transport.shm import PREFIX, SHM_DIR
-from test_transport import _ship, T, _spawn, canonical, expected_equal, locals_of
+from support.worlds import T, canonical, expected_equal, locals_of, ship, spawn_ranks
 from toy_layouts import split_layout
 
 N = 2  # trainers = workers; trainer i and worker i share device i
@@ -30,7 +30,7 @@ N = 2  # trainers = workers; trainer i and worker i share device i
 def _layouts():
     src = split_layout(T, parts=N, dim=0)
     dst = split_layout(T, parts=N, dim=1, pad_rows=1)  # every worker needs part of every trainer
-    place = Placement.colocated(N, N, gpus_per_node=8)
+    place = RankPlacement.colocated(N, N, gpus_per_node=8)
     return src, dst, place, plan_for_placement(src, dst, place, bucket_bytes=96)
 
 
@@ -84,7 +84,7 @@ def _main(rank: int, world: int, port: int, port2: int, q: Any) -> None:
         group.close(barrier=False)
     except BaseException:  # noqa: BLE001 -- ship every failure to the parent
         out["crash"] = traceback.format_exc()
-    _ship(q, rank, out)
+    ship(q, rank, out)
 
 
 def test_colocated_plan_marks_same_device_pairs_and_ships_them():
@@ -105,7 +105,7 @@ def test_colocated_plan_marks_same_device_pairs_and_ships_them():
 @pytest.mark.slow
 def test_same_device_bytes_go_through_shared_memory_not_the_group():
     before = _segments()
-    res = _spawn(_main, 2 * N, free_port(), free_port())
+    res = spawn_ranks(_main, 2 * N, free_port(), free_port())
     src, dst, place, plan = _layouts()
     rep = placement_report(plan, src, dst, place)
     pairs = {(0, 2), (1, 3)}  # group ranks of (trainer i, worker i)
@@ -138,49 +138,42 @@ TOKENS = [11, 42, 7, 99, 123, 5, 77, 300, 8, 64, 512, 3, 250, 17, 901, 46]
 
 @pytest.mark.slow
 @pytest.mark.parametrize("moe", [True, False], ids=["moe", "dense"])
-def test_colocated_refits_live(tmp_path, moe):
+def test_colocated_refits_live(ckpt_cache, shared_engine, moe):
     """``refit.placement=colocated``: trainer rank i and vLLM worker i on device i. One trainer
     and one worker share everything (all bytes same-device); then TP2 (x EP2 for MoE) trainers
     -> the same worker (trainer 0's part same-device, trainer 1's from the next device)."""
     from mcore_reshard.adapters.megatron.rules import MegatronParallel
-    from mcore_reshard.adapters.vllm.engine import start_engine, stop_engine
-    from mcore_reshard.adapters.vllm.plugin import BACKEND
     from mcore_reshard.adapters.vllm.rules import VllmParallel
-    from mcore_reshard.adapters.vllm.worker import REFIT_EXTENSION
-    from mcore_reshard.checkpoint import make_tiny_checkpoint
     from mcore_reshard.layout import load_model_spec
     from mcore_reshard.policy import RefitConfig
     from mcore_reshard.refit import local_cluster
+    from support.live import cluster
 
-    ckpt = make_tiny_checkpoint(tmp_path / "tiny", moe=moe, seed=7)
+    ckpt = ckpt_cache.get(moe=moe, seed=7)
     spec = load_model_spec(ckpt, dtype="float32")
     cfg = RefitConfig(buffer_bytes=1 << 16, timeout_s=60.0, verify="full", placement="colocated")
-    llm = start_engine(str(ckpt), tp=1, dtype="float32", worker_extension_cls=REFIT_EXTENSION,
-                       weight_transfer_config={"backend": BACKEND})
+    llm = shared_engine(ckpt, tp=1)  # shared: every refit below writes all of its weights first
     before = _segments()
-    try:
-        split = MegatronParallel(tp=2, ep=2, etp=1) if moe else MegatronParallel(tp=2)
-        for training, everything in ((MegatronParallel(), True), (split, False)):
-            with local_cluster(spec, ckpt, training, VllmParallel(tp=1), cfg, train={"lr": 0.05},
-                               engines=[llm]) as c:
-                d = c.driver
-                assert d.placement == Placement.colocated(training.world_size, 1, max(training.world_size, 1))
-                want = placement_report(d.plan, d.src, d.dst, d.placement)
-                assert want.bytes_inter_node == 0
-                if everything:
-                    assert want.bytes_same_device == d.plan.bytes_min and want.bytes_intra_node == 0
-                else:
-                    assert 0 < want.bytes_same_device < d.plan.bytes_min and want.bytes_intra_node > 0
-                c.step(TOKENS)
-                m = c.refit_once()
-                assert m.verified and m.bytes_moved == m.bytes_min and any("full verification" in n for n in m.notes)
-                assert m.bytes_same_device == want.bytes_same_device and m.peak_extra_bytes <= cfg.buffer_bytes
-                dst = [r for r in d.last_reports if r.side == "dst"]
-                src = [r for r in d.last_reports if r.side == "src"]
-                assert sum(r.bytes_same_device for r in dst) == sum(r.bytes_same_device for r in src) == \
-                    want.bytes_same_device
-                assert sum(r.bytes_received - r.bytes_same_device for r in dst) == want.bytes_intra_node
-                assert c.logprob_error(TOKENS) <= 1.001
-    finally:
-        stop_engine(llm)
+    split = MegatronParallel(tp=2, ep=2, etp=1) if moe else MegatronParallel(tp=2)
+    for training, everything in ((MegatronParallel(), True), (split, False)):
+        start = cluster if moe and not everything else local_cluster  # the session's TP2xEP2 pool; others used once
+        with start(spec, ckpt, training, VllmParallel(tp=1), cfg, train={"lr": 0.05}, engines=[llm]) as c:
+            d = c.driver
+            assert d.placement == RankPlacement.colocated(training.world_size, 1, max(training.world_size, 1))
+            want = placement_report(d.plan, d.src, d.dst, d.placement)
+            assert want.bytes_inter_node == 0
+            if everything:
+                assert want.bytes_same_device == d.plan.bytes_min and want.bytes_intra_node == 0
+            else:
+                assert 0 < want.bytes_same_device < d.plan.bytes_min and want.bytes_intra_node > 0
+            c.step(TOKENS)
+            m = c.refit_once()
+            assert m.verified and m.bytes_moved == m.bytes_min and any("full verification" in n for n in m.notes)
+            assert m.bytes_same_device == want.bytes_same_device and m.peak_extra_bytes <= cfg.buffer_bytes
+            dst = [r for r in d.last_reports if r.side == "dst"]
+            src = [r for r in d.last_reports if r.side == "src"]
+            assert sum(r.bytes_same_device for r in dst) == sum(r.bytes_same_device for r in src) == \
+                want.bytes_same_device
+            assert sum(r.bytes_received - r.bytes_same_device for r in dst) == want.bytes_intra_node
+            assert c.logprob_error(TOKENS) <= 1.001
     assert _segments() - before == set()

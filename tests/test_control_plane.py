@@ -173,6 +173,7 @@ def test_abort_reaches_a_rank_blocked_in_a_receive_within_a_second():
         _close(groups)
 
 
+@pytest.mark.heavy  # 1000 refits of the control plane
 def test_store_key_count_is_constant_over_1000_refits():
     """Every refit's keys are deleted: the store does not grow with a long run."""
     port, groups = _pair(timeout_s=10.0)
@@ -217,6 +218,7 @@ def _die_between_last_byte_and_vote(rank: int, port: int, q) -> None:
     q.put((rank, d.commit, d.known, list(d.errors), time.monotonic() - t0))
 
 
+@pytest.mark.slow  # 3 spawned ranks
 def test_a_rank_that_dies_before_its_vote_is_known_to_every_rank_within_two_seconds():
     """The death is visible at once (its sockets close), so no rank waits for the timeout."""
     import torch.multiprocessing as mp

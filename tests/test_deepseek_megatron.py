@@ -11,11 +11,11 @@ import re
 import pytest
 import torch
 
-from mcore_reshard.adapters.megatron.build import run_world
 from mcore_reshard.adapters.megatron.rules import MegatronParallel, megatron_layout, megatron_rank_params
 from mcore_reshard.checkpoint import TINY_DEEPSEEK_V3, make_tiny_checkpoint
 from mcore_reshard.config import CONFIG_DIR
 from mcore_reshard.layout import Box, LayoutError, load_model_spec, spec_from_hf_config
+from support.megatron import run_world  # warm rank processes, one per world size (conftest.py)
 
 import _megatron_jobs
 
@@ -49,6 +49,7 @@ def test_real_configs_give_the_published_sizes():
     assert "model.layers.0.self_attn.q_a_proj.weight" not in moon.tensors()
 
 
+@pytest.mark.heavy  # writes HF checkpoints (imports transformers)
 def test_tiny_spec_matches_the_hf_checkpoint(tmp_path):
     from mcore_reshard.checkpoint import load_canonical
 
@@ -144,9 +145,13 @@ _QWEN_GLOBAL = _megatron_jobs._megatron_global
 
 
 def deepseek_job(ctx, par, cfg, ckpt, tokens):
-    """``_megatron_jobs.layout_job`` with the DeepSeek keys added to its oracle (this process only)."""
+    """``_megatron_jobs.layout_job`` with the DeepSeek keys added to its oracle (this job only:
+    the rank process runs other jobs after it)."""
     _megatron_jobs._megatron_global = _deepseek_global
-    return _megatron_jobs.layout_job(ctx, par, cfg, ckpt, tokens)
+    try:
+        return _megatron_jobs.layout_job(ctx, par, cfg, ckpt, tokens)
+    finally:
+        _megatron_jobs._megatron_global = _QWEN_GLOBAL
 
 
 def _run(par, cfg, ckpt=None):

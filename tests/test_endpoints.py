@@ -1,6 +1,10 @@
 """The two endpoints as a framework uses them: megatron ranks started by the test build a
 ``TrainerEndpoint`` themselves, and a plain ``vllm.LLM`` (no project worker extension) takes
-the refit through vLLM's weight-transfer API with ``backend="mcore_reshard"``."""
+the refit through vLLM's weight-transfer API with ``backend="mcore_reshard"``.
+
+The trainer ranks run on the session's warm megatron world (``support.megatron``); the second
+test's trainer pool is the session's fp32 TP2xEP2 pool (``conftest.py``). Each test starts
+its own plain engine: both assert on what it serves before any refit."""
 
 from __future__ import annotations
 
@@ -8,13 +12,14 @@ import threading
 
 import pytest
 
-from mcore_reshard.adapters.megatron.build import run_world
 from mcore_reshard.adapters.megatron.rules import MegatronParallel
 from mcore_reshard.adapters.vllm.engine import prompt_logprobs, stop_engine
 from mcore_reshard.adapters.vllm.rules import VllmParallel
 from mcore_reshard.checkpoint import make_tiny_checkpoint
 from mcore_reshard.protocol import RankReport
 from mcore_reshard.verify import token_mult_prob_error
+from support.live import cluster
+from support.megatron import run_world
 
 from _endpoint_jobs import endpoint_refit_job
 
@@ -33,9 +38,11 @@ def test_plain_vllm_engine_refit_from_trainer_endpoints(tmp_path):
     ckpt = make_tiny_checkpoint(tmp_path / "tiny-moe", moe=True, seed=5)
     llm = LLM(model=str(ckpt), skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=256,
               max_num_seqs=4, seed=0, weight_transfer_config={"backend": "mcore_reshard"})
+    manager = None
     try:
         before = prompt_logprobs(llm, TOKENS)
-        q = mp.get_context("spawn").Queue()
+        manager = mp.get_context("spawn").Manager()  # its queue reaches ranks that are already running
+        q = manager.Queue()
         out: dict = {}
 
         def trainers() -> None:
@@ -64,5 +71,31 @@ def test_plain_vllm_engine_refit_from_trainer_endpoints(tmp_path):
         after = prompt_logprobs(llm, TOKENS)
         assert token_mult_prob_error(after, ranks[0]["logprobs"]) < 1.001  # the trained weights are served
         assert token_mult_prob_error(before, ranks[0]["logprobs"]) > 1.01  # and they differ from the checkpoint
+    finally:
+        if manager is not None:
+            manager.shutdown()
+        stop_engine(llm)
+
+
+def test_driver_refits_an_engine_started_with_only_the_backend(ckpt_cache):
+    """``RefitDriver`` drives an engine started with only ``weight_transfer_config``: it plans
+    the engine's side from the rules (the engine checks its slice against what it records at
+    init), and the refit's own outcome confirms it (no worker extension to ask)."""
+    from mcore_reshard.adapters.vllm.engine import start_engine
+    from mcore_reshard.layout import load_model_spec
+    from mcore_reshard.policy import RefitConfig
+
+    ckpt = ckpt_cache.get(moe=True, seed=7)
+    spec = load_model_spec(ckpt, dtype="float32")
+    llm = start_engine(str(ckpt), tp=1, worker_extension_cls="", weight_transfer_config={"backend": "mcore_reshard"})
+    try:
+        with cluster(spec, ckpt, MegatronParallel(tp=2, ep=2, etp=1), VllmParallel(tp=1),
+                     RefitConfig(timeout_s=60.0), train={"lr": 0.05}, engines=[llm]) as c:
+            assert not c.driver.engine_infos[0].diagnostics
+            c.step(TOKENS)
+            assert c.logprob_error(TOKENS) > 1.01  # the engine serves the checkpoint, the trainers moved on
+            m = c.refit_once()
+            assert m.verified and m.bytes_moved == m.bytes_min
+            assert c.logprob_error(TOKENS) < 1.001
     finally:
         stop_engine(llm)

@@ -2,8 +2,10 @@
 killed or stalled at a chosen step, and every client path of the engine called afterwards.
 
 Real stack: tiny MoE (bf16), megatron TP2xEP2 -> vLLM TP2, ``refit.timeout_s=10``. One engine
-for the module; a fault that kills a training rank is followed by a restarted trainer pool
-(``restart_trainers``), as a framework would restart its job.
+for the module (the session's, ``conftest.py``), and at first the session's TP2xEP2 trainer
+pool of ``test_refit_bf16``; a fault that kills a training rank is followed by a restarted
+trainer pool (``restart_trainers``: a new pool from the checkpoint), as a framework would
+restart its job.
 
 What every row checks: the refit raises ``RefitFailed`` naming what failed, within seconds
 where a process died (the timeout is only for a stopped one); the engine then serves exactly
@@ -21,11 +23,13 @@ import pytest
 from mcore_reshard.adapters.megatron.rules import MegatronParallel
 from mcore_reshard.adapters.vllm.engine import prompt_logprobs
 from mcore_reshard.adapters.vllm.rules import VllmParallel
-from mcore_reshard.checkpoint import make_tiny_checkpoint
 from mcore_reshard.errors import RefitFailed, RefitIncomplete
+from mcore_reshard.faults import EngineFault, Faults, TrainerFault
 from mcore_reshard.layout import load_model_spec
 from mcore_reshard.policy import RefitConfig
+from mcore_reshard.protocol import WorkerLayout
 from mcore_reshard.refit import local_cluster
+from support.live import cluster as shared_cluster
 from mcore_reshard.transport.executor import Fault
 
 pytestmark = pytest.mark.slow
@@ -36,12 +40,14 @@ DEATH_S = 6.0
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-moe", moe=True, dtype="bfloat16", seed=4)
+def cluster(ckpt_cache, engine_cache):
+    ckpt = ckpt_cache.get(moe=True, dtype="bfloat16", seed=13)
     spec = load_model_spec(ckpt, dtype="bfloat16")
-    with local_cluster(spec, ckpt, MegatronParallel(tp=2, ep=2, etp=1), VllmParallel(tp=2),
-                       RefitConfig(buffer_bytes=1 << 16, timeout_s=10.0), train={"lr": 0.05}) as c:
+    llm = engine_cache.get(ckpt, tp=2, dtype="bfloat16")
+    with shared_cluster(spec, ckpt, MegatronParallel(tp=2, ep=2, etp=1), VllmParallel(tp=2),
+                        RefitConfig(buffer_bytes=1 << 16, timeout_s=10.0), train={"lr": 0.05}, engines=[llm]) as c:
         yield c
+    engine_cache.check(llm)
 
 
 def _served(llm) -> list[float] | str:
@@ -60,7 +66,7 @@ def _armed(cluster):
     cluster.refit_once()
     old = prompt_logprobs(llm, TOKENS)
     cluster.step(TOKENS)
-    return old, cluster.pool.call("logprobs", [TOKENS])[0][0]
+    return old, cluster.pool.logprobs([TOKENS]).wait()[0][0]
 
 
 def _fault(cluster, **refit_kwargs) -> tuple[str, float]:
@@ -78,8 +84,7 @@ def _restored(cluster) -> None:
 
 def test_trainer_dying_between_its_last_byte_and_its_vote_is_known_at_once(cluster):
     old, _ = _armed(cluster)
-    msg, seconds = _fault(cluster, trainer_command="refit_with_fault",
-                          trainer_args=(1, Fault("exit", at="before_vote")))
+    msg, seconds = _fault(cluster, faults=Faults(TrainerFault(1, Fault("exit", at="before_vote"))))
     assert seconds < DEATH_S, (seconds, msg)  # not the 10 s timeout
     assert "training rank 1 died" in msg
     assert _served(cluster.engines[0]) == old  # atomic: every worker kept the old weights
@@ -91,11 +96,11 @@ def test_vllm_worker_stalled_before_its_vote_aborts_and_the_engine_keeps_the_old
     """A worker that does not vote in time is a silent peer: the timeout decides abort, the
     worker then reads that decision and rolls back; the engine serves the old weights."""
     old, _ = _armed(cluster)
-    msg, seconds = _fault(cluster, engine_fault={"rank": 1, "kind": "sleep", "at": "before_vote", "seconds": 12})
+    msg, seconds = _fault(cluster, faults=Faults(engine=EngineFault(1, Fault("sleep", at="before_vote", seconds=12))))
     assert "no vote" in msg and "destination rank 1" in msg, msg
     assert _served(cluster.engines[0]) == old
     st = cluster.driver.status()
-    assert all(s["state"] == "serving" and s["committed"] is False for s in st), st
+    assert all(s.state == "serving" and s.committed is False for s in st), st
     _restored(cluster)
 
 
@@ -107,13 +112,12 @@ def test_store_host_dying_between_two_workers_reading_the_decision_gates_the_eng
     the restoring refit, on the new weights only."""
     llm = cluster.engines[0]
     old, _ = _armed(cluster)
-    msg, seconds = _fault(cluster, trainer_command="refit_with_fault",
-                          trainer_args=(0, Fault("exit", at="after_decision", seconds=0.5)),
-                          engine_fault={"rank": 1, "kind": "sleep", "at": "after_vote", "seconds": 2.0})
+    msg, seconds = _fault(cluster, faults=Faults(TrainerFault(0, Fault("exit", at="after_decision", seconds=0.5)),
+                                                EngineFault(1, Fault("sleep", at="after_vote", seconds=2.0))))
     assert "training rank 0 died" in msg and "engine 0 is gated" in msg, msg
     st = cluster.driver.status()
-    assert {s["state"] for s in st} == {"serving", "unsure"}, st  # worker 0 committed, worker 1 does not know
-    assert len({s["version"] for s in st}) == 2, st  # they hold different weights...
+    assert {s.state for s in st} == {"serving", "unsure"}, st  # worker 0 committed, worker 1 does not know
+    assert len({s.version for s in st}) == 2, st  # they hold different weights...
     assert llm.llm_engine.is_sleeping()  # ...so the engine is paused: no model step for any client
     assert _served(llm) == "refused"
     # enqueue + wait_for_completion: the request waits in vLLM's queue and runs only after the
@@ -146,9 +150,9 @@ def test_streaming_refit_that_fails_gates_the_engine_for_every_client(cluster):
     _armed(cluster)
     cluster.driver.refit_config = replace(cluster.refit, atomic=False)
     try:
-        msg, _ = _fault(cluster, trainer_command="refit_with_fault", trainer_args=(0, Fault("bitflip", bucket=2)))
+        msg, _ = _fault(cluster, faults=Faults(TrainerFault(0, Fault("bitflip", bucket=2))))
         assert "checksum mismatch" in msg and "engine 0 is gated" in msg, msg
-        assert any(s["state"] == "not_serving" for s in cluster.driver.status())
+        assert any(s.state == "not_serving" for s in cluster.driver.status())
         assert llm.llm_engine.is_sleeping() and _served(llm) == "refused"
         m = cluster.driver.refit()  # a refit that succeeds resumes the engine
     finally:
@@ -167,7 +171,7 @@ def test_after_a_failed_refit_the_next_one_on_the_same_engine_works_and_rpcs_are
     msg, seconds = _fault(cluster, request=replace(d.request(), plan_digest="0" * 16))
     assert "0" * 16 in msg and seconds < DEATH_S
     describe = cluster.engines[0].collective_rpc("mr_describe")
-    assert len(describe) == 2 and all(isinstance(b, bytes) for b in describe)  # not a stale reply
+    assert len(describe) == 2 and all(WorkerLayout.from_wire(w).params for w in describe)  # not a stale reply
     _restored(cluster)
 
 
@@ -178,11 +182,10 @@ def test_trainer_dying_after_its_vote(cluster):
 
     llm = cluster.engines[0]
     old, new = _armed(cluster)
-    msg, seconds = _fault(cluster, trainer_command="refit_with_fault",
-                          trainer_args=(1, Fault("exit", at="after_vote")))
+    msg, seconds = _fault(cluster, faults=Faults(TrainerFault(1, Fault("exit", at="after_vote"))))
     assert "training rank 1 died" in msg and seconds < DEATH_S, (seconds, msg)
     st = cluster.driver.status()
-    assert len({s["version"] for s in st}) == 1 and all(s["state"] == "serving" for s in st), st
+    assert len({s.version for s in st}) == 1 and all(s.state == "serving" for s in st), st
     assert not llm.llm_engine.is_sleeping()
     served = _served(llm)
     assert served == old or token_mult_prob_error(served, new) < 1.02  # one model, whichever
@@ -223,7 +226,7 @@ def test_async_engine_clients_get_nothing_while_gated_and_the_restored_weights_a
             c.step(TOKENS)
             c.driver.refit_config = replace(c.refit, atomic=False)
             last = max(t.bucket for t in c.driver.plan.for_rank("src", 0).transfers)  # most layers committed by then
-            msg, _ = _fault(c, trainer_command="refit_with_fault", trainer_args=(0, Fault("bitflip", bucket=last)))
+            msg, _ = _fault(c, faults=Faults(TrainerFault(0, Fault("bitflip", bucket=last))))
             assert "engine 0 is gated" in msg, msg
             pending = engine.submit(_async_prompt_logprobs(engine.engine, TOKENS))
             with pytest.raises(concurrent.futures.TimeoutError):
@@ -232,7 +235,7 @@ def test_async_engine_clients_get_nothing_while_gated_and_the_restored_weights_a
             m = c.driver.refit()
             assert m.verified
             served = pending.result(timeout=60)
-            train = c.pool.call("logprobs", [TOKENS])[0][0]
+            train = c.pool.logprobs([TOKENS]).wait()[0][0]
             assert token_mult_prob_error(served, train) < 1.02  # the restored (trained) weights only
             assert served == engine.submit(_async_prompt_logprobs(engine.engine, TOKENS)).result(timeout=60)
     finally:

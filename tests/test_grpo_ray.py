@@ -19,6 +19,10 @@ import pytest
 
 psutil = pytest.importorskip("psutil")
 
+from support.background import BACKGROUND, track  # noqa: E402
+
+pytestmark = pytest.mark.slow  # every test runs GRPO: megatron ranks, a vLLM engine, Ray
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "grpo-tiny-moe-cpu.yaml"
 
@@ -65,20 +69,12 @@ def _lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def test_embedded_run_learns_every_refit_verified_and_ctrl_c_stops_it(tmp_path):
-    """The default path (``mcore-reshard grpo RECIPE`` = ``make demo``: an embedded Ray
-    cluster) runs 8+ steps and is interrupted (Ctrl-C):
-
-    * every refit verified (checksums every step, ``verify=full`` every 4th), bytes moved equal
-      the minimum, ``token_mult_prob_error`` at fp32's bound, NeMo RL's timing keys;
-    * the policy learns: reward rises far above a random policy's;
-    * Ctrl-C: exit 130 after a clean shutdown, the metrics and plot written, every process of
-      the run gone, no Ray token written to the home directory (token auth runs on a per-job
-      token in the environment), no Ray session files left in /tmp.
-    """
-    home = tmp_path / "home"
+def _embedded_run(workdir: Path) -> dict:
+    """``mcore-reshard grpo RECIPE`` (= ``make demo``: an embedded Ray cluster) until 8 steps are
+    logged, then Ctrl-C; returns what it printed, logged and left behind."""
+    home = workdir / "home"
     home.mkdir()
-    logs = tmp_path / "logs"
+    logs = workdir / "logs"
     metrics = logs / "metrics.jsonl"
     tmp_before = set(Path("/tmp").glob("mr_ray_*"))
     before = set(_run_processes())
@@ -88,7 +84,7 @@ def test_embedded_run_learns_every_refit_verified_and_ctrl_c_stops_it(tmp_path):
     env.pop("RAY_AUTH_MODE", None)
     cmd = [sys.executable, "-m", "mcore_reshard.cli", "grpo", str(RECIPE), "grpo.max_num_steps=50",
            f"logger.log_dir={logs}"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = track(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     try:
         deadline = time.monotonic() + 400
         while len(_lines(metrics)) < 8:
@@ -102,11 +98,33 @@ def test_embedded_run_learns_every_refit_verified_and_ctrl_c_stops_it(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 130, err[-2000:]
+    png = logs / "grpo.png"
+    return dict(returncode=proc.returncode, out=out, err=err, steps=_lines(metrics),
+                png=png.read_bytes()[:8] if png.exists() else None,
+                survivors=_survivors(before, "MR_TEST_RUN", marker), home_ray=(home / ".ray").exists(),
+                tmp_before=tmp_before, tmp_after=set(Path("/tmp").glob("mr_ray_*")))
+
+
+def test_embedded_run_learns_every_refit_verified_and_ctrl_c_stops_it():
+    """The default path (``mcore-reshard grpo RECIPE`` = ``make demo``: an embedded Ray
+    cluster) runs 8+ steps and is interrupted (Ctrl-C):
+
+    * every refit verified (checksums every step, ``verify=full`` every 4th), bytes moved equal
+      the minimum, ``token_mult_prob_error`` at fp32's bound, NeMo RL's timing keys;
+    * the policy learns: reward rises far above a random policy's;
+    * Ctrl-C: exit 130 after a clean shutdown, the metrics and plot written, every process of
+      the run gone, no Ray token written to the home directory (token auth runs on a per-job
+      token in the environment), no Ray session files left in /tmp.
+
+    The run itself starts in the background when the session starts (``BACKGROUND_JOBS``).
+    """
+    r = BACKGROUND.result("grpo-embedded", _embedded_run)
+    err, out = r["err"], r["out"]
+    assert r["returncode"] == 130, err[-2000:]
     assert "interrupted" in err
-    steps = _lines(metrics)
+    steps = r["steps"]
     assert 8 <= len(steps) < 50 and [s["step"] for s in steps] == list(range(len(steps)))
-    assert (logs / "grpo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "plot:" in out
+    assert r["png"] == b"\x89PNG\r\n\x1a\n" and "plot:" in out
 
     for s in steps:
         assert s["refit_verified"] is True
@@ -122,33 +140,55 @@ def test_embedded_run_learns_every_refit_verified_and_ctrl_c_stops_it(tmp_path):
     assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.2
     assert sum(rewards[-2:]) / 2 > 0.125 + 0.2
 
-    assert not _survivors(before, "MR_TEST_RUN", marker), "processes survived the interrupted run"
-    assert not (home / ".ray").exists()  # (vLLM and matplotlib keep their caches under ~/.cache, ~/.config)
-    assert set(Path("/tmp").glob("mr_ray_*")) == tmp_before
+    assert not r["survivors"], "processes survived the interrupted run"
+    assert not r["home_ray"]  # (vLLM and matplotlib keep their caches under ~/.cache, ~/.config)
+    assert r["tmp_after"] == r["tmp_before"]
 
 
-def test_colocated_run_keeps_same_device_bytes_off_the_group(tmp_path):
-    """``policy.generation.colocated.enabled``: training rank i and vLLM worker i share device
-    slot i (2 trainers, 2 engines of TP1). Every refit of the run is verified at the minimum
-    bytes, part of them through shared memory (trainer i -> worker i), part over the group
-    (the other trainer's experts), ``verify=full`` passes, and no segment is left behind."""
+def _colocated_run(workdir: Path) -> dict:
+    """``mcore-reshard grpo RECIPE`` colocated for two steps; what it logged, and the shared-
+    memory segments before and after."""
     from mcore_reshard.transport.shm import PREFIX, SHM_DIR
 
-    logs = tmp_path / "logs"
+    logs = workdir / "logs"
     segments = set(Path(SHM_DIR).glob(PREFIX + "*"))
     cmd = [sys.executable, "-m", "mcore_reshard.cli", "grpo", str(RECIPE), "policy.generation.colocated.enabled=true",
            "cluster.gpus_per_node=2", "grpo.max_num_steps=2", "grpo.verify_full_every_n_steps=2",
            f"logger.log_dir={logs}"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
-    assert out.returncode == 0, out.stderr[-2000:]
-    steps = _lines(logs / "metrics.jsonl")
+    proc = track(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        out, err = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return dict(returncode=proc.returncode, stderr=err, steps=_lines(logs / "metrics.jsonl"),
+                segments_before=segments, segments_after=set(Path(SHM_DIR).glob(PREFIX + "*")))
+
+
+def test_colocated_run_keeps_same_device_bytes_off_the_group():
+    """``policy.generation.colocated.enabled``: training rank i and vLLM worker i share device
+    slot i (2 trainers, 2 engines of TP1). Every refit of the run is verified at the minimum
+    bytes, part of them through shared memory (trainer i -> worker i), part over the group
+    (the other trainer's experts), ``verify=full`` passes, and no segment is left behind.
+    The run starts in the background when the session starts (``BACKGROUND_JOBS``)."""
+    r = BACKGROUND.result("grpo-colocated", _colocated_run)
+    assert r["returncode"] == 0, r["stderr"][-2000:]
+    steps = r["steps"]
     assert len(steps) == 2
     for s in steps:
         assert s["refit_verified"] is True and s["refit_bytes_moved"] == s["refit_bytes_min"] > 0
         assert 0 < s["refit_bytes_same_device"] < s["refit_bytes_moved"]
         assert 1.0 <= s["token_mult_prob_error"] <= 1.001
     assert [s["refit_full_verified"] for s in steps] == [False, True]
-    assert set(Path(SHM_DIR).glob(PREFIX + "*")) == segments
+    assert r["segments_after"] == r["segments_before"]
+
+
+#: Runs ``conftest.py`` starts when the session starts (one at a time, on a background thread)
+#: for these tests: self-contained CLI runs, asserted on where the file order puts the tests.
+BACKGROUND_JOBS = {
+    "test_embedded_run_learns_every_refit_verified_and_ctrl_c_stops_it": ("grpo-embedded", _embedded_run),
+    "test_colocated_run_keeps_same_device_bytes_off_the_group": ("grpo-colocated", _colocated_run),
+}
 
 
 @pytest.fixture(scope="module")

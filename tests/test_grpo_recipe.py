@@ -61,6 +61,7 @@ def loop_stub(monkeypatch):
 
 
 # 4n8g only: the 8n8g recipe's dry run is checked by its table test (each costs a full-size plan).
+@pytest.mark.heavy  # full-size plans
 @pytest.mark.parametrize("path, train, gen, engines, train_nodes, gen_nodes", QWEN[:1], ids=["4n8g"])
 def test_qwen_dry_run_json_agrees_with_the_plan(path, train, gen, engines, train_nodes, gen_nodes, capsys):
     plan = _json(capsys, ["plan", "--json", "--recipe", str(path)])
@@ -86,6 +87,7 @@ def test_qwen_dry_run_json_agrees_with_the_plan(path, train, gen, engines, train
     assert rep["local_problem"] and "transformer_impl" in rep["local_problem"]
 
 
+@pytest.mark.heavy  # a full-size plan
 def test_qwen_4n8g_dry_run_table(capsys):
     assert main(["grpo", str(QWEN_4N), "--dry-run"]) == 0
     text = capsys.readouterr().out
@@ -98,6 +100,7 @@ def test_qwen_4n8g_dry_run_table(capsys):
     assert "(= minimum)" in text
 
 
+@pytest.mark.heavy  # a full-size plan
 def test_qwen_8n8g_dry_run_table_names_the_published_figure(capsys):
     assert main(["grpo", str(QWEN_8N), "--dry-run"]) == 0
     text = capsys.readouterr().out
@@ -106,6 +109,7 @@ def test_qwen_8n8g_dry_run_table_names_the_published_figure(capsys):
     assert "refit 12 s of a 167 s step" in text
 
 
+@pytest.mark.heavy  # a full-size plan
 def test_nccl_reshard_layout_shows_nemo_rl_figure(capsys):
     """EP8xPP2 -> two engines of TP8: NeMo RL's nccl_reshard measurement sits beside our model."""
     rep = _json(capsys, ["grpo", str(QWEN_4N), "policy.generation.vllm_cfg.tensor_parallel_size=8", "--dry-run",

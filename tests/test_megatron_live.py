@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcore_reshard.adapters.megatron.build import run_world
 from mcore_reshard.adapters.megatron.rules import TIED_OUTPUT_NOTE, MegatronParallel, megatron_layout, \
     megatron_rank_params
 from mcore_reshard.layout import spec_from_hf_config
 from mcore_reshard.testing.tiny import TINY_DENSE, TINY_MOE, make_tiny_checkpoint
+from support.megatron import run_world  # warm rank processes, one per world size (conftest.py)
 
 from _megatron_jobs import canonical_ids, layout_job
 

@@ -147,6 +147,7 @@ def test_uneven_pp():
     assert stage_layers(10, par) == (((0, 1), (5, 6)), ((2, 3), (7, 8)), ((4,), (9,)))
 
 
+@pytest.mark.heavy  # imports megatron-core (~4 s)
 @pytest.mark.parametrize("num_layers, pp, vpp, first, last", [
     (8, 2, 2, None, None), (12, 3, 2, None, None), (16, 4, 4, None, None), (94, 8, 1, 10, 12),
     (10, 3, 2, None, 2), (10, 3, 2, 2, None), (14, 4, 2, 2, 4), (9, 2, 1, 4, None), (9, 2, 1, None, 4),

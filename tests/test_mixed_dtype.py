@@ -23,7 +23,7 @@ from mcore_reshard.ports import free_port
 from mcore_reshard.transport.executor import TensorSink, execute_plan
 from mcore_reshard.transport.group import RankMap, RefitGroup
 from mcore_reshard.transport.local import run_plan_locally
-from test_transport import _spawn, canonical, expected_equal, refit_once
+from support.worlds import canonical, expected_equal, refit_once, spawn_ranks
 from toy_layouts import split_layout
 
 BIAS = "mlp.gate.e_score_correction_bias"
@@ -199,7 +199,7 @@ def _mixed_main(rank: int, world: int, port: int, q: Any) -> None:
 
 @pytest.mark.slow
 def test_executor_carries_fp32_bits_in_a_bf16_refit():
-    res = _spawn(_mixed_main, 3, free_port(), wait_s=60.0)
+    res = spawn_ranks(_mixed_main, 3, free_port(), wait_s=60.0)
     dtype, reinterpret, bytes_min = res[0]["plan"]
     assert dtype == "bfloat16" and reinterpret == (("bias", "float32"), ("w32", "float32"))
     assert bytes_min == 12 * 8 * 2 + 8 * 4 + ZERO_COPY + 6 * 4 * 4 * 2
@@ -236,6 +236,7 @@ def test_tensor_sink_in_process_round_trip():
     assert math.isfinite(float(d["local.bias"].sum()))
 
 
+@pytest.mark.heavy  # imports megatron-core (~4 s)
 def test_live_expert_bias_is_read_in_fp32_as_training_uses_it():
     """Float16Module's cast reaches megatron's expert_bias buffer until the router's first
     forward puts it back in fp32; the live reader does that megatron step itself (rules: fp32)."""

@@ -39,7 +39,8 @@ def doc_plan_commands() -> list[tuple[str, list[str]]]:
 
 COMMANDS = doc_plan_commands()
 
-#: Full-size MoE plans take 10-40 s each on one core; the dense qwen3-8b one about one.
+#: Full-size MoE plans take 10-40 s each on one core (``heavy``: not in make test-fast); the
+#: dense qwen3-8b one about one.
 _FAST = ("model=qwen3-8b",)
 
 
@@ -58,7 +59,7 @@ def _fresh_plans():
 
 
 @pytest.mark.parametrize("args", [
-    pytest.param(args, id=where, marks=() if any(a in args for a in _FAST) else pytest.mark.slow)
+    pytest.param(args, id=where, marks=() if any(a in args for a in _FAST) else pytest.mark.heavy)
     for where, args in COMMANDS
 ])
 def test_doc_plan_command_plans(args, capsys, monkeypatch, _fresh_plans):
@@ -87,7 +88,7 @@ DEEPSEEK_V3 = ["model=deepseek-v3", "training.pp=16", "training.first_stage_laye
                "training.ep=64", "training.dp=64", "vllm.tp=8", "vllm.replicas=8", "vllm.enable_ep=true"]
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_redundant_expert_copies_meet_the_floor(_fresh_plans):
     """vLLM EPLB's 8 redundant slots hold experts 0..7 a second time on another rank of each
     node: relays count that rank as a second holder of the same box, so the box crosses into
@@ -100,7 +101,7 @@ def test_redundant_expert_copies_meet_the_floor(_fresh_plans):
     assert not any("direct path" in n or "not used" in n for n in plan.notes)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_redundant_expert_copies_with_the_default_buffer(_fresh_plans):
     """With 512 MiB buckets the busiest trainer alone needs ~1700 rounds: relaying the EPLB
     copies too would need more message tags than gloo has, so those copies keep the direct
@@ -113,7 +114,7 @@ def test_redundant_expert_copies_with_the_default_buffer(_fresh_plans):
     assert "redundant expert copies" in note and "message tags" in note
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_deepseek_v3_readme_layout_meets_the_floor(_fresh_plans):
     """The README's DeepSeek-V3 command: its fp32 router bias, carried as bf16 bits, is
     relayed inside each node (it reached one rank per node only, so the plan was refused for

@@ -15,7 +15,7 @@ from mcore_reshard.adapters.megatron.rules import MegatronParallel, megatron_lay
 from mcore_reshard.adapters.vllm.rules import VllmParallel, vllm_layout
 from mcore_reshard.config import resolve_model
 from mcore_reshard.layout import Box, LayoutError, LocalParam, Piece, SideLayout, View
-from mcore_reshard.plan import build_plan, planner
+from mcore_reshard.plan import buckets, build_plan
 from mcore_reshard.plan.types import Transfer, transfers_from_columns
 from toy_layouts import NAMED_LAYOUTS, split_layout, tiny_spec
 
@@ -210,11 +210,11 @@ def test_plans_without_numpy_are_the_same(monkeypatch):
     picked = [c for c in fixed_cases() if c[0].startswith("toy") or c[0] in (
         "moe -> vllm ep + redundant", "padded vocab both sides", "random 4", "qwen3-30b-a3b 2 layers default")]
     assert len(picked) == 10
-    monkeypatch.setattr(planner, "_np", None)
+    monkeypatch.setattr(buckets, "_np", None)
     for name, src, dst, bb in picked:
         assert build_plan(src, dst, bucket_bytes=bb).digest() == REFERENCE_DIGESTS[name], name
     monkeypatch.undo()
-    monkeypatch.setattr(planner, "_INT64_END", 1)  # every key "too large": Python ints
+    monkeypatch.setattr(buckets, "_INT64_END", 1)  # every key "too large": Python ints
     for name, src, dst, bb in picked:
         assert build_plan(src, dst, bucket_bytes=bb).digest() == REFERENCE_DIGESTS[name], name
 

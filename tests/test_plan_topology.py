@@ -13,19 +13,19 @@ from mcore_reshard.cli import main
 from mcore_reshard.errors import ConfigError
 from mcore_reshard.layout import Box
 from mcore_reshard.plan import get_plan
+from mcore_reshard.plan.floor import _covered
 from mcore_reshard.plan.planner import build_plan
 from mcore_reshard.plan.topology import (
     LINK_CLASSES,
     Links,
     Location,
-    Placement,
-    TopologyConfig,
-    _covered,
+    RankPlacement,
     hf_ipc_bytes,
     inter_node_minimum,
     placement_report,
     plan_for_placement,
 )
+from mcore_reshard.topology_config import TopologyConfig
 
 from toy_layouts import tiny_spec
 
@@ -43,10 +43,10 @@ def test_covered_counts_a_union_minus_another():
 
 
 def test_placements_and_link_classes():
-    sep = Placement.separate(10, 4, gpus_per_node=8)
+    sep = RankPlacement.separate(10, 4, gpus_per_node=8)
     assert sep.src[9] == Location(1, 1) and sep.dst[0] == Location(2, 0)  # engines start on a fresh node
     assert sep.link(0, 0) == "inter_node"
-    col = Placement.colocated(4, 4, gpus_per_node=2)
+    col = RankPlacement.colocated(4, 4, gpus_per_node=2)
     assert [col.link(0, d) for d in range(4)] == ["same_device", "intra_node", "inter_node", "inter_node"]
     with pytest.raises(ConfigError, match="topology.placement=colocated needs as many"):
         TopologyConfig(placement="colocated").place(4, 2)
@@ -63,7 +63,7 @@ def test_separate_nodes_floor_is_one_copy_per_inference_node():
     src = megatron_layout(spec, MegatronParallel(tp=2, ep=2, etp=1, dp=2))
     dst = vllm_layout(spec, VllmParallel(tp=2, replicas=4))
     plan = get_plan(src, dst, bucket_bytes=1 << 16)
-    place = Placement.separate(src.world_size, dst.world_size, gpus_per_node=4)
+    place = RankPlacement.separate(src.world_size, dst.world_size, gpus_per_node=4)
     rep = placement_report(plan, src, dst, place, Links(450, 50))
     full = _full_bytes(dst, plan.itemsize)
     assert rep.bytes_inter_node == plan.bytes_planned == plan.bytes_min and rep.bytes_intra_node == 0
@@ -125,7 +125,7 @@ def test_senders_prefer_the_same_device_then_the_same_node():
     src = split_layout(T, parts=1, dim=0, replicas=3)
     dst = split_layout(T, parts=2, dim=0, replicas=2)  # ranks 0, 1: engine 0; 2, 3: engine 1
     L = Location
-    place = Placement((L(0, 0), L(1, 0), L(1, 1)), (L(1, 1), L(1, 2), L(0, 3), L(2, 0)), gpus_per_node=4)
+    place = RankPlacement((L(0, 0), L(1, 0), L(1, 1)), (L(1, 1), L(1, 2), L(0, 3), L(2, 0)), gpus_per_node=4)
     plan = get_plan(src, dst, bucket_bytes=1 << 10, placement=place)
     senders = {d: {t.src for t in plan.transfers if t.dst == d} for d in range(4)}
     assert senders == {0: {2}, 1: {1, 2}, 2: {0}, 3: {0, 1, 2}}
@@ -144,7 +144,7 @@ def test_colocated_replicas_move_everything_on_their_own_device():
     spec = tiny_spec(moe=True)
     src = megatron_layout(spec, MegatronParallel(dp=4))
     dst = vllm_layout(spec, VllmParallel(tp=1, replicas=4))
-    place = Placement.colocated(4, 4, gpus_per_node=8)
+    place = RankPlacement.colocated(4, 4, gpus_per_node=8)
     plan = plan_for_placement(src, dst, place, bucket_bytes=1 << 16)
     rep = placement_report(plan, src, dst, place)
     assert rep.bytes_same_device == plan.bytes_planned == plan.bytes_min
@@ -181,7 +181,7 @@ def _eplb_layouts(experts: int, redundant: int, dp: int):
     spec = tiny_spec(moe=True, experts=experts)
     src = megatron_layout(spec, MegatronParallel(tp=1, ep=2, dp=2))
     dst = vllm_layout(spec, VllmParallel(tp=1, dp=dp, enable_ep=True, num_redundant_experts=redundant))
-    place = Placement.separate(src.world_size, dst.world_size, gpus_per_node=dst.world_size)
+    place = RankPlacement.separate(src.world_size, dst.world_size, gpus_per_node=dst.world_size)
     return src, dst, place
 
 
@@ -194,7 +194,7 @@ def _run_dst_slices(plan, src, dst, seed: int) -> dict:
     from mcore_reshard.layout.torch_views import TORCH_DTYPES
     from mcore_reshard.transport.executor import zero_fill_padding
     from mcore_reshard.transport.packing import message_numel, pack, unpack
-    from test_transport import canonical, locals_of
+    from support.worlds import canonical, locals_of
 
     canon = canonical(src.tensors, seed=seed)
     s = {r: locals_of(src, r, canon) for r in range(src.world_size)}
@@ -218,7 +218,7 @@ def test_redundant_expert_copies_on_one_node_cross_into_it_once():
     """vLLM EPLB: 8 experts + 4 redundant slots over 4 EP ranks -- rank 2 holds expert 0 in
     its last slot, rank 3 experts 1..3. Each copy is a second holder of the same box: the box
     crosses into the node once and the holder forwards it, the other unpacks it at its slot."""
-    from test_transport import expected_equal
+    from support.worlds import expected_equal
 
     src, dst, place = _eplb_layouts(experts=8, redundant=4, dp=4)
     plan = plan_for_placement(src, dst, place, bucket_bytes=1 << 13)
@@ -252,7 +252,7 @@ def test_a_rank_holding_an_expert_twice_keeps_the_direct_path_and_says_so():
     """4 experts + 8 redundant slots over 2 EP ranks: rank 0 holds experts 0, 1 twice. The
     node's floor counts them once, no relay forwards to the rank itself: those tensors keep
     the direct path, the notes say which and why -- a performance miss, never a PlanError."""
-    from test_transport import expected_equal
+    from support.worlds import expected_equal
 
     src, dst, place = _eplb_layouts(experts=4, redundant=8, dp=2)
     plan = plan_for_placement(src, dst, place, bucket_bytes=1 << 13)
@@ -280,12 +280,12 @@ def test_relays_of_a_tensor_carried_as_its_bits_reach_every_member():
     from mcore_reshard.layout.spec import spec_from_hf_config
     from mcore_reshard.transport.executor import zero_fill_padding
     from mcore_reshard.transport.local import run_plan_locally
-    from test_transport import canonical, expected_equal, locals_of
+    from support.worlds import canonical, expected_equal, locals_of
 
     spec = spec_from_hf_config(TINY_DEEPSEEK_V3, dtype="bfloat16")
     src = megatron_layout(spec, MegatronParallel(tp=2, ep=2, etp=1))
     dst = vllm_layout(spec, VllmParallel(tp=2, replicas=2))
-    place = Placement.separate(src.world_size, dst.world_size, gpus_per_node=4)
+    place = RankPlacement.separate(src.world_size, dst.world_size, gpus_per_node=4)
     plan = plan_for_placement(src, dst, place, bucket_bytes=1 << 14)
     assert plan.reinterpret and plan.relay_groups
     rep = placement_report(plan, src, dst, place)
@@ -302,12 +302,12 @@ def test_relays_of_a_tensor_carried_as_its_bits_reach_every_member():
 
 
 def test_bucket_rounds_skip_rounds_without_room_at_once():
-    """``_rounds``' skip list (``_first_fit``) places every part where the one-by-one scan
+    """``assign_buckets``' skip list (``_first_fit``) places every part where the one-by-one scan
     does: a busy sender whose rounds are left just short of full by equal parts (the case
     that made a 2000-round plan take minutes), with charged relay members, and random ones."""
     import random
 
-    from mcore_reshard.plan import planner
+    from mcore_reshard.plan import buckets
 
     def scan(src, dst, nbytes, budget, num_src, num_dst, extra):
         levels, cur, full, out = [], [0] * (num_src + num_dst), budget - (budget >> 6), []
@@ -324,7 +324,7 @@ def test_bucket_rounds_skip_rounds_without_room_at_once():
             for k, a in zip(ranks, after):
                 levels[r][k] = a
                 if a > full and r == cur[k]:
-                    planner._advance(cur, k, levels, full)
+                    buckets._advance(cur, k, levels, full)
             out.append(r)
         return out
 
@@ -340,4 +340,4 @@ def test_bucket_rounds_skip_rounds_without_room_at_once():
         cases += [(src, dst, nbytes, extra), (src, dst, nbytes, [None] * n)]
     for src, dst, nbytes, extra in cases:
         want = scan(src, dst, nbytes, budget, 3, 5, extra)
-        assert planner._rounds(src, dst, nbytes, budget, 3, 5, extra) == want
+        assert buckets.assign_buckets(src, dst, nbytes, budget, 3, 5, extra) == want

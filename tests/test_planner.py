@@ -161,6 +161,7 @@ def test_shape_and_dtype_mismatch_named_before_planning():
         build_plan(src, dst16)
 
 
+@pytest.mark.slow  # a subprocess
 def test_planning_imports_neither_megatron_nor_vllm_nor_torch():
     """Full-size plans are computed from metadata anywhere: the whole metadata path (specs,
     both rule sets, planner, report, DTensor forms) must not pull in the heavy libraries."""

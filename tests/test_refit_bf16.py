@@ -1,6 +1,10 @@
 """The production training stack, refit: bf16 through megatron's Float16Module, DDP and the
 distributed optimizer (fp32 main weights, overlapped parameter all-gather), each refit after
-an optimizer step and verified by checksums, ``verify=full`` and token_mult_prob_error."""
+an optimizer step and verified by checksums, ``verify=full`` and token_mult_prob_error.
+
+The MoE engine and the TP2xEP2 trainer pool (shared with ``test_faults``) are the session's
+(``conftest.py``): every test refits before it asserts on the engine's weights. Pools used
+once are started here and closed."""
 
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from mcore_reshard.layout import load_model_spec
 from mcore_reshard.policy import RefitConfig
 from mcore_reshard.protocol import VerifyMode
 from mcore_reshard.refit import TOKEN_MULT_PROB_BOUND, local_cluster
+from support.live import cluster
 
 pytestmark = pytest.mark.slow
 
@@ -36,17 +41,19 @@ def _model(tmp_path_factory, name, **kw):
     return load_model_spec(ckpt, dtype="bfloat16"), ckpt, llm
 
 
-@pytest.fixture(scope="module")
-def moe(tmp_path_factory):
-    spec, ckpt, llm = _model(tmp_path_factory, "moe", moe=True)
-    try:
-        yield spec, ckpt, llm
-    finally:
-        stop_engine(llm)
+@pytest.fixture
+def moe(ckpt_cache, shared_engine):
+    ckpt = ckpt_cache.get(moe=True, dtype="bfloat16", seed=13)
+    return load_model_spec(ckpt, dtype="bfloat16"), ckpt, shared_engine(ckpt, tp=1, dtype="bfloat16")
+
+
+#: The session's pool for this layout (test_faults refits from it too); others start their own.
+SHARED = MegatronParallel(tp=2, ep=2, etp=1)
 
 
 def _train_and_refit(spec, ckpt, llm, training, **kw):
-    with local_cluster(spec, ckpt, training, VllmParallel(tp=1), CFG, train={"lr": 0.05}, engines=[llm], **kw) as c:
+    start = cluster if training == SHARED else local_cluster
+    with start(spec, ckpt, training, VllmParallel(tp=1), CFG, train={"lr": 0.05}, engines=[llm], **kw) as c:
         c.refit_once()
         c.step(TOKENS)
         stale = c.logprob_error(TOKENS)
@@ -99,11 +106,13 @@ def test_fp32_trainer_into_a_bf16_engine_casts_while_packing(moe, tmp_path):
     _, ckpt, llm = moe
     spec32 = load_model_spec(ckpt, dtype="float32")
     with pytest.raises(PlanError, match=r"model\..* float32 .* bfloat16"):
-        with local_cluster(spec32, ckpt, MegatronParallel(tp=2), VllmParallel(tp=1), CFG, engines=[llm]):
+        # (its trainer pool goes back to the cache and takes the next refit)
+        with cluster(spec32, ckpt, MegatronParallel(tp=2), VllmParallel(tp=1), CFG, train={"lr": 0.05},
+                     engines=[llm]):
             pass
     cast = replace(CFG, allow_cast=True)
-    with local_cluster(spec32, ckpt, MegatronParallel(tp=2), VllmParallel(tp=1), cast, train={"lr": 0.05},
-                       engines=[llm]) as c:
+    with cluster(spec32, ckpt, MegatronParallel(tp=2), VllmParallel(tp=1), cast, train={"lr": 0.05},
+                 engines=[llm]) as c:
         plan = c.driver.plan
         assert plan.itemsize == 2 and plan.casts and all(f == "float32" and t == "bfloat16" for _, f, t in plan.casts)
         c.step(TOKENS)

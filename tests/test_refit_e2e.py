@@ -1,8 +1,11 @@
 """End to end on the real stack: megatron-core TP2xEP2 ranks -> vLLM TP2 engine, through the
 two endpoints and the driver.
 
-One engine and one trainer pool for the module (each start costs 15-30 s). Order matters:
-the last test kills a training rank mid-refit and leaves the pool broken.
+The session's TP2 engine and TP2xEP2 trainer pool of the fp32 tiny MoE (``conftest.py``;
+each start costs 15-30 s): the engine serves what the previous test refit, the pool holds
+weights earlier tests trained, so every check refits first and compares relative changes.
+Order matters: the last test kills a training rank mid-refit and leaves the pool broken (the
+cache then stops it) and refits the engine from a new pool of its own.
 """
 
 from __future__ import annotations
@@ -15,12 +18,13 @@ import pytest
 from mcore_reshard.adapters.megatron.rules import MegatronParallel
 from mcore_reshard.adapters.vllm.engine import greedy, prompt_logprobs
 from mcore_reshard.adapters.vllm.rules import VllmParallel
-from mcore_reshard.checkpoint import make_tiny_checkpoint
 from mcore_reshard.errors import RefitFailed
+from mcore_reshard.faults import Faults, TrainerFault
 from mcore_reshard.layout import load_model_spec
 from mcore_reshard.policy import RefitConfig
 from mcore_reshard.protocol import VerifyMode
 from mcore_reshard.refit import local_cluster
+from support.live import cluster as shared_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -30,12 +34,14 @@ EXACT = 1.0 + 1e-5  # token_mult_prob_error of two computations of the same fp32
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-moe", moe=True, seed=3)
+def cluster(ckpt_cache, engine_cache):
+    ckpt = ckpt_cache.get(moe=True, seed=7)
     spec = load_model_spec(ckpt, dtype="float32")
-    with local_cluster(spec, ckpt, MegatronParallel(tp=2, ep=2, etp=1), VllmParallel(tp=2),
-                       RefitConfig(buffer_bytes=1 << 16, timeout_s=30.0), train={"lr": 0.05}) as c:
+    llm = engine_cache.get(ckpt, tp=2)
+    with shared_cluster(spec, ckpt, MegatronParallel(tp=2, ep=2, etp=1), VllmParallel(tp=2),
+                        RefitConfig(buffer_bytes=1 << 16, timeout_s=30.0), train={"lr": 0.05}, engines=[llm]) as c:
         yield c
+    engine_cache.check(llm)
 
 
 def test_plan_from_live_descriptors_equals_the_rules(cluster):
@@ -121,12 +127,12 @@ def test_bit_flipped_in_flight_aborts_every_rank_fast_and_the_old_model_keeps_se
     old = prompt_logprobs(llm, TOKENS)
     t0 = time.monotonic()
     with pytest.raises(RefitFailed) as err:
-        cluster.driver.refit(trainer_command="refit_with_fault", trainer_args=(0, Fault("bitflip", bucket=1)))
+        cluster.driver.refit(faults=Faults(TrainerFault(0, Fault("bitflip", bucket=1))))
     assert time.monotonic() - t0 < 10  # an abort signal, not the 30 s timeout
     msg = str(err.value)
     assert "checksum mismatch" in msg and "model." in msg and "vLLM destination rank" in msg  # who, and which parameter
     for st in cluster.driver.status():  # atomic: every worker voted abort
-        assert st["state"] == "serving" and st["committed"] is False, st
+        assert st.state == "serving" and st.committed is False, st
     assert prompt_logprobs(llm, TOKENS) == old  # generate serves exactly the old model
     m = cluster.refit_once()  # the next refit rejoins and restores service with the new weights
     assert m.verified and cluster.logprob_error(TOKENS) < EXACT
@@ -145,8 +151,8 @@ def test_failed_streaming_refit_refuses_generation_until_a_refit_succeeds(cluste
     cluster.driver.refit_config = streaming
     try:
         with pytest.raises(RefitFailed, match="checksum mismatch"):
-            cluster.driver.refit(trainer_command="refit_with_fault", trainer_args=(0, Fault("bitflip", bucket=2)))
-        assert any(st["state"] == "not_serving" for st in cluster.driver.status())
+            cluster.driver.refit(faults=Faults(TrainerFault(0, Fault("bitflip", bucket=2))))
+        assert any(st.state == "not_serving" for st in cluster.driver.status())
         with pytest.raises(RefitIncomplete, match="not serving"):
             prompt_logprobs(llm, TOKENS)
         with pytest.raises(RefitIncomplete):
@@ -164,13 +170,13 @@ def test_trainer_dying_mid_refit_aborts_every_rank_and_the_engine_keeps_the_old_
     old = prompt_logprobs(llm, TOKENS)
     t0 = time.monotonic()
     with pytest.raises(RefitFailed) as err:
-        cluster.driver.refit(trainer_command="refit_and_die", trainer_args=(1, 5))
+        cluster.driver.refit(faults=Faults(TrainerFault(1, die_after_reads=5)))
     assert time.monotonic() - t0 < 10  # the peer that saw the connection close aborted every rank
     assert "training rank 1 died" in str(err.value)
     # atomic (the default): every worker voted abort, none committed -> generation serves the
     # old model exactly, not a half-written one
     for st in cluster.driver.status():
-        assert st["state"] == "serving" and st["committed"] is False, st
+        assert st.state == "serving" and st.committed is False, st
     assert prompt_logprobs(llm, TOKENS) == old
     assert greedy(llm, [TOKENS], 4) == greedy(llm, [TOKENS], 4)
     # a new trainer pool (a restarted job) refits the same engine and restores service

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import torch
 
-from mcore_reshard.plan.topology import Placement, placement_report, plan_for_placement, relay_groups
+from mcore_reshard.plan.topology import RankPlacement, placement_report, plan_for_placement, relay_groups
 from mcore_reshard.ports import free_port
 from mcore_reshard.transport.group import RankMap, RefitGroup
-from test_transport import FlippingSink, T, _ship, _spawn, refit_once
+from support.worlds import T, FlippingSink, refit_once, ship, spawn_ranks
 from toy_layouts import split_layout
 
 NUM_SRC, PARTS, REPLICAS = 2, 2, 2
@@ -35,13 +35,13 @@ def _run_rank(rank: int, world: int, port: int, q: Any, num_src: int, num_dst: i
         group.close()
     except BaseException:  # noqa: BLE001 -- ship every failure to the parent
         out = {"crash": traceback.format_exc()}
-    _ship(q, rank, out)
+    ship(q, rank, out)
 
 
 def _layouts():
     src = split_layout(T, parts=NUM_SRC, dim=0)
     dst = split_layout(T, parts=PARTS, dim=1, replicas=REPLICAS, pad_rows=1)  # rank r*PARTS + p
-    place = Placement.separate(NUM_SRC, PARTS * REPLICAS, gpus_per_node=8)  # all inference ranks on node 1
+    place = RankPlacement.separate(NUM_SRC, PARTS * REPLICAS, gpus_per_node=8)  # all inference ranks on node 1
     plan = plan_for_placement(src, dst, place, bucket_bytes=96)
     return src, dst, place, plan
 
@@ -76,7 +76,7 @@ def _relay_main(rank: int, world: int, port: int, q: Any) -> None:
 @pytest.mark.slow
 def test_relayed_refit_writes_every_member_and_catches_a_bad_write():
     world = NUM_SRC + PARTS * REPLICAS
-    res = _spawn(_relay_main, world, free_port())
+    res = spawn_ranks(_relay_main, world, free_port())
     one_copy = sum(math.prod(s) * 4 for s, _ in T.values())
     ok = {r: res[r]["ok"] for r in range(world)}
     for r in range(NUM_SRC, world):
@@ -106,7 +106,7 @@ def _moe_layouts():
     spec = tiny_spec(moe=True)
     src = megatron_layout(spec, MegatronParallel(tp=2, ep=2, etp=1))
     dst = vllm_layout(spec, VllmParallel(tp=1, replicas=2))
-    place = Placement((Location(0, 0), Location(0, 1)), (Location(1, 0), Location(1, 1)), gpus_per_node=2)
+    place = RankPlacement((Location(0, 0), Location(0, 1)), (Location(1, 0), Location(1, 1)), gpus_per_node=2)
     return src, dst, plan_for_placement(src, dst, place, bucket_bytes=1 << 15)
 
 
@@ -127,7 +127,7 @@ def test_both_members_relay_in_one_bucket():
     assert plan.relay_groups == ((0, 1),)
     both = [k for k in range(plan.num_buckets) if {t.dst for t in plan.transfers if t.bucket == k} == {0, 1}]
     assert both  # the case that needs the order
-    res = _spawn(_moe_main, 4, free_port())
+    res = spawn_ranks(_moe_main, 4, free_port())
     for r in (2, 3):
         assert res[r]["err"] is None, res[r]["err"]
         assert res[r]["bad"] == [] and res[r]["stats"].verified and res[r]["stats"].bytes_sent > 0
@@ -148,7 +148,7 @@ def _tp2_layouts(nkv: int = 2):
     spec = tiny_spec(moe=True, nkv=nkv)
     src = megatron_layout(spec, MegatronParallel(tp=2, ep=2, etp=1))
     dst = vllm_layout(spec, VllmParallel(tp=2, replicas=2))
-    place = Placement.separate(src.world_size, dst.world_size, gpus_per_node=4)  # node 0 trains, node 1 serves
+    place = RankPlacement.separate(src.world_size, dst.world_size, gpus_per_node=4)  # node 0 trains, node 1 serves
     return src, dst, place, plan_for_placement(src, dst, place, bucket_bytes=1 << 13)
 
 
@@ -161,7 +161,7 @@ def test_replicated_pieces_cross_into_a_node_once(nkv):
     from mcore_reshard.plan import get_plan
     from mcore_reshard.transport.executor import zero_fill_padding
     from mcore_reshard.transport.local import run_plan_locally
-    from test_transport import canonical, expected_equal, locals_of
+    from support.worlds import canonical, expected_equal, locals_of
 
     src, dst, place, plan = _tp2_layouts(nkv)
     assert relay_groups(dst, place) == ((0, 2), (1, 3))
@@ -215,7 +215,7 @@ def test_piece_relayed_refit_over_gloo_writes_every_member_and_names_a_bad_forwa
     norm = [t for t, g in zip(plan.transfers, plan.relay_of) if t.canonical == "model.norm.weight"]
     assert len(norm) == 1 and norm[0].dst != 3  # rank 3 gets it forwarded
     world = src.world_size + dst.world_size
-    res = _spawn(_tp2_main, world, free_port())
+    res = spawn_ranks(_tp2_main, world, free_port())
     rep = placement_report(plan, src, dst, place)
     for r in range(world):
         assert "crash" not in res[r], res[r].get("crash")
@@ -261,7 +261,7 @@ def _eplb_layouts():
     spec = tiny_spec(moe=True)
     src = megatron_layout(spec, MegatronParallel(tp=1, ep=2, dp=2))
     dst = vllm_layout(spec, VllmParallel(tp=1, dp=4, enable_ep=True, num_redundant_experts=4))
-    place = Placement.separate(src.world_size, dst.world_size, gpus_per_node=4)
+    place = RankPlacement.separate(src.world_size, dst.world_size, gpus_per_node=4)
     return src, dst, place, plan_for_placement(src, dst, place, bucket_bytes=1 << 13)
 
 
@@ -300,7 +300,7 @@ def test_redundant_expert_copies_relayed_over_gloo_land_in_their_own_slots():
     rep = placement_report(plan, src, dst, place)
     assert plan.relay_sites and rep.bytes_inter_node == rep.bytes_inter_node_min
     world = src.world_size + dst.world_size
-    res = _spawn(_eplb_main, world, free_port())
+    res = spawn_ranks(_eplb_main, world, free_port())
     for r in range(world):
         assert "crash" not in res[r], res[r].get("crash")
         ok = res[r]["ok"]

@@ -14,48 +14,16 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from mcore_reshard.layout.torch_views import TORCH_DTYPES, local_view, materialize_local
+from mcore_reshard.layout.torch_views import local_view, materialize_local
 from mcore_reshard.plan import build_plan
 from mcore_reshard.transport.checksum import checksum, checksums, digest
 from mcore_reshard.transport.executor import TensorSink, execute_plan, raw_send_bandwidth, zero_fill_padding
 from mcore_reshard.transport.group import RankMap, RefitError, RefitGroup, RefitTimeout
 from mcore_reshard.ports import free_port
+from support.worlds import (T, T16, FlippingSink, canonical, expected_equal, locals_of, refit_once, ship,
+                            spawn_ranks)
 from toy_layouts import split_layout
-
-T = {"a": ((12, 8), "float32"), "b": ((8,), "float32"), "c": ((6, 4, 4), "float32")}
-T16 = {k: (s, "bfloat16") for k, (s, _) in T.items()}
-
-
-
-def canonical(tensors: dict, seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {k: torch.randn(s, generator=g).to(TORCH_DTYPES[d]) for k, (s, d) in tensors.items()}
-
-
-def locals_of(layout, rank: int, canon: dict | None) -> dict[str, torch.Tensor]:
-    """Source locals from ``canon``; destination locals (canon None) full of NaN."""
-    return {
-        p.name: materialize_local(p, canon) if canon is not None
-        else torch.full(p.shape, float("nan"), dtype=TORCH_DTYPES[p.dtype])
-        for p in layout.for_rank(rank)
-    }
-
-
-def expected_equal(layout, rank: int, canon: dict, got: dict[str, torch.Tensor]) -> list[str]:
-    """Names of local tensors that are not bit-for-bit what the descriptors say (padding 0)."""
-    bad = []
-    for p in layout.for_rank(rank):
-        exp = materialize_local(p, canon)
-        if not torch.equal(exp.view(-1).view(_int(exp)), got[p.name].reshape(-1).view(_int(exp))):
-            bad.append(p.name)
-    return bad
-
-
-def _int(t: torch.Tensor) -> torch.dtype:
-    return {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
-
 
 # -- packing ---------------------------------------------------------------------------------
 
@@ -208,42 +176,6 @@ def test_stuck_peer_times_out_naming_it_and_the_bucket():
 # -- spawned worlds --------------------------------------------------------------------------
 
 
-class FlippingSink(TensorSink):
-    """Writes correctly, then corrupts one element of ``target`` (a broken applier)."""
-
-    def __init__(self, tensors, target: str) -> None:
-        super().__init__(tensors)
-        self.target, self.done = target, False
-
-    def write(self, local_name, view, tensor) -> None:
-        super().write(local_name, view, tensor)
-        if local_name == self.target and not self.done:
-            self.tensors[local_name].view(-1)[view.offset] += 1.0
-            self.done = True
-
-
-def refit_once(plan, src, dst, s_rank, d_rank, group, rm, seed: int, *, tensors=T, sink=None,
-               digest: str | None = None, progress: bool = False) -> dict:
-    """One refit of ``canonical(tensors, seed)`` on this rank: its stats or one error line, and
-    the destination tensors that are not bit-for-bit what the descriptors say."""
-    sp = plan.for_rank("src", s_rank) if s_rank is not None else None
-    dp = plan.for_rank("dst", d_rank) if d_rank is not None else None
-    canon = canonical(tensors, seed)
-    s = locals_of(src, s_rank, canon) if s_rank is not None else {}
-    d = locals_of(dst, d_rank, None) if d_rank is not None else {}
-    try:
-        stats = execute_plan(sp, dp, s, d if sink is None else sink(d), group, rm, timeout_s=20.0,
-                             plan_digest=plan.digest() if digest is None else digest, progress=progress)
-        err = None
-    except RefitError as e:
-        stats, err = None, str(e)
-    bad = None
-    if d_rank is not None:
-        zero_fill_padding(d, dst.for_rank(d_rank))
-        bad = expected_equal(dst, d_rank, canon, d)
-    return {"stats": stats, "err": err, "bad": bad}
-
-
 def _world_main(rank: int, world: int, port: int, port2: int, q: Any) -> None:
     """2 sources (group 0, 1) + 2 destinations (group 2, 3); several checks in one world."""
     out: dict[str, Any] = {}
@@ -387,49 +319,12 @@ def _death_main(rank: int, world: int, port: int, q: Any) -> None:
         out["seconds"] = time.perf_counter() - t0
     except BaseException:  # noqa: BLE001
         out["crash"] = traceback.format_exc()
-    _ship(q, rank, out)  # the group is broken; do not run its destructor's waits
-
-
-def _ship(q: Any, rank: int, out: dict) -> None:
-    """Report a worker's results to the parent and exit at once (its group may be broken:
-    skip the destructors' waits)."""
-    q.put((rank, out))
-    q.close()
-    q.join_thread()
-    os._exit(0)
-
-
-def _spawn(target, world: int, *args, wait_s: float = 90.0) -> dict[int, dict]:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, world, *args, q), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, dict] = {}
-    try:
-        deadline = time.monotonic() + wait_s
-        while len(results) < world and time.monotonic() < deadline:
-            try:
-                r, out = q.get(timeout=max(0.1, deadline - time.monotonic()))
-            except Exception:  # noqa: BLE001 -- queue.Empty
-                break
-            results[r] = out
-        for p in procs:
-            p.join(timeout=max(0.1, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    assert len(results) == world, f"workers {sorted(set(range(world)) - set(results))} never reported"
-    for r, out in results.items():
-        assert "crash" not in out, f"rank {r} crashed:\n{out['crash']}"
-    return results
+    ship(q, rank, out)  # the group is broken; do not run its destructor's waits
 
 
 @pytest.mark.slow
 def test_refit_world_two_sources_two_destinations():
-    res = _spawn(_world_main, 4, free_port(), free_port())
+    res = spawn_ranks(_world_main, 4, free_port(), free_port())
     assert res[0]["buckets"] > 5  # small buffer: many rounds
 
     for key in ("ok", "again"):
@@ -469,7 +364,7 @@ def test_refit_world_two_sources_two_destinations():
 
 @pytest.mark.slow
 def test_peer_death_mid_refit_raises_naming_the_missing_rank():
-    res = _spawn(_death_main, 4, free_port(), wait_s=60.0)
+    res = spawn_ranks(_death_main, 4, free_port(), wait_s=60.0)
     assert res[1] == {"died": True}
     for r in (2, 3):  # both destinations wait on source rank 1
         err = res[r]["err"]
@@ -482,7 +377,7 @@ def test_zero_copy_boxes_skip_the_buffers_and_stay_verified():
     """Boxes >= DIRECT_MIN_BYTES that are contiguous on both sides are sent from the source
     tensor and received into the destination tensor; the checksums still prove what the
     destination holds (a corruption after landing is caught)."""
-    res = _spawn(_zero_copy_main, 3, free_port())
+    res = spawn_ranks(_zero_copy_main, 3, free_port())
     ok = res[2]["ok"]
     assert ok["err"] is None and ok["bad"] == [] and ok["stats"].verified
     w_bytes = 1024 * 1024 * 4

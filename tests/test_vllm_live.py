@@ -10,7 +10,6 @@ import hashlib
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("vllm")
 
 from mcore_reshard.adapters.vllm.engine import after_refit, describe, greedy, start_engine, stop_engine  # noqa: E402
 from mcore_reshard.layout.descriptor import LocalParam  # noqa: E402
@@ -19,6 +18,12 @@ from mcore_reshard.layout.torch_views import materialize_local  # noqa: E402
 from mcore_reshard.testing.tiny import load_canonical, make_tiny_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _vllm():
+    """Imported when these tests run, not when the suite is collected (vLLM takes ~10 s)."""
+    pytest.importorskip("vllm")
 
 #: vLLM's CPU attention supports head sizes >= 32 only.
 PROMPTS = [[1, 5, 9, 200, 17], [3, 4, 5], [700, 12, 999, 42, 8, 8]]

@@ -112,6 +112,7 @@ def test_ep_linear_placement_with_redundant_experts():
     assert w13.shape == (5, 64, 64) and w13.padding == 0  # whole experts, no MoE TP
 
 
+@pytest.mark.heavy  # imports vLLM (~5 s)
 def test_ep_placement_matches_vllm_determine_expert_map():
     from vllm.model_executor.layers.fused_moe.expert_map_manager import determine_expert_map
 
@@ -141,6 +142,7 @@ def test_round_robin_falls_back_to_linear():
     assert [_local_experts(spec, rr, r) for r in range(4)] == [_local_experts(spec, lin, r) for r in range(4)]
 
 
+@pytest.mark.heavy  # imports vLLM (~5 s)
 def test_pp_partition_matches_get_pp_indices(monkeypatch):
     from vllm.distributed.utils import get_pp_indices
 

@@ -1,6 +1,6 @@
 """GRPO's math, as NeMo RL's ``grpo_train`` and ``ClippedPGLossFn`` compute it: the task's
-reward, group-normalised advantages and the clipped-ratio loss with an optional KL penalty to
-a frozen reference. Pure functions (torch only where a gradient flows), no processes.
+reward and group-normalised advantages; the clipped-ratio loss with an optional KL penalty to a
+frozen reference is ``losses.clipped_pg_loss`` (re-exported here). Pure functions, no processes.
 """
 
 from __future__ import annotations
@@ -8,7 +8,9 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
+
+from ..losses import GrpoBatch, clipped_pg_loss  # re-exported: the loss lives below the training ranks
 
 __all__ = ["TargetTokensTask", "GrpoBatch", "group_advantages", "clipped_pg_loss", "completion_logprobs"]
 
@@ -61,38 +63,6 @@ def group_advantages(rewards: Sequence[float], group: int, *, normalize: bool = 
     return out
 
 
-@dataclass(frozen=True)
-class GrpoBatch:
-    """What the trainers need per sequence besides its tokens (index = sequence index)."""
-
-    advantages: tuple[float, ...]
-    prev_logprobs: tuple[tuple[float, ...], ...]  # policy logprobs before the step, per target position
-    reference_logprobs: tuple[tuple[float, ...], ...] | None  # frozen reference (KL), or None
-    prompt_length: int  # targets before prompt_length - 1 are prompt tokens: masked out
-
-
 def completion_logprobs(logprobs: Sequence[float], prompt_length: int) -> list[float]:
     """The completion's part of a sequence's ``[T-1]`` next-token logprobs."""
     return list(logprobs[prompt_length - 1:])
-
-
-def clipped_pg_loss(lp: Any, batch: GrpoBatch, index: int, loss: Any) -> Any:
-    """NeMo RL's ``ClippedPGLossFn`` for one sequence, averaged over its completion tokens:
-    ``-min(r * A, clip(r, 1 - eps_lo, 1 + eps_hi) * A)`` with ``r = exp(lp - prev_lp)``, plus
-    ``reference_policy_kl_penalty`` times the k3 estimator of KL(pi || pi_ref)
-    (``exp(ref - lp) - (ref - lp) - 1``). ``lp``: the sequence's ``[T-1]`` target logprobs
-    (with gradient); ``loss``: a ``LossSettings``."""
-    import torch
-
-    k = batch.prompt_length - 1
-    cur = lp[k:]
-    prev = torch.tensor(batch.prev_logprobs[index][k:], dtype=cur.dtype)
-    adv = float(batch.advantages[index])
-    ratio = torch.exp(cur - prev)
-    clipped = torch.clamp(ratio, 1.0 - loss.ratio_clip_min, 1.0 + loss.ratio_clip_max)
-    per_token = -torch.minimum(ratio * adv, clipped * adv)
-    if loss.reference_policy_kl_penalty > 0 and batch.reference_logprobs is not None:
-        ref = torch.tensor(batch.reference_logprobs[index][k:], dtype=cur.dtype)
-        d = ref - cur
-        per_token = per_token + loss.reference_policy_kl_penalty * (torch.exp(d) - d - 1.0)
-    return per_token.mean()

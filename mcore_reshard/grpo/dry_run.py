@@ -2,9 +2,9 @@
 metadata alone (no process, no Ray, no torch tensors).
 
 Placement follows NeMo RL's split of a non-colocated cluster; the plan is the one the refits
-would run (``config.plan_layouts``); the refit time is a model, not a measurement: the busiest
-rank's bytes over one link, with the bandwidths stated next to it, and NeMo RL's published
-figure for the same layout beside it where one exists.
+would run on that placement (planned once, from ``config.side_layouts``); the refit time is a
+model, not a measurement: the busiest rank's bytes over one link, with the bandwidths stated
+next to it, and NeMo RL's published figure for the same layout beside it where one exists.
 """
 
 from __future__ import annotations
@@ -12,9 +12,13 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
+from ..config import side_layouts
 from ..errors import ConfigError
 from ..layout import ModelSpec
 from ..plan.report import PlanReport, format_bytes, plan_report
+from ..plan.topology import Links, placement_report, plan_for_placement
+from ..settings import resolve_model
+from ..topology_config import TopologyConfig
 from .recipe import GrpoRecipe
 
 __all__ = ["Placement", "PublishedFigure", "DryRunReport", "placement", "modelled_refit_seconds",
@@ -92,8 +96,6 @@ class PublishedFigure:
 
 
 def _qwen3_30b_a3b(spec: ModelSpec) -> bool:
-    from ..config import resolve_model
-
     ref = resolve_model("qwen3-30b-a3b", dtype="bfloat16")
     return replace(spec, name="") == replace(ref, name="")
 
@@ -217,16 +219,12 @@ def dry_run(recipe: GrpoRecipe, *, intra_node_gbps: float = 450.0, inter_node_gb
     node, over the intra-node one. Raises ``ConfigError`` / ``LayoutError`` / ``PlanError``
     (one line) where the layouts cannot be planned.
     """
-    from ..config import plan_layouts
-
-    from ..plan.topology import Links, TopologyConfig, placement_report, plan_for_placement
-
     for g in (intra_node_gbps, inter_node_gbps):  # both checked, whichever the placement uses
         modelled_refit_seconds(0, g)
     place = placement(recipe)
-    src, dst, plan = plan_layouts(recipe.spec, recipe.training, recipe.vllm, recipe.refit)
-    # The plan the job runs on this placement (fan-out relays where they lower the modelled
-    # time), and its modelled time over both link classes.
+    src, dst = side_layouts(recipe.spec, recipe.training, recipe.vllm, recipe.refit)
+    # The one plan, the one the job runs on this placement (fan-out relays where they lower
+    # the modelled time), and its modelled time over both link classes.
     where = TopologyConfig(gpus_per_node=recipe.cluster.gpus_per_node,
                            placement="colocated" if recipe.colocated else "separate").place(src.world_size,
                                                                                             dst.world_size)

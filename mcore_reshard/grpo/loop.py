@@ -24,10 +24,16 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from ..checkpoint import make_tiny_checkpoint
+from ..driver import RefitDriver
 from ..errors import ConfigError, RefitError, RefitFailed
+from ..plan.report import format_bytes
 from ..protocol import VerifyMode, one_line
-from ..verify import token_mult_prob_error
+from ..refit import TOKEN_MULT_PROB_BOUND, colocated_placement
+from ..trainer import TrainerSetup
+from ..verify import full_verification, token_mult_prob_error
 from .algorithm import GrpoBatch, TargetTokensTask, completion_logprobs, group_advantages
+from .ray_cluster import RayJob, RayTrainerGroup, start_engines, stop_engines
 
 __all__ = ["GrpoRun", "StepMetrics", "run_grpo"]
 
@@ -77,11 +83,6 @@ class GrpoRun:
         self.close()
 
     def _start(self) -> None:
-        from ..checkpoint import make_tiny_checkpoint
-        from ..driver import RefitDriver
-        from ..trainer import TrainerSetup
-        from .ray_cluster import RayJob, RayTrainerGroup, start_engines, stop_engines
-
         r = self.recipe
         job = RayJob(self.address, r.ray.num_cpus or _cpus_needed(r))
         job.__enter__()
@@ -137,8 +138,6 @@ class GrpoRun:
     def _refit(self, full: bool) -> Any:
         """One refit; a failed one is retried once on the same engines (the driver rejoins the
         refit group; a gated engine resumes when the retry commits) before the run stops."""
-        from ..verify import full_verification
-
         d = self.driver
         request = replace(d.request(), verify=VerifyMode.FULL) if full else d.request()
         try:
@@ -149,10 +148,10 @@ class GrpoRun:
             print(f"refit failed, retrying once: {one_line(exc)}", file=sys.stderr)
             self.refit_retries += 1
             m = d.refit(request=request)
-        if not m.verified and d.refit_config.verify.checksums:
+        if not m.verified and request.verify.checksums:  # what this refit asked for, not the config's default
             raise RefitFailed(f"refit not verified: {m.notes or 'a destination rank reported no checksum pass'}")
         if full:
-            note = full_verification(d.src, d.dst, self.trainers.call("local_tensors"), self.engines)
+            note = full_verification(d.src, d.dst, self.trainers.local_tensors().wait(), self.engines)
             m = replace(m, notes=m.notes + (note,))
         return m
 
@@ -191,14 +190,12 @@ class GrpoRun:
         adv = group_advantages(rewards, G, normalize=r.grpo.normalize_rewards,
                                leave_one_out=r.grpo.use_leave_one_out_baseline)
         t = time.perf_counter()
-        prev = self.trainers.call("logprobs", seqs)[0]
+        prev = self.trainers.logprobs(seqs).wait()[0]
         timing["logprob_inference"] = time.perf_counter() - t
         P = r.task.prompt_length
         gen_lp = [x for _, lps in samples for x in lps]
         train_lp = [x for lp in prev for x in completion_logprobs(lp, P)]
         tmpe = token_mult_prob_error(gen_lp, train_lp)
-        from ..refit import TOKEN_MULT_PROB_BOUND
-
         bound = TOKEN_MULT_PROB_BOUND.get(r.dtype, 1.05)
         if tmpe > bound:
             raise RefitError(f"step {step}: token_mult_prob_error {tmpe:.6f} > {bound} (dtype {r.dtype}): the engine "
@@ -206,11 +203,11 @@ class GrpoRun:
         ref = None
         if r.loss.reference_policy_kl_penalty > 0:
             t = time.perf_counter()
-            ref = tuple(tuple(x) for x in self.trainers.call("reference_logprobs", seqs)[0])
+            ref = tuple(tuple(x) for x in self.trainers.reference_logprobs(seqs).wait()[0])
             timing["reference_logprob_inference"] = time.perf_counter() - t
         batch = GrpoBatch(tuple(adv), tuple(tuple(x) for x in prev), ref, P)
         t = time.perf_counter()
-        loss = self.trainers.call("grpo_step", seqs, batch, r.loss)[0]
+        loss = self.trainers.grpo_step(seqs, batch, r.loss).wait()[0]
         timing["policy_training"] = time.perf_counter() - t
         n = r.grpo.verify_full_every_n_steps
         full = bool(n) and (step + 1) % n == 0
@@ -229,8 +226,6 @@ def _colocated(recipe: Any, trainer_nodes: list[dict], engine_infos: list[dict])
     so their bytes move through shared memory. Here a device is a CPU slot of one node; GPU
     devices would need CUDA IPC, which is not implemented (refused in one line)."""
     import ray
-
-    from ..refit import colocated_placement
 
     if ray.cluster_resources().get("GPU", 0) > 0:
         raise ConfigError("policy.generation.colocated.enabled=true on a GPU cluster: same-GPU transfers need "
@@ -275,8 +270,6 @@ def write_plot(history: Sequence[StepMetrics], path: Path, title: str) -> Path:
 
 
 def summary_table(history: Sequence[StepMetrics], random_reward: float) -> str:
-    from ..plan.report import format_bytes
-
     head = (f"{'step':>4} {'reward':>7} {'loss':>8} {'tok_mult_prob_err':>17} {'refit s':>8} {'moved':>10} "
             f"{'minimum':>10} {'verified':>9} {'full':>5} {'step s':>7}")
     lines = [head, "-" * len(head)]

@@ -5,9 +5,10 @@ device each: a GPU, or a CPU slot on a CPU-only cluster), every vLLM engine in a
 own (one bundle of its ``tp`` devices), so the
 two sides land on separate nodes of a real cluster when the training bundles fill theirs. The
 refit group's master is the first training bundle: its node IP (asked there, never assumed) and
-a port free on that node. The driver talks to the actors through the same calls as to local
-processes (:class:`RayTrainerGroup` is a ``TrainerPool``, :class:`EngineHandle` has an
-``LLM``'s weight-transfer methods), so :class:`~mcore_reshard.driver.RefitDriver` runs unchanged.
+a port free on that node. The driver talks to the actors through the same rank protocol as to
+local processes (:class:`RayRankGroup` implements ``ranks.RankGroup`` over actors; an
+:class:`EngineHandle` has an ``LLM``'s weight-transfer methods), so
+:class:`~mcore_reshard.driver.RefitDriver` runs unchanged.
 
 Security: an embedded cluster (no address) runs with Ray's token auth and a per-job token in
 ``RAY_AUTH_TOKEN`` (nothing is written to ``~/.ray``); its session files go to a temporary
@@ -22,13 +23,17 @@ import secrets
 import shutil
 import tempfile
 import time
+import warnings
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ..errors import RefitFailed, TrainerError
+from ..ports import free_port
 from ..protocol import first_error_line
+from ..ranks import RankCall, RankGroup
+from ..trainer import MegatronRank
 
-__all__ = ["RayJob", "RayTrainerGroup", "EngineHandle", "start_engines", "node_of"]
+__all__ = ["RayJob", "RayRankGroup", "RayTrainerGroup", "EngineHandle", "start_engines", "node_of"]
 
 
 def _prepare_env(embedded: bool) -> None:
@@ -96,36 +101,31 @@ def node_of() -> dict:
 
 
 class _TrainerActor:
-    """One megatron rank (``trainer._Rank``: policy + trainer endpoint) in a Ray actor."""
+    """One megatron rank (``trainer.MegatronRank``: policy + trainer endpoint) in a Ray actor,
+    answering the rank protocol's typed calls."""
 
     def __init__(self) -> None:
-        self.state = None
+        self.rank: Any = None
 
     def where(self) -> dict:
         return node_of()
 
     def free_port(self, host: str) -> int:
-        from ..ports import free_port
-
         return free_port(host)
 
     def start(self, rank: int, setup: Any) -> None:
-        import warnings
-
-        from ..trainer import _Rank
-
         # megatron-core's import-time notices of what a CPU machine lacks (expected here).
         for msg in ("Transformer Engine and Apex are not installed", "absl.logging is not installed"):
             warnings.filterwarnings("ignore", message=msg)
 
-        self.state = _Rank(rank, setup)
+        self.rank = MegatronRank(rank, setup)
 
-    def run(self, cmd: str, *args: Any) -> Any:
-        return getattr(self.state, cmd)(*args)
+    def run(self, call: RankCall[Any]) -> Any:
+        return call.run(self.rank)
 
     def close(self) -> None:
-        if self.state is not None:
-            self.state.close()
+        if self.rank is not None:
+            self.rank.close()
 
 
 def _devices(n: int) -> dict[str, float]:
@@ -162,74 +162,23 @@ def _ready(pg: Any, timeout_s: float) -> bool:
     return bool(ready)
 
 
-class RayTrainerGroup:
-    """``world_size`` megatron ranks as Ray actors: the ``TrainerPool`` calls (``submit``,
-    ``submit_each``, ``collect``, ``call``, ``dead``, ``close``) the driver uses.
+class RayRankGroup(RankGroup):
+    """The rank protocol (``ranks.RankGroup``) over Ray actors that each hold one rank and
+    answer ``run(call)`` with ``call.run(rank)`` -- a framework's own training actors fit as
+    they are. A dead actor is named as soon as Ray knows, not at the timeout."""
 
-    Start-up: the actors are placed first, rank 0 reports its node IP and two free ports
-    (megatron's rendezvous, then each refit group's), and only then every rank builds its
-    model, all at once (megatron's groups need every rank)."""
-
-    def __init__(self, setup: Any, *, timeout_s: float = 300.0, name: str = "mr_trainers", wait: bool = True) -> None:
-        import ray
-
-        self.world_size = setup.par.world_size
+    def __init__(self, actors: Sequence[Any], *, timeout_s: float = 300.0) -> None:
+        self.actors = list(actors)
+        self.world_size = len(self.actors)
         self.timeout_s = timeout_s
-        self.pg = None
-        self.actors: list = []
-        self._pending: tuple[str, list] | None = None
         self._dead: dict[int, str] = {}
-        try:
-            device = _devices(1)
-            self.pg = _placement_group([device] * self.world_size, name, timeout_s)
-            actor = ray.remote(num_cpus=1, num_gpus=device.get("GPU", 0), max_restarts=0)(_TrainerActor)
-            self.actors = [actor.options(scheduling_strategy=_strategy(self.pg, r), name=f"{name}_{r}").remote()
-                           for r in range(self.world_size)]
-            self.nodes = self._get([a.where.remote() for a in self.actors], "placement")
-            self.host = self.nodes[0]["ip"]
-            port = self._get([self.actors[0].free_port.remote(self.host)], "a free port")[0]
-            setup = replace(setup, host=self.host, port=port)
-            self._starting = [a.start.remote(r, setup) for r, a in enumerate(self.actors)]
-            if wait:
-                self.started()
-        except BaseException:
-            self.close()
-            raise
 
-    def started(self) -> "RayTrainerGroup":
-        """Wait until every rank has built its model (``wait=False`` overlaps this with the
-        engines' start-up)."""
-        refs, self._starting = self._starting, []
-        if refs:
-            self._get(refs, "start-up")
-        return self
-
-    def free_port(self) -> int:
-        """A port free on training rank 0's node (each refit group's master listens there)."""
-        return self._get([self.actors[0].free_port.remote(self.host)], "a free port")[0]
-
-    def submit(self, cmd: str, *args: Any) -> None:
-        self.submit_each(cmd, [args] * self.world_size)
-
-    def submit_each(self, cmd: str, args_per_rank: Sequence[tuple]) -> None:
-        if self._pending is not None:
-            raise RuntimeError(f"command {self._pending[0]!r} still pending")
-        refs = [a.run.remote(cmd, *args) for a, args in zip(self.actors, args_per_rank, strict=True)]
-        self._pending = (cmd, refs)
-
-    def collect(self, timeout_s: float | None = None) -> list[Any]:
-        if self._pending is None:
-            raise RuntimeError("nothing submitted")
-        (cmd, refs), self._pending = self._pending, None
-        return self._get(refs, cmd, timeout_s)
-
-    def call(self, cmd: str, *args: Any, timeout_s: float | None = None) -> list[Any]:
-        self.submit(cmd, *args)
-        return self.collect(timeout_s)
+    def _send(self, what: str, calls: Sequence[RankCall[Any]]) -> Callable[[float], list[Any]]:
+        refs = [a.run.remote(c) for a, c in zip(self.actors, calls, strict=True)]
+        return lambda timeout_s: self._get(refs, what, timeout_s)
 
     def _get(self, refs: list, what: str, timeout_s: float | None = None) -> list[Any]:
-        """Every reply, or the first failure as one ``TrainerError`` naming the rank (a dead
-        actor is named as soon as Ray knows, not at the timeout)."""
+        """Every reply, or the first failure as one ``TrainerError`` naming the rank."""
         import ray
         from ray.exceptions import RayActorError
 
@@ -265,6 +214,50 @@ class RayTrainerGroup:
 
         ray.kill(self.actors[rank], no_restart=True)
 
+
+class RayTrainerGroup(RayRankGroup):
+    """``world_size`` megatron ranks (``trainer.MegatronRank``) as Ray actors in one placement
+    group, behind the rank protocol.
+
+    Start-up: the actors are placed first, rank 0 reports its node IP and two free ports
+    (megatron's rendezvous, then each refit group's), and only then every rank builds its
+    model, all at once (megatron's groups need every rank)."""
+
+    def __init__(self, setup: Any, *, timeout_s: float = 300.0, name: str = "mr_trainers", wait: bool = True) -> None:
+        import ray
+
+        super().__init__([], timeout_s=timeout_s)
+        self.world_size = setup.par.world_size
+        self.pg = None
+        try:
+            device = _devices(1)
+            self.pg = _placement_group([device] * self.world_size, name, timeout_s)
+            actor = ray.remote(num_cpus=1, num_gpus=device.get("GPU", 0), max_restarts=0)(_TrainerActor)
+            self.actors = [actor.options(scheduling_strategy=_strategy(self.pg, r), name=f"{name}_{r}").remote()
+                           for r in range(self.world_size)]
+            self.nodes = self._get([a.where.remote() for a in self.actors], "placement")
+            self.host = self.nodes[0]["ip"]
+            port = self._get([self.actors[0].free_port.remote(self.host)], "a free port")[0]
+            setup = replace(setup, host=self.host, port=port)
+            self._starting = [a.start.remote(r, setup) for r, a in enumerate(self.actors)]
+            if wait:
+                self.started()
+        except BaseException:
+            self.close()
+            raise
+
+    def started(self) -> "RayTrainerGroup":
+        """Wait until every rank has built its model (``wait=False`` overlaps this with the
+        engines' start-up)."""
+        refs, self._starting = self._starting, []
+        if refs:
+            self._get(refs, "start-up")
+        return self
+
+    def free_port(self) -> int:
+        """A port free on training rank 0's node (each refit group's master listens there)."""
+        return self._get([self.actors[0].free_port.remote(self.host)], "a free port")[0]
+
     def close(self) -> None:
         import ray
 
@@ -297,9 +290,9 @@ class EngineActor:
                                 **extra)
 
     def where(self) -> dict:
-        from ..driver import engine_dtype, engine_world
+        from ..adapters.vllm.engine import engine_info
 
-        return {**node_of(), "world_size": engine_world(self.llm), "dtype": engine_dtype(self.llm)}
+        return {**node_of(), "engine": engine_info(self.llm)}
 
     def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.llm, name)(*args, **kwargs)
@@ -322,8 +315,7 @@ class EngineActor:
     def shutdown(self) -> None:
         from ..adapters.vllm.engine import stop_engine
 
-        for fn in (lambda: self.llm.collective_rpc("mr_hf_leave"), lambda: self.llm.shutdown_weight_transfer_engine(),
-                   lambda: stop_engine(self.llm)):
+        for fn in (lambda: self.llm.shutdown_weight_transfer_engine(), lambda: stop_engine(self.llm)):
             try:
                 fn()
             except Exception:  # noqa: BLE001 - best effort on the way out
@@ -333,11 +325,14 @@ class EngineActor:
 class EngineHandle:
     """The driver's view of an engine actor: an ``LLM``'s weight-transfer and diagnostics calls
     (``collective_rpc``, ``init_weight_transfer_engine``, ``update_weights``, ...) run remotely
-    with a timeout; ``world_size`` and ``dtype`` are known up front."""
+    with a timeout; what the engine is (``engine_info``: world size, dtype, parallel sizes,
+    worker extension) is known up front, and ``info`` says where it runs."""
 
     def __init__(self, actor: Any, index: int, info: dict, timeout_s: float) -> None:
-        self.actor, self.index, self.info, self.timeout_s = actor, index, info, timeout_s
-        self.world_size, self.dtype = int(info["world_size"]), str(info["dtype"])
+        self.actor, self.index, self.timeout_s = actor, index, timeout_s
+        self.engine_info = info["engine"]
+        self.info = {k: v for k, v in info.items() if k != "engine"}  # node_id, ip, pid
+        self.world_size, self.dtype = self.engine_info.world_size, self.engine_info.dtype
 
     def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         import ray

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import Callable
 
 from ..layout.descriptor import SideLayout
+from .placement import LINK_CLASSES, RankPlacement
 from .planner import build_plan
 from .types import TransferPlan
-
-if TYPE_CHECKING:
-    from .topology import Placement
 
 __all__ = ["layout_digest", "get_plan", "clear_plan_cache"]
 
@@ -36,7 +34,7 @@ def layout_digest(side: SideLayout) -> str:
 
 
 def get_plan(src: SideLayout, dst: SideLayout, *, bucket_bytes: int, allow_cast: bool = False,
-             not_direct: tuple[tuple[str, str], ...] = (), placement: "Placement | None" = None,
+             not_direct: tuple[tuple[str, str], ...] = (), placement: RankPlacement | None = None,
              charges: tuple[tuple[int, str, tuple[int, ...]], ...] = ()) -> TransferPlan:
     """The plan for both layouts (cached). ``placement``: senders are chosen by link class
     first (same device, same node, other node), then by load; part of the cache key.
@@ -58,10 +56,8 @@ def get_plan(src: SideLayout, dst: SideLayout, *, bucket_bytes: int, allow_cast:
     return plan
 
 
-def _link_cost(placement: "Placement"):
-    """Link class as a rank, cheapest first (``topology.LINK_CLASSES``)."""
-    from .topology import LINK_CLASSES
-
+def _link_cost(placement: RankPlacement) -> Callable[[int, int], int]:
+    """Link class as a rank, cheapest first (``placement.LINK_CLASSES``)."""
     rank = {c: i for i, c in enumerate(LINK_CLASSES)}
     return lambda s, d: rank[placement.link(s, d)]
 

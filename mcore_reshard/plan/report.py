@@ -1,13 +1,18 @@
-"""Plan report: the numbers a refit is judged by, as a table or one JSON object."""
+"""Plan reports: the numbers a refit is judged by, as a table or one JSON object -- the plan's
+own (:func:`plan_report`) and its bytes on the links of a placement (:func:`placement_report`).
+"""
 
 from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass, field
 
+from ..layout import SideLayout
+from .floor import hf_ipc_bytes, inter_node_minimum
+from .placement import LINK_CLASSES, Links, RankPlacement
 from .types import TransferPlan
 
-__all__ = ["PlanReport", "plan_report", "format_bytes"]
+__all__ = ["PlanReport", "plan_report", "PlacementReport", "placement_report", "format_bytes"]
 
 
 @dataclass(frozen=True)
@@ -117,3 +122,97 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return f"{n:.2f} TiB"
+
+
+@dataclass(frozen=True)
+class PlacementReport:
+    """A plan's bytes on the links of a placement (``mcore-reshard plan --json`` keys)."""
+
+    bytes_same_device: int
+    bytes_intra_node: int
+    bytes_inter_node: int
+    #: The busiest rank's bytes per class (the larger of what a rank sends and receives).
+    busiest_same_device: int
+    busiest_intra_node: int
+    busiest_inter_node: int
+    bytes_inter_node_min: int  # one copy per destination node (see floor.inter_node_minimum)
+    modelled_seconds: float
+    #: NeMo RL's colocated path for the same layout: every inference rank gets every full tensor.
+    bytes_hf_ipc: int
+    links: Links
+    gpus_per_node: int
+    nodes_src: int
+    nodes_dst: int
+
+    def lines(self) -> list[str]:
+        """The plan table's placement lines."""
+        fb = format_bytes
+        ratio = self.bytes_inter_node / self.bytes_inter_node_min if self.bytes_inter_node_min else 0.0
+        return [
+            f"placement: {self.nodes_src} training + {self.nodes_dst} inference node(s) of {self.gpus_per_node} GPUs",
+            f"  bytes same device / intra-node / inter-node: {fb(self.bytes_same_device)} / "
+            f"{fb(self.bytes_intra_node)} / {fb(self.bytes_inter_node)}",
+            f"  inter-node floor (one copy per inference node): {fb(self.bytes_inter_node_min)}"
+            + (f" -- the plan moves {ratio:.4f}x it over the fabric" if ratio > 1.0 + 1e-9 else " -- met"),
+            f"  busiest rank same device / intra-node / inter-node: {fb(self.busiest_same_device)} / "
+            f"{fb(self.busiest_intra_node)} / {fb(self.busiest_inter_node)}",
+            f"  modelled refit: {self.modelled_seconds:.3f} s at {self.links.intra_node_gbps:g} GB/s intra-node, "
+            f"{self.links.inter_node_gbps:g} GB/s inter-node per GPU",
+            f"  NeMo RL colocated path (every inference rank gets the full model over IPC): {fb(self.bytes_hf_ipc)}",
+        ]
+
+    def to_json(self) -> dict:
+        return {
+            "bytes_same_device": self.bytes_same_device, "bytes_intra_node": self.bytes_intra_node,
+            "bytes_inter_node": self.bytes_inter_node, "bytes_inter_node_min": self.bytes_inter_node_min,
+            "busiest_rank_bytes": {"same_device": self.busiest_same_device, "intra_node": self.busiest_intra_node,
+                                   "inter_node": self.busiest_inter_node},
+            "modelled_seconds": self.modelled_seconds, "bytes_hf_ipc": self.bytes_hf_ipc,
+            "links_gbps": {"intra_node": self.links.intra_node_gbps, "inter_node": self.links.inter_node_gbps,
+                           "same_device": self.links.same_device_gbps},
+            "gpus_per_node": self.gpus_per_node, "nodes": {"training": self.nodes_src, "inference": self.nodes_dst},
+        }
+
+
+def placement_report(plan: TransferPlan, src: SideLayout, dst: SideLayout, placement: RankPlacement,
+                     links: Links = Links()) -> PlacementReport:
+    """Bytes per link class, the busiest rank per class, and the modelled time: the slowest
+    rank, whose links of different classes run at once (max over classes of bytes / rate),
+    sending and receiving at once (full duplex: the larger direction counts)."""
+    if len(placement.src) != plan.num_src or len(placement.dst) != plan.num_dst:
+        raise ValueError(f"placement has {len(placement.src)} + {len(placement.dst)} ranks, the plan "
+                         f"{plan.num_src} + {plan.num_dst}")
+    totals = dict.fromkeys(LINK_CLASSES, 0)
+    sent = {c: [0] * plan.num_src for c in LINK_CLASSES}
+    recv = {c: [0] * plan.num_dst for c in LINK_CLASSES}
+    for t in plan.transfers:
+        c = placement.link(t.src, t.dst)
+        totals[c] += t.nbytes
+        sent[c][t.src] += t.nbytes
+        recv[c][t.dst] += t.nbytes
+    # Relays: a group member forwards what it receives from the sources to the other members.
+    forwarded = {c: [0] * plan.num_dst for c in LINK_CLASSES}
+    for t, group in zip(plan.transfers, plan.relay_of):
+        if group < 0:
+            continue
+        for m in plan.relay_groups[group]:
+            if m != t.dst:
+                c = placement.dst_link(t.dst, m)
+                totals[c] += t.nbytes
+                recv[c][m] += t.nbytes
+                forwarded[c][t.dst] += t.nbytes
+    busiest = {c: max(max(sent[c], default=0), max(recv[c], default=0), max(forwarded[c], default=0))
+               for c in LINK_CLASSES}
+    seconds = 0.0
+    for per_rank in (sent, recv, forwarded):
+        for r in range(len(per_rank["inter_node"])):
+            seconds = max(seconds, max(per_rank[c][r] / (links.gbps(c) * 1e9) for c in LINK_CLASSES))
+    return PlacementReport(
+        bytes_same_device=totals["same_device"], bytes_intra_node=totals["intra_node"],
+        bytes_inter_node=totals["inter_node"], busiest_same_device=busiest["same_device"],
+        busiest_intra_node=busiest["intra_node"], busiest_inter_node=busiest["inter_node"],
+        bytes_inter_node_min=inter_node_minimum(src, dst, placement, plan.itemsize),
+        modelled_seconds=seconds, bytes_hf_ipc=hf_ipc_bytes(dst, plan.itemsize), links=links,
+        gpus_per_node=placement.gpus_per_node, nodes_src=len({loc.node for loc in placement.src}),
+        nodes_dst=len(placement.dst_nodes),
+    )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import repeat
 from typing import Iterable, Sequence
 
@@ -26,7 +26,7 @@ class PlanError(ValueError):
 @dataclass(frozen=True, slots=True)
 class Transfer:
     """One box of one canonical tensor, read from ``src``'s local tensor and written into
-    ``dst``'s, inside bucket (round) ``bucket``."""
+    ``dst``'s, inside bucket ``bucket``."""
 
     src: int
     dst: int
@@ -72,12 +72,13 @@ class RankPlan:
     transfers: tuple[Transfer, ...]
     #: Element type on the wire (the destination's; a cast happens while packing).
     dtype: str = "float32"
-    #: Fan-out relays (``plan.topology``): every relay group of the plan (destination ranks on
+    #: Fan-out relays (``plan.relays``): every relay group of the plan (destination ranks on
     #: one node that hold the same pieces; a rank may be in several), and per transfer its
-    #: group (``stream``; -1: not relayed) and, destination side, the member that receives it
-    #: from the source and forwards it to the group's others (``via``; this rank or a peer).
+    #: relay group (``relay_of``; -1: not relayed) and, destination side, the member that
+    #: receives it from the source and forwards it to the group's others (``via``; this rank
+    #: or a peer).
     relay_groups: tuple[tuple[int, ...], ...] = ()
-    stream: tuple[int, ...] = ()
+    relay_of: tuple[int, ...] = ()
     via: tuple[int, ...] = ()
     #: Peers of the other side on this rank's device (from the plan's placement): messages
     #: between them move through shared memory, never through the group's sockets.
@@ -93,9 +94,9 @@ class RankPlan:
         group is -1 for a message that is not relayed."""
         out: list[dict[tuple[int, int, int], list[Transfer]]] = [dict() for _ in range(self.num_buckets)]
         via = self.via or (self.rank,) * len(self.transfers)
-        stream = self.stream or (-1,) * len(self.transfers)
-        for t, v, g in zip(self.transfers, via, stream):
-            out[t.bucket].setdefault((t.src, v, g), []).append(t)
+        relay_of = self.relay_of or (-1,) * len(self.transfers)
+        for t, v, group in zip(self.transfers, via, relay_of):
+            out[t.bucket].setdefault((t.src, v, group), []).append(t)
         return out
 
     def buckets(self) -> list[dict[int, list[Transfer]]]:
@@ -110,9 +111,9 @@ class RankPlan:
         """Source side, per bucket: (destination rank, relay group) -> transfers in wire order:
         one message each (a relayed one goes to ``dst``, which forwards it to its group)."""
         out: list[dict[tuple[int, int], list[Transfer]]] = [dict() for _ in range(self.num_buckets)]
-        stream = self.stream or (-1,) * len(self.transfers)
-        for t, g in zip(self.transfers, stream):
-            out[t.bucket].setdefault((t.dst, g), []).append(t)
+        relay_of = self.relay_of or (-1,) * len(self.transfers)
+        for t, group in zip(self.transfers, relay_of):
+            out[t.bucket].setdefault((t.dst, group), []).append(t)
         return out
 
     @property
@@ -121,7 +122,7 @@ class RankPlan:
 
     def digest(self) -> str:
         """Hash of this slice: a rank checks the slice it was given is the one it runs."""
-        relays = (self.relay_groups, self.stream, self.via) if self.relay_groups else None
+        relays = (self.relay_groups, self.relay_of, self.via) if self.relay_groups else None
         return plan_digest(self.transfers, self.num_buckets, self.dtype, relays=relays,
                            same_device=self.same_device or None, reinterpret=self.reinterpret or None)
 
@@ -149,13 +150,13 @@ class TransferPlan:
     casts: tuple[tuple[str, str, str], ...] = ()
     notes: tuple[str, ...] = ()
     plan_seconds: float = 0.0
-    #: Fan-out relays (``plan.topology``): groups of destination ranks on one node that hold
-    #: the same pieces, and per transfer its group (``relay_of``, aligned with ``transfers``;
+    #: Fan-out relays (``plan.relays``): groups of destination ranks on one node that hold
+    #: the same pieces, and per transfer its relay group (``relay_of``, aligned with ``transfers``;
     #: -1: not relayed; empty without relays). A relayed transfer goes to one member over the
     #: fabric (its ``dst``), which forwards it to the group's others over the node's links.
     relay_groups: tuple[tuple[int, ...], ...] = ()
     relay_of: tuple[int, ...] = ()
-    #: (source rank, destination rank) pairs on one device (``plan.topology``): the executor
+    #: (source rank, destination rank) pairs on one device (``plan.placement``): the executor
     #: moves their messages through shared memory.
     same_device: tuple[tuple[int, int], ...] = ()
     #: (canonical tensor, real dtype) of every tensor both sides hold in a dtype other than the
@@ -190,9 +191,9 @@ class TransferPlan:
         out = [0] * self.num_dst
         for t in self.transfers:
             out[t.dst] += t.nbytes
-        for t, g in zip(self.transfers, self.relay_of):
-            if g >= 0:
-                for m in self.relay_groups[g]:
+        for t, group in zip(self.transfers, self.relay_of):
+            if group >= 0:
+                for m in self.relay_groups[group]:
                     if m != t.dst:
                         out[m] += t.nbytes
         return out
@@ -201,16 +202,12 @@ class TransferPlan:
         """This rank's slice (indexed once per plan, so every rank pays O(its transfers))."""
         s = self._for_rank(side, rank)
         if self.reinterpret:
-            from dataclasses import replace
-
             real = dict(self.reinterpret)
             local = {(t.src_name if side == "src" else t.dst_name): real[t.canonical]
                      for t in s.transfers if t.canonical in real}
             s = replace(s, reinterpret=tuple(sorted(local.items())))
         if not self.same_device:
             return s
-        from dataclasses import replace
-
         peers = (d for r, d in self.same_device if r == rank) if side == "src" else \
             (r for r, d in self.same_device if d == rank)
         return replace(s, same_device=tuple(sorted(set(peers))))
@@ -231,22 +228,20 @@ class TransferPlan:
         if side == "src":
             mine = index.get(rank, ())
             return RankPlan(side, rank, self.num_buckets, tuple(self.transfers[i] for i in mine), self.dtype,
-                            relay_groups=self.relay_groups, stream=tuple(self.relay_of[i] for i in mine))
+                            relay_groups=self.relay_groups, relay_of=tuple(self.relay_of[i] for i in mine))
         if not self._by_group:
             tmp = {}
-            for i, g in enumerate(self.relay_of):
-                if g >= 0:
-                    tmp.setdefault(g, []).append(i)
-            self._by_group.update({g: tuple(v) for g, v in tmp.items()})
-        groups = [g for g, members in enumerate(self.relay_groups) if rank in members]
-        if not groups:  # nothing relayed to it: its own messages only (``via`` and ``stream`` default)
+            for i, group in enumerate(self.relay_of):
+                if group >= 0:
+                    tmp.setdefault(group, []).append(i)
+            self._by_group.update({group: tuple(v) for group, v in tmp.items()})
+        groups = [group for group, members in enumerate(self.relay_groups) if rank in members]
+        if not groups:  # nothing relayed to it: its own messages only (``via`` and ``relay_of`` default)
             return RankPlan(side, rank, self.num_buckets, tuple(self.transfers[i] for i in index.get(rank, ())),
                             self.dtype, relay_groups=self.relay_groups)
-        from dataclasses import replace
-
         # plan order (bucket, source, ...): what this rank receives itself, and every transfer
         # to its groups that a peer receives and forwards
-        mine = sorted(set(index.get(rank, ())).union(*(self._by_group.get(g, ()) for g in groups)))
+        mine = sorted(set(index.get(rank, ())).union(*(self._by_group.get(group, ()) for group in groups)))
         if self.relay_sites:
             ts = tuple(self.transfers[i] if self.transfers[i].dst == rank else self._at_member(self.transfers[i], rank)
                        for i in mine)
@@ -254,12 +249,10 @@ class TransferPlan:
             ts = tuple(self.transfers[i] if self.transfers[i].dst == rank else replace(self.transfers[i], dst=rank)
                        for i in mine)
         return RankPlan(side, rank, self.num_buckets, ts, self.dtype, relay_groups=self.relay_groups,
-                        stream=tuple(self.relay_of[i] for i in mine), via=tuple(self.transfers[i].dst for i in mine))
+                        relay_of=tuple(self.relay_of[i] for i in mine), via=tuple(self.transfers[i].dst for i in mine))
 
     def _at_member(self, t: Transfer, member: int) -> Transfer:
         """Relayed transfer ``t`` as group member ``member`` receives it: at its own place."""
-        from dataclasses import replace
-
         name, view = member_site(self.relay_sites, self._sites, t, member)
         return replace(t, dst=member, dst_name=name, dst_view=view)
 

@@ -36,7 +36,9 @@ def slice_to_wire(s: RankPlan) -> dict[str, Any]:
     out = {"side": s.side, "rank": s.rank, "num_buckets": s.num_buckets, "dtype": s.dtype,
            "names": list(names), "transfers": rows, "digest": s.digest()}
     if s.relay_groups:
-        out["relays"] = {"groups": [list(g) for g in s.relay_groups], "stream": list(s.stream), "via": list(s.via)}
+        # "stream": the wire format's key for ``relay_of`` (kept: slices cross hosts)
+        out["relays"] = {"groups": [list(members) for members in s.relay_groups], "stream": list(s.relay_of),
+                         "via": list(s.via)}
     if s.same_device:
         out["same_device"] = list(s.same_device)
     if s.reinterpret:
@@ -53,8 +55,8 @@ def slice_from_wire(d: Mapping[str, Any]) -> RankPlan:
         for r in d["transfers"])
     relays = d.get("relays") or {}
     s = RankPlan(str(d["side"]), int(d["rank"]), int(d["num_buckets"]), transfers, str(d["dtype"]),
-                 relay_groups=tuple(tuple(int(m) for m in g) for g in relays.get("groups", ())),
-                 stream=tuple(int(g) for g in relays.get("stream", ())),
+                 relay_groups=tuple(tuple(int(m) for m in members) for members in relays.get("groups", ())),
+                 relay_of=tuple(int(group) for group in relays.get("stream", ())),
                  via=tuple(int(v) for v in relays.get("via", ())),
                  same_device=tuple(int(r) for r in d.get("same_device", ())),
                  reinterpret=tuple((str(n), str(dt)) for n, dt in d.get("reinterpret", ())))

@@ -55,7 +55,7 @@ import torch.distributed as dist
 from ..errors import RefitAborted, RefitTimeout
 from ..protocol import RankMap
 
-__all__ = ["ControlPlane", "Decision", "StoreGone"]
+__all__ = ["ControlPlane", "Decision", "SignedStore", "StoreGone"]
 
 _log = logging.getLogger("mcore_reshard.transport")
 _POLL_S = 0.005
@@ -78,30 +78,24 @@ class Decision:
     payloads: tuple[Any, ...] = field(default=(), compare=False)
 
 
-class ControlPlane:
-    """One rank's signed messages in one refit group (see the module docstring)."""
+class SignedStore:
+    """One rank's signed messages in the group's store: their unguessable names, their MACs,
+    reading them back and checking them, and how long this rank's keys live (see the module
+    docstring). ``ControlPlane`` is what is said with them."""
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int, rank_map: RankMap, key: bytes,
-                 nonce: str, timeout_s: float) -> None:
-        self.store, self.rank, self.world_size, self.rank_map = store, rank, world_size, rank_map
-        self._key, self.nonce, self.timeout_s = key, nonce, timeout_s
+    def __init__(self, store: dist.Store, rank: int, world_size: int, key: bytes, nonce: str) -> None:
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self._key, self.nonce = key, nonce
         self.epoch = 0
-        self._seq = 0  # exchanges within the group (every rank calls them in step)
         #: Rejected (unauthenticated, replayed or misplaced) values, by message kind.
         self.rejected: Counter[str] = Counter()
         self._logged: set[str] = set()
         self.store_dead = False
-        self._posted_abort = False
-        self._abort: str | None = None
-        self._abort_seen: float | None = None
-        self._hint_seen = 0
-        self._last_ctl: str | None = None
+        self._last_ctl: str | None = None  # this rank's last exchange key (``ControlPlane.exchange``)
         self._epoch_keys: list[str] = []  # this rank's keys of the current refit
         self._old_keys: list[str] = []  # ... and of the one before (deleted when the next begins)
-        #: Called by every poll: peers known dead (rank -> reason); set by the data plane.
-        self.dead_peers: Callable[[], dict[int, str]] = dict
 
-    # -- naming and signing -------------------------------------------------------------------
+    # -- naming and signing ------------------------------------------------------------------
     def _slot(self, kind: str, epoch: int, seq: int, rank: int) -> str:
         tag = hmac.new(self._key, f"slot\0{self.nonce}\0{kind}\0{epoch}\0{seq}\0{rank}".encode(), hashlib.sha256)
         return f"{kind}/{tag.hexdigest()[:24]}"
@@ -134,7 +128,7 @@ class ControlPlane:
             _log.warning("refit control plane: rejected a %s value that is not this refit's own (%s)", kind, slot)
         return False, None, -1
 
-    # -- store access: any error means the store's host is gone ----------------------------------
+    # -- store access: any error means the store's host is gone ------------------------------
     def _store(self, fn: str, *args: Any) -> Any:
         if self.store_dead:
             raise StoreGone("the refit store is unreachable (its host, group rank 0, is gone)")
@@ -152,20 +146,23 @@ class ControlPlane:
     def _read(self, slot: str) -> bytes | None:
         return self._store("get", slot) if self._store("check", [slot]) else None
 
-    # -- refits ----------------------------------------------------------------------------------
-    def begin(self, epoch: int) -> None:
-        """A new refit: delete this rank's keys of the refit before the last one (a slow rank
-        may still read the last one's; none reads older ones) and reset the signals. Rank 0
-        also deletes that refit's decision and abort hint, so the store holds a constant
-        number of keys however many refits run."""
-        stale, self._old_keys = self._old_keys, self._epoch_keys
-        if self.rank == 0 and self.epoch:
-            self._old_keys = self._old_keys + [self._slot("decision", self.epoch, 0, -1),
-                                               self._slot("hint", self.epoch, 0, -1)]
+    def _read_msg(self, kind: str, seq: int, rank: int) -> tuple[bool, Any]:
+        """(there and authentic, value) of ``rank``'s ``kind`` message #``seq`` of this refit."""
+        slot = self._slot(kind, self.epoch, seq, rank)
+        raw = self._read(slot)
+        if raw is None:
+            return False, None
+        ok, value, _ = self._open(slot, raw, kind, seq, rank)
+        return ok, value
+
+    # -- key lifetimes -----------------------------------------------------------------------
+    def _next_epoch(self, epoch: int, shared: list[str]) -> None:
+        """Move to refit ``epoch``: delete this rank's keys of the refit before the last one;
+        ``shared``: keys of the last refit that this rank deletes along with its own, next time."""
+        stale, self._old_keys = self._old_keys, self._epoch_keys + shared
         self._epoch_keys = []
         self._delete([k for k in stale if k != self._last_ctl])
         self.epoch = epoch
-        self._posted_abort, self._abort, self._hint_seen, self._abort_seen = False, None, 0, None
 
     def forget(self) -> None:
         """On leaving: delete this rank's keys of the refit before the last (best effort). The
@@ -184,6 +181,34 @@ class ControlPlane:
             except Exception:  # noqa: BLE001 - the store may be gone; nothing left to clean then
                 self.store_dead = True
                 return
+
+
+class ControlPlane(SignedStore):
+    """One rank's signed messages in one refit group (see the module docstring): the abort
+    signal, the all-gather and the decision."""
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, rank_map: RankMap, key: bytes,
+                 nonce: str, timeout_s: float) -> None:
+        super().__init__(store, rank, world_size, key, nonce)
+        self.rank_map, self.timeout_s = rank_map, timeout_s
+        self._seq = 0  # exchanges within the group (every rank calls them in step)
+        self._posted_abort = False
+        self._abort: str | None = None
+        self._abort_seen: float | None = None
+        self._hint_seen = 0
+        #: Called by every poll: peers known dead (rank -> reason); set by the data plane.
+        self.dead_peers: Callable[[], dict[int, str]] = dict
+
+    # -- refits ------------------------------------------------------------------------------
+    def begin(self, epoch: int) -> None:
+        """A new refit: delete this rank's keys of the refit before the last one (a slow rank
+        may still read the last one's; none reads older ones) and reset the signals. Rank 0
+        also deletes that refit's decision and abort hint, so the store holds a constant
+        number of keys however many refits run."""
+        shared = ([self._slot("decision", self.epoch, 0, -1), self._slot("hint", self.epoch, 0, -1)]
+                  if self.rank == 0 and self.epoch else [])
+        self._next_epoch(epoch, shared)
+        self._posted_abort, self._abort, self._hint_seen, self._abort_seen = False, None, 0, None
 
     def post_abort(self, message: str) -> None:
         """Tell every rank to stop: this rank's own abort key, then a hint counter pollers watch."""
@@ -236,7 +261,7 @@ class ControlPlane:
                 raise StoreGone(msg)
             raise RefitAborted(f"aborted by another rank: {msg}")
 
-    # -- all-gather ---------------------------------------------------------------------------------
+    # -- all-gather --------------------------------------------------------------------------
     def exchange(self, obj: Any, timeout_s: float | None = None) -> list[Any]:
         """All-gather a small JSON-able value among all ranks (no tensors, no backend).
         Raises ``RefitTimeout`` naming the ranks that never contributed, ``RefitAborted`` at
@@ -267,7 +292,7 @@ class ControlPlane:
         self._last_ctl = slots[self.rank]
         return [values[r] for r in range(self.world_size)]
 
-    # -- the decision ---------------------------------------------------------------------------------
+    # -- the decision ------------------------------------------------------------------------
     def decide(self, ok: bool, payload: Any, error: str = "", timeout_s: float | None = None,
                after_vote: Callable[[], None] | None = None) -> Decision:
         """Vote, then learn the refit's one decision (see the module docstring).
@@ -320,15 +345,6 @@ class ControlPlane:
             ok, value = self._read_msg("vote", 0, r) if r not in votes else (False, None)
             if ok:
                 votes[r] = value
-
-    def _read_msg(self, kind: str, seq: int, rank: int) -> tuple[bool, Any]:
-        """(there and authentic, value) of ``rank``'s ``kind`` message #``seq`` of this refit."""
-        slot = self._slot(kind, self.epoch, seq, rank)
-        raw = self._read(slot)
-        if raw is None:
-            return False, None
-        ok, value, _ = self._open(slot, raw, kind, seq, rank)
-        return ok, value
 
     def _proposal(self, votes: dict[int, Any], deadline: float, timeout_s: float) -> dict | None:
         """What this rank would decide now, or None while it must keep waiting."""

@@ -17,7 +17,8 @@ from ..errors import RefitError, RefitFailed
 from ..plan.types import RankPlan
 from ..plan.wire import slice_from_wire
 from ..protocol import JoinInfo, RankReport, RefitRequest, first_error_line
-from .executor import Fault, TransferStats, execute_plan, raw_send_bandwidth
+from .executor import TransferStats, execute_plan, raw_send_bandwidth
+from .faults import Fault
 from .group import RefitGroup
 
 __all__ = ["RefitEndpoint", "Outcome"]

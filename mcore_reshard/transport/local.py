@@ -9,6 +9,7 @@ import torch
 from ..layout.torch_views import TORCH_DTYPES
 from ..plan.types import TransferPlan
 from .packing import message_numel, pack, unpack
+from .reinterpret import WireTensors
 
 __all__ = ["run_plan_locally"]
 
@@ -21,8 +22,6 @@ def run_plan_locally(
     """Move every message of ``plan`` from ``src_tensors[rank][name]`` into
     ``dst_tensors[rank][name]`` (a relayed one into every member of its group); returns the
     bytes every destination received."""
-    from .executor import WireTensors
-
     moved = 0
     wire = TORCH_DTYPES[plan.dtype]
     if plan.reinterpret:  # tensors carried as their bits: viewed as the wire dtype on both ends

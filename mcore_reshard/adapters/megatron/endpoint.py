@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping, Sequence
 from ...layout import LocalParam, ModelSpec
 from ...protocol import JoinInfo, RankReport, RefitRequest
 from ...transport.endpoint import Outcome, RefitEndpoint
-from ...transport.executor import Fault
+from ...transport.faults import Fault
 from .live import describe, named_local_params
 
 __all__ = ["TrainerEndpoint", "sync_params_before_refit"]

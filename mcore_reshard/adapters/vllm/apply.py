@@ -40,7 +40,7 @@ from ...layout.descriptor import LayoutError, LocalParam, View
 from ...layout.torch_views import local_view, zero_padding
 
 __all__ = ["VllmApplier", "RefitIncomplete", "select_modes", "plain_linear_enabled", "mla_absorbers", "DIRECT",
-           "RELOAD", "MLA_NOTE"]
+           "RELOAD", "MLA_NOTE", "reprepack_cpu_moe"]
 
 #: Why MLA's kv_b_proj is never written in place (the plan report lists it with this reason).
 MLA_NOTE = ("MLA kv_b_proj: vLLM absorbs it into W_UK/W_UV after loading (kernel format != model format); "
@@ -175,8 +175,31 @@ class VllmApplier:
         self.device = torch.device(device)
         self.state = "idle"
         self.reason = ""
+        self._torn = False
         self._absorbers = mla_absorbers(model)
         self._reset()
+        # The engine-level gate (a paused scheduler) keeps requests from reaching a torn
+        # model; this is its backstop in the worker, for a caller that resumes by hand (a
+        # server's /resume): a model step on torn weights raises instead of computing. On
+        # every module that owns a parameter written here, not the top model: vLLM's
+        # compile decorator calls the top model's ``forward`` directly, skipping its hooks.
+        owners = {id(m): m for m in (_owner(model, n)[0] for n in self.params)}
+        self._gate = [m.register_forward_pre_hook(self._refuse_if_torn) for m in owners.values()]
+
+    def _refuse_if_torn(self, module: torch.nn.Module, args: Any) -> None:
+        if self.state == "not_serving":
+            raise RefitIncomplete(f"model step refused: {self.reason}")
+
+    def close(self) -> None:
+        """Remove this applier's gate (a new applier takes over the model)."""
+        for handle in self._gate:
+            handle.remove()
+
+    def inherit(self, old: "VllmApplier") -> None:
+        """Take over ``old``'s model: torn weights stay torn until a whole refit commits."""
+        if old.state == "not_serving":
+            self.state, self.reason = old.state, old.reason
+        old.close()
 
     def _reset(self) -> None:
         #: Seconds spent per apply phase in the current refit (reported with the refit metrics).
@@ -191,6 +214,7 @@ class VllmApplier:
     def begin(self) -> None:
         if self.state == "updating":
             raise RuntimeError("refit already in progress; finish() or abort() it first")
+        self._torn = self.state == "not_serving"  # only a whole refit's finish() heals it
         self._reset()
         self.state = "updating"
 
@@ -329,6 +353,9 @@ class VllmApplier:
             self.state = "not_serving"
             self.reason = (f"refit {reason} after live weights were partly replaced; "
                            "this engine must not serve until a complete refit succeeds")
+        elif self._torn:
+            self.state = "not_serving"
+            self.reason = f"refit {reason}; the weights were already torn by an earlier refit"
         else:
             self.state = "serving" if self.state != "not_serving" else self.state
             self.reason = reason
@@ -420,7 +447,7 @@ class VllmApplier:
                 qm.process_weights_after_loading(layer)
                 if hasattr(layer, "update_param_tp_status"):
                     layer.update_param_tp_status()
-            _reprepack_cpu_moe(layer)
+            reprepack_cpu_moe(layer)
 
     @_timed("commit")
     def _commit(self, st: _LayerState) -> None:
@@ -440,7 +467,7 @@ class VllmApplier:
                 _reabsorb(attn)
 
 
-def _reprepack_cpu_moe(layer: torch.nn.Module) -> None:
+def reprepack_cpu_moe(layer: torch.nn.Module) -> None:
     """vLLM 0.32 CPU: ``_setup_kernel`` pads and prepacks MoE weights only on the first
     load, so a reload would copy model-format bytes (of the unpadded shape) into the
     kernel tensors. Run the kernel's pad + prepack on the materialised layer, before the

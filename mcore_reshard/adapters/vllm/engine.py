@@ -1,19 +1,78 @@
 """Start, query and stop a vLLM engine wired with the reshard worker extension.
 
+What a driver knows of an engine before it plans is :class:`EngineInfo` (:func:`engine_info`):
+an engine started with only ``weight_transfer_config={"backend": "mcore_reshard"}`` is described
+by the rules (``rules.vllm_layout``), one with the diagnostics extension by what its workers
+record (:func:`describe`); the diagnostics replies arrive as the typed messages of
+``protocol.py``.
+
 Scripts that call :func:`start_engine` need an ``if __name__ == "__main__":`` guard
 (vLLM spawns worker processes).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
+from dataclasses import dataclass
 from typing import Any, Sequence
 
+from ...layout.descriptor import LocalParam
+from ...protocol import ReceivedWeights, WorkerLayout, WorkerStatus
+from .rules import VllmParallel
 from .worker import PLAIN_LINEAR_ENV
 from .worker import REFIT_EXTENSION as EXTENSION
+from .worker import ReshardWorkerExtension
 
-__all__ = ["EXTENSION", "start_engine", "stop_engine", "greedy", "prompt_logprobs", "after_refit", "describe",
-           "check_serving", "AsyncEngine", "start_async_engine"]
+__all__ = ["EXTENSION", "EngineInfo", "engine_info", "start_engine", "stop_engine", "greedy", "prompt_logprobs",
+           "after_refit", "describe", "worker_status", "received_weights", "raw_bandwidth", "check_serving",
+           "AsyncEngine", "start_async_engine"]
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """One engine as a driver plans for it: its workers (tp * pp * dp), the dtype it serves,
+    its parallel sizes (the rules' layout of a plain engine) and its worker extension's
+    qualified class name ("" for a plain engine)."""
+
+    world_size: int
+    dtype: str
+    parallel: VllmParallel
+    worker_extension: str = ""
+
+    @property
+    def diagnostics(self) -> bool:
+        """Whether its workers answer the diagnostics calls (``ReshardWorkerExtension`` or a
+        subclass, e.g. the HF baseline's)."""
+        mod, _, name = self.worker_extension.rpartition(".")
+        if not mod:
+            return False
+        try:
+            cls = getattr(importlib.import_module(mod), name)
+        except (ImportError, AttributeError):
+            return False
+        return isinstance(cls, type) and issubclass(cls, ReshardWorkerExtension)
+
+
+def engine_info(llm: Any) -> EngineInfo:
+    """What ``llm`` is: read from its vLLM config (``LLM``), or as a handle states it up front
+    (``engine_info``: an engine in another process, e.g. a Ray actor's)."""
+    stated = getattr(llm, "__dict__", {}).get("engine_info")
+    if stated is not None:
+        return stated
+    return info_of_config(llm.llm_engine.vllm_config)
+
+
+def info_of_config(vllm_config: Any) -> EngineInfo:
+    par = vllm_config.parallel_config
+    dp = int(getattr(par, "data_parallel_size", 1) or 1)
+    eplb = getattr(par, "eplb_config", None)
+    parallel = VllmParallel(tp=int(par.tensor_parallel_size), pp=int(par.pipeline_parallel_size), dp=dp,
+                            enable_ep=bool(par.enable_expert_parallel),
+                            num_redundant_experts=int(getattr(eplb, "num_redundant_experts", 0) or 0),
+                            expert_placement=str(getattr(par, "expert_placement_strategy", "linear") or "linear"))
+    return EngineInfo(int(par.world_size) * dp, str(vllm_config.model_config.dtype).replace("torch.", ""), parallel,
+                      str(getattr(par, "worker_extension_cls", "") or ""))
 
 def start_engine(model_dir: str, tp: int = 1, dtype: str = "float32", enable_ep: bool = False,
                  direct: bool = False, **kw: Any):
@@ -53,14 +112,13 @@ class AsyncEngine:
     calls a driver makes (the same names as ``LLM``'s), while clients submit ``generate``
     coroutines to ``loop`` (``submit``) and keep generating during a refit's calls.
 
-    ``world_size`` and ``dtype`` are stated up front, as for any remote engine handle.
+    ``engine_info`` (and ``world_size``, ``dtype``) are stated up front, as for any remote engine handle.
     """
 
     def __init__(self, engine: Any, loop: Any, thread: Any) -> None:
         self.engine, self.loop, self._thread = engine, loop, thread
-        par = engine.vllm_config.parallel_config
-        self.world_size = int(par.world_size) * int(getattr(par, "data_parallel_size", 1) or 1)
-        self.dtype = str(engine.vllm_config.model_config.dtype).replace("torch.", "")
+        self.engine_info = info_of_config(engine.vllm_config)
+        self.world_size, self.dtype = self.engine_info.world_size, self.engine_info.dtype
 
     def submit(self, coro: Any) -> Any:
         """Run a coroutine on the engine's loop; returns a ``concurrent.futures.Future``."""
@@ -162,11 +220,25 @@ def stop_engine(llm: Any) -> None:
         core.shutdown()
 
 
-def describe(llm: Any) -> list[list[Any]]:
-    """Per worker (in rank order of ``collective_rpc``) its recorded ``LocalParam`` list."""
-    import pickle
+def describe(llm: Any) -> list[list[LocalParam]]:
+    """Per worker (in rank order of ``collective_rpc``) its recorded ``LocalParam`` list
+    (diagnostics extension)."""
+    return [list(WorkerLayout.from_wire(w).params) for w in llm.collective_rpc("mr_describe")]
 
-    return [pickle.loads(b) for b in llm.collective_rpc("mr_describe")]
+
+def worker_status(llm: Any) -> list[WorkerStatus]:
+    """Every worker's serving state, version and last outcome (diagnostics extension)."""
+    return [WorkerStatus.from_wire(w) for w in llm.collective_rpc("mr_status")]
+
+
+def received_weights(llm: Any) -> list[ReceivedWeights]:
+    """Per worker, what the last ``verify=full`` refit left it holding (diagnostics extension)."""
+    return [ReceivedWeights.from_wire(w) for w in llm.collective_rpc("mr_received")]
+
+
+def raw_bandwidth(llm: Any, pairs: Sequence[tuple[int, int]], nbytes: int, timeout_s: float) -> list[float | None]:
+    """Per worker, the raw-bandwidth probe over the engine's refit group (diagnostics extension)."""
+    return list(llm.collective_rpc("mr_raw_bandwidth", args=([list(p) for p in pairs], nbytes, timeout_s)))
 
 
 def after_refit(llm: Any) -> None:

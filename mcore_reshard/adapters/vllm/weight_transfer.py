@@ -4,10 +4,9 @@ A user of plain vLLM turns it on with ``LLM(..., weight_transfer_config={"backen
 "mcore_reshard"})`` (the ``vllm.general_plugins`` entry point registers it in every worker)
 and drives it with vLLM's own calls:
 
-    llm.init_weight_transfer_engine({"init_info": {"join": JoinInfo.to_wire(), "slices": {...},
-                                                   "plan_digest": ...}})   # once per layout
-    # or "slice_digests": {rank: digest} instead of "slices": each worker reads its own slice
-    # from the refit group's store after joining (``slice_store``; the init info stays small)
+    llm.init_weight_transfer_engine({"init_info": EngineInitInfo(join, digest, slices).to_wire()})
+    # once per layout; or slice_digests={rank: digest} instead of slices: each worker reads its
+    # own slice from the refit group's store after joining (``slice_store``; the message stays small)
     llm.start_weight_update()
     llm.update_weights({"update_info": {"request": RefitRequest.to_wire()}})  # every refit
     llm.finish_weight_update()
@@ -40,10 +39,10 @@ from vllm.distributed.weight_transfer.base import (
 
 from ...errors import RefitError
 from ...layout.descriptor import LocalParam
-from ...protocol import JoinInfo, RankReport, RefitRequest, VerifyMode, first_error_line
+from ...protocol import EngineInitInfo, RankReport, RefitRequest, VerifyMode, WorkerStatus, first_error_line
 from ...slice_store import fetch_slice
 from ...transport.endpoint import Outcome, RefitEndpoint
-from ...transport.executor import Fault
+from ...transport.faults import Fault
 from .apply import VllmApplier
 
 __all__ = ["ReshardInitInfo", "ReshardUpdateInfo", "ReshardWeightTransferEngine", "canonical_tensors",
@@ -52,11 +51,16 @@ __all__ = ["ReshardInitInfo", "ReshardUpdateInfo", "ReshardWeightTransferEngine"
 
 @dataclass
 class ReshardInitInfo(WeightTransferInitInfo):
-    """``join``: ``JoinInfo.to_wire()``; ``plan_digest``; and each worker's plan slice, either
+    """vLLM's form of :class:`~mcore_reshard.protocol.EngineInitInfo` (its ``to_wire()``):
+    ``join``: ``JoinInfo.to_wire()``; ``plan_digest``; and each worker's plan slice, either
     inline in ``slices`` (destination rank as a string -> ``plan.wire.slice_to_wire``; every
     worker receives all of them) or by digest in ``slice_digests`` (destination rank -> slice
     digest; each worker reads its own slice from the refit group's store after joining, where a
     trainer published it: ``slice_store``). ``slices`` wins for a rank present in both."""
+
+    def message(self) -> EngineInitInfo:
+        return EngineInitInfo.from_wire({"join": self.join, "plan_digest": self.plan_digest,
+                                         "slices": self.slices, "slice_digests": self.slice_digests})
 
     join: dict[str, Any] = field(default_factory=dict)
     slices: dict[str, Any] = field(default_factory=dict)
@@ -67,10 +71,10 @@ class ReshardInitInfo(WeightTransferInitInfo):
 @dataclass
 class ReshardUpdateInfo(WeightTransferUpdateInfo):
     """``request``: ``RefitRequest.to_wire()``. ``fault``: fault injection for tests and soak
-    runs only, e.g. ``{"rank": 1, "exit_after_writes": 3}``: destination rank 1's worker process
-    exits abruptly after its third write (a vLLM worker dying mid-refit); or
-    ``{"rank": 1, "kind": "exit" | "sleep", "at": "before_vote" | "after_vote" | "after_decision",
-    "seconds": s}`` (``transport.executor.Fault``)."""
+    runs only (``faults.EngineFault.to_wire()``), e.g. ``{"rank": 1, "exit_after_writes": 3}``:
+    destination rank 1's worker process exits abruptly after its third write (a vLLM worker
+    dying mid-refit); or ``{"rank": 1, "kind": "exit" | "sleep", "at": "before_vote" |
+    "after_vote" | "after_decision", "seconds": s}`` (``transport.executor.Fault``)."""
 
     request: dict[str, Any] = field(default_factory=dict)
     fault: dict[str, Any] = field(default_factory=dict)
@@ -125,7 +129,10 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
     def applier(self, atomic: bool) -> VllmApplier:
         ap = self._applier
         if ap is None or ap.atomic != atomic:
-            ap = self._applier = VllmApplier(self.model, self.params(), atomic=atomic, device=self.device)
+            new = VllmApplier(self.model, self.params(), atomic=atomic, device=self.device)
+            if ap is not None:
+                new.inherit(ap)  # a torn model stays gated across a change of mode
+            ap = self._applier = new
         return ap
 
     # -- vLLM's lifecycle ---------------------------------------------------------------------
@@ -138,14 +145,15 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         queued and poisons the engine's next call): a slice this worker refuses is kept as
         ``init_error``, the worker still joins, and its first refit votes no with that line
         before a byte moves."""
-        info = JoinInfo.from_wire(init_info.join)
+        message = init_info.message()
+        info = message.join
         rank = info.dst_offset + self.local_rank
         endpoint = RefitEndpoint("dst", rank, self.device)
         self.init_error = ""
-        wire = init_info.slices.get(str(rank))
-        by_digest = (init_info.slice_digests or {}).get(str(rank)) if wire is None else None
+        wire = message.slices.get(rank)
+        by_digest = message.slice_digests.get(rank) if wire is None else None
         if by_digest is None:
-            self._take_slice(endpoint, rank, wire, init_info.plan_digest)
+            self._take_slice(endpoint, rank, wire, message.plan_digest)
         if self.endpoint is not None:
             self.endpoint.leave()
         self.endpoint = endpoint
@@ -159,7 +167,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
             except Exception as exc:  # noqa: BLE001 - reported by this worker's first vote
                 self.init_error = first_error_line(exc)
             else:
-                self._take_slice(endpoint, rank, wire, init_info.plan_digest)
+                self._take_slice(endpoint, rank, wire, message.plan_digest)
 
     def _take_slice(self, endpoint: RefitEndpoint, rank: int, wire: dict[str, Any] | None, digest: str) -> None:
         """Keep ``wire`` as this worker's slice once it is checked; a refusal is kept as
@@ -284,7 +292,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
     def finish_weight_update(self) -> None:
         """Nothing to close: the commit happened inside ``update_weights`` (all ranks agreed)."""
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> WorkerStatus:
         """This worker's serving state, the version it holds and the last refit's outcome.
 
         ``state``: ``serving`` (whole weights of ``version``), ``not_serving`` (a streaming
@@ -295,10 +303,9 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         out = self.last_outcome
         if out is not None and not out.known and state == "serving":
             state, reason = "unsure", "; ".join(out.errors)[:500]
-        return {"state": state, "reason": reason, "version": self.version,
-                "committed": None if out is None else bool(out.commit and out.known),
-                "known": None if out is None else out.known,
-                "errors": [] if out is None else list(out.errors), "init_error": self.init_error}
+        return WorkerStatus(state, reason, self.version, None if out is None else bool(out.commit and out.known),
+                            None if out is None else out.known, () if out is None else tuple(out.errors),
+                            self.init_error)
 
     def shutdown(self) -> None:
         if self.endpoint is not None:

@@ -1,11 +1,13 @@
 """vLLM worker extension: what vLLM's weight-transfer API cannot carry.
 
 Refits themselves go through the registered weight-transfer engine
-(``weight_transfer.py``); this extension is only for recording descriptors (``mr_describe``),
-diagnostics (status, the received copy for ``verify=full``, the raw-bandwidth probe, live
-checksums) and the HF-broadcast baseline's receive side. Use with
+(``weight_transfer.py``); this extension is only a diagnostic: recording descriptors
+(``mr_describe``), status, the received copy for ``verify=full``, the raw-bandwidth probe and
+live checksums. A driver plans a plain engine from the rules instead. Use with
 ``LLM(..., worker_extension_cls="mcore_reshard.adapters.vllm.worker.ReshardWorkerExtension")``
-and ``llm.collective_rpc("mr_describe")``; arguments and results are control messages.
+and ``llm.collective_rpc("mr_describe")`` (or ``engine.describe(llm)``); replies are the typed
+messages of ``protocol.py`` in their wire form (``WorkerLayout``, ``WorkerStatus``,
+``ReceivedWeights``): nothing is pickled.
 
 With ``MCORE_RESHARD_PLAIN_LINEAR=1`` in the environment (``start_engine(direct=True)``),
 importing this module in a worker replaces vLLM's CPU GEMM dispatch so dense linears keep
@@ -17,13 +19,12 @@ from __future__ import annotations
 
 import hashlib
 import os
-import pickle
 from typing import Any, Sequence
 
 import torch
 
-from ...hf_broadcast import HFBroadcastWorkerMethods
 from ...layout.descriptor import LocalParam
+from ...protocol import ReceivedWeights, WorkerLayout, WorkerStatus
 from .apply import RefitIncomplete, VllmApplier, select_modes
 from .record import record_local_params
 
@@ -50,7 +51,7 @@ if os.environ.get(PLAIN_LINEAR_ENV) == "1":
     install_plain_linear()
 
 
-class ReshardWorkerExtension(HFBroadcastWorkerMethods):
+class ReshardWorkerExtension:
     """Mixed into vLLM's worker class; ``self`` is the worker (``self.model_runner`` etc.)."""
 
     # -- helpers (not RPC targets) -------------------------------------------------------
@@ -86,17 +87,18 @@ class ReshardWorkerExtension(HFBroadcastWorkerMethods):
         if ap is None or ap.atomic != atomic:
             if ap is not None and ap.state == "not_serving":
                 ap.check_serving()
-            ap = VllmApplier(self._mr_model(), self.mr_params(), atomic=atomic,
-                             device=self.mr_rank_info()["device"])
-            self._mr_current_applier = ap
+            new = VllmApplier(self._mr_model(), self.mr_params(), atomic=atomic,
+                              device=self.mr_rank_info()["device"])
+            if ap is not None:
+                new.inherit(ap)
+            ap = self._mr_current_applier = new
         return ap
 
     # -- RPC methods --------------------------------------------------------------------
-    def mr_describe(self) -> bytes:
-        """This worker's destination pieces (model format, local = named_parameters names),
-        pickled: vLLM's RPC serializer turns dataclasses into dicts (``engine.describe``
-        unpickles)."""
-        return pickle.dumps(list(self.mr_params()))
+    def mr_describe(self) -> list:
+        """This worker's destination pieces (model format, local = named_parameters names):
+        ``WorkerLayout`` on the wire (vLLM's RPC serializer would turn dataclasses into dicts)."""
+        return WorkerLayout(tuple(self.mr_params())).to_wire()
 
     def mr_rank_info(self) -> dict[str, Any]:
         """Global rank in the engine and the tp/pp/dp coordinates of this worker."""
@@ -119,30 +121,30 @@ class ReshardWorkerExtension(HFBroadcastWorkerMethods):
 
     def mr_status(self) -> dict[str, Any]:
         """Serving state of this worker's model, the version it holds, and the agreed outcome
-        of the last refit (``ReshardWeightTransferEngine.status``)."""
+        of the last refit: ``WorkerStatus`` on the wire (``ReshardWeightTransferEngine.status``)."""
         eng = self._mr_engine()
         if eng is not None and getattr(self, "_mr_current_applier", None) is None:
-            return eng.status()
+            return eng.status().to_wire()
         ap = getattr(self, "_mr_current_applier", None)
-        return {"state": "serving" if ap is None else ap.state, "reason": "" if ap is None else ap.reason,
-                "version": "", "committed": None, "known": None, "errors": [], "init_error": ""}
+        return (WorkerStatus() if ap is None else WorkerStatus(ap.state, ap.reason)).to_wire()
 
-    def mr_received(self) -> bytes:
-        """``verify=full``: this rank's model-format parameters after the last refit, pickled
-        ``{local_name: (tensor, "live" | "received")}``: live values where the kernel keeps
-        model format, else the copy the engine kept while receiving."""
+    def mr_received(self) -> dict[str, Any]:
+        """``verify=full``: this rank's model-format parameters after the last refit
+        (``ReceivedWeights`` on the wire): live values where the kernel keeps model format,
+        else the copy the engine kept while receiving."""
         eng = self._mr_engine()
         received = eng.received if eng is not None else None
         if received is None:
             raise RuntimeError("mr_received needs a refit with verify=full first")
         modes = self.mr_modes()
         params = dict(self._mr_model().named_parameters())
-        out = {}
+        tensors, where = {}, {}
         for name, copy in received.items():
             live = params.get(name)
             direct = modes.get(name) == "direct" and live is not None and tuple(live.shape) == tuple(copy.shape)
-            out[name] = (live.detach().cpu().clone() if direct else copy, "live" if direct else "received")
-        return pickle.dumps(out)
+            tensors[name] = live.detach().cpu().clone() if direct else copy
+            where[name] = "live" if direct else "received"
+        return ReceivedWeights(tensors, where).to_wire()
 
     def mr_raw_bandwidth(self, pairs: list[tuple[int, int]], nbytes: int, timeout_s: float) -> float | None:
         """Benchmark floor over the engine's refit group (see ``RefitEndpoint.raw_bandwidth``)."""
@@ -150,22 +152,6 @@ class ReshardWorkerExtension(HFBroadcastWorkerMethods):
         if eng is None or eng.endpoint is None:
             raise RuntimeError("mr_raw_bandwidth needs a joined mcore_reshard weight-transfer engine")
         return eng.endpoint.raw_bandwidth([tuple(p) for p in pairs], nbytes, timeout_s)
-
-    def mr_begin(self, atomic: bool = False) -> None:
-        self.mr_applier(atomic).begin()
-
-    def mr_finish(self) -> None:
-        self.mr_applier(self._mr_current_applier.atomic).finish()  # type: ignore[attr-defined]
-        self._mr_after_update()
-
-    def mr_abort(self, reason: str = "aborted") -> dict[str, str]:
-        ap = getattr(self, "_mr_current_applier", None)
-        if ap is not None:
-            try:
-                ap.abort(reason)
-            except RuntimeError:
-                pass  # state says not_serving; reported below
-        return self.mr_status()
 
     def mr_load_canonical(self, path: str, atomic: bool = False,
                           only: Sequence[str] | None = None, stop_after: int | None = None,
@@ -223,11 +209,6 @@ class ReshardWorkerExtension(HFBroadcastWorkerMethods):
             t = params[name].detach().contiguous().cpu()
             out[name] = hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()
         return out
-
-    def mr_sample_params(self, names: Sequence[str]) -> dict[str, list]:
-        """Live values of a few (small) parameters, as lists (test helper)."""
-        params = dict(self._mr_model().named_parameters())
-        return {n: params[n].detach().float().cpu().flatten().tolist() for n in names}
 
     def _mr_after_update(self) -> None:
         """Invalidate caches derived from the old weights (prefix cache keys stay valid

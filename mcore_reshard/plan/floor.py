@@ -1,0 +1,140 @@
+"""The floor over the fabric: *one copy per destination node*.
+
+What a node's inference ranks hold, minus what a training rank on the same node already
+holds, has to cross into that node once (:func:`inter_node_minimum`); the placement report
+sets a plan's inter-node bytes next to it, and the relay choice names the tensors a plan moves
+more of (:func:`over_floor`). Pure metadata, like the planner.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+from ..layout import Box, SideLayout
+from ..layout.descriptor import DTYPE_BYTES
+from .placement import Location, RankPlacement
+from .types import TransferPlan
+
+__all__ = ["inter_node_minimum", "node_floors", "hf_ipc_bytes", "over_floor", "why_over"]
+
+
+def _covered(boxes: Sequence[Box], minus: Sequence[Box] = ()) -> int:
+    """Elements covered by the union of ``boxes`` and not by the union of ``minus``
+    (coordinate compression: the cells between every box edge, per dimension)."""
+    if not boxes:
+        return 0
+    uniq = list(dict.fromkeys(boxes))
+    if len(uniq) == 1 and not minus:
+        return uniq[0].numel
+    everything = uniq + list(minus)
+    ndim = len(uniq[0].sizes)
+    cuts = [sorted({b.offsets[d] for b in everything} | {b.offsets[d] + b.sizes[d] for b in everything})
+            for d in range(ndim)]
+    total = 0
+
+    def inside(b: Box, cell: tuple[int, ...]) -> bool:
+        return all(b.offsets[d] <= cell[d] < b.offsets[d] + b.sizes[d] for d in range(ndim))
+
+    def walk(d: int, cell: list[int], vol: int) -> None:
+        nonlocal total
+        if d == ndim:
+            c = tuple(cell)
+            if any(inside(b, c) for b in uniq) and not any(inside(b, c) for b in minus):
+                total += vol
+            return
+        for lo, hi in zip(cuts[d], cuts[d][1:]):
+            cell.append(lo)
+            walk(d + 1, cell, vol * (hi - lo))
+            cell.pop()
+
+    walk(0, [], 1)
+    return total
+
+
+def _boxes_by_node(side: SideLayout, locs: Sequence[Location]) -> dict[int, dict[str, list[Box]]]:
+    out: dict[int, dict[str, list[Box]]] = {}
+    for p in side.params:
+        node = locs[p.rank].node
+        for q in p.pieces:
+            out.setdefault(node, {}).setdefault(q.canonical, []).append(q.box)
+    return out
+
+
+#: inter_node_minimum by (layouts, placement): one plan's report asks for it several times
+#: (direct vs relayed, then the CLI). Holds the layouts so their ids stay theirs.
+_MIN_CACHE: dict[tuple, tuple[SideLayout, SideLayout, int]] = {}
+
+
+def inter_node_minimum(src: SideLayout, dst: SideLayout, placement: RankPlacement, itemsize: int) -> int:
+    """Bytes that must cross into destination nodes: per node, the distinct elements its
+    inference ranks hold (padding excluded: it is never sent) that no training rank on the
+    same node holds."""
+    key = (id(src), id(dst), placement, itemsize)
+    hit = _MIN_CACHE.get(key)
+    if hit is not None and hit[0] is src and hit[1] is dst:
+        return hit[2]
+    total = sum(node_floors(src, dst, placement, itemsize).values())
+    if len(_MIN_CACHE) >= 8:
+        _MIN_CACHE.pop(next(iter(_MIN_CACHE)))
+    _MIN_CACHE[key] = (src, dst, total)
+    return total
+
+
+def node_floors(src: SideLayout, dst: SideLayout, placement: RankPlacement,
+                itemsize: int) -> dict[tuple[int, str], int]:
+    """(destination node, tensor) -> bytes of it that must cross into that node."""
+    held = _boxes_by_node(dst, placement.dst)
+    local = _boxes_by_node(src, placement.src)
+    size = _element_bytes(dst, itemsize)
+    return {(node, name): _covered(boxes, local.get(node, {}).get(name, ())) * size.get(name, itemsize)
+            for node, tensors in held.items() for name, boxes in tensors.items()}
+
+
+def _element_bytes(dst: SideLayout, itemsize: int) -> dict[str, int]:
+    """Bytes per element of each destination tensor: the wire's (``itemsize``), or its own for
+    one carried as its bits (e.g. an fp32 router bias in a bf16 plan)."""
+    return {name: DTYPE_BYTES.get(d, itemsize) for name, (_, d) in dst.tensors.items()}
+
+
+def hf_ipc_bytes(dst: SideLayout, itemsize: int) -> int:
+    """NeMo RL's colocated path: every inference rank receives every full HF tensor over IPC."""
+    size = _element_bytes(dst, itemsize)
+    full = sum(_numel(shape) * size[name] for name, (shape, _) in dst.tensors.items())
+    return dst.world_size * full
+
+
+def _numel(shape: Iterable[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def over_floor(plan: TransferPlan, src: SideLayout, dst: SideLayout,
+               placement: RankPlacement) -> list[tuple[int, str, int, int]]:
+    """(node, tensor, bytes moved into it, floor) of every destination tensor whose bytes into
+    some node exceed that node's floor, in (node, tensor) order."""
+    moved: dict[tuple[int, str], int] = {}
+    for t in plan.transfers:
+        if placement.link(t.src, t.dst) == "inter_node":
+            key = (placement.dst[t.dst].node, t.canonical)
+            moved[key] = moved.get(key, 0) + t.nbytes
+    floors = node_floors(src, dst, placement, plan.itemsize)
+    return [(node, name, nb, floors.get((node, name), 0)) for (node, name), nb in sorted(moved.items())
+            if nb > floors.get((node, name), 0)]
+
+
+def why_over(dst: SideLayout, placement: RankPlacement, over: Sequence[tuple[int, str, int, int]]) -> str:
+    """Why relays miss the floor for ``over``: the one cause the relays leave to the direct
+    path is a rank holding a box twice (the floor counts it once per node)."""
+    want = {(node, name) for node, name, _, _ in over}
+    seen: set[tuple[int, str, Box]] = set()
+    for p in dst.params:
+        for q in p.pieces:
+            if (placement.dst[p.rank].node, q.canonical) in want:
+                k = (p.rank, q.canonical, q.box)
+                if k in seen:
+                    return (f"destination rank {p.rank} holds {q.canonical} {q.box.offsets}+{q.box.sizes} twice, "
+                            f"e.g. as two redundant expert slots")
+                seen.add(k)
+    return "no relay group takes them into the node once"

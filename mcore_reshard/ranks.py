@@ -1,0 +1,378 @@
+"""The training side of a refit, as one typed protocol.
+
+A driver talks to a group of training ranks through methods with typed requests and typed
+replies (no method names as strings, no positional tuples, nothing unpickled by hand)::
+
+    ranks.describe().wait()              # every rank's pieces
+    ranks.join(info).wait()              # once per refit group
+    ranks.set_plan(slices, digest)       # once per layout: slices[r] is rank r's plan slice
+    ranks.refit(request).wait()          # every refit: a RefitReply per rank
+    ranks.leave().wait()
+
+plus the training calls the jobs need (``train_step``, ``logprobs``, ``grpo_step``, ...) and
+``run(task)``, which runs a transport's own trainer end (a :class:`RankTask`, e.g. the HF
+baseline's gather and broadcast) without the ranks knowing that transport.
+
+Every call starts on every rank at once and returns a :class:`Pending`: ``wait`` gives one reply
+per rank in rank order, or raises ``TrainerError`` naming the first rank that failed, died or
+missed the deadline. One call is in flight at a time (a driver starts the trainers' part,
+drives the engines, then waits for both).
+
+:class:`RankGroup` implements every method once over one primitive, "send rank r its call and
+return how to collect the replies": ``trainer.TrainerPool`` (local processes) and
+``grpo.ray_cluster.RayRankGroup`` (Ray actors) implement only that. Where a rank lives, a
+:class:`TrainerRank` answers the calls: ``trainer.EndpointRank`` around a framework's own
+``TrainerEndpoint``, or ``trainer.MegatronRank`` with this project's policy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Generic, Mapping, Protocol, Sequence, TypeVar
+
+from .faults import TrainerFault
+from .layout import LocalParam, ModelSpec
+from .losses import GrpoBatch, PgLossSettings
+from .protocol import JoinInfo, RankReport, RefitRequest
+
+__all__ = ["RankContext", "RankTask", "RefitRank", "TrainerRank", "RefitReply", "RankCall", "Pending",
+           "RefitRanks", "TrainerRanks", "RankGroup"]
+
+T = TypeVar("T")
+R = TypeVar("R", covariant=True)
+TokenIds = Sequence[Sequence[int]]
+
+
+# ------------------------------------------------------------------------ one rank
+
+
+class RankContext(Protocol):
+    """What a transport's trainer end may use on the rank it runs on."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def spec(self) -> ModelSpec: ...
+
+    #: Objects a transport keeps on this rank between its tasks (by its own key); what is
+    #: still there when the rank's process closes is closed (``close()``) with it.
+    @property
+    def resources(self) -> dict[str, Any]: ...
+
+    def refit_group(self) -> Any:
+        """The refit group this rank joined (``transport.group.RefitGroup``), or None."""
+
+    def synced_tensors(self) -> Mapping[str, Any]:
+        """The live local weights by descriptor name, after the optimizer's parameter sync."""
+
+
+class RankTask(Protocol[R]):
+    """A transport's work on every training rank (runs where the rank lives)."""
+
+    def run(self, rank: RankContext) -> R: ...
+
+
+@dataclass(frozen=True)
+class RefitReply:
+    """A training rank's answer to a refit: its report, and on training rank 0 every rank's
+    report from the vote (by refit-group rank; None where a rank did not vote)."""
+
+    report: RankReport
+    reports: tuple[RankReport | None, ...] = ()
+
+
+class RefitRank(RankContext, Protocol):
+    """One training rank's side of a refit (``trainer.EndpointRank``)."""
+
+    def describe(self) -> list[LocalParam]: ...
+
+    def join(self, info: JoinInfo) -> int: ...
+
+    def set_plan(self, slice_wire: Mapping[str, Any], digest: str) -> str: ...
+
+    def refit(self, request: RefitRequest, fault: TrainerFault | None = None) -> RefitReply: ...
+
+    def leave(self) -> None: ...
+
+    def run(self, task: RankTask[T]) -> T: ...
+
+
+class TrainerRank(RefitRank, Protocol):
+    """A training rank that also trains (``trainer.MegatronRank``): what the jobs call."""
+
+    def train_step(self, token_ids: TokenIds) -> float: ...
+
+    def logprobs(self, token_ids: TokenIds) -> list[list[float]]: ...
+
+    def grpo_step(self, token_ids: TokenIds, batch: GrpoBatch, loss: PgLossSettings) -> float: ...
+
+    def reference_logprobs(self, token_ids: TokenIds) -> list[list[float]]: ...
+
+    def local_tensors(self) -> dict[str, Any]: ...
+
+    def raw_bandwidth(self, pairs: Sequence[tuple[int, int]], nbytes: int, timeout_s: float) -> float | None: ...
+
+
+# ------------------------------------------------------------------------ typed calls
+
+
+class RankCall(Generic[T]):
+    """One typed request to one rank: ``run`` executes it on the rank's :class:`TrainerRank`
+    where the rank lives; ``what`` names it in errors."""
+
+    what: ClassVar[str] = "call"
+
+    def run(self, rank: Any) -> T:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Describe(RankCall[list[LocalParam]]):
+    what = "describe"
+
+    def run(self, rank: RefitRank) -> list[LocalParam]:
+        return list(rank.describe())
+
+
+@dataclass(frozen=True)
+class Join(RankCall[int]):
+    info: JoinInfo
+    what = "join"
+
+    def run(self, rank: RefitRank) -> int:
+        return rank.join(self.info)
+
+
+@dataclass(frozen=True)
+class SetPlan(RankCall[str]):
+    slice_wire: Mapping[str, Any]
+    digest: str
+    what = "set_plan"
+
+    def run(self, rank: RefitRank) -> str:
+        return rank.set_plan(self.slice_wire, self.digest)
+
+
+@dataclass(frozen=True)
+class Refit(RankCall[RefitReply]):
+    request: RefitRequest
+    fault: TrainerFault | None = None  # set only by the testing path
+    what = "refit"
+
+    def run(self, rank: RefitRank) -> RefitReply:
+        return rank.refit(self.request, self.fault)
+
+
+@dataclass(frozen=True)
+class Leave(RankCall[None]):
+    what = "leave"
+
+    def run(self, rank: RefitRank) -> None:
+        rank.leave()
+
+
+@dataclass(frozen=True)
+class RunTask(RankCall[T]):
+    task: RankTask[T]
+    what = "run"
+
+    def run(self, rank: RefitRank) -> T:
+        return rank.run(self.task)
+
+
+@dataclass(frozen=True)
+class TrainStep(RankCall[float]):
+    token_ids: TokenIds
+    what = "train_step"
+
+    def run(self, rank: TrainerRank) -> float:
+        return rank.train_step(self.token_ids)
+
+
+@dataclass(frozen=True)
+class Logprobs(RankCall[list[list[float]]]):
+    token_ids: TokenIds
+    what = "logprobs"
+
+    def run(self, rank: TrainerRank) -> list[list[float]]:
+        return rank.logprobs(self.token_ids)
+
+
+@dataclass(frozen=True)
+class GrpoStep(RankCall[float]):
+    token_ids: TokenIds
+    batch: GrpoBatch
+    loss: PgLossSettings
+    what = "grpo_step"
+
+    def run(self, rank: TrainerRank) -> float:
+        return rank.grpo_step(self.token_ids, self.batch, self.loss)
+
+
+@dataclass(frozen=True)
+class ReferenceLogprobs(RankCall[list[list[float]]]):
+    token_ids: TokenIds
+    what = "reference_logprobs"
+
+    def run(self, rank: TrainerRank) -> list[list[float]]:
+        return rank.reference_logprobs(self.token_ids)
+
+
+@dataclass(frozen=True)
+class LocalTensors(RankCall[dict[str, Any]]):
+    what = "local_tensors"
+
+    def run(self, rank: TrainerRank) -> dict[str, Any]:
+        return rank.local_tensors()
+
+
+@dataclass(frozen=True)
+class RawBandwidth(RankCall["float | None"]):
+    pairs: tuple[tuple[int, int], ...]
+    nbytes: int
+    timeout_s: float
+    what = "raw_bandwidth"
+
+    def run(self, rank: TrainerRank) -> float | None:
+        return rank.raw_bandwidth(self.pairs, self.nbytes, self.timeout_s)
+
+
+# ------------------------------------------------------------------------ the group
+
+
+class Pending(Generic[T]):
+    """One call on its way on every rank; :meth:`wait` collects it once."""
+
+    def __init__(self, what: str, collect: Callable[[float], list[Any]], timeout_s: float) -> None:
+        self.what, self._collect, self._timeout_s = what, collect, timeout_s
+        self.done = False
+
+    def wait(self, timeout_s: float | None = None) -> list[T]:
+        """Every rank's reply in rank order; ``TrainerError`` naming the first rank that failed,
+        died or missed the deadline (default: the group's)."""
+        if self.done:
+            raise RuntimeError(f"{self.what!r} was already collected")
+        self.done = True
+        return self._collect(timeout_s or self._timeout_s)
+
+
+class RefitRanks(Protocol):
+    """What a refit driver needs of the training side."""
+
+    world_size: int
+
+    def describe(self) -> Pending[list[LocalParam]]: ...
+
+    def join(self, info: JoinInfo) -> Pending[int]: ...
+
+    def set_plan(self, slices: Sequence[Mapping[str, Any]], digest: str) -> Pending[str]: ...
+
+    def refit(self, request: RefitRequest, fault: TrainerFault | None = None) -> Pending[RefitReply]: ...
+
+    def leave(self) -> Pending[None]: ...
+
+    def run(self, task: RankTask[T]) -> Pending[T]: ...
+
+    def dead(self) -> list[str]: ...
+
+
+class TrainerRanks(RefitRanks, Protocol):
+    """The training side as the jobs drive it: the refit calls and the training calls."""
+
+    def train_step(self, token_ids: TokenIds) -> Pending[float]: ...
+
+    def logprobs(self, token_ids: TokenIds) -> Pending[list[list[float]]]: ...
+
+    def grpo_step(self, token_ids: TokenIds, batch: GrpoBatch, loss: PgLossSettings) -> Pending[float]: ...
+
+    def reference_logprobs(self, token_ids: TokenIds) -> Pending[list[list[float]]]: ...
+
+    def local_tensors(self) -> Pending[dict[str, Any]]: ...
+
+    def raw_bandwidth(self, pairs: Sequence[tuple[int, int]], nbytes: int,
+                      timeout_s: float) -> Pending[float | None]: ...
+
+    def close(self) -> None: ...
+
+
+class RankGroup:
+    """:class:`TrainerRanks` over one primitive a subclass provides: :meth:`_send`."""
+
+    world_size: int
+    timeout_s: float = 300.0
+    _in_flight: Pending[Any] | None = None
+
+    def _send(self, what: str, calls: Sequence[RankCall[Any]]) -> Callable[[float], list[Any]]:
+        """Start ``calls[r]`` on rank ``r`` without waiting; return what collects every reply
+        within a deadline (raising ``TrainerError`` naming a failed, dead or late rank)."""
+        raise NotImplementedError
+
+    def start(self, calls: Sequence[RankCall[T]]) -> Pending[T]:
+        """Rank-specific calls (``calls[r]`` on rank ``r``), e.g. each rank's plan slice."""
+        if len(calls) != self.world_size:
+            raise ValueError(f"{len(calls)} calls for {self.world_size} ranks")
+        if self.in_flight is not None:
+            raise RuntimeError(f"{self.in_flight!r} is still pending")
+        what = calls[0].what
+        pending: Pending[T] = Pending(what, self._send(what, calls), self.timeout_s)
+        self._in_flight = pending
+        return pending
+
+    @property
+    def in_flight(self) -> str | None:
+        """The call started and not yet collected, if any (a group with one is not idle)."""
+        p = self._in_flight
+        return p.what if p is not None and not p.done else None
+
+    def _each(self, call: RankCall[T]) -> Pending[T]:
+        return self.start([call] * self.world_size)
+
+    # -- the refit ----------------------------------------------------------------------------
+    def describe(self) -> Pending[list[LocalParam]]:
+        return self._each(Describe())
+
+    def join(self, info: JoinInfo) -> Pending[int]:
+        return self._each(Join(info))
+
+    def set_plan(self, slices: Sequence[Mapping[str, Any]], digest: str) -> Pending[str]:
+        return self.start([SetPlan(s, digest) for s in slices])
+
+    def refit(self, request: RefitRequest, fault: TrainerFault | None = None) -> Pending[RefitReply]:
+        return self._each(Refit(request, fault))
+
+    def leave(self) -> Pending[None]:
+        return self._each(Leave())
+
+    def run(self, task: RankTask[T]) -> Pending[T]:
+        return self._each(RunTask(task))
+
+    # -- training -------------------------------------------------------------------------------
+    def train_step(self, token_ids: TokenIds) -> Pending[float]:
+        return self._each(TrainStep(_tokens(token_ids)))
+
+    def logprobs(self, token_ids: TokenIds) -> Pending[list[list[float]]]:
+        return self._each(Logprobs(_tokens(token_ids)))
+
+    def grpo_step(self, token_ids: TokenIds, batch: GrpoBatch, loss: PgLossSettings) -> Pending[float]:
+        return self._each(GrpoStep(_tokens(token_ids), batch, loss))
+
+    def reference_logprobs(self, token_ids: TokenIds) -> Pending[list[list[float]]]:
+        return self._each(ReferenceLogprobs(_tokens(token_ids)))
+
+    def local_tensors(self) -> Pending[dict[str, Any]]:
+        return self._each(LocalTensors())
+
+    def raw_bandwidth(self, pairs: Sequence[tuple[int, int]], nbytes: int,
+                      timeout_s: float) -> Pending[float | None]:
+        return self._each(RawBandwidth(tuple((int(a), int(b)) for a, b in pairs), nbytes, timeout_s))
+
+    def dead(self) -> list[str]:
+        return []
+
+    def close(self) -> None:
+        """Stop every rank (subclasses)."""
+
+
+def _tokens(token_ids: TokenIds) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(int(t) for t in seq) for seq in token_ids)

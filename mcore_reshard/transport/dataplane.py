@@ -1,0 +1,127 @@
+"""The refit group's data plane: point-to-point ops on a process group private to refits.
+
+Megatron and each vLLM worker already own a default process group; a refit must touch
+neither. So the group is built by hand from a ``TCPStore`` rendezvous, a ``PrefixStore`` (so
+several groups can share one store) and a backend object (``ProcessGroupGloo`` on CPU,
+``ProcessGroupNCCL`` on GPU) that is never registered as a default. It is created once and
+reused for every refit.
+
+Failure model: every wait has a timeout. Gloo closes a pair after a timeout or a peer's
+death, so after any ``RefitError`` the group is broken: ``close()`` it and create a new one.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+from ..errors import RefitError, RefitTimeout
+from ..plan.tags import CONNECT_TAG
+from ..protocol import RankMap
+
+__all__ = ["DataPlane", "backend", "error_class"]
+
+
+def error_class(e: BaseException) -> type[RefitError]:
+    """``RefitTimeout`` when a backend error says a wait ran out, else ``RefitError``."""
+    text = str(e).lower()
+    return RefitTimeout if "timed out" in text or "timeout" in text else RefitError
+
+
+def backend(store: dist.Store, rank: int, world_size: int, timeout_s: float, device: torch.device) -> Any:
+    """A process group on ``store`` that is nobody's default: gloo on CPU, NCCL on GPU."""
+    timeout = timedelta(seconds=timeout_s)
+    if device.type == "cuda":
+        return _nccl_group(store, rank, world_size, timeout, device)
+    return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+
+
+class DataPlane:
+    """Moves bytes between the group's ranks: single-tensor point-to-point ops (the caller
+    waits with a timeout), a broadcast, and wire buffers kept between refits."""
+
+    def __init__(self, pg: Any, rank: int, world_size: int, device: torch.device, rank_map: RankMap,
+                 timeout_s: float) -> None:
+        self.pg = pg
+        self.rank, self.world_size, self.device, self.rank_map = rank, world_size, device, rank_map
+        self.timeout_s = timeout_s
+        self._buffers: dict[str, torch.Tensor] = {}
+        #: Keep wire buffers between refits (no allocation and first-touch page faults per
+        #: refit, at the price of holding them); ``release_buffers()`` frees them.
+        self.keep_buffers = True
+        self._connected: set[int] = set()
+
+    # -- wire buffers ----------------------------------------------------------------------
+
+    def buffer(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A 1-D buffer of at least ``numel`` elements, reused across refits when
+        ``keep_buffers`` (a refit's buckets have the same sizes every time)."""
+        buf = self._buffers.get(name) if self.keep_buffers else None
+        if buf is None or buf.dtype != dtype or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=dtype, device=self.device)
+            if self.keep_buffers:
+                self._buffers[name] = buf
+        return buf[:numel]
+
+    def release_buffers(self) -> None:
+        self._buffers.clear()
+
+    # -- ops -------------------------------------------------------------------------------
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> dist.Work:
+        return self.pg.send([tensor], dst, tag)
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int) -> dist.Work:
+        return self.pg.recv([tensor], src, tag)
+
+    def broadcast(self, tensor: torch.Tensor, root: int, timeout_s: float | None = None) -> torch.Tensor:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        opts.rootTensor = 0
+        work = self.pg.broadcast([tensor], opts)
+        work.wait(timedelta(seconds=timeout_s or self.timeout_s))
+        return tensor
+
+    def connect(self, peers: Iterable[int], timeout_s: float | None = None) -> None:
+        """Exchange one byte with every peer not yet connected, in one global pair order.
+
+        NCCL creates a pair's communicator on the pair's first op and blocks both ends until
+        the other joins; if ranks met their peers in arbitrary order that could form a cycle.
+        Here every rank walks its pairs by increasing peer rank, i.e. all pairs in
+        lexicographic (low, high) order, and the lower rank sends. Done once per pair per group
+        (gloo connects at creation, so there it is only a cheap liveness check).
+        """
+        wait = timedelta(seconds=timeout_s or self.timeout_s)
+        ping = torch.zeros(1, dtype=torch.uint8, device=self.device)
+        for g in sorted(set(peers) - self._connected - {self.rank}):
+            try:
+                (self.send(ping, g, CONNECT_TAG) if self.rank < g else self.recv(ping, g, CONNECT_TAG)).wait(wait)
+            except RuntimeError as e:
+                cls = error_class(e)
+                first = str(e).splitlines()[0] if str(e) else type(e).__name__
+                raise cls(f"{self.rank_map.describe_group_rank(self.rank)}: connecting to "
+                          f"{self.rank_map.describe_group_rank(g)} failed (before bucket 0): {first}") from e
+            self._connected.add(g)
+
+    def shutdown(self) -> None:
+        """Release the backend (best effort on every backend); safe to call twice."""
+        pg, self.pg = self.pg, None
+        if pg is None:
+            return
+        try:
+            pg.shutdown()
+        except Exception:  # noqa: BLE001 -- shutdown is best-effort on every backend
+            pass
+
+
+def _nccl_group(store: dist.Store, rank: int, world: int, timeout: timedelta, device: torch.device) -> Any:
+    """GPU backend (not exercised on CPU machines): NCCL, bound to ``device``."""
+    from torch.distributed import ProcessGroupNCCL  # lazy: absent from CPU builds
+
+    torch.cuda.set_device(device)
+    opts = ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    return ProcessGroupNCCL(store, rank, world, opts)

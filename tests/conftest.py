@@ -1,0 +1,198 @@
+"""Shared fixtures, and the order the live tests run in.
+
+What the live tests start is shared through session caches (``support/live.py``,
+``support/megatron.py``), keyed by what makes one differ from another:
+
+- ``ckpt_cache``: tiny HF checkpoints by (family, dtype, seed, overrides);
+- ``shared_engine(ckpt, tp=, dtype=, enable_ep=, direct=)``: vLLM refit engines by (model
+  architecture, dtype, TP, EP, apply mode), at most ``MR_TEST_MAX_ENGINES`` (default 2)
+  running; one a test left paused, not serving or dead is stopped, never reused;
+- ``support.live.cluster``: ``local_cluster`` over trainer pools cached by their setup
+  (checkpoint, dtype, megatron layout, training settings), given back after each use unless
+  a rank died; ``restart_trainers`` still starts a fresh pool from the checkpoint;
+- ``support.megatron.run_world``: megatron jobs on warm rank processes by world size.
+
+Tests that kill a rank or an engine start their own (see each module). Markers:
+``slow`` = starts something (processes, worlds, engines, a server, Ray); ``heavy`` = plans a
+full-size model in-process (10-60 s of CPU, starts nothing). ``make test-fast`` runs
+``-m "not slow and not heavy"``.
+
+Order: modules that start nothing run first (in file order), then the live modules grouped
+by what they share (``LIVE_ORDER``), so that a cached engine or pool is reused while it is
+warm and released when the group ends.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from support import live as _live  # noqa: E402
+from support import megatron as _megatron  # noqa: E402
+from support.background import BACKGROUND  # noqa: E402
+
+#: Live modules, in the order they run after every other module: grouped by the engines,
+#: trainer pools and megatron worlds they share. Each entry: (module, what it shares).
+LIVE_ORDER: list[tuple[str, frozenset[str]]] = [
+    ("test_transport", frozenset()),
+    ("test_relays", frozenset()),
+    ("test_mixed_dtype", frozenset()),
+    ("test_megatron_live", frozenset({"megatron"})),
+    ("test_deepseek_megatron", frozenset({"megatron"})),
+    ("test_megatron_train", frozenset({"megatron"})),
+    # fp32 tiny MoE (seed 7): engines TP1 and TP2, the TP2xEP2 trainer pool
+    ("test_endpoints", frozenset({"megatron", "live"})),
+    ("test_colocated", frozenset({"live"})),
+    ("test_refit_layouts", frozenset({"live"})),
+    ("test_refit_e2e", frozenset({"live"})),
+    # bf16 tiny MoE (seed 13): the TP2xEP2 trainer pool
+    ("test_refit_bf16", frozenset({"live"})),
+    ("test_faults", frozenset({"live"})),
+    # own engines and pools only (nothing of the above is reused)
+    ("test_deepseek_refit", frozenset()),
+    ("test_vllm_live", frozenset()),
+    ("test_deepseek_vllm", frozenset()),
+    ("test_http_server", frozenset()),
+    ("test_grpo_ray", frozenset()),
+]
+_RANK = {name: i + 1 for i, (name, _) in enumerate(LIVE_ORDER)}
+_SHARES = dict(LIVE_ORDER)
+
+_STATS: dict[str, list[str]] = {"log": []}
+
+
+def _log(msg: str) -> None:
+    _STATS["log"].append(f"{time.strftime('%H:%M:%S')} {msg}")
+
+
+_live.POOLS._log = _log
+
+
+#: Single cases of parametrized tests that plan a full-size model (marked ``heavy`` here: their
+#: parameter lists build the ids from plain tuples).
+HEAVY_CASES = (
+    "test_bad_input.py::test_plan_bad_input[refit.buffer_bytes=65536]",  # 15M transfers before it says no
+    "test_cli.py::test_bad_input_is_one_line_exit_2[args5-destination needs]",  # Qwen3-235B's layouts
+)
+
+
+def _module(item: pytest.Item) -> str:
+    return Path(str(item.fspath)).stem
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Marks ``HEAVY_CASES``. Order: modules that start nothing first, in file order; then
+    ``LIVE_ORDER``. Within a module the file's order is kept (some modules depend on it)."""
+    for item in items:
+        if any(item.nodeid.endswith(case) for case in HEAVY_CASES):
+            item.add_marker(pytest.mark.heavy)
+    index = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda it: (_RANK.get(_module(it), 0), index[id(it)]))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start, on the otherwise idle core while the tests that start nothing run: the
+    background jobs of the selected tests (a module's ``BACKGROUND_JOBS``: the GRPO CLI runs)
+    and, when this run has megatron tests, the warm megatron worlds (their ranks import
+    megatron-core)."""
+    if session.config.option.collectonly:
+        return
+    for item in session.items:
+        jobs = getattr(item.module, "BACKGROUND_JOBS", None) or {}
+        if getattr(item, "originalname", item.name) in jobs:
+            BACKGROUND.add(*jobs[getattr(item, "originalname", item.name)])
+    if os.environ.get("MR_TEST_NO_BACKGROUND") != "1":
+        BACKGROUND.start()
+    if os.environ.get("MR_TEST_COLD_WORLDS") == "1":
+        return
+    mods = {_module(it) for it in session.items if it.get_closest_marker("slow") is not None}
+    if any("megatron" in _SHARES.get(m, ()) for m in mods):
+        sizes = sorted({2, *([1, 4] if "test_megatron_train" in mods else [])})
+        _megatron.prestart(sizes)
+        _log(f"warm megatron worlds of {sizes} rank(s) starting in the background")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    """Release what a group of modules shared once the next test is outside the group (after
+    this test's own fixtures are torn down)."""
+    yield
+    here = _SHARES.get(_module(item), frozenset())
+    after = _SHARES.get(_module(nextitem), frozenset()) if nextitem is not None else frozenset()
+    if "megatron" in here and "megatron" not in after:
+        _megatron.close_all()
+        _log("warm megatron worlds closed")
+    if "live" in here and "live" not in after:
+        _live.POOLS.close()
+        cache = _ENGINES.get("cache")
+        if cache is not None:
+            cache.close()
+        _log("trainer pools and cached engines closed")
+
+
+_ENGINES: dict[str, _live.EngineCache] = {}
+
+
+@pytest.fixture(scope="session")
+def ckpt_cache(tmp_path_factory: pytest.TempPathFactory) -> _live.Checkpoints:
+    """Tiny HF checkpoints by (family, dtype, seed, overrides), written once per session."""
+    return _live.Checkpoints(tmp_path_factory.mktemp("ckpts"))
+
+
+@pytest.fixture(scope="session")
+def engine_cache():
+    cache = _live.EngineCache(max_engines=int(os.environ.get("MR_TEST_MAX_ENGINES", "2")), log=_log)
+    _ENGINES["cache"] = cache
+    yield cache
+    cache.close()
+
+
+@pytest.fixture
+def shared_engine(engine_cache):
+    """``shared_engine(ckpt, tp=1, dtype="float32", enable_ep=False, direct=False)``: a running
+    refit engine (worker extension + ``mcore_reshard`` backend) of that architecture, shared
+    with other tests; stopped after this test if the test left it unusable."""
+    used: list = []
+
+    def get(ckpt, **kw):
+        llm = engine_cache.get(ckpt, **kw)
+        used.append(llm)
+        return llm
+
+    yield get
+    for llm in used:
+        engine_cache.check(llm)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _close_shared_resources():
+    yield
+    _live.POOLS.close()
+    _megatron.close_all()
+    BACKGROUND.close()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    cache = _ENGINES.get("cache")
+    parts = []
+    if cache is not None and (cache.started or cache.reused):
+        parts.append(f"cached engines: {cache.started} started, {cache.reused} reuses")
+    if _live.POOLS.started or _live.POOLS.reused:
+        parts.append(f"trainer pools: {_live.POOLS.started} started, {_live.POOLS.reused} reuses")
+    jobs = _megatron.stats()
+    if jobs["jobs"]:
+        parts.append(f"megatron jobs: {jobs['jobs']} on {jobs['worlds']} warm world(s)")
+    if parts:
+        terminalreporter.write_sep("-", "shared test resources")
+        terminalreporter.write_line("; ".join(parts))
+        if os.environ.get("MR_TEST_LOG_RESOURCES") == "1":
+            for line in _STATS["log"]:
+                terminalreporter.write_line(line)
