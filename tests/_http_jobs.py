@@ -79,18 +79,8 @@ def http_refit_job(ctx: WorldCtx, ckpt: str, dtype: str, par: MegatronParallel, 
 
     # The controller's retry after the failed refit: a new group (fresh port and nonce), the
     # slices published in its new store, the same plan.
-    boxed = [free_port() if ctx.rank == 0 else None]
-    dist.broadcast_object_list(boxed, src=0)
-    info = JoinInfo("127.0.0.1", boxed[0], rank_map.world_size, rank_map, 120.0, secret="test-secret",
-                    nonce="http-test-2")
     third = RefitRequest(digest, timeout_s=120.0, version="refit-3")
-    if ctx.rank == 0:
-        to_controller.put({"init_info": {"join": info.to_wire(), "plan_digest": digest,
-                                         "slice_digests": slice_digests(dst_slices)},
-                           "update_info": {"request": third.to_wire()}})
-    ep.join(info)
-    if ctx.rank == 0:
-        publish_slices(ep.group.store, dst_slices)
+    _rejoin(ep, ctx, rank_map, dst_slices, digest, third, "http-test-2", to_controller)
     ep.refit(third)
 
     # A flipped bit on the wire (rank 0 flips one after its checksum was taken): the engine's
