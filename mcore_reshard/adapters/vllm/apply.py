@@ -356,8 +356,8 @@ class VllmApplier:
         elif self._torn:
             self.state = "not_serving"
             self.reason = f"refit {reason}; the weights were already torn by an earlier refit"
-        else:
-            self.state = "serving" if self.state != "not_serving" else self.state
+        else:  # every caller runs while "updating"; a torn model is ``_torn`` above
+            self.state = "serving"
             self.reason = reason
 
     def _target(self, local_name: str, lp: LocalParam) -> torch.Tensor:
