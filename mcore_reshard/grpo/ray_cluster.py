@@ -35,6 +35,11 @@ from ..trainer import MegatronRank
 
 __all__ = ["RayJob", "RayRankGroup", "RayTrainerGroup", "EngineHandle", "start_engines", "node_of"]
 
+#: How long start-up (a model built on every training rank, an engine loaded and compiled) may
+#: take. Longer than a refit's call timeout: on two loaded cores an engine start has taken
+#: over 120 s.
+START_TIMEOUT_S = 600.0
+
 
 def _prepare_env(embedded: bool) -> None:
     """An embedded cluster runs with token auth on a per-job token in the environment (Ray
@@ -248,10 +253,10 @@ class RayTrainerGroup(RayRankGroup):
 
     def started(self) -> "RayTrainerGroup":
         """Wait until every rank has built its model (``wait=False`` overlaps this with the
-        engines' start-up)."""
+        engines' start-up), for at most ``START_TIMEOUT_S`` (or the call timeout if longer)."""
         refs, self._starting = self._starting, []
         if refs:
-            self._get(refs, "start-up")
+            self._get(refs, "start-up", max(self.timeout_s, START_TIMEOUT_S))
         return self
 
     def free_port(self) -> int:
@@ -366,10 +371,14 @@ class EngineHandle:
 
 
 def start_engines(model_dir: str, replicas: int, tp: int, dtype: str, apply_mode: str, *, timeout_s: float,
-                  env: dict[str, str] | None = None, name: str = "mr_engine") -> tuple[list[EngineHandle], list]:
+                  start_timeout_s: float = START_TIMEOUT_S, env: dict[str, str] | None = None,
+                  name: str = "mr_engine") -> tuple[list[EngineHandle], list]:
     """``replicas`` engine actors, each in a placement group of one bundle of ``tp`` devices.
+    Each must be up within ``start_timeout_s`` (a model load and a compile: slower than any
+    refit call, and much slower on a loaded machine); its calls then get ``timeout_s``.
     Returns the handles and the placement groups (remove them at shutdown)."""
     import ray
+    from ray.exceptions import GetTimeoutError
 
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
            "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"), **(env or {})}
@@ -387,7 +396,9 @@ def start_engines(model_dir: str, replicas: int, tp: int, dtype: str, apply_mode
         infos = []
         for e, a in enumerate(actors):
             try:
-                infos.append(ray.get(a.where.remote(), timeout=timeout_s))
+                infos.append(ray.get(a.where.remote(), timeout=start_timeout_s))
+            except GetTimeoutError:
+                raise RefitFailed(f"engine {e} did not start within {start_timeout_s:.0f}s") from None
             except Exception as exc:  # noqa: BLE001
                 raise RefitFailed(f"engine {e} failed to start: {first_error_line(getattr(exc, 'cause', None) or exc)}") \
                     from None
