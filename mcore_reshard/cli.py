@@ -17,12 +17,12 @@ import json
 import sys
 from typing import Sequence
 
-from .config import load_plan, load_refit_job, plan_from_recipe, plan_recipe, recipe_from_config
+from .settings.config import load_plan, load_refit_job, plan_from_recipe, plan_recipe, recipe_from_config
 from .errors import ConfigError
-from .grpo.dry_run import dry_run
-from .grpo.recipe import load_grpo_recipe
+from .jobs.grpo.dry_run import dry_run
+from .jobs.grpo.recipe import load_grpo_recipe
 from .layout import LayoutError
-from .policy import load_recipe_file
+from .settings.policy import load_recipe_file
 from .protocol import one_line as _one_line
 
 __all__ = ["main", "recipe_from_config", "plan_from_recipe"]
@@ -45,7 +45,7 @@ def _cmd_refit(args, overrides: Sequence[str]) -> int:
         if getattr(args, flag):
             raise ConfigError(f"--{flag} is an option of 'plan', not of 'refit'")
     job = load_refit_job(overrides)  # every check, before any process starts
-    from .refit import run_refit_job  # the run path: trainer processes and vLLM engines
+    from .jobs.refit import run_refit_job  # the run path: trainer processes and vLLM engines
 
     return run_refit_job(job, as_json=args.json)
 
@@ -68,7 +68,7 @@ def _cmd_grpo(args, overrides: Sequence[str]) -> int:
         return 0
     if recipe.local_problem is not None:  # before anything heavy is imported
         raise ConfigError(recipe.local_problem)
-    from .grpo.loop import run_grpo  # the run path: Ray
+    from .jobs.grpo.loop import run_grpo  # the run path: Ray
 
     return run_grpo(recipe, address=args.address, as_json=args.json)
 

@@ -35,7 +35,7 @@ from .layout import LocalParam, ModelSpec, Piece, SideLayout
 from .plan import get_plan
 from .plan.types import TransferPlan
 from .plan.wire import slice_to_wire
-from .policy import RefitConfig
+from .settings.policy import RefitConfig
 from .ports import free_port
 from .protocol import EngineInitInfo, JoinInfo, RankMap, RankReport, RefitRequest, WorkerStatus, first_error_line
 from .ranks import RefitRanks

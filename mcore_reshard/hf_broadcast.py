@@ -38,7 +38,7 @@ from .driver import RefitDriver, RefitMetrics
 from .errors import RefitFailed
 from .faults import Faults
 from .layout.descriptor import DTYPE_BYTES, Box, LocalParam, Piece, SideLayout, View, contiguous_strides
-from .layout.torch_views import TORCH_DTYPES
+from .transport.views import TORCH_DTYPES
 from .plan import get_plan
 from .plan.types import TransferPlan
 from .protocol import RankMap, RefitRequest

@@ -1,7 +1,7 @@
 """A controller for running vLLM servers as refit destinations: JSON over HTTP only.
 
 vLLM's OpenAI-compatible server (started with ``VLLM_SERVER_DEV_MODE=1`` and
-``--weight-transfer-config '{"backend": "mcore_reshard"}'``; ``python -m mcore_reshard.serve``)
+``--weight-transfer-config '{"backend": "mcore_reshard"}'``; ``python -m mcore_reshard.jobs.serve``)
 exposes vLLM's weight-transfer API as routes. One refit of one or many servers is::
 
     POST /pause?mode=wait                  in-flight requests finish, new ones wait

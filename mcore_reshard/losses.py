@@ -1,7 +1,7 @@
 """Policy losses a training rank computes: NeMo RL's clipped-ratio GRPO loss.
 
 Below both the training ranks (``trainer.py``, which runs it inside megatron's schedule) and
-the GRPO job (``grpo/``, which builds the batch), so neither imports the other. Pure math;
+the GRPO job (``jobs/grpo/``, which builds the batch), so neither imports the other. Pure math;
 torch only where a gradient flows.
 """
 

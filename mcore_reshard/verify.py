@@ -32,7 +32,7 @@ def full_verification(src: SideLayout, dst: SideLayout, trainer_locals: Sequence
     import torch
 
     from .adapters.vllm.engine import received_weights
-    from .layout.torch_views import box_slices, local_view
+    from .transport.views import box_slices, local_view
 
     canonical: dict[str, torch.Tensor] = {}
     for p in src.params:

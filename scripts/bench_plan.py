@@ -19,7 +19,7 @@ import time
 
 from mcore_reshard.adapters.megatron.rules import MegatronParallel, megatron_layout
 from mcore_reshard.adapters.vllm.rules import VllmParallel, vllm_layout
-from mcore_reshard.config import resolve_model
+from mcore_reshard.settings.config import resolve_model
 from mcore_reshard.plan import build_plan, plan_report
 
 CASES = [
@@ -66,7 +66,7 @@ def main() -> None:
         t3 = time.perf_counter()
         rep = plan_report(plan)
         from mcore_reshard.plan.topology import Links, placement_report
-        from mcore_reshard.topology_config import TopologyConfig
+        from mcore_reshard.settings.topology import TopologyConfig
 
         placed = placement_report(plan, src, dst, TopologyConfig().place(src.world_size, dst.world_size), Links())
         target = TARGETS_1024 if src.world_size >= 1024 else TARGETS.get(model)

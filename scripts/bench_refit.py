@@ -152,9 +152,9 @@ def plan_decode_seconds(plan: Any) -> float:
 
 
 def run(args: argparse.Namespace, log: Callable[..., None]) -> dict[str, Any]:
-    from mcore_reshard.config import load_refit_job
+    from mcore_reshard.settings.config import load_refit_job
     from mcore_reshard.layout import load_model_spec
-    from mcore_reshard.refit import local_cluster
+    from mcore_reshard.jobs.refit import local_cluster
 
     job = load_refit_job([f"refit.buffer_bytes={args.buffer_mib << 20}", *args.overrides])
     workdir = Path(args.workdir)

@@ -459,9 +459,9 @@ def table(res: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace, workdir: Path, log: Callable[..., None]) -> dict[str, Any]:
-    from mcore_reshard.config import load_refit_job
+    from mcore_reshard.settings.config import load_refit_job
     from mcore_reshard.layout import load_model_spec
-    from mcore_reshard.refit import TOKEN_MULT_PROB_BOUND, _checkpoint, local_cluster
+    from mcore_reshard.jobs.refit import TOKEN_MULT_PROB_BOUND, _checkpoint, local_cluster
 
     t_start = time.perf_counter()
     job = load_refit_job(list(args.overrides))

@@ -17,7 +17,7 @@ from mcore_reshard.adapters.megatron.build import WorldCtx, build_gpt, init_mega
 from mcore_reshard.adapters.megatron.live import describe, describe_world, named_local_params
 from mcore_reshard.adapters.megatron.rules import MegatronParallel
 from mcore_reshard.layout import ModelSpec, spec_from_hf_config
-from mcore_reshard.layout.torch_views import local_view
+from mcore_reshard.transport.views import local_view
 from mcore_reshard.adapters.megatron.train import forward_logits
 
 
@@ -155,7 +155,7 @@ def layout_job(ctx: WorldCtx, par: MegatronParallel, cfg: dict[str, Any], ckpt: 
     )
     if ckpt is None:
         return res
-    from mcore_reshard.layout.torch_views import write_pieces
+    from mcore_reshard.transport.views import write_pieces
     from mcore_reshard.testing.tiny import load_canonical
 
     tensors = load_canonical(ckpt)

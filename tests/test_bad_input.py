@@ -1,7 +1,7 @@
 """Every bad input is one line ``error: ...`` naming the setting, exit 2, nothing on stdout,
 before any process starts or any file is written (``mcore-reshard plan|refit``, ``--recipe``).
 
-``refit`` never reaches the job here: ``mcore_reshard.refit`` is replaced by a stub that fails
+``refit`` never reaches the job here: ``mcore_reshard.jobs.refit`` is replaced by a stub that fails
 the test if it is called, and no child process may appear.
 """
 
@@ -20,10 +20,10 @@ import pytest
 import yaml
 
 from mcore_reshard.cli import main
-from mcore_reshard.config import MAX_PLAN_TRANSFERS, RefitJob, load_refit_job
+from mcore_reshard.settings.config import MAX_PLAN_TRANSFERS, RefitJob, load_refit_job
 from mcore_reshard.errors import ConfigError
 from mcore_reshard.layout import LayoutError
-from mcore_reshard.policy import MAX_BUFFER_BYTES, MIN_BUFFER_BYTES, RefitConfig
+from mcore_reshard.settings.policy import MAX_BUFFER_BYTES, MIN_BUFFER_BYTES, RefitConfig
 from mcore_reshard.protocol import VerifyMode
 
 try:
@@ -37,16 +37,16 @@ RECIPE = REPO / "recipes" / "grpo-qwen3-30b-a3b-megatron-reshard.yaml"
 
 @pytest.fixture
 def no_job(monkeypatch):
-    """``mcore_reshard.refit`` as a stub: the CLI's refit gets a RefitJob and starts nothing."""
+    """``mcore_reshard.jobs.refit`` as a stub: the CLI's refit gets a RefitJob and starts nothing."""
     calls = []
-    stub = types.ModuleType("mcore_reshard.refit")
+    stub = types.ModuleType("mcore_reshard.jobs.refit")
 
     def run_refit_job(job, *, as_json=False):
         calls.append((job, as_json))
         return 0
 
     stub.run_refit_job = run_refit_job
-    monkeypatch.setitem(sys.modules, "mcore_reshard.refit", stub)
+    monkeypatch.setitem(sys.modules, "mcore_reshard.jobs.refit", stub)
     return calls
 
 
@@ -323,7 +323,7 @@ def test_recipe_atomic_maps_to_refit_config(tmp_path, capsys):
     d["policy"]["megatron_cfg"]["mcore_reshard"]["atomic"] = False
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump(d))
-    from mcore_reshard.policy import load_recipe_file
+    from mcore_reshard.settings.policy import load_recipe_file
 
     assert load_recipe_file(path).refit.atomic is False
     assert load_recipe_file(RECIPE).refit.atomic is True
@@ -335,7 +335,7 @@ def test_recipe_atomic_maps_to_refit_config(tmp_path, capsys):
 def test_tiny_specs_match_the_written_checkpoints(tmp_path):
     """load_refit_job builds a tiny model's spec from its config dict, writing nothing: it must
     equal the spec of the checkpoint the job writes later."""
-    from mcore_reshard.config import TINY_MODELS
+    from mcore_reshard.settings.config import TINY_MODELS
     from mcore_reshard.layout import load_model_spec
 
     try:

@@ -108,7 +108,7 @@ def test_config_sections_match_the_dataclasses():
 
     from mcore_reshard.adapters.megatron.rules import MegatronParallel
     from mcore_reshard.adapters.vllm.rules import VllmParallel
-    from mcore_reshard.policy import RefitConfig
+    from mcore_reshard.settings.policy import RefitConfig
 
     for name in ("plan", "refit"):
         cfg = yaml.safe_load((REPO / "configs" / f"{name}.yaml").read_text())

@@ -145,8 +145,8 @@ def test_colocated_refits_live(ckpt_cache, shared_engine, moe):
     from mcore_reshard.adapters.megatron.rules import MegatronParallel
     from mcore_reshard.adapters.vllm.rules import VllmParallel
     from mcore_reshard.layout import load_model_spec
-    from mcore_reshard.policy import RefitConfig
-    from mcore_reshard.refit import local_cluster
+    from mcore_reshard.settings.policy import RefitConfig
+    from mcore_reshard.jobs.refit import local_cluster
     from support.live import cluster
 
     ckpt = ckpt_cache.get(moe=moe, seed=7)

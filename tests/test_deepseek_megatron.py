@@ -13,7 +13,7 @@ import torch
 
 from mcore_reshard.adapters.megatron.rules import MegatronParallel, megatron_layout, megatron_rank_params
 from mcore_reshard.checkpoint import TINY_DEEPSEEK_V3, make_tiny_checkpoint
-from mcore_reshard.config import CONFIG_DIR
+from mcore_reshard.settings.config import CONFIG_DIR
 from mcore_reshard.layout import Box, LayoutError, load_model_spec, spec_from_hf_config
 from support.megatron import run_world  # warm rank processes, one per world size (conftest.py)
 

@@ -19,9 +19,9 @@ from mcore_reshard.adapters.vllm.rules import VllmParallel
 from mcore_reshard.adapters.vllm.worker import REFIT_EXTENSION
 from mcore_reshard.checkpoint import make_tiny_checkpoint
 from mcore_reshard.layout import load_model_spec
-from mcore_reshard.policy import RefitConfig
+from mcore_reshard.settings.policy import RefitConfig
 from mcore_reshard.protocol import VerifyMode
-from mcore_reshard.refit import local_cluster
+from mcore_reshard.jobs.refit import local_cluster
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ import pytest
 
 from mcore_reshard.adapters.vllm.rules import VllmParallel, vllm_layout, vllm_rank_params
 from mcore_reshard.checkpoint import TINY_DEEPSEEK_V3, make_tiny_checkpoint
-from mcore_reshard.config import CONFIG_DIR
+from mcore_reshard.settings.config import CONFIG_DIR
 from mcore_reshard.layout import Box, LayoutError, load_model_spec, spec_from_hf_config
 
 PROMPTS = [[1, 5, 9, 200, 17], [3, 4, 5], [700, 12, 999, 42, 8, 8]]

@@ -15,6 +15,7 @@ from mcore_reshard.adapters.vllm.rules import VllmParallel, vllm_layout
 from mcore_reshard.layout import Box, LayoutError, LocalParam, Piece, SideLayout, View, contiguous_strides
 from mcore_reshard.layout.dtensor import DTensorForm, NotExpressible, dtensor_form, dtensor_forms, dtensor_report, \
     dtensor_summary
+from mcore_reshard.transport.views import torch_placements
 
 from toy_layouts import tiny_spec
 
@@ -28,7 +29,7 @@ def torch_mask(form: DTensorForm, shape: tuple[int, ...], rank: int) -> torch.Te
     """Elements ``rank`` holds under ``form``, walking the mesh dims with torch's own helpers."""
     coord = form.coordinates()[rank]
     idx = [list(range(s)) for s in shape]
-    for mdim, p in enumerate(form.to_torch()):
+    for mdim, p in enumerate(torch_placements(form)):
         n = form.mesh_shape[mdim]
         if isinstance(p, _StridedShard):
             size, offs = p._local_shard_size_and_offset(len(idx[p.dim]), n, coord[mdim],
@@ -70,7 +71,7 @@ def assert_round_trip(side: SideLayout) -> int:
         if not any(p[0] == "strided_shard" for p in form.placements):  # torch's global-offset helper agrees
             for rank, coord in form.coordinates().items():
                 local, offset = _compute_local_shape_and_global_offset(shape, form.mesh_shape, list(coord),
-                                                                       list(form.to_torch()))
+                                                                       list(torch_placements(form)))
                 assert pieces_mask(side, name, rank).sum() == torch.Size(local).numel()
                 assert pieces_mask(side, name, rank)[tuple(offset)], (name, rank)
         checked += 1
@@ -103,7 +104,7 @@ def test_vllm_tp4_replicas2():
     o = dtensor_form(side, L0 + "self_attn.o_proj.weight")
     assert o == DTensorForm(engines, (("replicate",), ("shard", 1)))
     assert str(o) == "mesh (2, 4) [Replicate(), Shard(1)]"
-    assert o.to_torch() == (Replicate(), Shard(1))
+    assert torch_placements(o) == (Replicate(), Shard(1))
     assert dtensor_form(side, L0 + "self_attn.q_proj.weight") == DTensorForm(engines, (("replicate",), ("shard", 0)))
     assert dtensor_form(side, L0 + "mlp.down_proj.weight").placements == (("replicate",), ("shard", 1))
     for norm in (L0 + "input_layernorm.weight", L0 + "self_attn.q_norm.weight", "model.norm.weight"):
@@ -233,7 +234,7 @@ def test_strided_shard_for_disjoint_boxes():
     form = dtensor_form(side, "t")
     assert form == DTensorForm((0, 1), (("strided_shard", 0, 2),))
     assert str(form) == "mesh (2,) [_StridedShard(0, split_factor=2)]"
-    assert form.to_torch() == (_StridedShard(0, split_factor=2),)
+    assert torch_placements(form) == (_StridedShard(0, split_factor=2),)
     assert assert_round_trip(side) == 1
 
 

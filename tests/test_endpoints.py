@@ -83,7 +83,7 @@ def test_driver_refits_an_engine_started_with_only_the_backend(ckpt_cache):
     init), and the refit's own outcome confirms it (no worker extension to ask)."""
     from mcore_reshard.adapters.vllm.engine import start_engine
     from mcore_reshard.layout import load_model_spec
-    from mcore_reshard.policy import RefitConfig
+    from mcore_reshard.settings.policy import RefitConfig
 
     ckpt = ckpt_cache.get(moe=True, seed=7)
     spec = load_model_spec(ckpt, dtype="float32")

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mcore_reshard.grpo.algorithm import GrpoBatch, TargetTokensTask, clipped_pg_loss, group_advantages
+from mcore_reshard.jobs.grpo.algorithm import GrpoBatch, TargetTokensTask, clipped_pg_loss, group_advantages
 
 LOSS = SimpleNamespace(reference_policy_kl_penalty=0.0, ratio_clip_min=0.2, ratio_clip_max=0.2)
 

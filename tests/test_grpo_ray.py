@@ -195,7 +195,7 @@ BACKGROUND_JOBS = {
 def two_nodes():
     """Head (no CPUs: runs no actor), node A with 2 CPUs, node B with 1: the trainers' PACK
     group (2 bundles) fits only on A, the engine's then only on B."""
-    from mcore_reshard.grpo.ray_cluster import _prepare_env
+    from mcore_reshard.jobs.grpo.ray_cluster import _prepare_env
 
     home_token = Path.home() / ".ray" / "auth_token"
     had_token = home_token.exists()
@@ -226,7 +226,7 @@ def two_nodes():
 
 
 def _recipe(tmp_path: Path, *overrides: str):
-    from mcore_reshard.grpo.recipe import load_grpo_recipe
+    from mcore_reshard.jobs.grpo.recipe import load_grpo_recipe
 
     return load_grpo_recipe(RECIPE, [f"logger.log_dir={tmp_path / 'logs'}", *overrides])
 
@@ -235,7 +235,7 @@ def test_two_nodes_placement_and_a_dead_trainer_actor_stops_the_run(two_nodes, t
     """Trainers on node A, the engine on node B, the refit master on A; then a trainer actor
     killed mid-run stops the run with an error naming it, and no process of the run survives."""
     from mcore_reshard.errors import RefitError, TrainerError
-    from mcore_reshard.grpo.loop import GrpoRun
+    from mcore_reshard.jobs.grpo.loop import GrpoRun
 
     _, node_a, node_b = two_nodes
     before = set(_run_processes())

@@ -15,8 +15,8 @@ import yaml
 
 from mcore_reshard.cli import main
 from mcore_reshard.errors import ConfigError
-from mcore_reshard.grpo.dry_run import dry_run, modelled_refit_seconds, placement
-from mcore_reshard.grpo.recipe import ClusterSettings, GrpoRecipe, load_grpo_recipe
+from mcore_reshard.jobs.grpo.dry_run import dry_run, modelled_refit_seconds, placement
+from mcore_reshard.jobs.grpo.recipe import ClusterSettings, GrpoRecipe, load_grpo_recipe
 from mcore_reshard.protocol import VerifyMode
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,16 +44,16 @@ def _one_line_error(capsys, argv, key: str) -> str:
 
 @pytest.fixture
 def loop_stub(monkeypatch):
-    """``mcore_reshard.grpo.loop`` as a stub that records its calls (nothing starts)."""
+    """``mcore_reshard.jobs.grpo.loop`` as a stub that records its calls (nothing starts)."""
     calls = []
-    stub = types.ModuleType("mcore_reshard.grpo.loop")
+    stub = types.ModuleType("mcore_reshard.jobs.grpo.loop")
 
     def run_grpo(recipe, *, address=None, as_json=False):
         calls.append((recipe, address, as_json))
         return 0
 
     stub.run_grpo = run_grpo
-    monkeypatch.setitem(sys.modules, "mcore_reshard.grpo.loop", stub)
+    monkeypatch.setitem(sys.modules, "mcore_reshard.jobs.grpo.loop", stub)
     return calls
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from mcore_reshard.errors import ConfigError, RefitFailed
 from mcore_reshard.http import ServerClient, Timeouts, refit_servers
-from mcore_reshard.serve import BACKEND_CONFIG, server_argv
+from mcore_reshard.jobs.serve import BACKEND_CONFIG, server_argv
 
 
 class _Routes(BaseHTTPRequestHandler):

@@ -30,7 +30,7 @@ from mcore_reshard.checkpoint import make_tiny_checkpoint
 from mcore_reshard.errors import RefitFailed
 from mcore_reshard.http import ServerClient, Timeouts, prompt_logprobs, refit_servers, wait_healthy
 from mcore_reshard.ports import free_port
-from mcore_reshard.serve import server_env
+from mcore_reshard.jobs.serve import server_env
 from mcore_reshard.verify import token_mult_prob_error
 
 from _http_jobs import http_refit_job
@@ -48,7 +48,7 @@ def server(tmp_path: Path):
     ckpt = make_tiny_checkpoint(tmp_path / "tiny-moe", moe=True, seed=5)
     port = free_port()
     log = open(tmp_path / "server.log", "wb")
-    cmd = [sys.executable, "-m", "mcore_reshard.serve", str(ckpt), "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "mcore_reshard.jobs.serve", str(ckpt), "--host", "127.0.0.1", "--port", str(port),
            "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
            "--max-num-seqs", "4", "--seed", "0", "--tensor-parallel-size", str(SERVER_TP)]
     env = server_env()

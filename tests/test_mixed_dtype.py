@@ -16,7 +16,7 @@ from mcore_reshard.adapters.vllm.rules import VllmParallel, vllm_layout
 from mcore_reshard.checkpoint import TINY_DEEPSEEK_V3
 from mcore_reshard.layout.descriptor import DTYPE_BYTES
 from mcore_reshard.layout.spec import spec_from_hf_config
-from mcore_reshard.layout.torch_views import TORCH_DTYPES, local_view, materialize_local
+from mcore_reshard.transport.views import TORCH_DTYPES, local_view, materialize_local
 from mcore_reshard.plan import PlanError, build_plan, plan_report
 from mcore_reshard.plan.wire import slice_from_wire, slice_to_wire
 from mcore_reshard.ports import free_port

@@ -13,7 +13,7 @@ import pytest
 
 from mcore_reshard.adapters.megatron.rules import MegatronParallel, megatron_layout
 from mcore_reshard.adapters.vllm.rules import VllmParallel, vllm_layout
-from mcore_reshard.config import resolve_model
+from mcore_reshard.settings.config import resolve_model
 from mcore_reshard.layout import Box, LayoutError, LocalParam, Piece, SideLayout, View
 from mcore_reshard.plan import buckets, build_plan
 from mcore_reshard.plan.types import Transfer, transfers_from_columns

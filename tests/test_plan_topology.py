@@ -25,7 +25,7 @@ from mcore_reshard.plan.topology import (
     placement_report,
     plan_for_placement,
 )
-from mcore_reshard.topology_config import TopologyConfig
+from mcore_reshard.settings.topology import TopologyConfig
 
 from toy_layouts import tiny_spec
 
@@ -191,7 +191,7 @@ def _run_dst_slices(plan, src, dst, seed: int) -> dict:
     slice (``for_rank``), at its own places. Returns the destination locals."""
     import torch
 
-    from mcore_reshard.layout.torch_views import TORCH_DTYPES
+    from mcore_reshard.transport.views import TORCH_DTYPES
     from mcore_reshard.transport.executor import zero_fill_padding
     from mcore_reshard.transport.packing import message_numel, pack, unpack
     from support.worlds import canonical, locals_of

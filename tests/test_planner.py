@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mcore_reshard.layout import Box, LocalParam, Piece, SideLayout, View
-from mcore_reshard.layout.torch_views import materialize_local
+from mcore_reshard.transport.views import materialize_local
 from mcore_reshard.plan import PlanError, build_plan, get_plan, layout_digest, plan_report
 from mcore_reshard.transport.local import run_plan_locally
 from toy_layouts import split_layout
@@ -170,7 +170,7 @@ def test_planning_imports_neither_megatron_nor_vllm_nor_torch():
 
     code = (
         "import sys\n"
-        "from mcore_reshard.config import resolve_model\n"
+        "from mcore_reshard.settings.config import resolve_model\n"
         "from mcore_reshard.adapters.megatron import MegatronParallel, megatron_layout\n"
         "from mcore_reshard.adapters.vllm import VllmParallel, vllm_layout\n"
         "from mcore_reshard.layout import dtensor_report\n"

@@ -18,9 +18,9 @@ from mcore_reshard.adapters.vllm.worker import REFIT_EXTENSION
 from mcore_reshard.checkpoint import make_tiny_checkpoint
 from mcore_reshard.errors import RefitError
 from mcore_reshard.layout import load_model_spec
-from mcore_reshard.policy import RefitConfig
+from mcore_reshard.settings.policy import RefitConfig
 from mcore_reshard.protocol import VerifyMode
-from mcore_reshard.refit import TOKEN_MULT_PROB_BOUND, local_cluster
+from mcore_reshard.jobs.refit import TOKEN_MULT_PROB_BOUND, local_cluster
 from support.live import cluster
 
 pytestmark = pytest.mark.slow

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from mcore_reshard.layout.torch_views import local_view, materialize_local
+from mcore_reshard.transport.views import local_view, materialize_local
 from mcore_reshard.plan import build_plan
 from mcore_reshard.transport.checksum import checksum, checksums, digest
 from mcore_reshard.transport.executor import TensorSink, execute_plan, raw_send_bandwidth, zero_fill_padding

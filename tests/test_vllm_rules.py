@@ -9,7 +9,7 @@ import torch
 
 from mcore_reshard.adapters.vllm.rules import VllmParallel, vllm_layout, vllm_rank_params
 from mcore_reshard.layout import LayoutError, spec_from_hf_config
-from mcore_reshard.layout.torch_views import materialize_local
+from mcore_reshard.transport.views import materialize_local
 from mcore_reshard.testing.tiny import TINY_DENSE, TINY_MOE
 
 QWEN3_235B = dict(

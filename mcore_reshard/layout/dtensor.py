@@ -8,7 +8,8 @@ from the pieces, never assumed: a candidate is accepted only when torch's own sp
 reproduce every holder rank's boxes exactly. When nothing does (megatron's fused QKV split
 inside a head, a padded vocab whose last shard is short, ...) the answer says why in one line.
 
-Pure metadata: torch is imported only by :meth:`DTensorForm.to_torch`.
+Pure metadata (no torch): ``transport.views.torch_placements`` turns a form into torch's
+placement objects.
 """
 
 from __future__ import annotations
@@ -88,20 +89,6 @@ class DTensorForm:
     def coordinates(self) -> dict[int, tuple[int, ...]]:
         """rank -> mesh coordinate (what ``DeviceMesh.get_coordinate`` returns on that rank)."""
         return {r: c for c, r in _mesh_cells(self.mesh)}
-
-    def to_torch(self) -> tuple:
-        """The placements as ``torch.distributed.tensor.placement_types`` objects."""
-        from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
-
-        out = []
-        for p in self.placements:
-            if p[0] == "shard":
-                out.append(Shard(p[1]))
-            elif p[0] == "replicate":
-                out.append(Replicate())
-            else:
-                out.append(_StridedShard(p[1], split_factor=p[2]))
-        return tuple(out)
 
     def __str__(self) -> str:
         return f"mesh {self.mesh_shape} [{', '.join(placement_str(p) for p in self.placements)}]"

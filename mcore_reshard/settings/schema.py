@@ -20,7 +20,7 @@ from ..adapters.vllm.rules import VllmParallel
 from ..errors import ConfigError
 from ..layout import DTYPE_BYTES, ModelSpec
 from ..protocol import VerifyMode
-from ..topology_config import TopologyConfig
+from .topology import TopologyConfig
 from .models import LOCAL_DTYPES
 from .reader import REQUIRED, Field, Section, keys
 
@@ -122,7 +122,7 @@ class RecipeLayout:
     refit: RefitConfig
     #: The engine's model when it is configured apart from the trainer's (must match it).
     vllm_spec: ModelSpec | None = None
-    #: How the modelled cluster places both sides (``topology_config.TopologyConfig``).
+    #: How the modelled cluster places both sides (``settings.topology.TopologyConfig``).
     topology: Any = None
 
 

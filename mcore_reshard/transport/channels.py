@@ -28,7 +28,7 @@ from typing import Any, Iterator, Mapping, NamedTuple, Protocol, Sequence
 import torch
 
 from ..errors import RefitAborted
-from ..layout.torch_views import local_view
+from .views import local_view
 from ..plan.tags import ack_tag, direct_tag, message_tag
 from ..plan.types import PlanError, RankPlan, Transfer
 from .dataplane import error_class

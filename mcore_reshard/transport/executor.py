@@ -27,7 +27,7 @@ import torch
 
 from ..errors import RefitAborted
 from ..layout.descriptor import LocalParam, View
-from ..layout.torch_views import TORCH_DTYPES, local_view, zero_padding
+from .views import TORCH_DTYPES, local_view, zero_padding
 from ..plan.types import RankPlan
 from ..protocol import VerifyMode
 from .channels import BucketPosts, Channel, GroupChannel, LocalChannel, Op, Route, ShmChannel, ZeroCopyChannel

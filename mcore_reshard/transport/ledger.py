@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from ..layout.torch_views import local_view
+from .views import local_view
 from ..plan.types import Transfer
 from .channels import ChannelKey, GroupChannel, MsgKey, Route, Spec
 from .checksum import _sums, digest, digest_at, digest_bytes

@@ -6,7 +6,7 @@ from typing import Mapping
 
 import torch
 
-from ..layout.torch_views import TORCH_DTYPES
+from .views import TORCH_DTYPES
 from ..plan.types import TransferPlan
 from .packing import message_numel, pack, unpack
 from .reinterpret import WireTensors

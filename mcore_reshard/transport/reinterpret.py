@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from ..layout.descriptor import View
-from ..layout.torch_views import TORCH_DTYPES
+from .views import TORCH_DTYPES
 from .sink import Sink, SinkCaps
 
 __all__ = ["ReinterpretSink", "WireTensors"]

@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 import torch
 
 from ..layout.descriptor import LocalParam, View
-from ..layout.torch_views import TORCH_DTYPES, local_view
+from .views import TORCH_DTYPES, local_view
 
 __all__ = ["Sink", "SinkCaps", "TensorSink", "as_sink", "sink_dtypes"]
 

@@ -74,7 +74,7 @@ def engine_extension() -> str:
     """The worker extension ``local_cluster`` starts its own engines with: every transport of
     the local job (the diagnostics one, or the HF baseline's, which extends it)."""
     try:
-        from mcore_reshard.refit import engine_extension as extension_for, job_transports
+        from mcore_reshard.jobs.refit import engine_extension as extension_for, job_transports
 
         return extension_for(list(job_transports().values()))
     except ImportError:  # an older package: the diagnostics extension
@@ -315,10 +315,10 @@ POOLS = PoolCache()
 
 @contextmanager
 def cluster(*args: Any, **kwargs: Any) -> Iterator[Any]:
-    """``mcore_reshard.refit.local_cluster(*args, **kwargs)`` with its trainer pool from
+    """``mcore_reshard.jobs.refit.local_cluster(*args, **kwargs)`` with its trainer pool from
     ``POOLS``. Pass ``engines=`` (from ``EngineCache``) so that it starts no engine either."""
     import mcore_reshard.trainer as trainer_mod
-    from mcore_reshard.refit import local_cluster
+    from mcore_reshard.jobs.refit import local_cluster
 
     real = trainer_mod.TrainerPool
     cm = local_cluster(*args, **kwargs)

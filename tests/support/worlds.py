@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from mcore_reshard.layout.torch_views import TORCH_DTYPES, materialize_local
+from mcore_reshard.transport.views import TORCH_DTYPES, materialize_local
 from mcore_reshard.transport.executor import TensorSink, execute_plan, zero_fill_padding
 from mcore_reshard.transport.group import RefitError
 

@@ -144,7 +144,7 @@ class Policy:
         then reload the optimizer's fp32 main params from them."""
         import torch
 
-        from ...layout.torch_views import write_pieces
+        from ...transport.views import write_pieces
 
         params = self.local_params()
         with torch.no_grad():

@@ -148,7 +148,7 @@ def record_local_params(
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO, initialize_layerwise_reload
     from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
 
-    from ...layout.torch_views import TORCH_DTYPES
+    from ...transport.views import TORCH_DTYPES
 
     _refuse_rebalanced_experts(model, vllm_config)
     if any(info.can_load() for info in LAYERWISE_INFO.values()):

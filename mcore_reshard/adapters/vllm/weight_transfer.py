@@ -328,7 +328,7 @@ class _Tee:
     """Sink that applies every write and keeps a model-format copy of it (``verify=full``)."""
 
     def __init__(self, applier: VllmApplier) -> None:
-        from ...layout.torch_views import TORCH_DTYPES
+        from ...transport.views import TORCH_DTYPES
 
         self.applier = applier
         self.params = applier.params  # the executor reads the wire dtype from here
@@ -338,7 +338,7 @@ class _Tee:
         self.write_hashed(local_name, view, tensor, None)
 
     def write_hashed(self, local_name: str, view: Any, tensor: torch.Tensor, hash_fn: Any) -> Any:
-        from ...layout.torch_views import local_view
+        from ...transport.views import local_view
 
         out = self.applier.write_hashed(local_name, view, tensor, hash_fn)
         local_view(self.copies[local_name], view).copy_(tensor)
@@ -348,7 +348,7 @@ class _Tee:
         return self.applier.target(local_name, view)
 
     def landed(self, local_name: str, view: Any, hash_fn: Any) -> Any:
-        from ...layout.torch_views import local_view
+        from ...transport.views import local_view
 
         # Copy before the applier may process (repack) a layer this box completes.
         local_view(self.copies[local_name], view).copy_(self.applier.target(local_name, view))

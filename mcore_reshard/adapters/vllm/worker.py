@@ -160,7 +160,7 @@ class ReshardWorkerExtension:
         a refit applies received bytes. ``only`` limits it to some local params;
         ``stop_after`` stops after that many writes and calls ``then`` (``abort`` or
         ``finish``) to exercise the failure paths."""
-        from ...layout.torch_views import box_slices
+        from ...transport.views import box_slices
         from ...checkpoint import load_canonical
 
         canon = load_canonical(path)

@@ -18,12 +18,12 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from .driver import RefitDriver, RefitMetrics, ReshardTransport, Transport, engine_world
-from .errors import RefitFailed
-from .layout import ModelSpec, load_model_spec
-from .protocol import VerifyMode
-from .settings import TINY_MODELS
-from .verify import full_verification, token_mult_prob_error
+from ..driver import RefitDriver, RefitMetrics, ReshardTransport, Transport, engine_world
+from ..errors import RefitFailed
+from ..layout import ModelSpec, load_model_spec
+from ..protocol import VerifyMode
+from ..settings import TINY_MODELS
+from ..verify import full_verification, token_mult_prob_error
 
 __all__ = ["LocalCluster", "colocated_placement", "local_cluster", "RefitFailed", "RefitMetrics", "run_refit_job", "token_mult_prob_error"]
 
@@ -50,8 +50,8 @@ class LocalCluster:
     def restart_trainers(self) -> None:
         """A new trainer pool from the checkpoint (a restarted training job after a rank died)
         and a new driver on the same engines; the next refit joins a new refit group."""
-        from .ports import free_port
-        from .trainer import TrainerPool
+        from ..ports import free_port
+        from ..trainer import TrainerPool
 
         if self.pool is not None:
             self.pool.close()
@@ -76,7 +76,7 @@ class LocalCluster:
 
     def logprob_error(self, tokens: Sequence[int]) -> float:
         """token_mult_prob_error of every engine against a megatron forward; the worst one."""
-        from .adapters.vllm.engine import prompt_logprobs
+        from ..adapters.vllm.engine import prompt_logprobs
 
         train = self.pool.logprobs([list(tokens)]).wait()[0][0]
         return max(token_mult_prob_error(prompt_logprobs(llm, list(tokens)), train) for llm in self.engines)
@@ -87,7 +87,7 @@ class LocalCluster:
     def raw_bandwidth(self, pairs: Sequence[tuple[int, int]], nbytes: int) -> float:
         """The local floor: one ``nbytes`` gloo message per (source, destination) group-rank
         pair over the refit group, all pairs at once; bytes/s of the slowest pair."""
-        from .adapters.vllm.engine import raw_bandwidth
+        from ..adapters.vllm.engine import raw_bandwidth
 
         t = self.refit.timeout_s
         pairs = [(int(a), int(b)) for a, b in pairs]
@@ -103,7 +103,7 @@ class LocalCluster:
 
 def job_transports() -> dict[str, Transport]:
     """The local job's transports: shard to shard, and the HF baseline it is compared with."""
-    from .hf_broadcast import HFBroadcastTransport
+    from ..hf_broadcast import HFBroadcastTransport
 
     return {"reshard": ReshardTransport(), "hf_broadcast": HFBroadcastTransport()}
 
@@ -111,7 +111,7 @@ def job_transports() -> dict[str, Transport]:
 def engine_extension(transports: Sequence[Transport]) -> str:
     """The worker extension engines need to run every one of ``transports`` with the
     diagnostics (the baseline's extends the diagnostics one)."""
-    from .adapters.vllm.worker import REFIT_EXTENSION
+    from ..adapters.vllm.worker import REFIT_EXTENSION
 
     return next((t.worker_extension for t in transports if t.worker_extension), REFIT_EXTENSION)
 
@@ -120,7 +120,7 @@ def colocated_placement(num_src: int, num_dst: int) -> Any:
     """The local job's colocated mode: training rank i and vLLM worker i share device i, all on
     one node. On CPU a device is a label: the processes stay separate, their same-device bytes
     move through shared memory."""
-    from .plan.topology import RankPlacement
+    from ..plan.topology import RankPlacement
 
     return RankPlacement.colocated(num_src, num_dst, gpus_per_node=max(num_src, num_dst, 1))
 
@@ -136,10 +136,10 @@ def local_cluster(spec: ModelSpec, checkpoint: Path, training: Any, vllm: Any, r
     layouts can refit one engine in turn, each joining a new refit group). ``placement``: where
     each rank sits (``plan.topology.RankPlacement``; default: ``refit.placement=colocated`` builds
     :func:`colocated_placement`, else no placement, direct plans)."""
-    from .adapters.vllm.engine import start_engine, stop_engine
-    from .adapters.vllm.plugin import BACKEND
-    from .ports import free_port
-    from .trainer import TrainerPool, TrainerSetup
+    from ..adapters.vllm.engine import start_engine, stop_engine
+    from ..adapters.vllm.plugin import BACKEND
+    from ..ports import free_port
+    from ..trainer import TrainerPool, TrainerSetup
 
     c = LocalCluster(spec, checkpoint, training, vllm, refit)
     extension = engine_extension(list(c.transports.values()))
@@ -183,7 +183,7 @@ def run_refit_job(job: Any, *, as_json: bool = False) -> int:
 
 
 def _checkpoint(job: Any, workdir: Path) -> Path:
-    from .checkpoint import make_tiny_checkpoint
+    from ..checkpoint import make_tiny_checkpoint
 
     if job.checkpoint is not None:
         return Path(job.checkpoint)
@@ -191,7 +191,7 @@ def _checkpoint(job: Any, workdir: Path) -> Path:
 
 
 def _run_job(job: Any, workdir: Path, as_json: bool) -> int:
-    from .plan import plan_report
+    from ..plan import plan_report
 
     ckpt = _checkpoint(job, workdir)
     spec = load_model_spec(ckpt, dtype=job.dtype)
@@ -237,7 +237,7 @@ TOKEN_MULT_PROB_BOUND = {"float32": 1.001, "bfloat16": 1.05, "float16": 1.05}
 
 
 def _table(results, stale: float, baseline, reshard) -> str:
-    from .plan.report import format_bytes
+    from ..plan.report import format_bytes
 
     head = f"{'refit':<44} {'transport':<13} {'moved':>11} {'minimum':>11} {'seconds':>8} {'peak buf':>10} {'verified':>8} {'tok_mult_prob_err':>17}"
     lines = ["", head, "-" * len(head)]

@@ -1,7 +1,8 @@
 """Descriptors applied to real tensors: cut local tensors out of canonical ones and back.
 
-Used by the simulated planner tests, by loading HF checkpoints into sharded models through
-the descriptors (the oracle direction), and by the verification path. Imports torch only.
+Used by the transport (it writes local views), by loading HF checkpoints into sharded models
+through the descriptors (the oracle direction), by the verification path and the simulated
+planner tests. The one place descriptors meet torch: ``layout`` and ``plan`` never import it.
 """
 
 from __future__ import annotations
@@ -10,10 +11,11 @@ from typing import Mapping, Sequence
 
 import torch
 
-from .descriptor import Box, LocalParam, Piece, View
+from ..layout.descriptor import Box, LocalParam, Piece, View
+from ..layout.dtensor import DTensorForm
 
 __all__ = ["box_slices", "local_view", "canonical_box", "materialize_local", "write_pieces", "zero_padding",
-           "TORCH_DTYPES"]
+           "torch_placements", "TORCH_DTYPES"]
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -65,3 +67,19 @@ def materialize_local(param: LocalParam, tensors: Mapping[str, torch.Tensor]) ->
     out = torch.zeros(param.shape, dtype=dtype)
     write_pieces(out, param.pieces, tensors)
     return out
+
+
+def torch_placements(form: DTensorForm) -> tuple:
+    """``form``'s placements as ``torch.distributed.tensor.placement_types`` objects (what a
+    ``DTensor`` of that layout would carry)."""
+    from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
+
+    out = []
+    for p in form.placements:
+        if p[0] == "shard":
+            out.append(Shard(p[1]))
+        elif p[0] == "replicate":
+            out.append(Replicate())
+        else:
+            out.append(_StridedShard(p[1], split_factor=p[2]))
+    return tuple(out)

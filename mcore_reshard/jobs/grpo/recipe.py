@@ -1,7 +1,7 @@
 """GRPO recipes: a NeMo-RL-shaped YAML file (plus ``a.b.c=value`` overrides) as one checked
 :class:`GrpoRecipe`.
 
-The layouts and the refit settings come from :func:`mcore_reshard.policy.from_policy_config`
+The layouts and the refit settings come from :func:`mcore_reshard.settings.policy.from_policy_config`
 (the same reading as ``mcore-reshard plan --recipe``); this module adds the loop's own
 sections (``grpo``, ``loss_fn``, ``policy.generation``, ``env.target_tokens``, ``ray``; declared
 with the rest in ``settings.schema.RecipeKeys``) and the checks that tie them together. Every
@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from ..adapters.megatron.rules import MegatronParallel
-from ..adapters.vllm.rules import VllmParallel
-from ..errors import ConfigError
-from ..layout import ModelSpec
-from ..policy import from_policy_config
-from ..settings import (KNOWN_KEYS, LOCAL_DTYPES, RECIPE, TINY_MODELS, ClusterSettings, GenerationSettings,
+from ...adapters.megatron.rules import MegatronParallel
+from ...adapters.vllm.rules import VllmParallel
+from ...errors import ConfigError
+from ...layout import ModelSpec
+from ...settings.policy import from_policy_config
+from ...settings import (KNOWN_KEYS, LOCAL_DTYPES, RECIPE, TINY_MODELS, ClusterSettings, GenerationSettings,
                         GrpoSettings, LossSettings, RaySettings, RefitConfig, TaskSettings, apply_overrides,
                         check_type, check_world, is_checkpoint_dir, load_recipe, local_cpu_problem, lookup, read,
                         read_section)

@@ -20,14 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from .adapters.megatron.rules import MegatronParallel, megatron_layout
-from .adapters.vllm.rules import VllmParallel, vllm_layout
-from .layout import DTYPE_BYTES, LayoutError, ModelSpec, SideLayout, dtensor_report, dtensor_summary
-from .plan import check_sides, get_plan, plan_report
-from .plan.report import PlanReport
-from .plan.topology import PlacementReport, placement_report, plan_for_placement
-from .protocol import one_line
-from .settings import (CONFIG_DIR, LOCAL_DTYPES, MAX_LOCAL_PROCESSES, MAX_PLAN_TRANSFERS, MAX_WORLD, PLAN_CONFIG,
+from ..adapters.megatron.rules import MegatronParallel, megatron_layout
+from ..adapters.vllm.rules import VllmParallel, vllm_layout
+from ..layout import DTYPE_BYTES, LayoutError, ModelSpec, SideLayout, dtensor_report, dtensor_summary
+from ..plan import check_sides, get_plan, plan_report
+from ..plan.report import PlanReport
+from ..plan.topology import PlacementReport, placement_report, plan_for_placement
+from ..protocol import one_line
+from . import (CONFIG_DIR, LOCAL_DTYPES, MAX_LOCAL_PROCESSES, MAX_PLAN_TRANSFERS, MAX_WORLD, PLAN_CONFIG,
                        REFIT_CONFIG, TINY_MODELS, ConfigError, RecipeLayout, RefitConfig, build_dataclass, check_type,
                        check_world, compose, container, is_checkpoint_dir, load_config, load_spec, local_cpu_problem,
                        read, read_recipe_file, read_section, resolve_model, resolve_recipe, sections, tiny_spec)

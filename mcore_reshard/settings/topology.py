@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import ConfigError
-from .plan.placement import Links, RankPlacement, check_gpus_per_node
+from ..errors import ConfigError
+from ..plan.placement import Links, RankPlacement, check_gpus_per_node
 
 __all__ = ["TopologyConfig"]
 

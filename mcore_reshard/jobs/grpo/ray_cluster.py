@@ -27,11 +27,11 @@ import warnings
 from dataclasses import replace
 from typing import Any, Callable, Sequence
 
-from ..errors import RefitFailed, TrainerError
-from ..ports import free_port
-from ..protocol import first_error_line
-from ..ranks import RankCall, RankGroup
-from ..trainer import MegatronRank
+from ...errors import RefitFailed, TrainerError
+from ...ports import free_port
+from ...protocol import first_error_line
+from ...ranks import RankCall, RankGroup
+from ...trainer import MegatronRank
 
 __all__ = ["RayJob", "RayRankGroup", "RayTrainerGroup", "EngineHandle", "start_engines", "node_of"]
 
@@ -285,9 +285,9 @@ class EngineActor:
 
     def __init__(self, model_dir: str, tp: int, dtype: str, apply_mode: str, env: dict[str, str]) -> None:
         os.environ.update(env)
-        from ..adapters.vllm.engine import start_engine
-        from ..adapters.vllm.plugin import BACKEND
-        from ..adapters.vllm.worker import REFIT_EXTENSION
+        from ...adapters.vllm.engine import start_engine
+        from ...adapters.vllm.plugin import BACKEND
+        from ...adapters.vllm.worker import REFIT_EXTENSION
 
         extra = {"distributed_executor_backend": "mp"} if tp > 1 else {}
         self.llm = start_engine(model_dir, tp=tp, dtype=dtype, direct=apply_mode == "direct",
@@ -295,7 +295,7 @@ class EngineActor:
                                 **extra)
 
     def where(self) -> dict:
-        from ..adapters.vllm.engine import engine_info
+        from ...adapters.vllm.engine import engine_info
 
         return {**node_of(), "engine": engine_info(self.llm)}
 
@@ -308,7 +308,7 @@ class EngineActor:
         logprobs: before temperature, as the trainer computes them)."""
         from vllm import SamplingParams
 
-        from ..adapters.vllm.engine import check_serving
+        from ...adapters.vllm.engine import check_serving
 
         check_serving(self.llm)
         sp = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, ignore_eos=True, logprobs=0,
@@ -318,7 +318,7 @@ class EngineActor:
                  for c in o.outputs] for o in outs]
 
     def shutdown(self) -> None:
-        from ..adapters.vllm.engine import stop_engine
+        from ...adapters.vllm.engine import stop_engine
 
         for fn in (lambda: self.llm.shutdown_weight_transfer_engine(), lambda: stop_engine(self.llm)):
             try:

@@ -24,14 +24,14 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ..checkpoint import make_tiny_checkpoint
-from ..driver import RefitDriver
-from ..errors import ConfigError, RefitError, RefitFailed
-from ..plan.report import format_bytes
-from ..protocol import VerifyMode, one_line
+from ...checkpoint import make_tiny_checkpoint
+from ...driver import RefitDriver
+from ...errors import ConfigError, RefitError, RefitFailed
+from ...plan.report import format_bytes
+from ...protocol import VerifyMode, one_line
 from ..refit import TOKEN_MULT_PROB_BOUND, colocated_placement
-from ..trainer import TrainerSetup
-from ..verify import full_verification, token_mult_prob_error
+from ...trainer import TrainerSetup
+from ...verify import full_verification, token_mult_prob_error
 from .algorithm import GrpoBatch, TargetTokensTask, completion_logprobs, group_advantages
 from .ray_cluster import RayJob, RayTrainerGroup, start_engines, stop_engines
 

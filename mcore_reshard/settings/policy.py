@@ -11,15 +11,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
-from .adapters.megatron.rules import MegatronParallel
-from .adapters.vllm.rules import VllmParallel
-from .errors import ConfigError
-from .layout import ModelSpec
-from .settings import (RECIPE, TINY_MODELS, check_world, load_recipe, lookup, read, read_mapping, read_section,
+from ..adapters.megatron.rules import MegatronParallel
+from ..adapters.vllm.rules import VllmParallel
+from ..errors import ConfigError
+from ..layout import ModelSpec
+from . import (RECIPE, TINY_MODELS, check_world, load_recipe, lookup, read, read_mapping, read_section,
                        resolve_model, tiny_spec)
-from .settings.schema import (APPLY, MAX_BUFFER_BYTES, MIN_BUFFER_BYTES, PLACEMENTS, TRANSPORTS, VERIFY, RecipeLayout,
+from .schema import (APPLY, MAX_BUFFER_BYTES, MIN_BUFFER_BYTES, PLACEMENTS, TRANSPORTS, VERIFY, RecipeLayout,
                               RefitConfig)
-from .topology_config import TopologyConfig
+from .topology import TopologyConfig
 
 __all__ = [
     "RefitConfig",

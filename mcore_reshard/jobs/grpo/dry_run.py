@@ -12,13 +12,13 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
-from ..config import side_layouts
-from ..errors import ConfigError
-from ..layout import ModelSpec
-from ..plan.report import PlanReport, format_bytes, plan_report
-from ..plan.topology import Links, placement_report, plan_for_placement
-from ..settings import resolve_model
-from ..topology_config import TopologyConfig
+from ...settings.config import side_layouts
+from ...errors import ConfigError
+from ...layout import ModelSpec
+from ...plan.report import PlanReport, format_bytes, plan_report
+from ...plan.topology import Links, placement_report, plan_for_placement
+from ...settings import resolve_model
+from ...settings.topology import TopologyConfig
 from .recipe import GrpoRecipe
 
 __all__ = ["Placement", "PublishedFigure", "DryRunReport", "placement", "modelled_refit_seconds",

@@ -1,4 +1,4 @@
-"""``python -m mcore_reshard.serve CKPT [vllm serve args]``: vLLM's OpenAI-compatible server
+"""``python -m mcore_reshard.jobs.serve CKPT [vllm serve args]``: vLLM's OpenAI-compatible server
 with the ``mcore_reshard`` weight-transfer backend and the RL routes on.
 
 Why not ``vllm serve``: vLLM's CLI reads the ``vllm`` distribution's metadata for its
@@ -48,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
         print(__doc__.strip().splitlines()[0] if __doc__ else "", file=sys.stderr)
-        print("usage: python -m mcore_reshard.serve CKPT [vllm serve args...]", file=sys.stderr)
+        print("usage: python -m mcore_reshard.jobs.serve CKPT [vllm serve args...]", file=sys.stderr)
         raise SystemExit(0 if args else 2)
     try:
         full = server_argv(args[0], args[1:])
@@ -59,7 +59,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     os.environ.update(server_env())
     from vllm.entrypoints.launchers.api_server.entry import main as api_server_main
 
-    sys.argv = [sys.argv[0] if sys.argv else "mcore_reshard.serve"] + full
+    sys.argv = [sys.argv[0] if sys.argv else "mcore_reshard.jobs.serve"] + full
     api_server_main()
 
 
