@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from mcore_reshard.adapters.megatron.build import WorldCtx, init_megatron
+from mcore_reshard.adapters.megatron.build import init_megatron
+from mcore_reshard.testing.worlds import WorldCtx
 from mcore_reshard.adapters.megatron.endpoint import TrainerEndpoint
 from mcore_reshard.adapters.megatron.rules import MegatronParallel
 from mcore_reshard.adapters.megatron.train import TrainSettings, build_policy

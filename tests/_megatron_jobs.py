@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from mcore_reshard.adapters.megatron.build import WorldCtx, build_gpt, init_megatron
+from mcore_reshard.adapters.megatron.build import build_gpt, init_megatron
+from mcore_reshard.testing.worlds import WorldCtx
 from mcore_reshard.adapters.megatron.live import describe, describe_world, named_local_params
 from mcore_reshard.adapters.megatron.rules import MegatronParallel
 from mcore_reshard.layout import ModelSpec, spec_from_hf_config
@@ -156,7 +157,7 @@ def layout_job(ctx: WorldCtx, par: MegatronParallel, cfg: dict[str, Any], ckpt: 
     if ckpt is None:
         return res
     from mcore_reshard.transport.views import write_pieces
-    from mcore_reshard.testing.tiny import load_canonical
+    from mcore_reshard.checkpoint import load_canonical
 
     tensors = load_canonical(ckpt)
     params = named_local_params(chunks)

@@ -341,7 +341,7 @@ def test_tiny_specs_match_the_written_checkpoints(tmp_path):
     try:
         from mcore_reshard.checkpoint import make_tiny_checkpoint
     except ImportError:
-        from mcore_reshard.testing.tiny import make_tiny_checkpoint
+        from mcore_reshard.checkpoint import make_tiny_checkpoint
     for name, family in TINY_MODELS.items():
         job = load_refit_job([f"model={name}", *([] if family == "qwen3_moe" else ["training.ep=1"])])
         ckpt = make_tiny_checkpoint(tmp_path / name, family=family, dtype=job.dtype)

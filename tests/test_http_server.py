@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from mcore_reshard.adapters.megatron.build import run_world
+from mcore_reshard.testing.worlds import run_world
 from mcore_reshard.adapters.megatron.rules import MegatronParallel
 from mcore_reshard.adapters.vllm.rules import VllmParallel
 from mcore_reshard.checkpoint import make_tiny_checkpoint

@@ -22,7 +22,7 @@ from mcore_reshard.plan.wire import slice_from_wire, slice_to_wire
 from mcore_reshard.ports import free_port
 from mcore_reshard.transport.executor import TensorSink, execute_plan
 from mcore_reshard.transport.group import RankMap, RefitGroup
-from mcore_reshard.transport.local import run_plan_locally
+from mcore_reshard.testing.local_plan import run_plan_locally
 from support.worlds import canonical, expected_equal, refit_once, spawn_ranks
 from toy_layouts import split_layout
 

@@ -13,7 +13,7 @@ from mcore_reshard.adapters.vllm.rules import VllmParallel, vllm_layout
 from mcore_reshard.layout import LayoutError, ModelSpec
 from mcore_reshard.transport.views import TORCH_DTYPES, materialize_local
 from mcore_reshard.plan import build_plan
-from mcore_reshard.transport.local import run_plan_locally
+from mcore_reshard.testing.local_plan import run_plan_locally
 from toy_layouts import NAMED_LAYOUTS, tiny_spec
 
 

@@ -279,7 +279,7 @@ def test_relays_of_a_tensor_carried_as_its_bits_reach_every_member():
     from mcore_reshard.checkpoint import TINY_DEEPSEEK_V3
     from mcore_reshard.layout.spec import spec_from_hf_config
     from mcore_reshard.transport.executor import zero_fill_padding
-    from mcore_reshard.transport.local import run_plan_locally
+    from mcore_reshard.testing.local_plan import run_plan_locally
     from support.worlds import canonical, expected_equal, locals_of
 
     spec = spec_from_hf_config(TINY_DEEPSEEK_V3, dtype="bfloat16")

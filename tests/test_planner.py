@@ -10,7 +10,7 @@ import torch
 from mcore_reshard.layout import Box, LocalParam, Piece, SideLayout, View
 from mcore_reshard.transport.views import materialize_local
 from mcore_reshard.plan import PlanError, build_plan, get_plan, layout_digest, plan_report
-from mcore_reshard.transport.local import run_plan_locally
+from mcore_reshard.testing.local_plan import run_plan_locally
 from toy_layouts import split_layout
 
 TENSORS = {

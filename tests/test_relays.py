@@ -160,7 +160,7 @@ def _full_bytes(layout, itemsize: int) -> int:
 def test_replicated_pieces_cross_into_a_node_once(nkv):
     from mcore_reshard.plan import get_plan
     from mcore_reshard.transport.executor import zero_fill_padding
-    from mcore_reshard.transport.local import run_plan_locally
+    from mcore_reshard.testing.local_plan import run_plan_locally
     from support.worlds import canonical, expected_equal, locals_of
 
     src, dst, place, plan = _tp2_layouts(nkv)

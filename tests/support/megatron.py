@@ -1,5 +1,5 @@
 """``run_world`` on warm megatron worlds: the same contract as
-``mcore_reshard.adapters.megatron.build.run_world`` (``fn(WorldCtx, *args)`` on every rank,
+``mcore_reshard.testing.worlds.run_world`` (``fn(WorldCtx, *args)`` on every rank,
 results by rank, a failing rank's traceback raised), but the rank processes stay up between
 jobs, so megatron-core, torch and the model code are imported once per rank instead of once
 per test (most of a small job's time on this machine).
@@ -25,7 +25,7 @@ import time
 import traceback
 from typing import Any, Callable, Sequence
 
-from mcore_reshard.adapters.megatron.build import WorldCtx
+from mcore_reshard.testing.worlds import WorldCtx
 from mcore_reshard.ports import free_port
 
 __all__ = ["run_world", "prestart", "close_all", "stats"]
@@ -168,7 +168,7 @@ def run_world(fn: Callable[..., Any], world: int, args: Sequence[Any] = (), *, t
     on first use); return results by rank. Raises RuntimeError naming the rank and its
     traceback when any rank fails or dies; the world is then killed, never reused."""
     if os.environ.get("MR_TEST_COLD_WORLDS") == "1":  # the package's one-shot processes
-        from mcore_reshard.adapters.megatron.build import run_world as cold
+        from mcore_reshard.testing.worlds import run_world as cold
 
         return cold(fn, world, args, timeout_s=timeout_s, threads=threads)
     w = _world(world)

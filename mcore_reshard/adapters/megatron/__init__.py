@@ -2,7 +2,7 @@
 a multi-process harness, and the live adapter. Importing the package imports neither torch nor
 megatron: those are imported inside the functions that need them."""
 
-from .build import WorldCtx, build_gpt, init_megatron, megatron_config, run_world
+from .build import build_gpt, init_megatron, megatron_config
 from .live import describe, describe_world, live_parallel, named_local_params
 from .rules import (
     TIED_OUTPUT_NOTE,
@@ -24,8 +24,6 @@ __all__ = [
     "stage_layers",
     "TIED_OUTPUT_NOTE",
     "apply_cpu_patches",
-    "WorldCtx",
-    "run_world",
     "init_megatron",
     "build_gpt",
     "megatron_config",

@@ -1,4 +1,5 @@
-"""Tiny megatron-core GPT models on CPU, and a small multi-process harness to run them.
+"""Tiny megatron-core GPT models on CPU (the multi-process harness that runs them in tests is
+``mcore_reshard.testing.worlds``).
 
 ``build_gpt`` builds the same architecture as the HF checkpoint a :class:`ModelSpec` describes
 (Qwen3 / Qwen3-MoE / Llama: SwiGLU, RMSNorm, GQA, optional qk-norm, RoPE, no bias; DeepSeek-V3:
@@ -10,103 +11,12 @@ process per rank (torch.multiprocessing, spawn) for tests and the refit job.
 from __future__ import annotations
 
 import os
-import pickle
-import time
-import traceback
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from ...layout import ModelSpec
-from ...ports import free_port
 from .rules import MegatronParallel, padded_vocab
 
-__all__ = ["WorldCtx", "run_world", "init_megatron", "build_gpt", "megatron_config"]
-
-
-# --------------------------------------------------------------------------- harness
-
-
-@dataclass(frozen=True)
-class WorldCtx:
-    """What a spawned rank needs to join the default process group."""
-
-    rank: int
-    world_size: int
-    master_addr: str
-    master_port: int
-
-
-def _entry(fn: Callable, ctx: WorldCtx, args: tuple, queue, threads: int) -> None:
-    import torch
-
-    torch.set_num_threads(threads)
-    try:
-        # Pickled by value here: torch's queue would share tensors by fd, which dies with us.
-        queue.put((ctx.rank, True, pickle.dumps(fn(ctx, *args))))
-    except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
-        queue.put((ctx.rank, False, traceback.format_exc()))
-    finally:
-        try:
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - teardown must not mask the result
-            pass
-
-
-def run_world(fn: Callable[..., Any], world: int, args: Sequence[Any] = (), *, timeout_s: float = 300.0,
-              threads: int = 1, may_exit: Sequence[int] = ()) -> list[Any]:
-    """Run ``fn(WorldCtx, *args)`` in ``world`` spawned processes; return results by rank.
-
-    ``fn`` must be importable (module level). Raises RuntimeError naming the rank and its
-    traceback when any rank fails or dies, and kills every rank on failure or timeout. A rank
-    in ``may_exit`` (a fault test kills it on purpose) may die without a result: its result is
-    None and the others run on.
-    """
-    import queue as queue_mod
-
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_entry, args=(fn, WorldCtx(r, world, "127.0.0.1", port), tuple(args), q, threads),
-                    daemon=True)
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(results) < world:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RuntimeError(f"run_world timed out after {timeout_s:.0f}s; finished ranks: {sorted(results)}")
-            try:
-                rank, ok, value = q.get(timeout=min(left, 1.0))
-            except queue_mod.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode not in (None, 0)]
-                for r in [r for r in dead if r in may_exit]:
-                    results[r] = None
-                    dead.remove(r)
-                if dead:
-                    raise RuntimeError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
-                continue
-            if not ok:
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results[rank] = pickle.loads(value)
-        for p in procs:
-            p.join(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-        q.close()
-    return [results[r] for r in range(world)]
+__all__ = ["init_megatron", "build_gpt", "megatron_config"]
 
 
 # --------------------------------------------------------------------------- megatron

@@ -1,4 +1,4 @@
-"""Execute a plan inside one process (tests, debugging): same packing as the wire path."""
+"""Execute a plan inside one process (tests, debugging): the same packing as the wire path."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ from typing import Mapping
 
 import torch
 
-from .views import TORCH_DTYPES
+from ..transport.views import TORCH_DTYPES
 from ..plan.types import TransferPlan
-from .packing import message_numel, pack, unpack
-from .reinterpret import WireTensors
+from ..transport.packing import message_numel, pack, unpack
+from ..transport.reinterpret import WireTensors
 
 __all__ = ["run_plan_locally"]
 
