@@ -17,15 +17,15 @@ import json
 import sys
 from typing import Sequence
 
-from .settings.config import load_plan, load_refit_job, plan_from_recipe, plan_recipe, recipe_from_config
 from .errors import ConfigError
 from .jobs.grpo.dry_run import dry_run
 from .jobs.grpo.recipe import load_grpo_recipe
 from .layout import LayoutError
-from .settings.policy import load_recipe_file
 from .protocol import one_line as _one_line
+from .settings.config import load_plan, load_refit_job, plan_recipe
+from .settings.policy import load_recipe_file
 
-__all__ = ["main", "recipe_from_config", "plan_from_recipe"]
+__all__ = ["main"]
 
 
 def _cmd_plan(args, overrides: Sequence[str]) -> int:

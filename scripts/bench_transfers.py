@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from mcore_reshard.cli import plan_from_recipe
+from mcore_reshard.settings.config import plan_from_recipe
 from mcore_reshard.settings.config import load_plan
 from mcore_reshard.layout import Box, LocalParam, Piece, SideLayout, View
 from mcore_reshard.plan import build_plan

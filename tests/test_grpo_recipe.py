@@ -18,6 +18,8 @@ from mcore_reshard.errors import ConfigError
 from mcore_reshard.jobs.grpo.dry_run import dry_run, modelled_refit_seconds, placement
 from mcore_reshard.jobs.grpo.recipe import ClusterSettings, GrpoRecipe, load_grpo_recipe
 from mcore_reshard.protocol import VerifyMode
+from mcore_reshard.settings import load_recipe
+from mcore_reshard.settings.policy import from_policy_config
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "recipes" / "grpo-tiny-moe-cpu.yaml"
@@ -190,6 +192,20 @@ def test_colocated_recipe_plans_same_device_and_runs(tmp_path, capsys, loop_stub
     assert main(["grpo", str(f)]) == 0
     (recipe, _, _), = loop_stub
     assert recipe.colocated
+
+
+def test_colocated_unset_reads_the_same_everywhere(tmp_path):
+    """A recipe without ``policy.generation.colocated.enabled`` takes NeMo RL's default
+    (colocated) in the layout reader and in the GRPO recipe reader alike (one field, one
+    default), so the placement planned is the one the job runs."""
+    d = yaml.safe_load(TINY.read_text())
+    del d["policy"]["generation"]["colocated"]["enabled"]
+    _edit(d, "cluster.gpus_per_node", 4)
+    f = tmp_path / "unset.yaml"
+    f.write_text(yaml.safe_dump(d))
+    r = load_grpo_recipe(f)
+    layout = from_policy_config(load_recipe(f))
+    assert r.colocated is True and layout.topology.placement == "colocated"
 
 
 def test_run_path_refuses_what_this_machine_cannot_run(loop_stub, capsys):

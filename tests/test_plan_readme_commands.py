@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from mcore_reshard.cli import main, plan_from_recipe
+from mcore_reshard.cli import main
+from mcore_reshard.settings.config import plan_from_recipe
 from mcore_reshard.settings.config import load_plan
 from mcore_reshard.plan.cache import clear_plan_cache
 from mcore_reshard.plan.topology import placement_report, plan_for_placement

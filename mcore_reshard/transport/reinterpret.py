@@ -79,12 +79,6 @@ class ReinterpretSink:
         return self.inner.write_hashed(local_name, _real_view(view, real[1], local_name),
                                        tensor.contiguous().view(real[0]), self._wire_hash(hash_fn))
 
-    def read(self, local_name: str, view: View) -> torch.Tensor:
-        real = self.real.get(local_name)
-        if real is None:
-            return self.inner.read(local_name, view)
-        return self.inner.read(local_name, _real_view(view, real[1], local_name)).view(self.wire)
-
     def target(self, local_name: str, view: View) -> torch.Tensor | None:
         real = self.real.get(local_name)
         if real is None:

@@ -24,7 +24,7 @@ from .views import TORCH_DTYPES, local_view
 __all__ = ["Sink", "SinkCaps", "TensorSink", "as_sink", "sink_dtypes"]
 
 #: The methods a sink may leave out (``write`` it may not).
-OPTIONAL = ("write_hashed", "read", "target", "landed")
+OPTIONAL = ("write_hashed", "target", "landed")
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,6 @@ class SinkCaps:
     (``packing.unpack``) instead of one ``write`` per box."""
 
     write_hashed: bool = False
-    read: bool = False
     target: bool = False
     landed: bool = False
     bulk: bool = False
@@ -48,23 +47,21 @@ class Sink(Protocol):
 
     ``write_hashed(local_name, view, tensor, hash_fn)`` writes, then returns ``hash_fn`` of
     what the destination now holds at ``view`` (before anything repacks it), so verification
-    checks the parameter itself, not only the received bytes. ``read(local_name, view)`` is
-    the older form of the same (read back after the write).
+    checks the parameter itself, not only the received bytes (a sink without it is checked
+    on the bytes it was given).
 
     ``target(local_name, view)`` and ``landed(local_name, view, hash_fn)``: the tensor a large
     contiguous box is received into directly (zero-copy; None: use a temporary), and the call
     once its bytes are there (returns ``hash_fn`` of them, like ``write_hashed``). Without them
     such a box is received into a temporary and written.
 
-    ``capabilities`` says which of these four the sink implements."""
+    ``capabilities`` says which of these three the sink implements."""
 
     capabilities: SinkCaps
 
     def write(self, local_name: str, view: View, tensor: torch.Tensor) -> None: ...
 
     def write_hashed(self, local_name: str, view: View, tensor: torch.Tensor, hash_fn: Callable) -> Any: ...
-
-    def read(self, local_name: str, view: View) -> torch.Tensor: ...
 
     def target(self, local_name: str, view: View) -> torch.Tensor | None: ...
 
@@ -81,7 +78,7 @@ class TensorSink:
     def capabilities(self) -> SinkCaps:
         # A subclass may change any method (tests corrupt in ``write`` or ``landed``), which a
         # bulk scatter would skip: only this class itself is bulk.
-        return SinkCaps(write_hashed=True, read=True, target=True, landed=True, bulk=type(self) is TensorSink)
+        return SinkCaps(write_hashed=True, target=True, landed=True, bulk=type(self) is TensorSink)
 
     def write(self, local_name: str, view: View, tensor: torch.Tensor) -> None:
         local_view(self.tensors[local_name], view).copy_(tensor)
@@ -89,9 +86,6 @@ class TensorSink:
     def write_hashed(self, local_name: str, view: View, tensor: torch.Tensor, hash_fn: Callable) -> Any:
         self.write(local_name, view, tensor)  # a subclass's write (tests corrupt there)
         return hash_fn(local_view(self.tensors[local_name], view)) if hash_fn is not None else None
-
-    def read(self, local_name: str, view: View) -> torch.Tensor:
-        return local_view(self.tensors[local_name], view)
 
     def target(self, local_name: str, view: View) -> torch.Tensor:
         return local_view(self.tensors[local_name], view)
@@ -118,9 +112,6 @@ class _Undeclared:
 
     def write_hashed(self, local_name: str, view: View, tensor: torch.Tensor, hash_fn: Callable) -> Any:
         raise self._missing("write_hashed")
-
-    def read(self, local_name: str, view: View) -> torch.Tensor:
-        raise self._missing("read")
 
     def target(self, local_name: str, view: View) -> torch.Tensor | None:
         raise self._missing("target")

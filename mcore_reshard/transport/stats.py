@@ -34,15 +34,6 @@ class TransferStats:
     #: The part that went zero-copy: from the source parameter into the destination's tensor.
     bytes_zero_copy: int = 0
 
-    def summary(self) -> str:
-        gb = (self.bytes_sent + self.bytes_received) / 1e9
-        return (
-            f"{gb:.3f} GB in {self.messages} messages / {self.buckets} buckets, {self.seconds:.3f}s "
-            f"(pack {self.pack_s:.3f}, wire {self.wire_s:.3f}, unpack {self.unpack_s:.3f}, "
-            f"verify {self.verify_s:.3f}), buffers {self.peak_extra_bytes / 2**20:.1f} MiB, "
-            f"verified={self.verified}"
-        )
-
 
 @dataclass
 class Tally:

@@ -181,7 +181,7 @@ def load_grpo_recipe(path: str | Path, overrides: Sequence[str] = ()) -> GrpoRec
     check_world(training.world_size, vllm.world_size)
     s = _loop_settings(cfg, path)
     r = "policy.generation.colocated.resources."
-    colocated = bool(lookup(cfg, RECIPE.colocated.key))
+    colocated = read(cfg, RECIPE.colocated)  # the same field and default as from_policy_config
     if not colocated:  # colocated: both sides on every GPU (from_policy_config checked the sizes)
         _check_placement(s["cluster"], lookup(cfg, r + "num_nodes"), lookup(cfg, r + "gpus_per_node"), training, vllm)
     _check_step(s, spec, training)
