@@ -51,16 +51,20 @@ LIVE_ORDER: list[tuple[str, frozenset[str]]] = [
     ("test_colocated", frozenset({"live"})),
     ("test_refit_layouts", frozenset({"live"})),
     ("test_refit_e2e", frozenset({"live"})),
+    # the fp32 tiny MoE TP2 and TP1 engines above, then dense TP1 / TP2 direct / MoE TP2xEP2
+    ("test_vllm_live", frozenset({"live"})),
     # bf16 tiny MoE (seed 13): the TP2xEP2 trainer pool
     ("test_refit_bf16", frozenset({"live"})),
     ("test_faults", frozenset({"live"})),
+    # tiny DeepSeek-V3 engines, q_lora TP1 and plain q TP2 (engines only: the pools above close)
+    ("test_deepseek_refit", frozenset({"engines"})),
+    ("test_deepseek_vllm", frozenset({"engines"})),
     # own engines and pools only (nothing of the above is reused)
-    ("test_deepseek_refit", frozenset()),
-    ("test_vllm_live", frozenset()),
-    ("test_deepseek_vllm", frozenset()),
     ("test_http_server", frozenset()),
     ("test_grpo_ray", frozenset()),
 ]
+#: Groups that keep the cached engines: ``live`` (engines and trainer pools) and ``engines``.
+_ENGINE_GROUPS = frozenset({"live", "engines"})
 _RANK = {name: i + 1 for i, (name, _) in enumerate(LIVE_ORDER)}
 _SHARES = dict(LIVE_ORDER)
 
@@ -147,10 +151,12 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
         _log("warm megatron worlds closed")
     if "live" in here and "live" not in after:
         _live.POOLS.close()
+        _log("trainer pools closed")
+    if here & _ENGINE_GROUPS and not after & _ENGINE_GROUPS:
         cache = _ENGINES.get("cache")
         if cache is not None:
             cache.close()
-        _log("trainer pools and cached engines closed")
+        _log("cached engines closed")
 
 
 _ENGINES: dict[str, _live.EngineCache] = {}

@@ -13,10 +13,8 @@ from __future__ import annotations
 import pytest
 
 from mcore_reshard.adapters.megatron.rules import MegatronParallel
-from mcore_reshard.adapters.vllm.engine import prompt_logprobs, start_engine, stop_engine
-from mcore_reshard.adapters.vllm.plugin import BACKEND
+from mcore_reshard.adapters.vllm.engine import after_refit, prompt_logprobs
 from mcore_reshard.adapters.vllm.rules import VllmParallel
-from mcore_reshard.adapters.vllm.worker import REFIT_EXTENSION
 from mcore_reshard.checkpoint import make_tiny_checkpoint
 from mcore_reshard.layout import load_model_spec
 from mcore_reshard.settings.policy import RefitConfig
@@ -30,26 +28,23 @@ CFG = RefitConfig(buffer_bytes=1 << 16, timeout_s=60.0, verify=VerifyMode.FULL)
 FP32_BOUND = 1.001  # token_mult_prob_error, vLLM vs megatron's forward
 
 
-def _engine(ckpt):
-    return start_engine(str(ckpt), tp=1, dtype="float32", worker_extension_cls=REFIT_EXTENSION,
-                        weight_transfer_config={"backend": BACKEND})
-
-
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tmp_path_factory, engine_cache):
+    """One shared engine (the session's cache; ``test_deepseek_vllm`` takes it next), started
+    fresh on B: its logprobs are vLLM's own loader's on B. Then it is given A's weights through
+    the applier, and every test refits B's training into it."""
     root = tmp_path_factory.mktemp("deepseek_refit")
     a = make_tiny_checkpoint(root / "a", family="deepseek_v3", seed=3)
     b = make_tiny_checkpoint(root / "b", family="deepseek_v3", seed=4)
-    fresh = _engine(b)
-    try:
-        want = prompt_logprobs(fresh, TOKENS)  # vLLM's own loader on B
-    finally:
-        stop_engine(fresh)
-    llm = _engine(a)
+    llm = engine_cache.get(b, tp=1, fresh=True)
+    want = prompt_logprobs(llm, TOKENS)  # vLLM's own loader on B
+    statuses = llm.collective_rpc("mr_load_canonical", args=(str(a),))
+    assert all(s["state"] == "serving" for s in statuses), statuses
+    after_refit(llm)
     try:
         yield load_model_spec(b, dtype="float32"), b, llm, want
     finally:
-        stop_engine(llm)
+        engine_cache.check(llm)
 
 
 @pytest.mark.parametrize("training", [MegatronParallel(tp=2, ep=2, etp=1), MegatronParallel(pp=2)],
@@ -70,7 +65,7 @@ def test_refit_equals_a_fresh_vllm_load(setup, training):
         assert c.logprob_error(TOKENS) < FP32_BOUND
 
 
-def test_plain_q_expert_parallel_into_a_tp2_engine(tmp_path):
+def test_plain_q_expert_parallel_into_a_tp2_engine(tmp_path, shared_engine):
     """q_lora off (a plain ``q_proj``, Moonlight's form), megatron EP2 into a vLLM engine of TP2
     (``q_b``-less MLA split by heads, shared experts split, the router replicated): verified by
     checksums and ``verify=full``, at the minimum bytes, within the fp32 bound."""
@@ -80,7 +75,9 @@ def test_plain_q_expert_parallel_into_a_tp2_engine(tmp_path):
                                 family="deepseek_v3", seed=5)
     spec = load_model_spec(ckpt, dtype="float32")
     assert spec.mla is not None and spec.mla.q_lora_rank is None
-    with local_cluster(spec, ckpt, MegatronParallel(ep=2, etp=1, dp=2), VllmParallel(tp=2), CFG) as c:
+    llm = shared_engine(ckpt, tp=2)  # shared with test_deepseek_vllm's plain_q TP2 case
+    with local_cluster(spec, ckpt, MegatronParallel(ep=2, etp=1, dp=2), VllmParallel(tp=2), CFG,
+                       engines=[llm]) as c:
         m = c.refit_once()
         assert m.verified and m.bytes_moved == m.bytes_min
         assert any("full verification" in n for n in m.notes)

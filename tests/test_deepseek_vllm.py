@@ -113,27 +113,27 @@ def _gap(llm, seqs, lps) -> float:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant, tp", [("q_lora", 1), ("plain_q", 2)])
-def test_live_recording_equals_rules_and_refit_matches_hf(tmp_path, variant, tp):
-    from mcore_reshard.adapters.vllm.engine import after_refit, describe, greedy, start_engine, stop_engine
+def test_live_recording_equals_rules_and_refit_matches_hf(tmp_path, variant, tp, shared_engine):
+    """On the session's shared engine of that architecture (``test_deepseek_refit`` used both
+    before): whatever weights it holds are not B's, recording leaves them alone, and loading B
+    through the applier gives transformers' logprobs on B."""
+    from mcore_reshard.adapters.vllm.engine import after_refit, describe, greedy
 
     cfg = TINY_DEEPSEEK_V3 if variant == "q_lora" else NO_Q_LORA
     a = make_tiny_checkpoint(tmp_path / "a", overrides=cfg, family="deepseek_v3", seed=0)
     b = make_tiny_checkpoint(tmp_path / "b", overrides=cfg, family="deepseek_v3", seed=1)
     seqs, lps = _hf(b)
-    llm = start_engine(str(a), tp=tp)
-    try:
-        before = greedy(llm, PROMPTS, MAX_TOKENS)
-        assert _gap(llm, seqs, lps) > DIFFERENT  # A is not B
-        infos = llm.collective_rpc("mr_rank_info")
-        _check_against_rules(a, describe(llm), infos, tp=tp)
-        assert greedy(llm, PROMPTS, MAX_TOKENS) == before  # recording left the weights alone
-        modes = llm.collective_rpc("mr_modes")[0]
-        assert modes["model.layers.0.self_attn.kv_b_proj.weight"] == "reload"  # absorbed into W_UK/W_UV
-        assert modes["model.layers.1.mlp.gate.e_score_correction_bias"] == "direct"  # left live by the reload
-        statuses = llm.collective_rpc("mr_load_canonical", args=(str(b),))
-        assert all(s["state"] == "serving" for s in statuses), statuses
-        after_refit(llm)
-        # B now: vLLM's teacher-forced logprobs equal transformers' within the fp32 bound
-        assert _gap(llm, seqs, lps) < FP32_BOUND
-    finally:
-        stop_engine(llm)
+    llm = shared_engine(a, tp=tp)
+    before = greedy(llm, PROMPTS, MAX_TOKENS)
+    assert _gap(llm, seqs, lps) > DIFFERENT  # not B
+    infos = llm.collective_rpc("mr_rank_info")
+    _check_against_rules(a, describe(llm), infos, tp=tp)
+    assert greedy(llm, PROMPTS, MAX_TOKENS) == before  # recording left the weights alone
+    modes = llm.collective_rpc("mr_modes")[0]
+    assert modes["model.layers.0.self_attn.kv_b_proj.weight"] == "reload"  # absorbed into W_UK/W_UV
+    assert modes["model.layers.1.mlp.gate.e_score_correction_bias"] == "direct"  # left live by the reload
+    statuses = llm.collective_rpc("mr_load_canonical", args=(str(b),))
+    assert all(s["state"] == "serving" for s in statuses), statuses
+    after_refit(llm)
+    # B now: vLLM's teacher-forced logprobs equal transformers' within the fp32 bound
+    assert _gap(llm, seqs, lps) < FP32_BOUND

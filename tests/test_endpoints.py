@@ -28,16 +28,28 @@ pytestmark = pytest.mark.slow
 TOKENS = [11, 42, 7, 99, 123, 5, 77, 300, 8, 64, 512, 3]
 
 
-def test_plain_vllm_engine_refit_from_trainer_endpoints(tmp_path):
+@pytest.fixture(scope="module")
+def plain_engine(tmp_path_factory):
+    """A plain vLLM engine, as a framework starts one: only ``weight_transfer_config`` (no
+    worker extension). Both tests below refit it; each holds for any weights it arrives with."""
     import os
 
-    import torch.multiprocessing as mp
     from vllm import LLM
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    ckpt = make_tiny_checkpoint(tmp_path / "tiny-moe", moe=True, seed=5)
+    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("plain") / "tiny-moe", moe=True, seed=5)
     llm = LLM(model=str(ckpt), skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=256,
               max_num_seqs=4, seed=0, weight_transfer_config={"backend": "mcore_reshard"})
+    try:
+        yield ckpt, llm
+    finally:
+        stop_engine(llm)
+
+
+def test_plain_vllm_engine_refit_from_trainer_endpoints(plain_engine):
+    import torch.multiprocessing as mp
+
+    ckpt, llm = plain_engine
     manager = None
     try:
         before = prompt_logprobs(llm, TOKENS)
@@ -74,28 +86,23 @@ def test_plain_vllm_engine_refit_from_trainer_endpoints(tmp_path):
     finally:
         if manager is not None:
             manager.shutdown()
-        stop_engine(llm)
 
 
-def test_driver_refits_an_engine_started_with_only_the_backend(ckpt_cache):
+def test_driver_refits_an_engine_started_with_only_the_backend(ckpt_cache, plain_engine):
     """``RefitDriver`` drives an engine started with only ``weight_transfer_config``: it plans
     the engine's side from the rules (the engine checks its slice against what it records at
     init), and the refit's own outcome confirms it (no worker extension to ask)."""
-    from mcore_reshard.adapters.vllm.engine import start_engine
     from mcore_reshard.layout import load_model_spec
     from mcore_reshard.settings.policy import RefitConfig
 
-    ckpt = ckpt_cache.get(moe=True, seed=7)
+    ckpt = ckpt_cache.get(moe=True, seed=7)  # the trainers' checkpoint: not the engine's weights
     spec = load_model_spec(ckpt, dtype="float32")
-    llm = start_engine(str(ckpt), tp=1, worker_extension_cls="", weight_transfer_config={"backend": "mcore_reshard"})
-    try:
-        with cluster(spec, ckpt, MegatronParallel(tp=2, ep=2, etp=1), VllmParallel(tp=1),
-                     RefitConfig(timeout_s=60.0), train={"lr": 0.05}, engines=[llm]) as c:
-            assert not c.driver.engine_infos[0].diagnostics
-            c.step(TOKENS)
-            assert c.logprob_error(TOKENS) > 1.01  # the engine serves the checkpoint, the trainers moved on
-            m = c.refit_once()
-            assert m.verified and m.bytes_moved == m.bytes_min
-            assert c.logprob_error(TOKENS) < 1.001
-    finally:
-        stop_engine(llm)
+    _, llm = plain_engine
+    with cluster(spec, ckpt, MegatronParallel(tp=2, ep=2, etp=1), VllmParallel(tp=1),
+                 RefitConfig(timeout_s=60.0), train={"lr": 0.05}, engines=[llm]) as c:
+        assert not c.driver.engine_infos[0].diagnostics
+        c.step(TOKENS)
+        assert c.logprob_error(TOKENS) > 1.01  # the engine serves other weights, the trainers moved on
+        m = c.refit_once()
+        assert m.verified and m.bytes_moved == m.bytes_min
+        assert c.logprob_error(TOKENS) < 1.001

@@ -1,6 +1,10 @@
 """Live vLLM (CPU) checks of the recorded destination pieces and the apply path.
 
-One engine per configuration (class-scoped); each start costs 15-25 s.
+Engines come from the session's cache (``shared_engine``: one per architecture, dtype, TP, EP
+and apply mode; each start costs 15-25 s): the tiny MoE TP2 and TP1 ones are still warm from
+the refit modules that run just before (``LIVE_ORDER``), so their classes come first. Every
+check here holds for whatever weights a shared engine holds when it arrives: recordings are
+compared with the rules, and refits load this module's own checkpoints first.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from mcore_reshard.adapters.vllm.engine import after_refit, describe, greedy, start_engine, stop_engine  # noqa: E402
+from mcore_reshard.adapters.vllm.engine import after_refit, describe, greedy  # noqa: E402
 from mcore_reshard.layout.descriptor import LocalParam  # noqa: E402
 from mcore_reshard.layout.spec import load_model_spec  # noqa: E402
 from mcore_reshard.transport.views import materialize_local  # noqa: E402
@@ -82,10 +86,19 @@ def ckpts(tmp_path_factory):
     return out
 
 
-def _engine(request, path, **kw):
-    llm = start_engine(str(path), **kw)
-    request.addfinalizer(lambda: stop_engine(llm))
-    return llm
+@pytest.fixture(scope="class")
+def _engine(engine_cache):
+    """``_engine(ckpt, **kw)``: the shared engine of ``ckpt``'s architecture, stopped after the
+    class if the class left it unusable (``engine_cache.check``)."""
+    used: list = []
+
+    def get(path, **kw):
+        used.append(engine_cache.get(path, **kw))
+        return used[-1]
+
+    yield get
+    for llm in used:
+        engine_cache.check(llm)
 
 
 def _refit_and_check(llm, path, hf_expected):
@@ -95,12 +108,46 @@ def _refit_and_check(llm, path, hf_expected):
     assert greedy(llm, PROMPTS, MAX_TOKENS) == hf_expected
 
 
+class _MoeRefit:
+    """CPU MoE prepacks w13/w2: reload path plus the re-prepack vLLM 0.32 forgets."""
+
+    TP = 1
+
+    @pytest.fixture(scope="class")
+    def llm(self, _engine, ckpts):
+        return _engine(ckpts["moe"][0], tp=self.TP)
+
+    def test_recording_matches_rules(self, llm, ckpts):
+        before = greedy(llm, PROMPTS, MAX_TOKENS)
+        infos = llm.collective_rpc("mr_rank_info")
+        params = describe(llm)  # records (first call)
+        assert greedy(llm, PROMPTS, MAX_TOKENS) == before  # prepacked MoE weights untouched
+        w13 = [lp for lp in params[0] if lp.name.endswith("w13_weight")]
+        assert w13 and len(w13[0].pieces) == 2 * 8  # gate and up of all 8 experts (EP off)
+        w2 = [lp for lp in params[0] if lp.name.endswith("w2_weight")]
+        assert {p.box.sizes[1] for p in w2[0].pieces} == {32 // self.TP}  # down_proj columns per MoE-TP rank
+        _check_against_rules(ckpts["moe"][0], params, infos, tp=self.TP)
+
+    def test_refit_equals_fresh_load(self, llm, ckpts):
+        a, b, c, hf_b = ckpts["moe"]
+        assert greedy(llm, PROMPTS, MAX_TOKENS) != hf_b
+        _refit_and_check(llm, b, hf_b)
+
+
+class TestMoeTP2(_MoeRefit):
+    TP = 2
+
+
+class TestMoeTP1(_MoeRefit):
+    TP = 1
+
+
 class TestDenseTP1:
     """Default CPU mode: every dense linear is repacked, so refits take the reload path."""
 
     @pytest.fixture(scope="class")
-    def llm(self, request, ckpts):
-        return _engine(request, ckpts["dense"][0], tp=1)
+    def llm(self, _engine, ckpts):
+        return _engine(ckpts["dense"][0], tp=1)
 
     def test_recording_matches_rules(self, llm, ckpts):
         before = greedy(llm, PROMPTS, MAX_TOKENS)
@@ -153,8 +200,8 @@ class TestDenseTP2Direct:
     """Plain-linear CPU mode: kernel format == model format, refits write in place."""
 
     @pytest.fixture(scope="class")
-    def llm(self, request, ckpts):
-        return _engine(request, ckpts["dense"][0], tp=2, direct=True)
+    def llm(self, _engine, ckpts):
+        return _engine(ckpts["dense"][0], tp=2, direct=True)
 
     def test_recording_matches_rules(self, llm, ckpts):
         infos = llm.collective_rpc("mr_rank_info")
@@ -173,46 +220,12 @@ class TestDenseTP2Direct:
                 assert sums[lp.name] == hashlib.sha256(want.view(torch.uint8).numpy().tobytes()).hexdigest(), lp.name
 
 
-class _MoeRefit:
-    """CPU MoE prepacks w13/w2: reload path plus the re-prepack vLLM 0.32 forgets."""
-
-    TP = 1
-
-    @pytest.fixture(scope="class")
-    def llm(self, request, ckpts):
-        return _engine(request, ckpts["moe"][0], tp=self.TP)
-
-    def test_recording_matches_rules(self, llm, ckpts):
-        before = greedy(llm, PROMPTS, MAX_TOKENS)
-        infos = llm.collective_rpc("mr_rank_info")
-        params = describe(llm)  # records (first call)
-        assert greedy(llm, PROMPTS, MAX_TOKENS) == before  # prepacked MoE weights untouched
-        w13 = [lp for lp in params[0] if lp.name.endswith("w13_weight")]
-        assert w13 and len(w13[0].pieces) == 2 * 8  # gate and up of all 8 experts (EP off)
-        w2 = [lp for lp in params[0] if lp.name.endswith("w2_weight")]
-        assert {p.box.sizes[1] for p in w2[0].pieces} == {32 // self.TP}  # down_proj columns per MoE-TP rank
-        _check_against_rules(ckpts["moe"][0], params, infos, tp=self.TP)
-
-    def test_refit_equals_fresh_load(self, llm, ckpts):
-        a, b, c, hf_b = ckpts["moe"]
-        assert greedy(llm, PROMPTS, MAX_TOKENS) != hf_b
-        _refit_and_check(llm, b, hf_b)
-
-
-class TestMoeTP1(_MoeRefit):
-    TP = 1
-
-
-class TestMoeTP2(_MoeRefit):
-    TP = 2
-
-
 class TestMoeTP2ExpertParallel:
     """Recording only: the CPU fused-MoE kernel segfaults on an EP forward."""
 
     @pytest.fixture(scope="class")
-    def llm(self, request, ckpts):
-        return _engine(request, ckpts["moe"][0], tp=2, enable_ep=True)
+    def llm(self, _engine, ckpts):
+        return _engine(ckpts["moe"][0], tp=2, enable_ep=True)
 
     def test_recording_matches_rules(self, llm, ckpts):
         infos = llm.collective_rpc("mr_rank_info")

@@ -21,8 +21,25 @@ _CACHE: "OrderedDict[tuple, TransferPlan]" = OrderedDict()
 _MAX = 8
 
 
+#: Digests of the last few layouts by identity (a CLI run asks for each side's digest once per
+#: plan it builds: the plain one and the relays' charged one). Holds the layouts so their ids
+#: stay theirs.
+_DIGESTS: "OrderedDict[int, tuple[SideLayout, str]]" = OrderedDict()
+
+
 def layout_digest(side: SideLayout) -> str:
     """Stable hash of every piece of a side (order-independent across ranks' params)."""
+    hit = _DIGESTS.get(id(side))
+    if hit is not None and hit[0] is side:
+        return hit[1]
+    digest = _digest(side)
+    _DIGESTS[id(side)] = (side, digest)
+    while len(_DIGESTS) > 4:
+        _DIGESTS.popitem(last=False)
+    return digest
+
+
+def _digest(side: SideLayout) -> str:
     h = hashlib.sha256(f"{side.world_size}".encode())
     for name, (shape, dtype) in sorted(side.tensors.items()):
         h.update(f"{name}{tuple(shape)}{dtype}".encode())
@@ -64,3 +81,4 @@ def _link_cost(placement: RankPlacement) -> Callable[[int, int], int]:
 
 def clear_plan_cache() -> None:
     _CACHE.clear()
+    _DIGESTS.clear()

@@ -135,12 +135,19 @@ class EngineCache:
         return (model_key(ckpt), dtype, tp, enable_ep, direct)
 
     def get(self, ckpt: Path | str, *, tp: int = 1, dtype: str = "float32", enable_ep: bool = False,
-            direct: bool = False) -> Any:
+            direct: bool = False, fresh: bool = False) -> Any:
+        """The running engine of that key, or a new one loaded from ``ckpt`` by vLLM's own
+        loader. ``fresh=True``: always a new one (a test that needs vLLM's load of ``ckpt`` as
+        its reference), which then stays cached for the next test like any other."""
         from mcore_reshard.adapters.vllm.engine import start_engine
         from mcore_reshard.adapters.vllm.plugin import BACKEND
 
         k = self.key(ckpt, tp=tp, dtype=dtype, enable_ep=enable_ep, direct=direct)
         llm = self._engines.get(k)
+        if llm is not None and fresh:
+            self._log(f"engine {k[1:]} replaced by a fresh one")
+            self.evict(llm)
+            llm = None
         if llm is not None:
             why = engine_healthy(llm)
             if not why:

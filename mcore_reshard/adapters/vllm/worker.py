@@ -192,6 +192,10 @@ class ReshardWorkerExtension:
                     pass  # already not_serving; the original error is more useful
             raise
         self._mr_after_update()
+        if self._mr_engine() is not None and ap.state == "serving":
+            # Whole weights again, as a loader leaves them: the weight-transfer engine's status
+            # (the version a driver's refit checks) is this worker's status again.
+            self._mr_current_applier = None
         return self.mr_status()
 
     def mr_param_checksums(self, names: Sequence[str] | None = None) -> dict[str, str | None]:
