@@ -19,7 +19,9 @@ from typing import Sequence
 
 from .errors import ConfigError
 from .jobs.grpo.dry_run import dry_run
+from .jobs.grpo.loop import run_grpo
 from .jobs.grpo.recipe import load_grpo_recipe
+from .jobs.refit import run_refit_job
 from .layout import LayoutError
 from .protocol import one_line as _one_line
 from .settings.config import load_plan, load_refit_job, plan_recipe
@@ -45,7 +47,6 @@ def _cmd_refit(args, overrides: Sequence[str]) -> int:
         if getattr(args, flag):
             raise ConfigError(f"--{flag} is an option of 'plan', not of 'refit'")
     job = load_refit_job(overrides)  # every check, before any process starts
-    from .jobs.refit import run_refit_job  # the run path: trainer processes and vLLM engines
 
     return run_refit_job(job, as_json=args.json)
 
@@ -68,7 +69,6 @@ def _cmd_grpo(args, overrides: Sequence[str]) -> int:
         return 0
     if recipe.local_problem is not None:  # before anything heavy is imported
         raise ConfigError(recipe.local_problem)
-    from .jobs.grpo.loop import run_grpo  # the run path: Ray
 
     return run_grpo(recipe, address=args.address, as_json=args.json)
 

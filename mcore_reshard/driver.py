@@ -33,12 +33,13 @@ from .errors import RefitFailed
 from .faults import Faults
 from .layout import LocalParam, ModelSpec, Piece, SideLayout
 from .plan import get_plan
+from .plan.topology import Links, plan_for_placement
 from .plan.types import TransferPlan
 from .plan.wire import slice_to_wire
-from .settings.policy import RefitConfig
 from .ports import free_port
 from .protocol import EngineInitInfo, JoinInfo, RankMap, RankReport, RefitRequest, WorkerStatus, first_error_line
 from .ranks import RefitRanks
+from .settings.policy import RefitConfig
 
 if TYPE_CHECKING:
     from .adapters.vllm.engine import EngineInfo
@@ -250,7 +251,6 @@ class RefitDriver:
                 not_direct = (("*", f"unknown: asking the engine failed: {first_error_line(exc)}"),)
         cfg = self.refit_config
         if self.placement is not None:
-            from .plan.topology import Links, plan_for_placement
 
             self.plan = plan_for_placement(self.src, self.dst, self.placement, self.links or Links(),
                                            bucket_bytes=cfg.bucket_bytes, allow_cast=cfg.allow_cast,

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 from .adapters.megatron.rules import MegatronParallel
+from .checkpoint import load_canonical
 from .errors import TrainerError
 from .faults import TrainerFault
 from .layout import LocalParam, ModelSpec
@@ -133,7 +134,6 @@ class MegatronRank(EndpointRank):
         from .adapters.megatron.build import init_megatron
         from .adapters.megatron.endpoint import TrainerEndpoint
         from .adapters.megatron.train import TrainSettings, build_policy
-        from .checkpoint import load_canonical
 
         torch.set_num_threads(setup.threads)
         self.setup = setup

@@ -11,9 +11,7 @@ import json
 import math
 import multiprocessing
 import os
-import sys
 import time
-import types
 from pathlib import Path
 
 import pytest
@@ -37,16 +35,16 @@ RECIPE = REPO / "recipes" / "grpo-qwen3-30b-a3b-megatron-reshard.yaml"
 
 @pytest.fixture
 def no_job(monkeypatch):
-    """``mcore_reshard.jobs.refit`` as a stub: the CLI's refit gets a RefitJob and starts nothing."""
+    """The CLI's ``run_refit_job`` as a stub: the CLI's refit gets a RefitJob and starts nothing."""
+    import mcore_reshard.cli as cli
+
     calls = []
-    stub = types.ModuleType("mcore_reshard.jobs.refit")
 
     def run_refit_job(job, *, as_json=False):
         calls.append((job, as_json))
         return 0
 
-    stub.run_refit_job = run_refit_job
-    monkeypatch.setitem(sys.modules, "mcore_reshard.jobs.refit", stub)
+    monkeypatch.setattr(cli, "run_refit_job", run_refit_job)
     return calls
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import sys
-import types
 from dataclasses import replace
 from pathlib import Path
 
@@ -46,16 +45,17 @@ def _one_line_error(capsys, argv, key: str) -> str:
 
 @pytest.fixture
 def loop_stub(monkeypatch):
-    """``mcore_reshard.jobs.grpo.loop`` as a stub that records its calls (nothing starts)."""
+    """The CLI's GRPO loop (``mcore_reshard.jobs.grpo.loop.run_grpo``) as a stub that records
+    its calls: these tests check what happens before the loop, so nothing starts."""
+    import mcore_reshard.cli as cli
+
     calls = []
-    stub = types.ModuleType("mcore_reshard.jobs.grpo.loop")
 
     def run_grpo(recipe, *, address=None, as_json=False):
         calls.append((recipe, address, as_json))
         return 0
 
-    stub.run_grpo = run_grpo
-    monkeypatch.setitem(sys.modules, "mcore_reshard.jobs.grpo.loop", stub)
+    monkeypatch.setattr(cli, "run_grpo", run_grpo)
     return calls
 
 

@@ -18,11 +18,18 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+from ..adapters.vllm.plugin import BACKEND
+from ..checkpoint import make_tiny_checkpoint
 from ..driver import RefitDriver, RefitMetrics, ReshardTransport, Transport, engine_world
 from ..errors import RefitFailed
 from ..layout import ModelSpec, load_model_spec
+from ..plan import plan_report
+from ..plan.report import format_bytes
+from ..plan.topology import RankPlacement
+from ..ports import free_port
 from ..protocol import VerifyMode
 from ..settings import TINY_MODELS
+from ..trainer import TrainerPool, TrainerSetup
 from ..verify import full_verification, token_mult_prob_error
 
 __all__ = ["LocalCluster", "colocated_placement", "local_cluster", "RefitFailed", "RefitMetrics", "run_refit_job", "token_mult_prob_error"]
@@ -50,8 +57,6 @@ class LocalCluster:
     def restart_trainers(self) -> None:
         """A new trainer pool from the checkpoint (a restarted training job after a rank died)
         and a new driver on the same engines; the next refit joins a new refit group."""
-        from ..ports import free_port
-        from ..trainer import TrainerPool
 
         if self.pool is not None:
             self.pool.close()
@@ -120,7 +125,6 @@ def colocated_placement(num_src: int, num_dst: int) -> Any:
     """The local job's colocated mode: training rank i and vLLM worker i share device i, all on
     one node. On CPU a device is a label: the processes stay separate, their same-device bytes
     move through shared memory."""
-    from ..plan.topology import RankPlacement
 
     return RankPlacement.colocated(num_src, num_dst, gpus_per_node=max(num_src, num_dst, 1))
 
@@ -137,9 +141,6 @@ def local_cluster(spec: ModelSpec, checkpoint: Path, training: Any, vllm: Any, r
     each rank sits (``plan.topology.RankPlacement``; default: ``refit.placement=colocated`` builds
     :func:`colocated_placement`, else no placement, direct plans)."""
     from ..adapters.vllm.engine import start_engine, stop_engine
-    from ..adapters.vllm.plugin import BACKEND
-    from ..ports import free_port
-    from ..trainer import TrainerPool, TrainerSetup
 
     c = LocalCluster(spec, checkpoint, training, vllm, refit)
     extension = engine_extension(list(c.transports.values()))
@@ -183,7 +184,6 @@ def run_refit_job(job: Any, *, as_json: bool = False) -> int:
 
 
 def _checkpoint(job: Any, workdir: Path) -> Path:
-    from ..checkpoint import make_tiny_checkpoint
 
     if job.checkpoint is not None:
         return Path(job.checkpoint)
@@ -191,7 +191,6 @@ def _checkpoint(job: Any, workdir: Path) -> Path:
 
 
 def _run_job(job: Any, workdir: Path, as_json: bool) -> int:
-    from ..plan import plan_report
 
     ckpt = _checkpoint(job, workdir)
     spec = load_model_spec(ckpt, dtype=job.dtype)
@@ -237,7 +236,6 @@ TOKEN_MULT_PROB_BOUND = {"float32": 1.001, "bfloat16": 1.05, "float16": 1.05}
 
 
 def _table(results, stale: float, baseline, reshard) -> str:
-    from ..plan.report import format_bytes
 
     head = f"{'refit':<44} {'transport':<13} {'moved':>11} {'minimum':>11} {'seconds':>8} {'peak buf':>10} {'verified':>8} {'tok_mult_prob_err':>17}"
     lines = ["", head, "-" * len(head)]

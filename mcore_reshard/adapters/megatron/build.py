@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 from ...layout import ModelSpec
+from ...ports import bound_store
 from .rules import MegatronParallel, padded_vocab
 
 __all__ = ["init_megatron", "build_gpt", "megatron_config"]
@@ -39,8 +40,6 @@ def init_megatron(par: MegatronParallel, rank: int, world: int, master_addr: str
     os.environ.setdefault("MASTER_ADDR", master_addr)
     if not dist.is_initialized():
         # A store bound to ``master_addr`` only (``tcp://`` would listen on every interface).
-        from ...ports import bound_store
-
         store = bound_store(master_addr, master_port, world, rank == 0, timeout_s)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
     parallel_state.initialize_model_parallel(

@@ -37,7 +37,7 @@ import torch
 
 from ...errors import RefitIncomplete
 from ...layout.descriptor import LayoutError, LocalParam, View
-from ...transport.views import local_view, zero_padding
+from ...transport.views import TORCH_DTYPES, local_view, zero_padding
 
 __all__ = ["VllmApplier", "RefitIncomplete", "select_modes", "plain_linear_enabled", "mla_absorbers", "DIRECT",
            "RELOAD", "MLA_NOTE", "reprepack_cpu_moe"]
@@ -104,7 +104,6 @@ def _reabsorb(attn: torch.nn.Module) -> None:
 def select_modes(model: torch.nn.Module, params: Sequence[LocalParam]) -> dict[str, str]:
     """``{local_name: "direct" | "reload"}``: direct only where the live tensor is the
     model-format tensor (same shape/dtype, contiguous) and the kernel uses it as such."""
-    from ...transport.views import TORCH_DTYPES
 
     from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS
 

@@ -17,12 +17,12 @@ import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from ...errors import RefitIncomplete
 from ...layout.descriptor import LocalParam
 from ...protocol import ReceivedWeights, WorkerLayout, WorkerStatus
 from .rules import VllmParallel
-from .worker import PLAIN_LINEAR_ENV
+from .worker import PLAIN_LINEAR_ENV, ReshardWorkerExtension
 from .worker import REFIT_EXTENSION as EXTENSION
-from .worker import ReshardWorkerExtension
 
 __all__ = ["EXTENSION", "EngineInfo", "engine_info", "start_engine", "stop_engine", "greedy", "prompt_logprobs",
            "after_refit", "describe", "worker_status", "received_weights", "raw_bandwidth", "check_serving",
@@ -250,7 +250,6 @@ def check_serving(llm: Any) -> None:
     """Raise ``RefitIncomplete`` when the engine is gated (its scheduler paused by a refit
     driver after a refit it could not confirm): vLLM would queue the request and never run
     it, so a helper that waits for the answer says why instead of waiting."""
-    from ...errors import RefitIncomplete
 
     sleeping = llm.is_sleeping() if isinstance(llm, AsyncEngine) else llm.llm_engine.is_sleeping()
     if sleeping:

@@ -18,6 +18,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from ...layout.descriptor import Box, LayoutError, LocalParam, Piece, View, contiguous_strides
+from ...transport.views import TORCH_DTYPES
 
 __all__ = ["record_local_params", "pieces_from_copy", "chain_geometry"]
 
@@ -148,7 +149,6 @@ def record_local_params(
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO, initialize_layerwise_reload
     from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
 
-    from ...transport.views import TORCH_DTYPES
 
     _refuse_rebalanced_experts(model, vllm_config)
     if any(info.can_load() for info in LAYERWISE_INFO.values()):

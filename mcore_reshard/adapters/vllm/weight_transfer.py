@@ -38,12 +38,15 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from ...errors import RefitError
-from ...layout.descriptor import LocalParam
+from ...layout.descriptor import DTYPE_BYTES, LocalParam
+from ...layout.spec import spec_from_hf_config
 from ...protocol import EngineInitInfo, RankReport, RefitRequest, VerifyMode, WorkerStatus, first_error_line
 from ...slice_store import fetch_slice
 from ...transport.endpoint import Outcome, RefitEndpoint
 from ...transport.faults import Fault
+from ...transport.views import TORCH_DTYPES, local_view
 from .apply import VllmApplier
+from .record import record_local_params
 
 __all__ = ["ReshardInitInfo", "ReshardUpdateInfo", "ReshardWeightTransferEngine", "canonical_tensors",
            "engine_rank"]
@@ -82,7 +85,6 @@ class ReshardUpdateInfo(WeightTransferUpdateInfo):
 
 def canonical_tensors(vllm_config: Any) -> dict[str, tuple[tuple[int, ...], str]]:
     """Canonical HF tensors (name -> shape, dtype) of the served model, from its HF config."""
-    from ...layout.spec import spec_from_hf_config
 
     mc = vllm_config.model_config
     return spec_from_hf_config(mc.hf_config, dtype=str(mc.dtype).replace("torch.", "")).tensor_table()
@@ -120,7 +122,6 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
     def params(self) -> list[LocalParam]:
         """This worker's destination pieces, recorded once with vLLM's own loaders."""
         if self._params is None:
-            from .record import record_local_params
 
             self._params = record_local_params(self.model, canonical_tensors(self.vllm_config), self.local_rank,
                                                vllm_config=self.vllm_config, device=self.device)
@@ -182,7 +183,6 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
             self.init_error = first_error_line(exc)
 
     def _check_slice(self, endpoint: RefitEndpoint, rank: int, digest: str) -> None:
-        from ...layout.descriptor import DTYPE_BYTES
 
         held = {p.name: p for p in self.params()}
         mine = {n: p.numel - p.padding for n, p in held.items()}
@@ -328,7 +328,6 @@ class _Tee:
     """Sink that applies every write and keeps a model-format copy of it (``verify=full``)."""
 
     def __init__(self, applier: VllmApplier) -> None:
-        from ...transport.views import TORCH_DTYPES
 
         self.applier = applier
         self.params = applier.params  # the executor reads the wire dtype from here
@@ -338,7 +337,6 @@ class _Tee:
         self.write_hashed(local_name, view, tensor, None)
 
     def write_hashed(self, local_name: str, view: Any, tensor: torch.Tensor, hash_fn: Any) -> Any:
-        from ...transport.views import local_view
 
         out = self.applier.write_hashed(local_name, view, tensor, hash_fn)
         local_view(self.copies[local_name], view).copy_(tensor)
@@ -348,7 +346,6 @@ class _Tee:
         return self.applier.target(local_name, view)
 
     def landed(self, local_name: str, view: Any, hash_fn: Any) -> Any:
-        from ...transport.views import local_view
 
         # Copy before the applier may process (repack) a layer this box completes.
         local_view(self.copies[local_name], view).copy_(self.applier.target(local_name, view))

@@ -23,8 +23,10 @@ from typing import Any, Sequence
 
 import torch
 
+from ...checkpoint import load_canonical
 from ...layout.descriptor import LocalParam
 from ...protocol import ReceivedWeights, WorkerLayout, WorkerStatus
+from ...transport.views import box_slices
 from .apply import RefitIncomplete, VllmApplier, select_modes
 from .record import record_local_params
 
@@ -160,8 +162,6 @@ class ReshardWorkerExtension:
         a refit applies received bytes. ``only`` limits it to some local params;
         ``stop_after`` stops after that many writes and calls ``then`` (``abort`` or
         ``finish``) to exercise the failure paths."""
-        from ...transport.views import box_slices
-        from ...checkpoint import load_canonical
 
         canon = load_canonical(path)
         ap = self.mr_applier(atomic)

@@ -27,6 +27,7 @@ import warnings
 from dataclasses import replace
 from typing import Any, Callable, Sequence
 
+from ...adapters.vllm.plugin import BACKEND
 from ...errors import RefitFailed, TrainerError
 from ...ports import free_port
 from ...protocol import first_error_line
@@ -286,7 +287,6 @@ class EngineActor:
     def __init__(self, model_dir: str, tp: int, dtype: str, apply_mode: str, env: dict[str, str]) -> None:
         os.environ.update(env)
         from ...adapters.vllm.engine import start_engine
-        from ...adapters.vllm.plugin import BACKEND
         from ...adapters.vllm.worker import REFIT_EXTENSION
 
         extra = {"distributed_executor_backend": "mp"} if tp > 1 else {}
