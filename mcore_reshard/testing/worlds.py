@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 
 from ..ports import free_port
 
-__all__ = ["WorldCtx", "run_world"]
+__all__ = ["WorldCtx", "join_or_kill", "run_world"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,7 @@ def run_world(fn: Callable[..., Any], world: int, args: Sequence[Any] = (), *, t
         p.start()
     results: dict[int, Any] = {}
     deadline = time.monotonic() + timeout_s
+    done = False
     try:
         while len(results) < world:
             left = deadline - time.monotonic()
@@ -87,14 +88,22 @@ def run_world(fn: Callable[..., Any], world: int, args: Sequence[Any] = (), *, t
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             results[rank] = pickle.loads(value)
-        for p in procs:
-            p.join(timeout=max(1.0, deadline - time.monotonic()))
+        done = True
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+        # Every rank reported: let them exit (each at least 1 s). A failure: kill the rest now.
+        join_or_kill(procs, deadline if done else time.monotonic(), least_s=1.0 if done else 0.0)
         q.close()
     return [results[r] for r in range(world)]
+
+
+def join_or_kill(procs: Sequence[Any], deadline: float, *, least_s: float = 0.1) -> None:
+    """Join every process until ``deadline`` (monotonic; at least ``least_s`` each), then kill
+    the ones still alive: a test's ranks never outlive it."""
+    for p in procs:
+        p.join(timeout=max(least_s, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
 
 

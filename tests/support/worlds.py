@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from mcore_reshard.testing.worlds import join_or_kill
 from mcore_reshard.transport.views import TORCH_DTYPES, materialize_local
 from mcore_reshard.transport.executor import TensorSink, execute_plan, zero_fill_padding
 from mcore_reshard.transport.group import RefitError
@@ -109,21 +110,16 @@ def spawn_ranks(target, world: int, *args, wait_s: float = 90.0) -> dict[int, di
     for p in procs:
         p.start()
     results: dict[int, dict] = {}
+    deadline = time.monotonic() + wait_s
     try:
-        deadline = time.monotonic() + wait_s
         while len(results) < world and time.monotonic() < deadline:
             try:
                 r, out = q.get(timeout=max(0.1, deadline - time.monotonic()))
             except Exception:  # noqa: BLE001 -- queue.Empty
                 break
             results[r] = out
-        for p in procs:
-            p.join(timeout=max(0.1, deadline - time.monotonic()))
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+        join_or_kill(procs, deadline)
     assert len(results) == world, f"workers {sorted(set(range(world)) - set(results))} never reported"
     for r, out in results.items():
         assert "crash" not in out, f"rank {r} crashed:\n{out['crash']}"
