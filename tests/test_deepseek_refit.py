@@ -38,6 +38,8 @@ def setup(tmp_path_factory, engine_cache):
     b = make_tiny_checkpoint(root / "b", family="deepseek_v3", seed=4)
     llm = engine_cache.get(b, tp=1, fresh=True)
     want = prompt_logprobs(llm, TOKENS)  # vLLM's own loader on B
+    # A diagnostics load that leaves the weights whole must not hide the weight-transfer
+    # engine's status: every refit below is checked against the version it commits.
     statuses = llm.collective_rpc("mr_load_canonical", args=(str(a),))
     assert all(s["state"] == "serving" for s in statuses), statuses
     after_refit(llm)

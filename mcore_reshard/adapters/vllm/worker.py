@@ -125,9 +125,12 @@ class ReshardWorkerExtension:
         """Serving state of this worker's model, the version it holds, and the agreed outcome
         of the last refit: ``WorkerStatus`` on the wire (``ReshardWeightTransferEngine.status``)."""
         eng = self._mr_engine()
-        if eng is not None and getattr(self, "_mr_current_applier", None) is None:
-            return eng.status().to_wire()
         ap = getattr(self, "_mr_current_applier", None)
+        if eng is not None and (ap is None or ap.state == "serving"):
+            # A diagnostics load (``mr_load_canonical``) that left the weights whole is what a
+            # loader does: the weight-transfer engine's status (the version a driver's refit
+            # checks) stays this worker's. One that left them torn is reported below.
+            return eng.status().to_wire()
         return (WorkerStatus() if ap is None else WorkerStatus(ap.state, ap.reason)).to_wire()
 
     def mr_received(self) -> dict[str, Any]:
@@ -162,7 +165,6 @@ class ReshardWorkerExtension:
         a refit applies received bytes. ``only`` limits it to some local params;
         ``stop_after`` stops after that many writes and calls ``then`` (``abort`` or
         ``finish``) to exercise the failure paths."""
-
         canon = load_canonical(path)
         ap = self.mr_applier(atomic)
         ap.begin()
@@ -192,10 +194,6 @@ class ReshardWorkerExtension:
                     pass  # already not_serving; the original error is more useful
             raise
         self._mr_after_update()
-        if self._mr_engine() is not None and ap.state == "serving":
-            # Whole weights again, as a loader leaves them: the weight-transfer engine's status
-            # (the version a driver's refit checks) is this worker's status again.
-            self._mr_current_applier = None
         return self.mr_status()
 
     def mr_param_checksums(self, names: Sequence[str] | None = None) -> dict[str, str | None]:
