@@ -6,7 +6,8 @@ What the live tests start is shared through session caches (``support/live.py``,
 - ``ckpt_cache``: tiny HF checkpoints by (family, dtype, seed, overrides);
 - ``shared_engine(ckpt, tp=, dtype=, enable_ep=, direct=)``: vLLM refit engines by (model
   architecture, dtype, TP, EP, apply mode), at most ``MR_TEST_MAX_ENGINES`` (default 2)
-  running; one a test left paused, not serving or dead is stopped, never reused;
+  running; one a test left paused, not serving or dead is stopped, never reused
+  (``class_engine``: the same, checked after a test class);
 - ``support.live.cluster``: ``local_cluster`` over trainer pools cached by their setup
   (checkpoint, dtype, megatron layout, training settings), given back after each use unless
   a rank died; ``restart_trainers`` still starts a fresh pool from the checkpoint;
@@ -176,21 +177,33 @@ def engine_cache():
     cache.close()
 
 
-@pytest.fixture
-def shared_engine(engine_cache):
-    """``shared_engine(ckpt, tp=1, dtype="float32", enable_ep=False, direct=False)``: a running
-    refit engine (worker extension + ``mcore_reshard`` backend) of that architecture, shared
-    with other tests; stopped after this test if the test left it unusable."""
+def _checked_engines(cache: _live.EngineCache):
+    """A getter of shared engines, and once its user is done: stop each one it left unusable."""
     used: list = []
 
     def get(ckpt, **kw):
-        llm = engine_cache.get(ckpt, **kw)
+        llm = cache.get(ckpt, **kw)
         used.append(llm)
         return llm
 
     yield get
     for llm in used:
-        engine_cache.check(llm)
+        cache.check(llm)
+
+
+@pytest.fixture
+def shared_engine(engine_cache):
+    """``shared_engine(ckpt, tp=1, dtype="float32", enable_ep=False, direct=False)``: a running
+    refit engine (worker extension + ``mcore_reshard`` backend) of that architecture, shared
+    with other tests; stopped after this test if the test left it unusable."""
+    yield from _checked_engines(engine_cache)
+
+
+@pytest.fixture(scope="class")
+def class_engine(engine_cache):
+    """``shared_engine`` for a test class whose tests build on each other's refits: checked
+    once, after the class."""
+    yield from _checked_engines(engine_cache)
 
 
 @pytest.fixture(scope="session", autouse=True)

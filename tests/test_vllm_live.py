@@ -1,8 +1,9 @@
 """Live vLLM (CPU) checks of the recorded destination pieces and the apply path.
 
-Engines come from the session's cache (``shared_engine``: one per architecture, dtype, TP, EP
-and apply mode; each start costs 15-25 s): the tiny MoE TP2 and TP1 ones are still warm from
-the refit modules that run just before (``LIVE_ORDER``), so their classes come first. Every
+Each class takes its engine from the session's cache (``class_engine``: one engine per
+architecture, dtype, TP, EP and apply mode; each start costs 15-25 s): the tiny MoE TP2 and TP1
+ones are still warm from the refit modules that run just before (``LIVE_ORDER``), so their
+classes come first. Every
 check here holds for whatever weights a shared engine holds when it arrives: recordings are
 compared with the rules, and refits load this module's own checkpoints first.
 """
@@ -86,21 +87,6 @@ def ckpts(tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="class")
-def _engine(engine_cache):
-    """``_engine(ckpt, **kw)``: the shared engine of ``ckpt``'s architecture, stopped after the
-    class if the class left it unusable (``engine_cache.check``)."""
-    used: list = []
-
-    def get(path, **kw):
-        used.append(engine_cache.get(path, **kw))
-        return used[-1]
-
-    yield get
-    for llm in used:
-        engine_cache.check(llm)
-
-
 def _refit_and_check(llm, path, hf_expected):
     statuses = llm.collective_rpc("mr_load_canonical", args=(str(path),))
     assert all(s["state"] == "serving" for s in statuses), statuses
@@ -114,8 +100,8 @@ class _MoeRefit:
     TP = 1
 
     @pytest.fixture(scope="class")
-    def llm(self, _engine, ckpts):
-        return _engine(ckpts["moe"][0], tp=self.TP)
+    def llm(self, class_engine, ckpts):
+        return class_engine(ckpts["moe"][0], tp=self.TP)
 
     def test_recording_matches_rules(self, llm, ckpts):
         before = greedy(llm, PROMPTS, MAX_TOKENS)
@@ -146,8 +132,8 @@ class TestDenseTP1:
     """Default CPU mode: every dense linear is repacked, so refits take the reload path."""
 
     @pytest.fixture(scope="class")
-    def llm(self, _engine, ckpts):
-        return _engine(ckpts["dense"][0], tp=1)
+    def llm(self, class_engine, ckpts):
+        return class_engine(ckpts["dense"][0], tp=1)
 
     def test_recording_matches_rules(self, llm, ckpts):
         before = greedy(llm, PROMPTS, MAX_TOKENS)
@@ -200,8 +186,8 @@ class TestDenseTP2Direct:
     """Plain-linear CPU mode: kernel format == model format, refits write in place."""
 
     @pytest.fixture(scope="class")
-    def llm(self, _engine, ckpts):
-        return _engine(ckpts["dense"][0], tp=2, direct=True)
+    def llm(self, class_engine, ckpts):
+        return class_engine(ckpts["dense"][0], tp=2, direct=True)
 
     def test_recording_matches_rules(self, llm, ckpts):
         infos = llm.collective_rpc("mr_rank_info")
@@ -224,8 +210,8 @@ class TestMoeTP2ExpertParallel:
     """Recording only: the CPU fused-MoE kernel segfaults on an EP forward."""
 
     @pytest.fixture(scope="class")
-    def llm(self, _engine, ckpts):
-        return _engine(ckpts["moe"][0], tp=2, enable_ep=True)
+    def llm(self, class_engine, ckpts):
+        return class_engine(ckpts["moe"][0], tp=2, enable_ep=True)
 
     def test_recording_matches_rules(self, llm, ckpts):
         infos = llm.collective_rpc("mr_rank_info")
