@@ -47,7 +47,6 @@ def _cmd_refit(args, overrides: Sequence[str]) -> int:
         if getattr(args, flag):
             raise ConfigError(f"--{flag} is an option of 'plan', not of 'refit'")
     job = load_refit_job(overrides)  # every check, before any process starts
-
     return run_refit_job(job, as_json=args.json)
 
 
@@ -69,7 +68,6 @@ def _cmd_grpo(args, overrides: Sequence[str]) -> int:
         return 0
     if recipe.local_problem is not None:  # before anything heavy is imported
         raise ConfigError(recipe.local_problem)
-
     return run_grpo(recipe, address=args.address, as_json=args.json)
 
 

@@ -251,7 +251,6 @@ class RefitDriver:
                 not_direct = (("*", f"unknown: asking the engine failed: {first_error_line(exc)}"),)
         cfg = self.refit_config
         if self.placement is not None:
-
             self.plan = plan_for_placement(self.src, self.dst, self.placement, self.links or Links(),
                                            bucket_bytes=cfg.bucket_bytes, allow_cast=cfg.allow_cast,
                                            not_direct=not_direct)

@@ -57,7 +57,6 @@ class LocalCluster:
     def restart_trainers(self) -> None:
         """A new trainer pool from the checkpoint (a restarted training job after a rank died)
         and a new driver on the same engines; the next refit joins a new refit group."""
-
         if self.pool is not None:
             self.pool.close()
         if self.driver is not None:
@@ -125,7 +124,6 @@ def colocated_placement(num_src: int, num_dst: int) -> Any:
     """The local job's colocated mode: training rank i and vLLM worker i share device i, all on
     one node. On CPU a device is a label: the processes stay separate, their same-device bytes
     move through shared memory."""
-
     return RankPlacement.colocated(num_src, num_dst, gpus_per_node=max(num_src, num_dst, 1))
 
 
@@ -184,14 +182,12 @@ def run_refit_job(job: Any, *, as_json: bool = False) -> int:
 
 
 def _checkpoint(job: Any, workdir: Path) -> Path:
-
     if job.checkpoint is not None:
         return Path(job.checkpoint)
     return make_tiny_checkpoint(workdir / job.model, family=TINY_MODELS[job.model], dtype=job.dtype, seed=job.seed)
 
 
 def _run_job(job: Any, workdir: Path, as_json: bool) -> int:
-
     ckpt = _checkpoint(job, workdir)
     spec = load_model_spec(ckpt, dtype=job.dtype)
     tokens = list(job.tokens)
@@ -236,7 +232,6 @@ TOKEN_MULT_PROB_BOUND = {"float32": 1.001, "bfloat16": 1.05, "float16": 1.05}
 
 
 def _table(results, stale: float, baseline, reshard) -> str:
-
     head = f"{'refit':<44} {'transport':<13} {'moved':>11} {'minimum':>11} {'seconds':>8} {'peak buf':>10} {'verified':>8} {'tok_mult_prob_err':>17}"
     lines = ["", head, "-" * len(head)]
     for label, m in results:

@@ -69,7 +69,6 @@ def run_world(fn: Callable[..., Any], world: int, args: Sequence[Any] = (), *, t
         p.start()
     results: dict[int, Any] = {}
     deadline = time.monotonic() + timeout_s
-    done = False
     try:
         while len(results) < world:
             left = deadline - time.monotonic()
@@ -88,10 +87,9 @@ def run_world(fn: Callable[..., Any], world: int, args: Sequence[Any] = (), *, t
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             results[rank] = pickle.loads(value)
-        done = True
+        join_or_kill(procs, deadline, least_s=1.0)  # every rank reported: let each exit
     finally:
-        # Every rank reported: let them exit (each at least 1 s). A failure: kill the rest now.
-        join_or_kill(procs, deadline if done else time.monotonic(), least_s=1.0 if done else 0.0)
+        join_or_kill(procs, 0.0, least_s=0.0)  # a failure: kill the rest now
         q.close()
     return [results[r] for r in range(world)]
 

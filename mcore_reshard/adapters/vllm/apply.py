@@ -104,7 +104,6 @@ def _reabsorb(attn: torch.nn.Module) -> None:
 def select_modes(model: torch.nn.Module, params: Sequence[LocalParam]) -> dict[str, str]:
     """``{local_name: "direct" | "reload"}``: direct only where the live tensor is the
     model-format tensor (same shape/dtype, contiguous) and the kernel uses it as such."""
-
     from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS
 
     absorbed = mla_absorbers(model)

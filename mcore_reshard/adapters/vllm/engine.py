@@ -250,7 +250,6 @@ def check_serving(llm: Any) -> None:
     """Raise ``RefitIncomplete`` when the engine is gated (its scheduler paused by a refit
     driver after a refit it could not confirm): vLLM would queue the request and never run
     it, so a helper that waits for the answer says why instead of waiting."""
-
     sleeping = llm.is_sleeping() if isinstance(llm, AsyncEngine) else llm.llm_engine.is_sleeping()
     if sleeping:
         raise RefitIncomplete("this engine is not serving: it is gated (its scheduler paused) until a refit "

@@ -149,7 +149,6 @@ def record_local_params(
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO, initialize_layerwise_reload
     from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
 
-
     _refuse_rebalanced_experts(model, vllm_config)
     if any(info.can_load() for info in LAYERWISE_INFO.values()):
         raise RuntimeError("a layerwise reload is in progress; record before or after it, not during")

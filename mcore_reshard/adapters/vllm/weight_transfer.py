@@ -85,7 +85,6 @@ class ReshardUpdateInfo(WeightTransferUpdateInfo):
 
 def canonical_tensors(vllm_config: Any) -> dict[str, tuple[tuple[int, ...], str]]:
     """Canonical HF tensors (name -> shape, dtype) of the served model, from its HF config."""
-
     mc = vllm_config.model_config
     return spec_from_hf_config(mc.hf_config, dtype=str(mc.dtype).replace("torch.", "")).tensor_table()
 
@@ -122,7 +121,6 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
     def params(self) -> list[LocalParam]:
         """This worker's destination pieces, recorded once with vLLM's own loaders."""
         if self._params is None:
-
             self._params = record_local_params(self.model, canonical_tensors(self.vllm_config), self.local_rank,
                                                vllm_config=self.vllm_config, device=self.device)
         return self._params
@@ -183,7 +181,6 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
             self.init_error = first_error_line(exc)
 
     def _check_slice(self, endpoint: RefitEndpoint, rank: int, digest: str) -> None:
-
         held = {p.name: p for p in self.params()}
         mine = {n: p.numel - p.padding for n, p in held.items()}
         # Tensors carried as their bits (``RankPlan.reinterpret``) are counted in wire elements.
@@ -328,7 +325,6 @@ class _Tee:
     """Sink that applies every write and keeps a model-format copy of it (``verify=full``)."""
 
     def __init__(self, applier: VllmApplier) -> None:
-
         self.applier = applier
         self.params = applier.params  # the executor reads the wire dtype from here
         self.copies = {p.name: torch.zeros(p.shape, dtype=TORCH_DTYPES[p.dtype]) for p in applier.params.values()}
@@ -337,7 +333,6 @@ class _Tee:
         self.write_hashed(local_name, view, tensor, None)
 
     def write_hashed(self, local_name: str, view: Any, tensor: torch.Tensor, hash_fn: Any) -> Any:
-
         out = self.applier.write_hashed(local_name, view, tensor, hash_fn)
         local_view(self.copies[local_name], view).copy_(tensor)
         return out
@@ -346,7 +341,6 @@ class _Tee:
         return self.applier.target(local_name, view)
 
     def landed(self, local_name: str, view: Any, hash_fn: Any) -> Any:
-
         # Copy before the applier may process (repack) a layer this box completes.
         local_view(self.copies[local_name], view).copy_(self.applier.target(local_name, view))
         return self.applier.landed(local_name, view, hash_fn)
