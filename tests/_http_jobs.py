@@ -4,7 +4,8 @@ in the refit group's store (the init info names them by digest only) and hand th
 (the test process) its JSON messages through a queue: a refit, a second one after training
 (which the controller makes fail), a retry in a new refit group, then two faults of their own:
 a flipped bit on the wire, the same in a streaming refit, and a killed trainer (rank 1 exits
-before its vote)."""
+before its vote). ``http_two_refits_job``: a trained refit, then the server's own checkpoint
+refit back (the server's first answers, vLLM's own load of it, are the reference)."""
 
 from __future__ import annotations
 
@@ -120,6 +121,47 @@ def http_refit_job(ctx: WorldCtx, ckpt: str, dtype: str, par: MegatronParallel, 
             "second_s": second_s, "flip_error": flip_error, "torn_error": torn_error,
             "kill_error": kill_error,
             "init_info_bytes_inline": len(json.dumps(dst_slices))}
+
+
+def http_two_refits_job(ctx: WorldCtx, ckpt: str, dtype: str, par: MegatronParallel, vllm: VllmParallel,
+                        tokens: list[int], to_controller: Any) -> dict:
+    """Two refits in one group: the weights after a training step, then ``ckpt`` itself again
+    (what the server loaded at start), each handed to the controller as JSON."""
+    import torch.distributed as dist
+
+    spec = load_model_spec(ckpt, dtype=dtype)
+    init_megatron(par, ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)
+    policy = build_policy(spec, par, TrainSettings(dtype=dtype, lr=0.05))
+    policy.load_canonical(load_canonical(ckpt))
+    policy.train_step([tokens])
+
+    ep = TrainerEndpoint(policy.chunks, spec, sync_params=policy.sync_params)
+    every: list = [None] * ctx.world_size
+    dist.all_gather_object(every, ep.describe())
+    src = SideLayout("megatron", ctx.world_size, tuple(p for r in every for p in r), spec.tensor_table())
+    dst = vllm_layout(spec, vllm)
+    plan = build_plan(src, dst, bucket_bytes=1 << 16)
+    digest = plan.digest()
+    rank_map = RankMap.disaggregated(src.world_size, dst.world_size)
+    dst_slices = {str(r): slice_to_wire(plan.for_rank("dst", r)) for r in range(dst.world_size)}
+    first = RefitRequest(digest, timeout_s=120.0, version="refit-1")
+    _rejoin(ep, ctx, rank_map, dst_slices, digest, first, "http-two-1", to_controller)
+    ep.set_plan(slice_to_wire(plan.for_rank("src", ctx.rank)), digest)
+    ep.refit(first)
+    reports = [ep.last_reports]
+    logprobs_1 = policy.logprobs([tokens])[0]
+
+    policy.load_canonical(load_canonical(ckpt))  # the server's own checkpoint, refit back
+    second = RefitRequest(digest, timeout_s=120.0, version="refit-2")
+    if ctx.rank == 0:
+        to_controller.put({"update_info": {"request": second.to_wire()}})
+    ep.refit(second)
+    reports.append(ep.last_reports)
+    ep.leave()
+    received = [sum(r.bytes_received for r in rs if r is not None and r.side == "dst") for rs in reports]
+    verified = [sorted((r.side, r.rank) for r in rs if r is not None and r.verified) for rs in reports]
+    return {"logprobs_1": logprobs_1, "bytes_min": plan.bytes_min, "received": received, "verified": verified,
+            "ranks": sorted([("src", r) for r in range(src.world_size)] + [("dst", r) for r in range(dst.world_size)])}
 
 
 def _rejoin(ep: TrainerEndpoint, ctx: WorldCtx, rank_map: RankMap, dst_slices: dict, digest: str,

@@ -5,12 +5,15 @@ retry (a new refit group) commits; then the trainers' own faults, a flipped bit 
 a streaming refit with a flipped bit, and a killed trainer, are refused the same way, and after
 each the server's clients are checked: ``/v1/completions`` waits (the server stays paused);
 resumed by hand after an atomic refit failed it serves the last committed weights whole, and
-resumed by hand on the weights a failed streaming refit tore, its workers refuse the step. One server start, TP2 (``MCORE_RESHARD_HTTP_TEST_TP=1`` for
-TP1): with more than one worker, closing a failed session matters (vLLM leaves it open on all
-but the worker that raised, and the retry's ``/start_weight_update`` would be refused)."""
+resumed by hand on the weights a failed streaming refit tore, its workers refuse the step. That
+server is TP2 (``MCORE_RESHARD_HTTP_TEST_TP=1`` runs it at TP1): with more than one worker,
+closing a failed session matters (vLLM leaves it open on all but the worker that raised, and
+the retry's ``/start_weight_update`` would be refused). A second server, TP1, takes two refits
+in one group and ends bit for bit on its own fresh load."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -33,7 +36,7 @@ from mcore_reshard.ports import free_port
 from mcore_reshard.jobs.serve import server_env
 from mcore_reshard.verify import token_mult_prob_error
 
-from _http_jobs import http_refit_job
+from _http_jobs import http_refit_job, http_two_refits_job
 
 pytestmark = pytest.mark.slow
 
@@ -42,30 +45,37 @@ SERVER_TP = int(os.environ.get("MCORE_RESHARD_HTTP_TEST_TP", "2"))
 TIMEOUTS = Timeouts(call_s=60.0, pause_s=120.0, init_s=300.0, update_s=300.0)
 
 
-@pytest.fixture
-def server(tmp_path: Path):
-    """(base URL, model name): a real server process with the backend, always killed."""
-    ckpt = make_tiny_checkpoint(tmp_path / "tiny-moe", moe=True, seed=5)
+@contextlib.contextmanager
+def _serving(root: Path, tp: int, seed: int):
+    """(base URL, model name, log path): a real server process of TP ``tp`` with the backend,
+    on a tiny MoE checkpoint of ``seed``; always killed."""
+    ckpt = make_tiny_checkpoint(root / f"tiny-moe-{seed}", moe=True, seed=seed)
     port = free_port()
-    log = open(tmp_path / "server.log", "wb")
+    log_path = root / f"server-tp{tp}.log"
+    log = open(log_path, "wb")
     cmd = [sys.executable, "-m", "mcore_reshard.jobs.serve", str(ckpt), "--host", "127.0.0.1", "--port", str(port),
            "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
-           "--max-num-seqs", "4", "--seed", "0", "--tensor-parallel-size", str(SERVER_TP)]
+           "--max-num-seqs", "4", "--seed", "0", "--tensor-parallel-size", str(tp)]
     env = server_env()
-    if SERVER_TP > 1:  # one core per worker, shared round-robin when there are fewer cores
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(r % (os.cpu_count() or 1)) for r in range(SERVER_TP)))
+    if tp > 1:  # one core per worker, shared round-robin when there are fewer cores
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(r % (os.cpu_count() or 1)) for r in range(tp)))
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         try:
             wait_healthy(url, 600.0, alive=lambda: proc.poll() is None)
         except RefitFailed:
-            tail = (tmp_path / "server.log").read_text(errors="replace")[-4000:]
-            pytest.fail(f"server did not come up:\n{tail}")
-        yield url, str(ckpt), tmp_path / "server.log"
+            pytest.fail(f"server did not come up:\n{log_path.read_text(errors='replace')[-4000:]}")
+        yield url, str(ckpt), log_path
     finally:
         _stop(proc)
         log.close()
+
+
+@pytest.fixture
+def server(tmp_path: Path):
+    with _serving(tmp_path, SERVER_TP, seed=5) as s:
+        yield s
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -225,3 +235,45 @@ def test_http_server_refit_then_refused_refit_keeps_it_paused(server):
     assert re.search(r"model step refused: refit .*(already torn|partly replaced|already committed)", log), log[-3000:]
     print(f"init info: {len(json.dumps(init_info))} B by digest vs {ranks[0]['init_info_bytes_inline']} B of slices inline;"
           f" server log {log_path}; trainers' refused refit: {ranks[0]['second_s']:.1f}s: {ranks[0]['second_error']}")
+
+
+def test_http_server_tp1_two_refits_equal_the_trainers_then_its_own_fresh_load(tmp_path):
+    """A TP1 server, refit twice over HTTP only in one refit group: the trainers' weights after
+    a training step (every rank verified, bytes at the minimum, served logprobs within the fp32
+    bound of megatron's), then the server's own checkpoint refit back: its logprobs then equal
+    exactly those it served at start (vLLM's own load of that checkpoint, a fresh engine)."""
+    import torch.multiprocessing as mp
+
+    with _serving(tmp_path, 1, seed=6) as (url, model, _log):
+        api = ServerClient(url, TIMEOUTS)
+        fresh = prompt_logprobs(url, model, TOKENS)
+        q = mp.get_context("spawn").Queue()
+        out: dict = {}
+
+        def trainers() -> None:
+            try:
+                out["ranks"] = run_world(http_two_refits_job, 2, (model, "float32", MegatronParallel(tp=2, ep=2, etp=1),
+                                                                  VllmParallel(tp=1), TOKENS, q), timeout_s=900)
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
+                out["error"] = exc
+
+        t = threading.Thread(target=trainers)
+        t.start()
+        try:
+            msg = q.get(timeout=600)
+            refit_servers([url], msg["update_info"], "refit-1", init_info=msg["init_info"], timeouts=TIMEOUTS)
+            assert api.weight_version() == "refit-1" and not api.is_paused()
+            trained = prompt_logprobs(url, model, TOKENS)
+            msg = q.get(timeout=600)
+            refit_servers([url], msg["update_info"], "refit-2", timeouts=TIMEOUTS)  # same group: no init info
+            assert api.weight_version() == "refit-2" and not api.is_paused()
+            back = prompt_logprobs(url, model, TOKENS)
+        finally:
+            t.join(timeout=900)
+    assert "error" not in out, out.get("error")
+    rank0 = out["ranks"][0]
+    assert rank0["received"] == [rank0["bytes_min"]] * 2  # the engine's one worker received the minimum
+    assert rank0["verified"] == [rank0["ranks"]] * 2  # every rank of both sides, both refits
+    assert token_mult_prob_error(trained, rank0["logprobs_1"]) < 1.001
+    assert token_mult_prob_error(trained, fresh) > 1.01  # the training step reached the server
+    assert back == fresh, max(abs(a - b) for a, b in zip(back, fresh))  # fp32, TP1: bit for bit
