@@ -13,6 +13,7 @@ from typing import Callable
 from ..layout.descriptor import SideLayout
 from .placement import LINK_CLASSES, RankPlacement
 from .planner import build_plan
+from .report import clear_report_caches
 from .types import TransferPlan
 
 __all__ = ["layout_digest", "get_plan", "clear_plan_cache"]
@@ -80,5 +81,7 @@ def _link_cost(placement: RankPlacement) -> Callable[[int, int], int]:
 
 
 def clear_plan_cache() -> None:
+    """Forget every cached plan, digest and report (full-size plans hold hundreds of MB)."""
     _CACHE.clear()
     _DIGESTS.clear()
+    clear_report_caches()

@@ -8,6 +8,7 @@ more of (:func:`over_floor`). Pure metadata, like the planner.
 
 from __future__ import annotations
 
+import math
 from typing import Iterable, Sequence
 
 from ..layout import Box, SideLayout
@@ -19,35 +20,29 @@ __all__ = ["inter_node_minimum", "node_floors", "hf_ipc_bytes", "over_floor", "w
 
 
 def _covered(boxes: Sequence[Box], minus: Sequence[Box] = ()) -> int:
-    """Elements covered by the union of ``boxes`` and not by the union of ``minus``
-    (coordinate compression: the cells between every box edge, per dimension)."""
+    """Elements covered by the union of ``boxes`` and not by the union of ``minus``: a sweep,
+    one dimension at a time, over the slabs between box edges, each slab keeping only the
+    boxes that reach into it (a slab one box covers, with nothing to subtract, counts at once)."""
+    return _sweep({(b.offsets, b.sizes) for b in boxes}, {(m.offsets, m.sizes) for m in minus})
+
+
+_Span = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) in the dimensions left
+
+
+def _sweep(boxes: set[_Span], minus: set[_Span]) -> int:
     if not boxes:
         return 0
-    uniq = list(dict.fromkeys(boxes))
-    if len(uniq) == 1 and not minus:
-        return uniq[0].numel
-    everything = uniq + list(minus)
-    ndim = len(uniq[0].sizes)
-    cuts = [sorted({b.offsets[d] for b in everything} | {b.offsets[d] + b.sizes[d] for b in everything})
-            for d in range(ndim)]
+    if not minus and len(boxes) == 1:
+        return math.prod(next(iter(boxes))[1])
+    if not next(iter(boxes))[0]:  # no dimension left: one cell, inside some box
+        return 0 if minus else 1
+    cuts = sorted({o[0] + e for o, n in (*boxes, *minus) for e in (0, n[0])})
     total = 0
-
-    def inside(b: Box, cell: tuple[int, ...]) -> bool:
-        return all(b.offsets[d] <= cell[d] < b.offsets[d] + b.sizes[d] for d in range(ndim))
-
-    def walk(d: int, cell: list[int], vol: int) -> None:
-        nonlocal total
-        if d == ndim:
-            c = tuple(cell)
-            if any(inside(b, c) for b in uniq) and not any(inside(b, c) for b in minus):
-                total += vol
-            return
-        for lo, hi in zip(cuts[d], cuts[d][1:]):
-            cell.append(lo)
-            walk(d + 1, cell, vol * (hi - lo))
-            cell.pop()
-
-    walk(0, [], 1)
+    for lo, hi in zip(cuts, cuts[1:]):
+        inside = {(o[1:], n[1:]) for o, n in boxes if o[0] <= lo < o[0] + n[0]}
+        if inside:
+            cut = {(o[1:], n[1:]) for o, n in minus if o[0] <= lo < o[0] + n[0]}
+            total += (hi - lo) * _sweep(inside, cut)
     return total
 
 
@@ -78,6 +73,10 @@ def inter_node_minimum(src: SideLayout, dst: SideLayout, placement: RankPlacemen
         _MIN_CACHE.pop(next(iter(_MIN_CACHE)))
     _MIN_CACHE[key] = (src, dst, total)
     return total
+
+
+def clear_floor_cache() -> None:
+    _MIN_CACHE.clear()
 
 
 def node_floors(src: SideLayout, dst: SideLayout, placement: RankPlacement,

@@ -10,6 +10,7 @@ Wrong values here raise ``ValueError``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 __all__ = ["Location", "Links", "RankPlacement", "LINK_CLASSES", "link_class", "same_device_pairs",
            "check_gpus_per_node"]
@@ -69,12 +70,21 @@ class RankPlacement:
         return cls(tuple(map(loc, range(num_src))), tuple(map(loc, range(num_dst))), gpus_per_node)
 
     def link(self, src: int, dst: int) -> str:
-        """Link class from training rank ``src`` to inference rank ``dst``."""
-        return link_class(self.src[src], self.dst[dst])
+        """Link class from training rank ``src`` to inference rank ``dst`` (asked once per
+        candidate sender and per transfer: plain tuples, not ``Location.__eq__``)."""
+        return _link(self._src_at[src], self._dst_at[dst])
 
     def dst_link(self, a: int, b: int) -> str:
         """Link class between two inference ranks (a relay forwarding inside a group)."""
-        return link_class(self.dst[a], self.dst[b])
+        return _link(self._dst_at[a], self._dst_at[b])
+
+    @cached_property
+    def _src_at(self) -> tuple[tuple[int, int], ...]:
+        return tuple((loc.node, loc.device) for loc in self.src)
+
+    @cached_property
+    def _dst_at(self) -> tuple[tuple[int, int], ...]:
+        return tuple((loc.node, loc.device) for loc in self.dst)
 
     @property
     def dst_nodes(self) -> list[int]:
@@ -82,9 +92,13 @@ class RankPlacement:
 
 
 def link_class(a: Location, b: Location) -> str:
+    return _link((a.node, a.device), (b.node, b.device))
+
+
+def _link(a: tuple[int, int], b: tuple[int, int]) -> str:
     if a == b:
         return "same_device"
-    return "intra_node" if a.node == b.node else "inter_node"
+    return "intra_node" if a[0] == b[0] else "inter_node"
 
 
 def check_gpus_per_node(gpus_per_node: int) -> None:

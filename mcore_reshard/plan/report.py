@@ -5,10 +5,11 @@ own (:func:`plan_report`) and its bytes on the links of a placement (:func:`plac
 from __future__ import annotations
 
 import re
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 
 from ..layout import SideLayout
-from .floor import hf_ipc_bytes, inter_node_minimum
+from .floor import clear_floor_cache, hf_ipc_bytes, inter_node_minimum
 from .placement import LINK_CLASSES, Links, RankPlacement
 from .types import TransferPlan
 
@@ -174,6 +175,12 @@ class PlacementReport:
         }
 
 
+#: placement_report by what it reads, the plan's transfers by identity: the relay choice
+#: reports each candidate, then the CLI reports the chosen one again (the same transfers, other
+#: notes). Holds what it keys by id, so the ids stay theirs.
+_REPORTS: "OrderedDict[tuple, tuple[tuple, PlacementReport]]" = OrderedDict()
+
+
 def placement_report(plan: TransferPlan, src: SideLayout, dst: SideLayout, placement: RankPlacement,
                      links: Links = Links()) -> PlacementReport:
     """Bytes per link class, the busiest rank per class, and the modelled time: the slowest
@@ -182,6 +189,25 @@ def placement_report(plan: TransferPlan, src: SideLayout, dst: SideLayout, place
     if len(placement.src) != plan.num_src or len(placement.dst) != plan.num_dst:
         raise ValueError(f"placement has {len(placement.src)} + {len(placement.dst)} ranks, the plan "
                          f"{plan.num_src} + {plan.num_dst}")
+    held = (plan.transfers, plan.relay_of, plan.relay_groups, src, dst)
+    key = (*map(id, held), plan.itemsize, placement, links)
+    hit = _REPORTS.get(key)
+    if hit is not None and all(a is b for a, b in zip(hit[0], held)):
+        return hit[1]
+    report = _placement_report(plan, src, dst, placement, links)
+    _REPORTS[key] = (held, report)
+    while len(_REPORTS) > 4:
+        _REPORTS.popitem(last=False)
+    return report
+
+
+def clear_report_caches() -> None:
+    _REPORTS.clear()
+    clear_floor_cache()
+
+
+def _placement_report(plan: TransferPlan, src: SideLayout, dst: SideLayout, placement: RankPlacement,
+                      links: Links) -> PlacementReport:
     totals = dict.fromkeys(LINK_CLASSES, 0)
     sent = {c: [0] * plan.num_src for c in LINK_CLASSES}
     recv = {c: [0] * plan.num_dst for c in LINK_CLASSES}
