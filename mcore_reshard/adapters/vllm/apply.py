@@ -4,12 +4,16 @@ Two modes per local parameter, chosen by :func:`select_modes` and exposed as dat
 
 * ``"direct"``: kernel format == model format (CUDA unquantized dense, Triton MoE, norms;
   on CPU only with the plain-linear mode); pieces are copied straight into the live tensor.
-* ``"reload"``: vLLM's layerwise-reload lifecycle, driven piecewise. At a layer's first
-  write it is put back into model format (``restore_layer_on_meta`` + ``materialize_layer``),
-  pieces are scattered into those tensors, and once every element arrived the layer runs
-  ``process_weights_after_loading`` and its results are copied into the original kernel
-  tensors (``_copy_and_restore_kernel_tensors``), exactly as vLLM's own reload does, plus the
-  CPU MoE re-prepack vLLM 0.32 forgets on reload.
+* ``"reload"``: vLLM's layerwise-reload lifecycle, driven piecewise on a **shadow** of the
+  layer: at its first write a shallow copy of the module (its own parameter dicts and
+  attributes, the live tensors untouched) is put back into model format
+  (``restore_layer_on_meta`` + ``materialize_layer``), pieces are scattered into those tensors,
+  and once every element arrived the shadow runs ``process_weights_after_loading`` (on CPU a
+  new ``cpu_linear`` handle, the MoE prepack vLLM 0.32 forgets on reload). The commit copies
+  the shadow's processed tensors into the live kernel tensors in place, as vLLM's
+  ``_copy_and_restore_kernel_tensors`` does (storage addresses kept: CUDA graphs stay valid),
+  and carries over the attributes processing set (kernel handles). Until then nothing a
+  forward pass reads has changed, so a model step may run while a refit receives.
 
 MLA (DeepSeek-V2/V3): the attention kernel does not read ``kv_b_proj`` but W_UK / W_UV that
 ``MLAAttention.process_weights_after_loading`` splits out of it after loading. ``kv_b_proj``
@@ -18,8 +22,9 @@ place, ``replace_parameter(prefer_copy=True)``), as vLLM's own reload does for d
 attention layers in ``finalize_layerwise_processing``.
 
 Atomicity: with ``atomic=True`` nothing live changes before :meth:`VllmApplier.finish` has
-checked that every touched parameter is complete; :meth:`abort` then leaves the old weights
-serving. With ``atomic=False`` (streaming, no extra memory) completed layers are committed
+checked that every touched parameter is complete (direct parameters are staged, reload layers
+live in their shadows); :meth:`abort` drops the staged copies and shadows and the old weights
+keep serving. With ``atomic=False`` (streaming, no extra memory) completed layers are committed
 as they complete; an abort or failure after a commit marks the applier ``NOT_SERVING`` and
 raises :class:`RefitIncomplete` -- never a silent half-written model.
 """
@@ -30,7 +35,7 @@ import functools
 import time
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -130,11 +135,12 @@ def select_modes(model: torch.nn.Module, params: Sequence[LocalParam]) -> dict[s
 
 @dataclass
 class _LayerState:
-    """Progress of one reload-mode module (the unit vLLM processes)."""
+    """Progress of one reload-mode module (the unit vLLM processes): the live module, and the
+    shadow copy that receives and is processed until the commit."""
 
     layer: torch.nn.Module
+    shadow: torch.nn.Module
     names: dict[str, str]  # param attribute -> local name
-    saved_attrs: dict[str, Any] = field(default_factory=dict)
     processed: bool = False
     committed: bool = False
 
@@ -333,19 +339,8 @@ class VllmApplier:
 
     # -- internals ---------------------------------------------------------------------
     def _fail(self, reason: str) -> None:
-        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO, _place_kernel_tensors
-
-        for st in self._layers.values():
-            if st.committed:
-                continue
-            info = LAYERWISE_INFO[st.layer]
-            if info.kernel_tensors is not None:
-                _place_kernel_tensors(st.layer, info)
-            for k in list(st.layer.__dict__):
-                if k not in st.saved_attrs and not k.startswith("_"):
-                    del st.layer.__dict__[k]
-            st.layer.__dict__.update(st.saved_attrs)
-            info.reset()
+        # Uncommitted layers changed only their shadows: dropping them is the whole undo.
+        self._layers = {k: st for k, st in self._layers.items() if st.committed}
         self._staged.clear()
         if self._live_changed:
             self.state = "not_serving"
@@ -374,16 +369,17 @@ class VllmApplier:
         st = self._layers.get(id(layer))
         if st is None:
             st = self._open_layer(layer)
-        return getattr(layer, pname).data
+        return getattr(st.shadow, pname).data
 
     @_timed("open")
     def _open_layer(self, layer: torch.nn.Module) -> _LayerState:
-        """Put a layer back into (zeroed) model format, keeping its kernel tensors."""
+        """A shadow of ``layer`` in (zeroed) model format; the live layer is not touched."""
         from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
         from vllm.model_executor.model_loader.reload.meta import (
             SKIP_TENSORS, materialize_layer, restore_layer_on_meta,
         )
-        from vllm.model_executor.model_loader.reload.utils import get_layer_params_buffers, get_layer_tensors
+        from vllm.model_executor.model_loader.reload.types import LayerReloadingInfo
+        from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
 
         prefix = next(n for n, m in self.model.named_modules() if m is layer)
         names = {p.name.rpartition(".")[2]: p.name for p in self.params.values()
@@ -394,23 +390,24 @@ class VllmApplier:
             if attr not in SKIP_TENSORS:  # the reload would overwrite a direct write
                 raise LayoutError(f"{local}: module {prefix or '<root>'} mixes direct and reload parameters")
             del names[attr]  # left live by the reload (e.g. e_score_correction_bias): written directly
-        info = get_layerwise_info(layer)
-        if info.can_load() or info.kernel_tensors is not None:
+        live_info = get_layerwise_info(layer)
+        if live_info.can_load() or live_info.kernel_tensors is not None:
             raise RuntimeError(f"{prefix}: a vLLM layerwise reload is already in progress on this layer")
-        st = _LayerState(layer, names, saved_attrs={k: v for k, v in layer.__dict__.items() if not k.startswith("_")})
-        info.kernel_tensors = get_layer_params_buffers(layer)
-        info.kernel_non_persistent_buffers = set(layer._non_persistent_buffers_set)
+        shadow = _shadow_module(layer)
+        # The shadow's own reload bookkeeping, from the metadata vLLM recorded at load (the
+        # live layer's entry in vLLM's LAYERWISE_INFO is never touched).
+        info = LayerReloadingInfo(restore_metadata=live_info.restore_metadata, restore_device=live_info.restore_device)
         with self.device:
-            restore_layer_on_meta(layer, info)
-            materialize_layer(layer, info)
+            restore_layer_on_meta(shadow, info)
+            materialize_layer(shadow, info)
         # Padding elements are zero, never uninitialised memory. A described parameter
         # without padding is written whole by the plan (finish() checks the count), so
         # zeroing it first would only be one more pass over the layer's bytes.
         written_whole = {attr for attr, local in names.items() if self.params[local].padding == 0}
-        for name, t in get_layer_tensors(layer).items():
+        for name, t in get_layer_tensors(shadow).items():
             if name not in SKIP_TENSORS and t.is_floating_point() and name not in written_whole:
                 t.data.zero_()
-        self._layers[id(layer)] = st
+        st = self._layers[id(layer)] = _LayerState(layer, shadow, names)
         return st
 
     def _layer_complete(self, st: _LayerState) -> bool:
@@ -432,10 +429,10 @@ class VllmApplier:
 
     @_timed("process")
     def _process(self, st: _LayerState) -> None:
-        """vLLM's per-layer processing on the materialised model-format tensors."""
+        """vLLM's per-layer processing, on the shadow's model-format tensors."""
         from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
-        layer = st.layer
+        layer = st.shadow
         st.processed = True
         if hasattr(layer, "_already_called_process_weights_after_loading"):
             delattr(layer, "_already_called_process_weights_after_loading")
@@ -449,20 +446,56 @@ class VllmApplier:
 
     @_timed("commit")
     def _commit(self, st: _LayerState) -> None:
-        """Copy the processed tensors into the kernel tensors the engine runs on."""
-        from vllm.model_executor.model_loader.reload.layerwise import (
-            LAYERWISE_INFO, _copy_and_restore_kernel_tensors,
-        )
-
-        layer = st.layer
-        info = LAYERWISE_INFO[layer]
+        """Copy the shadow's processed tensors into the live kernel tensors (in place, as
+        vLLM's ``_copy_and_restore_kernel_tensors``), then carry over what processing set on
+        the module (kernel handles such as the CPU ``cpu_linear``), then rebuild MLA's
+        absorbed weights from the new ``kv_b_proj``."""
+        live, shadow = st.layer, st.shadow
         self._live_changed = True
-        _copy_and_restore_kernel_tensors(layer, info)
-        info.reset()
+        for name, param in live._parameters.items():
+            new = shadow._parameters.get(name)
+            if param is not None and new is not None and new is not param:
+                _copy_into(param, new)
+        written = set(st.names)
+        for name, buf in live._buffers.items():
+            new = shadow._buffers.get(name)
+            if buf is None or new is None or new is buf:
+                continue
+            if name in live._non_persistent_buffers_set and name not in written:
+                continue  # vLLM's reload keeps such buffers (e.g. rotary caches) as they are
+            _copy_into(buf, new)
+        for k, v in shadow.__dict__.items():
+            if not k.startswith("_") and live.__dict__.get(k, _MISSING) is not v:
+                live.__dict__[k] = v
         st.committed = True
+        st.shadow = live  # the shadow's tensors are released with it
         with self.device:
-            for attn in self._absorbers.get(id(layer), ()):
+            for attn in self._absorbers.get(id(live), ()):
                 _reabsorb(attn)
+
+
+_MISSING = object()
+
+
+def _copy_into(live: torch.Tensor, new: torch.Tensor) -> None:
+    """Processed values into a live kernel tensor: in place where shape and dtype match
+    (addresses kept), else the tensor's data is rebound (a kernel that changed its shape)."""
+    if live.shape == new.shape and live.dtype == new.dtype:
+        live.data.copy_(new)
+    else:
+        live.data = new.data
+
+
+def _shadow_module(layer: torch.nn.Module) -> torch.nn.Module:
+    """A shallow copy of ``layer`` with its own parameter/buffer dicts and attributes: vLLM's
+    reload functions rebind tensors and set attributes on it, never on ``layer``. Hooks and
+    submodules are shared (a shadow never runs a forward)."""
+    shadow = object.__new__(type(layer))
+    shadow.__dict__.update(layer.__dict__)
+    shadow.__dict__["_parameters"] = dict(layer._parameters)
+    shadow.__dict__["_buffers"] = dict(layer._buffers)
+    shadow.__dict__["_non_persistent_buffers_set"] = set(layer._non_persistent_buffers_set)
+    return shadow
 
 
 def reprepack_cpu_moe(layer: torch.nn.Module) -> None:
