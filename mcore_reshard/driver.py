@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from .adapters.vllm.rules import vllm_layout
-from .errors import RefitFailed
+from .errors import ConfigError, RefitFailed
 from .faults import Faults
 from .layout import LocalParam, ModelSpec, Piece, SideLayout
 from .plan import get_plan
@@ -44,7 +44,7 @@ from .settings.policy import RefitConfig
 if TYPE_CHECKING:
     from .adapters.vllm.engine import EngineInfo
 
-__all__ = ["RefitDriver", "RefitMetrics", "Transport", "ReshardTransport", "EngineCalls", "engine_world",
+__all__ = ["RefitDriver", "RefitMetrics", "PendingRefit", "Transport", "ReshardTransport", "EngineCalls", "engine_world",
            "engine_dtype", "dst_layout_of", "ENGINE_GRACE_S"]
 
 _log = logging.getLogger("mcore_reshard.driver")
@@ -73,6 +73,11 @@ class RefitMetrics:
     bytes_same_device: int = 0
     #: The part of ``bytes_moved`` received zero-copy (large contiguous boxes, no buffers).
     bytes_zero_copy: int = 0
+    #: Seconds the engines served nothing, the longest over engines (pause call to resume
+    #: returning): the whole refit when it blocks; overlapped (``refit.overlap``), the swap.
+    pause_seconds: float = 0.0
+    #: Whether the engines kept generating while the weights moved (``refit.overlap``).
+    overlapped: bool = False
 
 
 def engine_world(llm: Any) -> int:
@@ -133,6 +138,25 @@ def _finish_quietly(llm: Any) -> None:
         llm.finish_weight_update()
     except Exception:  # noqa: BLE001
         pass
+
+
+def _finish_overlapped(llm: Any) -> None:
+    """``finish_weight_update`` of an overlapped refit (the swap). When it did not commit it
+    raises on the engine's last worker, whose session vLLM then leaves open (it closes a
+    session only when the engine's finish returns); the others closed theirs. To close that
+    one without an error from any other worker (which would poison vLLM's next call):
+    ``start_weight_update`` opens a session on every worker but the last (which refuses:
+    the error comes from the last worker only), then ``finish_weight_update`` closes all."""
+    try:
+        llm.finish_weight_update()
+    except BaseException as exc:
+        if not _engine_is_dead(exc):
+            try:
+                llm.start_weight_update()
+            except Exception:  # noqa: BLE001 - the last worker's "already active": expected
+                pass
+            _finish_quietly(llm)
+        raise
 
 
 def _engine_is_dead(exc: BaseException) -> bool:
@@ -347,7 +371,7 @@ class RefitDriver:
     # -- refits -------------------------------------------------------------------------------
     def request(self) -> RefitRequest:
         cfg = self.refit_config
-        return RefitRequest(self.plan.digest(), cfg.verify, cfg.timeout_s, cfg.atomic)
+        return RefitRequest(self.plan.digest(), cfg.verify, cfg.timeout_s, cfg.atomic, overlap=cfg.overlap)
 
     def next_epoch(self) -> int:
         """The number of the next refit on this driver's groups (signed messages are bound to it)."""
@@ -372,6 +396,20 @@ class RefitDriver:
                   metrics.transport, metrics.bytes_moved, metrics.bytes_min, metrics.seconds,
                   metrics.peak_extra_bytes, metrics.verified, metrics.phases)
         return metrics
+
+    def begin_refit(self, request: RefitRequest | None = None, *, faults: Faults | None = None) -> "PendingRefit":
+        """Start an overlapped refit and return at once: the trainers send, every vLLM worker
+        receives into shadow weights on its own thread, and the engines keep serving the old
+        weights meanwhile (a caller on this thread may ``generate``). ``PendingRefit.finish``
+        waits for the decision, then pauses each engine only to swap. ``request`` (default:
+        :meth:`request`) is sent with ``overlap=True``."""
+        if self.dead:
+            raise RefitFailed("; ".join(f"engine {e} is dead ({why}): replace it" for e, why in sorted(self.dead.items())))
+        if not isinstance(self.transport, ReshardTransport):
+            raise ConfigError(f"refit.overlap needs the reshard transport, not {self.transport.name}")
+        if not any(t is self.transport for t in self._ran):
+            self._ran.append(self.transport)
+        return self.transport.begin(self, replace(request or self.request(), overlap=True), faults)
 
     def status(self) -> list[WorkerStatus]:
         """Every worker's serving state, version and last outcome (diagnostics extension)."""
@@ -423,6 +461,8 @@ class ReshardTransport:
     worker_extension: str | None = None
 
     def refit(self, driver: RefitDriver, request: RefitRequest, faults: Faults | None) -> RefitMetrics:
+        if request.overlap:
+            return self.begin(driver, request, faults).finish()
         cached = driver.ensure_connected()
         epoch = driver.next_epoch()
         request = replace(request, epoch=epoch)
@@ -431,7 +471,7 @@ class ReshardTransport:
         t0 = time.perf_counter()
         errors = driver.on_engines(lambda llm, _: llm.sleep(level=0, mode="keep"), what="pause", deadline_s=60.0)
         refitting = driver.trainers.refit(request, faults.trainer)
-        update_info = {"request": request.to_wire(), "fault": faults.engine.to_wire() if faults.engine else {}}
+        update_info = _update_info(request, faults)
 
         def update(llm: Any, _: Any) -> None:
             llm.start_weight_update()
@@ -456,12 +496,35 @@ class ReshardTransport:
         seconds = time.perf_counter() - t0
         trusted = trainer_error is None and not errors
         errors += self._settle(driver, version, trusted)
+        return self._done(driver, request, replies, trainer_error, errors, seconds,
+                          time.perf_counter() - t0, cached)
+
+    def begin(self, driver: RefitDriver, request: RefitRequest, faults: Faults | None) -> "PendingRefit":
+        """An overlapped refit's first half: the trainers start sending and every engine's
+        ``update_weights`` returns at once (its workers receive on their own threads)."""
+        cached = driver.ensure_connected()
+        request = replace(request, epoch=driver.next_epoch())
+        faults = faults or Faults()
+        t0 = time.perf_counter()
+        refitting = driver.trainers.refit(request, faults.trainer)
+        update_info = _update_info(request, faults)
+
+        def start(llm: Any, _: Any) -> None:
+            llm.start_weight_update()
+            llm.update_weights({"update_info": update_info})
+
+        errors = driver.on_engines(start, what="update_weights (overlapped)", deadline_s=60.0)
+        return PendingRefit(self, driver, request, refitting, errors, t0, cached)
+
+    def _done(self, driver: RefitDriver, request: RefitRequest, replies: Any, trainer_error: str | None,
+              errors: list[str], seconds: float, pause_s: float, cached: bool) -> RefitMetrics:
         if trainer_error is not None or errors:
             driver.disconnect()  # the group is broken on every rank: rejoin next time
             raise RefitFailed("; ".join(([trainer_error] if trainer_error else []) + errors))
         reports = [r for r in replies[0].reports if r is not None]
         driver.last_reports = reports
-        return _metrics(driver, reports, seconds, cached, request)
+        return replace(_metrics(driver, reports, seconds, cached, request), pause_seconds=pause_s,
+                       overlapped=request.overlap)
 
     def close(self, driver: RefitDriver) -> None:
         """Nothing beyond the refit group, which the driver leaves itself."""
@@ -513,6 +576,47 @@ class ReshardTransport:
         if held == version:
             return "new"
         return "old" if not trusted else f"its workers hold {held or 'the weights as loaded'}, not {version}"
+
+
+class PendingRefit:
+    """An overlapped refit between :meth:`RefitDriver.begin_refit` and :meth:`finish`: the
+    engines serve their old weights while the new ones arrive in their shadows."""
+
+    def __init__(self, transport: ReshardTransport, driver: RefitDriver, request: RefitRequest, refitting: Any,
+                 errors: list[str], t0: float, cached: bool) -> None:
+        self.transport, self.driver, self.request = transport, driver, request
+        self._refitting, self._errors, self._t0, self._cached = refitting, errors, t0, cached
+        self._finished = False
+
+    def finish(self) -> RefitMetrics:
+        """Wait for the trainers (every rank has voted and read the decision by then), then
+        per engine: pause its scheduler (``keep``: running requests stay, frozen), swap the
+        shadows in or drop them (``finish_weight_update``, every worker between the same two
+        model steps), set the version, resume. ``pause_seconds``: that pause. Raises
+        ``RefitFailed`` as a blocking refit does; the engines then kept their old weights."""
+        if self._finished:
+            raise RuntimeError("this refit was already finished")
+        self._finished = True
+        driver, request = self.driver, self.request
+        replies, trainer_error = None, None
+        try:
+            replies = self._refitting.wait()
+        except Exception as exc:  # noqa: BLE001 - the trainers' error names every failing rank
+            trainer_error = "; ".join(driver.trainers.dead() + [first_error_line(exc)])
+        seconds = time.perf_counter() - self._t0
+        t_pause = time.perf_counter()
+        errors = list(self._errors)
+        errors += driver.on_engines(lambda llm, _: llm.sleep(level=0, mode="keep"), what="pause", deadline_s=60.0)
+        errors += driver.on_engines(lambda llm, _: _finish_overlapped(llm), what="finish_weight_update (swap)",
+                                    deadline_s=ENGINE_GRACE_S + 30.0)
+        trusted = trainer_error is None and not errors
+        errors += self.transport._settle(driver, request.version_at(request.epoch), trusted)
+        return self.transport._done(driver, request, replies, trainer_error, errors, seconds,
+                                    time.perf_counter() - t_pause, self._cached)
+
+
+def _update_info(request: RefitRequest, faults: Faults) -> dict:
+    return {"request": request.to_wire(), "fault": faults.engine.to_wire() if faults.engine else {}}
 
 
 def _metrics(driver: RefitDriver, reports: list[RankReport], seconds: float, cached: bool,

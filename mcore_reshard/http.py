@@ -157,6 +157,17 @@ class ServerClient:
             if _NO_SESSION not in str(exc):
                 raise
 
+    def close_failed_swap(self) -> None:
+        """After ``/finish_weight_update`` of an overlapped refit failed: that error came from
+        the engine's last worker, whose session vLLM leaves open (the others closed theirs).
+        ``/start_weight_update`` opens one on every other worker (the last refuses: expected),
+        then ``/finish_weight_update`` closes all of them."""
+        for step in (self.start_weight_update, lambda: self.finish_weight_update(None)):
+            try:
+                step()
+            except RefitFailed:
+                pass
+
     def reset_prefix_cache(self) -> None:
         out = self.call("POST", "/reset_prefix_cache", self.timeouts.call_s)
         if isinstance(out, dict) and out.get("success") is False:
@@ -242,7 +253,10 @@ def refit_servers(servers: Sequence[str], update_info: Mapping[str, Any], weight
                            is None else c.close_failed_session())
             both = [RefitFailed(f"{u}; then {f}") if u and f else (u or f) for u, f in zip(updated, closed)]
             _raise(both, " (servers kept paused: retry the refit or replace them)")
-        _raise(_each(clients, lambda c: c.finish_weight_update(weight_version)), " (servers kept paused)")
+        finished = _each(clients, lambda c: c.finish_weight_update(weight_version))
+        if any(finished):  # an overlapped refit (``request.overlap``) fails here, at its swap
+            _each([c for c, e in zip(clients, finished) if e is not None], lambda c: c.close_failed_swap())
+        _raise(finished, " (servers kept paused)")
         _raise(_each(clients, lambda c: c.reset_prefix_cache()), " (servers kept paused)")
         if resume:
             _raise(_each(clients, lambda c: c.resume()), "")

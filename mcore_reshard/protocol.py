@@ -177,19 +177,27 @@ class RefitRequest:
     atomic: bool = True
     epoch: int = 0
     version: str = ""
+    #: Receive in the background while the engine keeps generating: ``update_weights``
+    #: returns at once, each worker receives into shadow weights and votes on its own
+    #: thread, and ``finish_weight_update`` swaps them in between two model steps (needs
+    #: ``atomic``: a streaming refit writes live weights as buckets arrive).
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "verify", VerifyMode.parse(self.verify))
         _check_positive("timeout_s", self.timeout_s)
         if not isinstance(self.epoch, int) or self.epoch < 0:
             raise ConfigError(f"epoch={self.epoch!r} must be a non-negative integer")
+        if self.overlap and not self.atomic:
+            raise ConfigError("overlap=True needs atomic=True: a streaming refit writes live weights as buckets "
+                              "arrive, which a model step running meanwhile would read")
 
     def version_at(self, epoch: int) -> str:
         return self.version or f"{self.plan_digest[:12]}@{epoch}"
 
     def to_wire(self) -> dict:
         return {"plan_digest": self.plan_digest, "verify": self.verify.value, "timeout_s": self.timeout_s,
-                "atomic": self.atomic, "epoch": self.epoch, "version": self.version}
+                "atomic": self.atomic, "epoch": self.epoch, "version": self.version, "overlap": self.overlap}
 
     @staticmethod
     def from_wire(d: Mapping[str, Any]) -> "RefitRequest":

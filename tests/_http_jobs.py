@@ -126,7 +126,8 @@ def http_refit_job(ctx: WorldCtx, ckpt: str, dtype: str, par: MegatronParallel, 
 def http_two_refits_job(ctx: WorldCtx, ckpt: str, dtype: str, par: MegatronParallel, vllm: VllmParallel,
                         tokens: list[int], to_controller: Any) -> dict:
     """Two refits in one group: the weights after a training step, then ``ckpt`` itself again
-    (what the server loaded at start), each handed to the controller as JSON."""
+    (what the server loaded at start; an overlapped refit), each handed to the controller as
+    JSON."""
     import torch.distributed as dist
 
     spec = load_model_spec(ckpt, dtype=dtype)
@@ -152,7 +153,9 @@ def http_two_refits_job(ctx: WorldCtx, ckpt: str, dtype: str, par: MegatronParal
     logprobs_1 = policy.logprobs([tokens])[0]
 
     policy.load_canonical(load_canonical(ckpt))  # the server's own checkpoint, refit back
-    second = RefitRequest(digest, timeout_s=120.0, version="refit-2")
+    # overlapped: /update_weights returns at once, the workers receive on their own threads,
+    # /finish_weight_update swaps
+    second = RefitRequest(digest, timeout_s=120.0, version="refit-2", overlap=True)
     if ctx.rank == 0:
         to_controller.put({"update_info": {"request": second.to_wire()}})
     ep.refit(second)

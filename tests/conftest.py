@@ -57,6 +57,8 @@ LIVE_ORDER: list[tuple[str, frozenset[str]]] = [
     # bf16 tiny MoE (seed 13): the TP2xEP2 trainer pool
     ("test_refit_bf16", frozenset({"live"})),
     ("test_faults", frozenset({"live"})),
+    # the same engine and pool, refit while generating
+    ("test_overlap", frozenset({"live"})),
     # tiny DeepSeek-V3 engines, q_lora TP1 and plain q TP2 (engines only: the pools above close)
     ("test_deepseek_refit", frozenset({"engines"})),
     ("test_deepseek_vllm", frozenset({"engines"})),

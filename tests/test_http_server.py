@@ -240,8 +240,9 @@ def test_http_server_refit_then_refused_refit_keeps_it_paused(server):
 def test_http_server_tp1_two_refits_equal_the_trainers_then_its_own_fresh_load(tmp_path):
     """A TP1 server, refit twice over HTTP only in one refit group: the trainers' weights after
     a training step (every rank verified, bytes at the minimum, served logprobs within the fp32
-    bound of megatron's), then the server's own checkpoint refit back: its logprobs then equal
-    exactly those it served at start (vLLM's own load of that checkpoint, a fresh engine)."""
+    bound of megatron's), then the server's own checkpoint refit back, overlapped (received in
+    the background, swapped at ``/finish_weight_update``): its logprobs then equal exactly those
+    it served at start (vLLM's own load of that checkpoint, a fresh engine)."""
     import torch.multiprocessing as mp
 
     with _serving(tmp_path, 1, seed=6) as (url, model, _log):

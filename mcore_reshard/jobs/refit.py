@@ -16,7 +16,7 @@ import tempfile
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 from ..adapters.vllm.plugin import BACKEND
 from ..checkpoint import make_tiny_checkpoint
@@ -31,6 +31,8 @@ from ..protocol import VerifyMode
 from ..settings import TINY_MODELS
 from ..trainer import TrainerPool, TrainerSetup
 from ..verify import full_verification, token_mult_prob_error
+
+T = TypeVar("T")
 
 __all__ = ["LocalCluster", "colocated_placement", "local_cluster", "RefitFailed", "RefitMetrics", "run_refit_job", "token_mult_prob_error"]
 
@@ -77,6 +79,21 @@ class LocalCluster:
             note = full_verification(self.driver.src, self.driver.dst, self.pool.local_tensors().wait(), self.engines)
             m = replace(m, notes=m.notes + (note,))
         return m
+
+    def refit_while(self, during: Callable[[], T], faults: Any = None) -> tuple[RefitMetrics, T]:
+        """An overlapped refit with ``during()`` run on this thread while the weights move
+        (the engines serve the old weights meanwhile): ``(metrics, during's result)``.
+        ``verify=full`` adds the element-wise comparison, as :meth:`refit_once`."""
+        request = self.driver.request()
+        pending = self.driver.begin_refit(request, faults=faults)
+        try:
+            result = during()
+        finally:
+            m = pending.finish()
+        if request.verify is VerifyMode.FULL and m.verified:
+            note = full_verification(self.driver.src, self.driver.dst, self.pool.local_tensors().wait(), self.engines)
+            m = replace(m, notes=m.notes + (note,))
+        return m, result
 
     def logprob_error(self, tokens: Sequence[int]) -> float:
         """token_mult_prob_error of every engine against a megatron forward; the worst one."""

@@ -82,6 +82,11 @@ class RefitConfig:
     #: (false: streaming mode, each worker writes its buckets into live weights as they arrive;
     #: a failed refit then leaves the engine marked not serving).
     atomic: bool = True
+    #: Refit while generating: each vLLM worker receives into shadow weights on a background
+    #: thread while the engine keeps decoding, and the driver swaps them in between two model
+    #: steps after every rank voted (the engine pauses only for the swap). Needs ``atomic``
+    #: and the ``reshard`` transport.
+    overlap: bool = False
     #: Where the local job puts both sides: ``separate`` (no placement: direct plans) or
     #: ``colocated`` (training rank i and vLLM worker i share device i on one node: the plan
     #: prefers same-device senders, whose bytes then move through shared memory).
@@ -93,13 +98,18 @@ class RefitConfig:
         return max(1, self.buffer_bytes // 2)
 
     def __post_init__(self) -> None:
-        for name in ("enabled", "allow_cast", "atomic"):
+        for name in ("enabled", "allow_cast", "atomic", "overlap"):
             value = getattr(self, name)
             _check(isinstance(value, bool), f"refit.{name}={value!r} is not a boolean (true or false)")
         for name, allowed in (("transport", TRANSPORTS), ("apply_mode", APPLY), ("placement", PLACEMENTS)):
             value = getattr(self, name)
             _check(isinstance(value, str) and value in allowed, f"refit.{name}={value!r} is not one of {list(allowed)}")
         object.__setattr__(self, "verify", VerifyMode.parse(self.verify, "refit.verify"))
+        if self.overlap:
+            _check(self.atomic, "refit.overlap=true needs refit.atomic=true: a streaming refit writes live weights "
+                                "as buckets arrive, which the steps generating meanwhile would read")
+            _check(self.transport == "reshard", f"refit.overlap=true needs refit.transport=reshard "
+                                                f"(the {self.transport} baseline blocks the engine)")
         b = self.buffer_bytes
         _check(isinstance(b, int) and not isinstance(b, bool), f"refit.buffer_bytes={b!r} is not an integer (bytes)")
         _check(b >= MIN_BUFFER_BYTES, f"refit.buffer_bytes={b} is below the floor of {MIN_BUFFER_BYTES} (64 KiB): "

@@ -333,6 +333,17 @@ class VllmApplier:
             self.state = "not_serving"
             self.reason = f"refit {reason}; this worker had already committed new weights"
 
+    def shadow_bytes(self) -> int:
+        """Bytes held beside the live weights until the commit: staged direct parameters and
+        the reload layers' shadow tensors."""
+        from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
+
+        staged = sum(t.numel() * t.element_size() for t in self._staged.values())
+        shadows = sum(t.numel() * t.element_size() for st in self._layers.values() if not st.committed
+                      for name, t in get_layer_tensors(st.shadow).items()
+                      if getattr(st.layer, name, None) is not t)
+        return staged + shadows
+
     def check_serving(self) -> None:
         if self.state == "not_serving":
             raise RefitIncomplete(self.reason)

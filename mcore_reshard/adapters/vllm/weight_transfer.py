@@ -26,11 +26,13 @@ version it holds (``status()``, read by the driver to confirm an engine is whole
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+from vllm.config import set_current_vllm_config
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
@@ -116,6 +118,10 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         self.version = ""
         #: Why this worker refused its plan slice at init (its first refit votes no with it).
         self.init_error = ""
+        #: An overlapped refit receiving on its own thread (``finish_weight_update`` joins it).
+        self._background: _Background | None = None
+        #: Seconds the last commit took on this worker (overlapped: the swap).
+        self.last_swap_s = 0.0
 
     # -- descriptors ------------------------------------------------------------------------
     def params(self) -> list[LocalParam]:
@@ -213,10 +219,27 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         here: vLLM's ``collective_rpc`` reads the workers' replies in rank order, so an error
         from the last one leaves no reply queued, and the caller (the driver, or an HTTP
         controller's ``/update_weights``) sees the failure in one line. Every worker keeps
-        the outcome (``status()``)."""
-        outcome = self._receive(update_info)
+        the outcome (``status()``).
+
+        ``RefitRequest.overlap``: returns at once. A thread of this worker receives into
+        shadow weights and votes while the engine keeps running model steps on the live
+        ones; ``finish_weight_update`` joins it and swaps (or drops the shadows)."""
+        if self._background is not None:  # an overlapped refit never finished: conclude it first
+            self._conclude(*self._background.join(), quiet=True)
+            self._background = None
+        if _wants_overlap(update_info):
+            self._background = _Background(self, update_info)
+            return
+        self._conclude(*self._receive(update_info))
+
+    def _conclude(self, request: RefitRequest | None, applier: VllmApplier | None, report: RankReport | None,
+                  outcome: Outcome, quiet: bool = False) -> None:
+        """After the vote: commit or roll back, keep the outcome, raise on the last worker
+        (``quiet``: never; an overlapped refit concluded by the next ``update_weights``)."""
+        if request is not None and applier is not None:
+            outcome = self._settle(request, applier, report, outcome)
         self.last_outcome = outcome
-        if outcome.commit and outcome.known:
+        if (outcome.commit and outcome.known) or quiet:
             return
         if self._last_worker():
             word = "not committed" if outcome.known else "decision unknown (this engine must not serve)"
@@ -227,14 +250,19 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         world = int(par.world_size)
         return self.local_rank % world == world - 1
 
-    def _receive(self, update_info: ReshardUpdateInfo) -> Outcome:
+    def _receive(self, update_info: ReshardUpdateInfo
+                 ) -> tuple[RefitRequest | None, VllmApplier | None, RankReport | None, Outcome]:
+        """Receive this worker's boxes (into staged or shadow tensors; streaming: live) and
+        vote. Nothing is committed here in atomic mode (``_settle`` does, after the vote)."""
         try:
             request = RefitRequest.from_wire(update_info.request)
         except Exception as exc:  # noqa: BLE001 - a bad request is this worker's "no"
-            return Outcome(False, [], [f"vLLM worker {self.local_rank}: bad update_info: {first_error_line(exc)}"])
+            return None, None, None, Outcome(
+                False, [], [f"vLLM worker {self.local_rank}: bad update_info: {first_error_line(exc)}"])
         if self.endpoint is None:
-            return Outcome(False, [], [f"vLLM worker {self.local_rank}: update_weights before init_weight_transfer_engine"],
-                           epoch=request.epoch)
+            return None, None, None, Outcome(
+                False, [], [f"vLLM worker {self.local_rank}: update_weights before init_weight_transfer_engine"],
+                epoch=request.epoch)
         fault = _fault_for(update_info.fault, self.endpoint.rank)
         applier = self.applier(request.atomic)
         sink: Any = applier
@@ -256,18 +284,29 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
             stats = self.endpoint.run(request, {}, sink)
             t0 = time.perf_counter()
             if request.atomic:
-                applier.prepare()  # complete and processed, nothing live changed yet
+                applier.prepare()  # complete and processed in the shadows, nothing live changed yet
             else:
                 applier.finish()  # streaming: layers committed as they completed; the rest now
             finish_s = time.perf_counter() - t0
             report = self.endpoint.report(stats, _apply_phases(applier.timings, finish_s))
+            if request.overlap:  # the shadows are held while the engine serves the live weights
+                report = replace(report, peak_extra_bytes=report.peak_extra_bytes + applier.shadow_bytes())
         except BaseException as exc:  # noqa: BLE001 - voted on, then kept as the outcome
             error = exc
         outcome = self.endpoint.vote(request, report, error, fault=fault)
+        self.last_report = report
+        return request, applier, report, outcome
+
+    def _settle(self, request: RefitRequest, applier: VllmApplier, report: RankReport | None,
+                outcome: Outcome) -> Outcome:
+        """Commit (atomic: the swap from staged and shadow tensors into the live ones) or roll
+        back, as the decision says."""
         version = request.version_at(outcome.epoch)
         if outcome.commit and request.atomic:
             try:
+                t0 = time.perf_counter()
                 applier.finish()  # everyone staged and verified: commit together
+                self.last_swap_s = time.perf_counter() - t0
                 self.version = version
             except BaseException as exc:  # noqa: BLE001 - this engine no longer serves
                 outcome = replace(outcome, commit=False, errors=outcome.errors + [f"{self.endpoint.who}: commit failed: {exc}"])
@@ -283,11 +322,17 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
                     pass  # streaming mode after a partial commit: the applier now refuses to serve
             else:
                 applier.invalidate(reason)  # streaming: finished here, failed elsewhere
-        self.last_report = report
         return outcome
 
     def finish_weight_update(self) -> None:
-        """Nothing to close: the commit happened inside ``update_weights`` (all ranks agreed)."""
+        """Blocking refits: nothing to close (the commit happened inside ``update_weights``,
+        all ranks agreed). Overlapped ones: join the background refit and swap its shadows
+        in, or drop them (raises on the last worker when it did not commit, as
+        ``receive_weights`` does). Every TP rank runs this call between the same two model
+        steps (vLLM's workers read one queue in order), so the swap is one step boundary."""
+        bg, self._background = self._background, None
+        if bg is not None:
+            self._conclude(*bg.join())
 
     def status(self) -> WorkerStatus:
         """This worker's serving state, the version it holds and the last refit's outcome.
@@ -308,6 +353,57 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         if self.endpoint is not None:
             self.endpoint.leave()
             self.endpoint = None
+
+
+def _wants_overlap(update_info: ReshardUpdateInfo) -> bool:
+    """Whether the request asks for an overlapped refit (a bad request runs, and is refused,
+    in the foreground)."""
+    req = update_info.request
+    return isinstance(req, dict) and req.get("overlap") is True and req.get("atomic", True) is True
+
+
+class _Background:
+    """One overlapped refit on its own thread: receive into shadow weights and vote, while
+    the worker's main thread keeps running model steps on the live weights."""
+
+    def __init__(self, engine: "ReshardWeightTransferEngine", update_info: ReshardUpdateInfo) -> None:
+        self.engine = engine
+        self.timeout_s = _timeout_of(update_info)
+        self.result: tuple[Any, ...] | None = None
+
+        def run() -> None:
+            try:
+                with set_current_vllm_config(engine.vllm_config):
+                    self.result = engine._receive(update_info)
+            except BaseException as exc:  # noqa: BLE001 - kept as this worker's outcome
+                self.result = (None, None, None, Outcome(False, [], [f"vLLM worker {engine.local_rank}: background "
+                                                                        f"refit failed: {first_error_line(exc)}"]))
+
+        self.thread = threading.Thread(target=run, daemon=True, name=f"mcore-reshard-refit-{engine.local_rank}")
+        self.thread.start()
+
+    def join(self) -> tuple[Any, ...]:
+        """The thread's result, waiting at most the request's timeout and a grace: the vote
+        has deadlines of its own, so a thread still running then is stuck. Its shadows are
+        never swapped in (the outcome says so; the engine keeps its weights)."""
+        self.thread.join(self.timeout_s + BACKGROUND_GRACE_S)
+        if self.thread.is_alive() or self.result is None:
+            e = self.engine
+            return (None, None, None, Outcome(False, [], [
+                f"vLLM worker {e.local_rank}: the background refit did not end within "
+                f"{self.timeout_s + BACKGROUND_GRACE_S:.0f}s; its shadows are dropped"], known=False))
+        return self.result
+
+
+#: Seconds past a request's timeout that ``finish_weight_update`` waits for its background refit.
+BACKGROUND_GRACE_S = 30.0
+
+
+def _timeout_of(update_info: ReshardUpdateInfo) -> float:
+    try:
+        return float(RefitRequest.from_wire(update_info.request).timeout_s)
+    except Exception:  # noqa: BLE001 - refused in the thread, with its reason
+        return 60.0
 
 
 def _fault_for(spec: dict | None, rank: int) -> Fault | None:
