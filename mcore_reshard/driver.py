@@ -407,6 +407,12 @@ class RefitDriver:
             raise RefitFailed("; ".join(f"engine {e} is dead ({why}): replace it" for e, why in sorted(self.dead.items())))
         if not isinstance(self.transport, ReshardTransport):
             raise ConfigError(f"refit.overlap needs the reshard transport, not {self.transport.name}")
+        cap = self.refit_config.max_shadow_bytes
+        per_rank = self.plan.recv_bytes() if cap else []
+        if per_rank and max(per_rank) > cap:
+            r = per_rank.index(max(per_rank))
+            raise ConfigError(f"refit.max_shadow_bytes={cap}: an overlapped refit holds a shadow of what each vLLM "
+                              f"worker receives, and destination rank {r} receives {max(per_rank)} bytes")
         if not any(t is self.transport for t in self._ran):
             self._ran.append(self.transport)
         return self.transport.begin(self, replace(request or self.request(), overlap=True), faults)

@@ -130,6 +130,10 @@ REFIT_CASES = [
     (["refit.transport=x"], "refit.transport='x'"),
     (["refit.apply_mode=y"], "refit.apply_mode='y'"),
     (["refit.atomic=2"], "refit.atomic"),
+    (["refit.overlap=maybe"], "refit.overlap"),
+    (["refit.overlap=true", "refit.atomic=false"], "refit.overlap=true needs refit.atomic=true"),
+    (["refit.overlap=true", "refit.transport=hf_broadcast"], "refit.overlap=true needs refit.transport=reshard"),
+    (["refit.max_shadow_bytes=-1"], "refit.max_shadow_bytes=-1"),
     (["training.pp=0"], "training.pp=0"),
     (["training.tp=3"], "tp=3"),
     (["training.pp=3"], "training layout"),  # 4 layers do not split over 3 stages

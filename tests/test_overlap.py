@@ -13,12 +13,14 @@ restores. Same engine and trainer pool as ``test_faults`` (bf16 tiny MoE, TP2xEP
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from mcore_reshard.adapters.megatron.rules import MegatronParallel
 from mcore_reshard.adapters.vllm.engine import greedy, prompt_logprobs, worker_status
 from mcore_reshard.adapters.vllm.rules import VllmParallel
-from mcore_reshard.errors import RefitFailed
+from mcore_reshard.errors import ConfigError, RefitFailed
 from mcore_reshard.faults import Faults, TrainerFault
 from mcore_reshard.layout import load_model_spec
 from mcore_reshard.protocol import VerifyMode
@@ -110,6 +112,21 @@ def test_a_refit_failing_in_the_background_leaves_the_old_weights_and_the_next_r
     m, _ = cluster.refit_while(lambda: None)
     assert m.verified and m.bytes_moved == m.bytes_min
     assert cluster.logprob_error(TOKENS) < BF16_BOUND
+
+
+def test_a_shadow_cap_below_a_workers_share_is_refused_before_a_byte_moves(cluster):
+    d = cluster.driver
+    cfg = d.refit_config
+    d.refit_config = replace(cfg, max_shadow_bytes=1024)
+    try:
+        with pytest.raises(ConfigError) as err:
+            d.begin_refit()
+    finally:
+        d.refit_config = cfg
+    msg = str(err.value)
+    assert "refit.max_shadow_bytes=1024" in msg and "destination rank" in msg and "\n" not in msg, msg
+    m, _ = cluster.refit_while(lambda: None)  # nothing was started: the next refit runs as usual
+    assert m.verified and m.bytes_moved == m.bytes_min
 
 
 def _greedy_params():

@@ -87,6 +87,10 @@ class RefitConfig:
     #: steps after every rank voted (the engine pauses only for the swap). Needs ``atomic``
     #: and the ``reshard`` transport.
     overlap: bool = False
+    #: The most bytes of shadow weights an overlapped refit may hold on one vLLM worker beside
+    #: its live weights (about what the worker receives); 0: no cap. An overlapped refit over
+    #: the cap is refused before any byte moves.
+    max_shadow_bytes: int = 0
     #: Where the local job puts both sides: ``separate`` (no placement: direct plans) or
     #: ``colocated`` (training rank i and vLLM worker i share device i on one node: the plan
     #: prefers same-device senders, whose bytes then move through shared memory).
@@ -110,6 +114,9 @@ class RefitConfig:
                                 "as buckets arrive, which the steps generating meanwhile would read")
             _check(self.transport == "reshard", f"refit.overlap=true needs refit.transport=reshard "
                                                 f"(the {self.transport} baseline blocks the engine)")
+        cap = self.max_shadow_bytes
+        _check(isinstance(cap, int) and not isinstance(cap, bool) and cap >= 0,
+               f"refit.max_shadow_bytes={cap!r} is not a non-negative integer (bytes; 0: no cap)")
         b = self.buffer_bytes
         _check(isinstance(b, int) and not isinstance(b, bool), f"refit.buffer_bytes={b!r} is not an integer (bytes)")
         _check(b >= MIN_BUFFER_BYTES, f"refit.buffer_bytes={b} is below the floor of {MIN_BUFFER_BYTES} (64 KiB): "
