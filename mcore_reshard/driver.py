@@ -213,6 +213,8 @@ class RefitDriver:
         #: relays where they lower the modelled time at ``links``' bandwidths.
         self.placement, self.links = placement, links
         self.last_reports: list[RankReport] = []
+        #: What the current refit has to say beyond its numbers (``RefitMetrics.notes``).
+        self.notes: list[str] = []
         self.src, self.dst = src, dst
         self.plan: TransferPlan | None = None
         self.modes: dict[str, str] = {}
@@ -525,12 +527,14 @@ class ReshardTransport:
     def _done(self, driver: RefitDriver, request: RefitRequest, replies: Any, trainer_error: str | None,
               errors: list[str], seconds: float, pause_s: float, cached: bool) -> RefitMetrics:
         if trainer_error is not None or errors:
+            driver.notes = []
             driver.disconnect()  # the group is broken on every rank: rejoin next time
             raise RefitFailed("; ".join(([trainer_error] if trainer_error else []) + errors))
         reports = [r for r in replies[0].reports if r is not None]
         driver.last_reports = reports
-        return replace(_metrics(driver, reports, seconds, cached, request), pause_seconds=pause_s,
-                       overlapped=request.overlap)
+        m = _metrics(driver, reports, seconds, cached, request)
+        notes, driver.notes = tuple(driver.notes), []
+        return replace(m, pause_seconds=pause_s, overlapped=request.overlap, notes=m.notes + notes)
 
     def close(self, driver: RefitDriver) -> None:
         """Nothing beyond the refit group, which the driver leaves itself."""
@@ -548,7 +552,7 @@ class ReshardTransport:
                 continue
             if verdict in ("new", "old"):
                 driver.gated.pop(e, None)
-                steps = [lambda: llm.reset_prefix_cache(), lambda: llm.update_weight_version(version)] \
+                steps = [lambda: self._reset_prefix_cache(driver, e, llm), lambda: llm.update_weight_version(version)] \
                     if verdict == "new" else []
                 steps.append(lambda: llm.wake_up(tags=["scheduling"]))
                 for step in steps:
@@ -557,6 +561,18 @@ class ReshardTransport:
                 driver.gated[e] = verdict
                 out.append(f"engine {e} is gated (paused, serving nothing) until a refit succeeds: {verdict}")
         return out
+
+    @staticmethod
+    def _reset_prefix_cache(driver: RefitDriver, e: int, llm: Any) -> None:
+        """KV blocks computed with the old weights: with ``recompute_kv_cache_after_weight_updates``
+        running requests are preempted and recomputed, so the reset always succeeds; without,
+        vLLM resets only when no request holds blocks, and the refit's notes say when it could
+        not (a running request's blocks stay cached for later prompts with that prefix)."""
+        recompute = driver.refit_config.recompute_kv_cache_after_weight_updates
+        if llm.reset_prefix_cache(reset_running_requests=recompute) is False:
+            driver.notes.append(f"engine {e}: prefix cache not reset (requests running across the swap hold KV "
+                                f"blocks computed with the old weights; refit.recompute_kv_cache_after_weight_updates"
+                                f"=false keeps them)")
 
     def _confirm(self, driver: RefitDriver, e: int, version: str, trusted: bool) -> str:
         """"new" / "old" when every worker holds that version whole, else why not (one line)."""

@@ -10,7 +10,8 @@ restart its job.
 What every row checks: the refit raises ``RefitFailed`` naming what failed, within seconds
 where a process died (the timeout is only for a stopped one); the engine then serves exactly
 the old weights, or exactly the new ones, or nothing (gated) -- never a mix; and the next refit
-restores service on the same engine.
+restores service on the same engine. (An ``AsyncLLM`` client's requests while the engine is
+gated: ``test_overlap.py``, which shares that engine with the overlapped refits.)
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from mcore_reshard.faults import EngineFault, Faults, TrainerFault
 from mcore_reshard.layout import load_model_spec
 from mcore_reshard.settings.policy import RefitConfig
 from mcore_reshard.protocol import WorkerLayout
-from mcore_reshard.jobs.refit import local_cluster
 from support.live import cluster as shared_cluster
 from mcore_reshard.transport.executor import Fault
 
@@ -191,52 +191,3 @@ def test_trainer_dying_after_its_vote(cluster):
     assert served == old or token_mult_prob_error(served, new) < 1.02  # one model, whichever
     cluster.restart_trainers()
     _restored(cluster)
-
-
-async def _async_prompt_logprobs(engine, tokens: list[int]) -> list[float]:
-    """A client of vLLM's ``AsyncLLM`` (the engine behind ``vllm serve``): no helper between."""
-    import uuid
-
-    from vllm import SamplingParams
-
-    sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-    final = None
-    async for out in engine.generate({"prompt_token_ids": tokens}, sp, request_id=uuid.uuid4().hex):
-        final = out
-    return [float(lp[t].logprob) for t, lp in zip(tokens[1:], final.prompt_logprobs[1:])]
-
-
-def test_async_engine_clients_get_nothing_while_gated_and_the_restored_weights_after(cluster):
-    """The gate is vLLM's scheduler, not a Python wrapper: an ``AsyncLLM`` client's request
-    made while the engine is gated runs only after the refit that restores it."""
-    import concurrent.futures
-    from dataclasses import replace
-
-    from mcore_reshard.adapters.vllm.engine import start_async_engine, stop_engine
-    from mcore_reshard.adapters.vllm.plugin import BACKEND
-    from mcore_reshard.adapters.vllm.worker import REFIT_EXTENSION
-    from mcore_reshard.verify import token_mult_prob_error
-
-    engine = start_async_engine(str(cluster.checkpoint), tp=1, dtype="bfloat16",
-                                worker_extension_cls=REFIT_EXTENSION, weight_transfer_config={"backend": BACKEND})
-    try:
-        with local_cluster(cluster.spec, cluster.checkpoint, cluster.training, VllmParallel(tp=1), cluster.refit,
-                           train={"lr": 0.05}, engines=[engine]) as c:
-            c.refit_once()
-            c.step(TOKENS)
-            c.driver.refit_config = replace(c.refit, atomic=False)
-            last = max(t.bucket for t in c.driver.plan.for_rank("src", 0).transfers)  # most layers committed by then
-            msg, _ = _fault(c, faults=Faults(TrainerFault(0, Fault("bitflip", bucket=last))))
-            assert "engine 0 is gated" in msg, msg
-            pending = engine.submit(_async_prompt_logprobs(engine.engine, TOKENS))
-            with pytest.raises(concurrent.futures.TimeoutError):
-                pending.result(timeout=3.0)  # queued: no model step runs while gated
-            c.driver.refit_config = c.refit
-            m = c.driver.refit()
-            assert m.verified
-            served = pending.result(timeout=60)
-            train = c.pool.logprobs([TOKENS]).wait()[0][0]
-            assert token_mult_prob_error(served, train) < 1.02  # the restored (trained) weights only
-            assert served == engine.submit(_async_prompt_logprobs(engine.engine, TOKENS)).result(timeout=60)
-    finally:
-        stop_engine(engine)

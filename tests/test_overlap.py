@@ -9,6 +9,10 @@ before the refit started; after the swap, the trainers' weights (``verify=full``
 rank). A refit that fails in the background (a flipped bit, a killed trainer) leaves the
 engine on exactly the old weights through ``generate`` and ``enqueue``, and the next refit
 restores. Same engine and trainer pool as ``test_faults`` (bf16 tiny MoE, TP2xEP2 -> TP2).
+
+Then vLLM's ``AsyncLLM`` (TP1, one engine and pool for the module): a request that spans the
+swap carries two ``weight_versions`` spans, each matching its weights; and a client's request
+made while the engine is gated runs only after the restoring refit.
 """
 
 from __future__ import annotations
@@ -47,6 +51,27 @@ def cluster(ckpt_cache, engine_cache):
                         train={"lr": 0.05}, engines=[llm]) as c:
         yield c
     engine_cache.check(llm)
+
+
+@pytest.fixture(scope="module")
+def async_cluster(cluster):
+    """vLLM's ``AsyncLLM`` (the engine behind ``vllm serve``, TP1) on the same checkpoint,
+    with a trainer pool and driver of its own: clients submit requests while the driver's
+    calls run."""
+    from mcore_reshard.adapters.vllm.engine import start_async_engine, stop_engine
+    from mcore_reshard.adapters.vllm.plugin import BACKEND
+    from mcore_reshard.adapters.vllm.worker import REFIT_EXTENSION
+    from mcore_reshard.jobs.refit import local_cluster
+
+    engine = start_async_engine(str(cluster.checkpoint), tp=1, dtype="bfloat16",
+                                worker_extension_cls=REFIT_EXTENSION, weight_transfer_config={"backend": BACKEND})
+    refit = replace(cluster.refit, overlap=False)
+    try:
+        with local_cluster(cluster.spec, cluster.checkpoint, cluster.training, VllmParallel(tp=1), refit,
+                           train={"lr": 0.05}, engines=[engine]) as c:
+            yield c
+    finally:
+        stop_engine(engine)
 
 
 def _served(llm) -> tuple[list[float], list[list[int]]]:
@@ -129,7 +154,116 @@ def test_a_shadow_cap_below_a_workers_share_is_refused_before_a_byte_moves(clust
     assert m.verified and m.bytes_moved == m.bytes_min
 
 
+def test_a_request_spanning_the_swap_has_version_spans_each_matching_its_weights(async_cluster):
+    """vLLM's ``AsyncLLM``: a greedy request runs while the refit moves the weights and across
+    the swap. Its ``weight_versions`` spans name the old version, then the new one; the tokens
+    of the first span are the old weights' greedy tokens, and those of the second are what the
+    new weights produce teacher-forced on the prompt and the first span
+    (``recompute_kv_cache_after_weight_updates``: the running request's KV is recomputed with
+    the new weights, so nothing after the swap attends to old-weight KV)."""
+    import threading
+
+    c = async_cluster
+    engine = c.engines[0]
+    prompt, n = TOKENS[:8], 96
+    c.driver.refit_config = replace(c.refit, overlap=True, recompute_kv_cache_after_weight_updates=True)
+    try:
+        c.refit_while(lambda: None)
+        v_old = engine.get_weight_version()
+        old_tokens = engine.submit(_async_greedy(engine.engine, prompt, n)).result(timeout=120).outputs[0].token_ids
+        c.step(TOKENS)
+        started = threading.Event()
+        spanning = engine.submit(_async_greedy(engine.engine, prompt, n, started, after=16))
+        assert started.wait(60)
+        # Freeze the request mid-way (as the driver's own pause does), so that the refit and
+        # the swap land inside it whatever the machine's speed.
+        engine.sleep(level=0, mode="keep")
+        m, _ = c.refit_while(lambda: None)
+        out = spanning.result(timeout=120).outputs[0]
+        v_new = engine.get_weight_version()
+        assert m.verified and any("full verification" in x for x in m.notes), m.notes
+        spans = out.weight_versions
+        assert [sp.version for sp in spans] == [v_old, v_new], spans
+        k = spans[1].start
+        # what the new weights produce after the first span (teacher-forced)
+        forced = engine.submit(_async_greedy(engine.engine, prompt + list(out.token_ids[:k]), n - k)).result(
+            timeout=120).outputs[0].token_ids
+    finally:
+        c.driver.refit_config = c.refit
+    assert spans[0].start == 0 and spans[0].end == k and spans[1].end == len(out.token_ids) == n, spans
+    assert 16 <= k < n
+    assert list(out.token_ids[:k]) == list(old_tokens[:k])  # the old weights' greedy tokens
+    assert list(out.token_ids[k:]) == list(forced)  # the new weights' tokens after the swap
+    assert list(out.token_ids) != list(old_tokens)  # and they differ from the old weights'
+
+
+async def _async_greedy(engine, prompt: list[int], n: int, started=None, after: int = 0):
+    """A greedy request through ``AsyncLLM.generate`` (cumulative outputs); ``started`` is set
+    once ``after`` tokens are out. Returns the final ``RequestOutput``."""
+    import uuid
+
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    final = None
+    async for out in engine.generate({"prompt_token_ids": prompt}, sp, request_id=uuid.uuid4().hex):
+        if started is not None and len(out.outputs[0].token_ids) >= after:
+            started.set()
+        final = out
+    return final
+
+
+def _fault(cluster, **refit_kwargs) -> str:
+    with pytest.raises(RefitFailed) as err:
+        cluster.driver.refit(**refit_kwargs)
+    return str(err.value)
+
+
 def _greedy_params():
     from vllm import SamplingParams
 
     return SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+async def _async_prompt_logprobs(engine, tokens: list[int]) -> list[float]:
+    """A client of vLLM's ``AsyncLLM`` (the engine behind ``vllm serve``): no helper between."""
+    import uuid
+
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    final = None
+    async for out in engine.generate({"prompt_token_ids": tokens}, sp, request_id=uuid.uuid4().hex):
+        final = out
+    return [float(lp[t].logprob) for t, lp in zip(tokens[1:], final.prompt_logprobs[1:])]
+
+
+def test_async_engine_clients_get_nothing_while_gated_and_the_restored_weights_after(async_cluster):
+    """The gate is vLLM's scheduler, not a Python wrapper: an ``AsyncLLM`` client's request
+    made while the engine is gated (a streaming refit failed after layers went live) runs only
+    after the refit that restores it."""
+    import concurrent.futures
+
+    from mcore_reshard.verify import token_mult_prob_error
+
+    c = async_cluster
+    engine = c.engines[0]
+    try:
+        c.refit_once()
+        c.step(TOKENS)
+        c.driver.refit_config = replace(c.refit, atomic=False)
+        last = max(t.bucket for t in c.driver.plan.for_rank("src", 0).transfers)  # most layers committed by then
+        msg = _fault(c, faults=Faults(TrainerFault(0, Fault("bitflip", bucket=last))))
+        assert "engine 0 is gated" in msg, msg
+        pending = engine.submit(_async_prompt_logprobs(engine.engine, TOKENS))
+        with pytest.raises(concurrent.futures.TimeoutError):
+            pending.result(timeout=3.0)  # queued: no model step runs while gated
+        c.driver.refit_config = c.refit
+        m = c.driver.refit()
+        assert m.verified
+        served = pending.result(timeout=60)
+        train = c.pool.logprobs([TOKENS]).wait()[0][0]
+        assert token_mult_prob_error(served, train) < 1.02  # the restored (trained) weights only
+        assert served == engine.submit(_async_prompt_logprobs(engine.engine, TOKENS)).result(timeout=60)
+    finally:
+        c.driver.refit_config = c.refit

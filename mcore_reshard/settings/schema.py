@@ -91,6 +91,12 @@ class RefitConfig:
     #: its live weights (about what the worker receives); 0: no cap. An overlapped refit over
     #: the cap is refused before any byte moves.
     max_shadow_bytes: int = 0
+    #: After new weights go live, requests running across the swap: true drops their KV and
+    #: recomputes it with the new weights (vLLM's prefix-cache reset with running requests
+    #: preempted); false keeps it (faster; tokens after the swap then attend to old-weight
+    #: KV), and the prefix cache is reset only where no request holds blocks (the refit's
+    #: notes say when it could not be). NeMo RL's key of the same name.
+    recompute_kv_cache_after_weight_updates: bool = False
     #: Where the local job puts both sides: ``separate`` (no placement: direct plans) or
     #: ``colocated`` (training rank i and vLLM worker i share device i on one node: the plan
     #: prefers same-device senders, whose bytes then move through shared memory).
@@ -102,7 +108,7 @@ class RefitConfig:
         return max(1, self.buffer_bytes // 2)
 
     def __post_init__(self) -> None:
-        for name in ("enabled", "allow_cast", "atomic", "overlap"):
+        for name in ("enabled", "allow_cast", "atomic", "overlap", "recompute_kv_cache_after_weight_updates"):
             value = getattr(self, name)
             _check(isinstance(value, bool), f"refit.{name}={value!r} is not a boolean (true or false)")
         for name, allowed in (("transport", TRANSPORTS), ("apply_mode", APPLY), ("placement", PLACEMENTS)):

@@ -11,8 +11,10 @@ Two modes per local parameter, chosen by :func:`select_modes` and exposed as dat
   and once every element arrived the shadow runs ``process_weights_after_loading`` (on CPU a
   new ``cpu_linear`` handle, the MoE prepack vLLM 0.32 forgets on reload). The commit copies
   the shadow's processed tensors into the live kernel tensors in place, as vLLM's
-  ``_copy_and_restore_kernel_tensors`` does (storage addresses kept: CUDA graphs stay valid),
-  and carries over the attributes processing set (kernel handles). Until then nothing a
+  ``_copy_and_restore_kernel_tensors`` does (storage addresses kept: CUDA graphs stay valid)
+  -- or, on a CPU engine run eagerly, where nothing holds the storages, rebinds each live
+  tensor to its shadow's storage (``rebind``: O(1) per tensor) -- and carries over the
+  attributes processing set (kernel handles). Until then nothing a
   forward pass reads has changed, so a model step may run while a refit receives.
 
 MLA (DeepSeek-V2/V3): the attention kernel does not read ``kv_b_proj`` but W_UK / W_UV that
@@ -171,8 +173,12 @@ class VllmApplier:
 
     def __init__(self, model: torch.nn.Module, params: Sequence[LocalParam], *,
                  modes: Mapping[str, str] | None = None, atomic: bool = False,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", rebind: bool = False) -> None:
         self.model = model
+        #: Commit by rebinding each live tensor's data to its shadow's (O(1) per tensor) instead
+        #: of copying into it: only where nothing captured the live storages -- a CPU engine
+        #: run eagerly (no CUDA graphs, no compiled graph holding the weights).
+        self.rebind = rebind
         self.params = {p.name: p for p in params}
         self.modes = dict(modes) if modes is not None else select_modes(model, params)
         self.atomic = atomic
@@ -309,7 +315,7 @@ class VllmApplier:
                 for name, staged in self._staged.items():
                     layer, pname = _owner(self.model, name)
                     self._live_changed = True
-                    getattr(layer, pname).data.copy_(staged)
+                    _swap_into(getattr(layer, pname), staged, self.rebind and not _aliased(layer, pname))
                 for st in self._layers.values():
                     self._commit(st)
         except BaseException as exc:
@@ -457,16 +463,18 @@ class VllmApplier:
 
     @_timed("commit")
     def _commit(self, st: _LayerState) -> None:
-        """Copy the shadow's processed tensors into the live kernel tensors (in place, as
-        vLLM's ``_copy_and_restore_kernel_tensors``), then carry over what processing set on
-        the module (kernel handles such as the CPU ``cpu_linear``), then rebuild MLA's
-        absorbed weights from the new ``kv_b_proj``."""
+        """The shadow's processed tensors into the live kernel tensors (copied in place, as
+        vLLM's ``_copy_and_restore_kernel_tensors``; ``rebind``: the live tensors take the
+        shadow's storages), then what processing set on the module (kernel handles such as
+        the CPU ``cpu_linear``), then MLA's absorbed weights rebuilt from the new ``kv_b_proj``."""
         live, shadow = st.layer, st.shadow
         self._live_changed = True
+        # A buffer aliasing a parameter's storage would keep the old one after a rebind.
+        aliased = {b.untyped_storage().data_ptr() for b in live._buffers.values() if b is not None}
         for name, param in live._parameters.items():
             new = shadow._parameters.get(name)
             if param is not None and new is not None and new is not param:
-                _copy_into(param, new)
+                _swap_into(param, new, self.rebind and param.untyped_storage().data_ptr() not in aliased)
         written = set(st.names)
         for name, buf in live._buffers.items():
             new = shadow._buffers.get(name)
@@ -474,7 +482,7 @@ class VllmApplier:
                 continue
             if name in live._non_persistent_buffers_set and name not in written:
                 continue  # vLLM's reload keeps such buffers (e.g. rotary caches) as they are
-            _copy_into(buf, new)
+            _swap_into(buf, new, False)
         for k, v in shadow.__dict__.items():
             if not k.startswith("_") and live.__dict__.get(k, _MISSING) is not v:
                 live.__dict__[k] = v
@@ -488,13 +496,20 @@ class VllmApplier:
 _MISSING = object()
 
 
-def _copy_into(live: torch.Tensor, new: torch.Tensor) -> None:
-    """Processed values into a live kernel tensor: in place where shape and dtype match
-    (addresses kept), else the tensor's data is rebound (a kernel that changed its shape)."""
-    if live.shape == new.shape and live.dtype == new.dtype:
-        live.data.copy_(new)
-    else:
+def _aliased(layer: torch.nn.Module, pname: str) -> bool:
+    """Whether a buffer of ``layer`` shares parameter ``pname``'s storage."""
+    ptr = getattr(layer, pname).untyped_storage().data_ptr()
+    return any(b is not None and b.untyped_storage().data_ptr() == ptr for b in layer._buffers.values())
+
+
+def _swap_into(live: torch.Tensor, new: torch.Tensor, rebind: bool) -> None:
+    """Processed values into a live kernel tensor: ``rebind`` (or a kernel that changed the
+    shape or dtype): the live tensor object takes the shadow's storage, O(1); else an
+    in-place copy (storage addresses kept, as CUDA graphs need)."""
+    if rebind or live.shape != new.shape or live.dtype != new.dtype:
         live.data = new.data
+    else:
+        live.data.copy_(new)
 
 
 def _shadow_module(layer: torch.nn.Module) -> torch.nn.Module:

@@ -51,7 +51,7 @@ from .apply import VllmApplier
 from .record import record_local_params
 
 __all__ = ["ReshardInitInfo", "ReshardUpdateInfo", "ReshardWeightTransferEngine", "canonical_tensors",
-           "engine_rank"]
+           "engine_rank", "rebind_commits"]
 
 
 @dataclass
@@ -89,6 +89,12 @@ def canonical_tensors(vllm_config: Any) -> dict[str, tuple[tuple[int, ...], str]
     """Canonical HF tensors (name -> shape, dtype) of the served model, from its HF config."""
     mc = vllm_config.model_config
     return spec_from_hf_config(mc.hf_config, dtype=str(mc.dtype).replace("torch.", "")).tensor_table()
+
+
+def rebind_commits(vllm_config: Any, device: torch.device) -> bool:
+    """Whether a commit may rebind live tensors to the shadows' storages (``VllmApplier.rebind``):
+    a CPU engine run eagerly, where nothing holds the live storages."""
+    return torch.device(device).type == "cpu" and bool(getattr(vllm_config.model_config, "enforce_eager", False))
 
 
 def engine_rank() -> int:
@@ -134,7 +140,8 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
     def applier(self, atomic: bool) -> VllmApplier:
         ap = self._applier
         if ap is None or ap.atomic != atomic:
-            new = VllmApplier(self.model, self.params(), atomic=atomic, device=self.device)
+            new = VllmApplier(self.model, self.params(), atomic=atomic, device=self.device,
+                              rebind=rebind_commits(self.vllm_config, self.device))
             if ap is not None:
                 new.inherit(ap)  # a torn model stays gated across a change of mode
             ap = self._applier = new
