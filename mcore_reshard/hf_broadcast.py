@@ -373,6 +373,7 @@ class HFBroadcastTransport:
             verified=False,  # nothing is checksummed on this path, whatever the request asked
             notes=("no checksum verification on the baseline path; checked by logprobs",),
             phases={k: round(v, 6) for k, v in phases.items()},
+            pause_seconds=seconds,  # the receive runs inside collective_rpc: no model step meanwhile
         )
 
     def _join(self, driver: RefitDriver, timeout_s: float) -> None:
