@@ -20,17 +20,15 @@ numbers are printed whether or not the target is met.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_refit import BENCH_MODEL, checkpoint, stdout_to_stderr  # noqa: E402
+from bench_refit import BENCH_MODEL, bench_main, checkpoint  # noqa: E402
 
 TARGET_PAUSE_OF_BLOCKING = 0.05  # overlapped pause <= 5 % of the blocking refit's time
 PROMPTS = [[11, 42, 7, 99, 123, 5, 77, 300], [8, 64, 512, 3, 250, 17, 901, 46]]
@@ -168,17 +166,7 @@ def table(res: dict[str, Any]) -> str:
 
 
 def main() -> int:
-    args = parse_args()
-    write = stdout_to_stderr()
-    log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
-    if args.workdir:
-        res = run(args, log)
-    else:
-        with tempfile.TemporaryDirectory(prefix="mcore_reshard_bench_") as tmp:
-            args.workdir = tmp
-            res = run(args, log)
-    write(json.dumps(res) if args.json else table(res))
-    return 0
+    return bench_main(parse_args(), run, table)
 
 
 if __name__ == "__main__":

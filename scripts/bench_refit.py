@@ -373,18 +373,23 @@ def table(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    args = parse_args()
+def bench_main(args: argparse.Namespace, run: Callable[..., dict[str, Any]], table: Callable[[dict[str, Any]], str]) -> int:
+    """Run ``run(args, log)`` (vLLM's logs on stderr) and print its table or one JSON object on
+    stdout; the checkpoint goes away with the run unless ``--workdir`` keeps it."""
     write = stdout_to_stderr()
     log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
     if args.workdir:
         res = run(args, log)
-    else:  # the 1.15 GB checkpoint goes away with the run unless --workdir keeps it
+    else:
         with tempfile.TemporaryDirectory(prefix="mcore_reshard_bench_") as tmp:
             args.workdir = tmp
             res = run(args, log)
     write(json.dumps(res) if args.json else table(res))
     return 0
+
+
+def main() -> int:
+    return bench_main(parse_args(), run, table)
 
 
 if __name__ == "__main__":
