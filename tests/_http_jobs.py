@@ -34,18 +34,7 @@ def http_refit_job(ctx: WorldCtx, ckpt: str, dtype: str, par: MegatronParallel, 
                    tokens: list[int], to_controller: Any) -> dict:
     import torch.distributed as dist
 
-    spec = load_model_spec(ckpt, dtype=dtype)
-    init_megatron(par, ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)
-    policy = build_policy(spec, par, TrainSettings(dtype=dtype, lr=0.05))
-    policy.load_canonical(load_canonical(ckpt))
-    policy.train_step([tokens])
-
-    ep = TrainerEndpoint(policy.chunks, spec, sync_params=policy.sync_params)
-    every: list = [None] * ctx.world_size
-    dist.all_gather_object(every, ep.describe())
-    src = SideLayout("megatron", ctx.world_size, tuple(p for r in every for p in r), spec.tensor_table())
-    dst = vllm_layout(spec, vllm)
-    plan = build_plan(src, dst, bucket_bytes=1 << 16)
+    policy, ep, src, dst, plan = _trained_endpoint(ctx, ckpt, dtype, par, vllm, tokens)
     digest = plan.digest()
     boxed = [free_port() if ctx.rank == 0 else None]
     dist.broadcast_object_list(boxed, src=0)
@@ -128,20 +117,7 @@ def http_two_refits_job(ctx: WorldCtx, ckpt: str, dtype: str, par: MegatronParal
     """Two refits in one group: the weights after a training step, then ``ckpt`` itself again
     (what the server loaded at start; an overlapped refit), each handed to the controller as
     JSON."""
-    import torch.distributed as dist
-
-    spec = load_model_spec(ckpt, dtype=dtype)
-    init_megatron(par, ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)
-    policy = build_policy(spec, par, TrainSettings(dtype=dtype, lr=0.05))
-    policy.load_canonical(load_canonical(ckpt))
-    policy.train_step([tokens])
-
-    ep = TrainerEndpoint(policy.chunks, spec, sync_params=policy.sync_params)
-    every: list = [None] * ctx.world_size
-    dist.all_gather_object(every, ep.describe())
-    src = SideLayout("megatron", ctx.world_size, tuple(p for r in every for p in r), spec.tensor_table())
-    dst = vllm_layout(spec, vllm)
-    plan = build_plan(src, dst, bucket_bytes=1 << 16)
+    policy, ep, src, dst, plan = _trained_endpoint(ctx, ckpt, dtype, par, vllm, tokens)
     digest = plan.digest()
     rank_map = RankMap.disaggregated(src.world_size, dst.world_size)
     dst_slices = {str(r): slice_to_wire(plan.for_rank("dst", r)) for r in range(dst.world_size)}
@@ -165,6 +141,25 @@ def http_two_refits_job(ctx: WorldCtx, ckpt: str, dtype: str, par: MegatronParal
     verified = [sorted((r.side, r.rank) for r in rs if r is not None and r.verified) for rs in reports]
     return {"logprobs_1": logprobs_1, "bytes_min": plan.bytes_min, "received": received, "verified": verified,
             "ranks": sorted([("src", r) for r in range(src.world_size)] + [("dst", r) for r in range(dst.world_size)])}
+
+
+def _trained_endpoint(ctx: WorldCtx, ckpt: str, dtype: str, par: MegatronParallel, vllm: VllmParallel,
+                      tokens: list[int]) -> tuple[Any, TrainerEndpoint, SideLayout, SideLayout, Any]:
+    """A megatron policy from ``ckpt`` after one training step, its trainer endpoint, both
+    sides' layouts (every rank's descriptors gathered) and the plan into the server's layout."""
+    import torch.distributed as dist
+
+    spec = load_model_spec(ckpt, dtype=dtype)
+    init_megatron(par, ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)
+    policy = build_policy(spec, par, TrainSettings(dtype=dtype, lr=0.05))
+    policy.load_canonical(load_canonical(ckpt))
+    policy.train_step([tokens])
+    ep = TrainerEndpoint(policy.chunks, spec, sync_params=policy.sync_params)
+    every: list = [None] * ctx.world_size
+    dist.all_gather_object(every, ep.describe())
+    src = SideLayout("megatron", ctx.world_size, tuple(p for r in every for p in r), spec.tensor_table())
+    dst = vllm_layout(spec, vllm)
+    return policy, ep, src, dst, build_plan(src, dst, bucket_bytes=1 << 16)
 
 
 def _rejoin(ep: TrainerEndpoint, ctx: WorldCtx, rank_map: RankMap, dst_slices: dict, digest: str,

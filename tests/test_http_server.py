@@ -93,6 +93,21 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait(timeout=30)
 
 
+def _trainers(job, model: str, server_tp: int, q, out: dict, **kw) -> threading.Thread:
+    """Megatron TP2xEP2 ranks running ``job`` on a thread (they hand the controller its JSON
+    through ``q``); their results, or the error, land in ``out``."""
+    def run() -> None:
+        try:
+            out["ranks"] = run_world(job, 2, (model, "float32", MegatronParallel(tp=2, ep=2, etp=1),
+                                              VllmParallel(tp=server_tp), TOKENS, q), timeout_s=900, **kw)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
+            out["error"] = exc
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
 def _completion_hangs(url: str, model: str, wait_s: float = 5.0) -> bool:
     """True when a completion gets no reply within ``wait_s`` (a paused server holds it)."""
     t0 = time.monotonic()
@@ -113,17 +128,7 @@ def test_http_server_refit_then_refused_refit_keeps_it_paused(server):
 
     q = mp.get_context("spawn").Queue()
     out: dict = {}
-
-    def trainers() -> None:
-        try:
-            out["ranks"] = run_world(http_refit_job, 2, (model, "float32", MegatronParallel(tp=2, ep=2, etp=1),
-                                                         VllmParallel(tp=SERVER_TP), TOKENS, q), timeout_s=900,
-                                    may_exit=(1,))
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
-            out["error"] = exc
-
-    t = threading.Thread(target=trainers)
-    t.start()
+    t = _trainers(http_refit_job, model, SERVER_TP, q, out, may_exit=(1,))
     try:
         # 1. A refit through HTTP only, concurrently with the trainers' side.
         msg = q.get(timeout=600)
@@ -250,16 +255,7 @@ def test_http_server_tp1_two_refits_equal_the_trainers_then_its_own_fresh_load(t
         fresh = prompt_logprobs(url, model, TOKENS)
         q = mp.get_context("spawn").Queue()
         out: dict = {}
-
-        def trainers() -> None:
-            try:
-                out["ranks"] = run_world(http_two_refits_job, 2, (model, "float32", MegatronParallel(tp=2, ep=2, etp=1),
-                                                                  VllmParallel(tp=1), TOKENS, q), timeout_s=900)
-            except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
-                out["error"] = exc
-
-        t = threading.Thread(target=trainers)
-        t.start()
+        t = _trainers(http_two_refits_job, model, 1, q, out)
         try:
             msg = q.get(timeout=600)
             refit_servers([url], msg["update_info"], "refit-1", init_info=msg["init_info"], timeouts=TIMEOUTS)
