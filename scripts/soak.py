@@ -405,10 +405,12 @@ def control_plane_rows(log: Callable[..., None]) -> list[dict[str, Any]]:
 
 
 def faults(c: Any, tokens: list[int], bound: float, log: Callable[..., None], only: str = "") -> list[dict[str, Any]]:
-    """Every case in both commit modes (atomic and streaming); the engine-killing case once,
-    last; then the control-plane rows."""
+    """Every case in both commit modes (atomic and streaming; with ``refit.overlap`` atomic only:
+    an overlapped refit cannot stream); the engine-killing case once, last; then the
+    control-plane rows."""
     cases = [c_ for c_ in _cases() if only in c_.name]
-    rows = [fault_row(c, tokens, case, atomic, bound, log) for atomic in (True, False)
+    modes = (True,) if c.refit.overlap else (True, False)
+    rows = [fault_row(c, tokens, case, atomic, bound, log) for atomic in modes
             for case in cases if case.restart != "engine"]
     rows += [fault_row(c, tokens, case, True, bound, log) for case in cases if case.restart == "engine"]
     return rows + (control_plane_rows(log) if not only else [])
