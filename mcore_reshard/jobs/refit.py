@@ -75,10 +75,7 @@ class LocalCluster:
         element-wise comparison where the transport verified (checksums) what it moved."""
         request = self.driver.request()
         m = self.driver.refit(request, transport=self.transports[transport or self.refit.transport])
-        if request.verify is VerifyMode.FULL and m.verified:
-            note = full_verification(self.driver.src, self.driver.dst, self.pool.local_tensors().wait(), self.engines)
-            m = replace(m, notes=m.notes + (note,))
-        return m
+        return self._full_check(request, m)
 
     def refit_while(self, during: Callable[[], T], faults: Any = None) -> tuple[RefitMetrics, T]:
         """An overlapped refit with ``during()`` run on this thread while the weights move
@@ -90,10 +87,14 @@ class LocalCluster:
             result = during()
         finally:
             m = pending.finish()
+        return self._full_check(request, m), result
+
+    def _full_check(self, request: Any, m: RefitMetrics) -> RefitMetrics:
+        """``verify=full``: the element-wise comparison, where the refit verified (checksums)."""
         if request.verify is VerifyMode.FULL and m.verified:
             note = full_verification(self.driver.src, self.driver.dst, self.pool.local_tensors().wait(), self.engines)
             m = replace(m, notes=m.notes + (note,))
-        return m, result
+        return m
 
     def logprob_error(self, tokens: Sequence[int]) -> float:
         """token_mult_prob_error of every engine against a megatron forward; the worst one."""

@@ -469,12 +469,10 @@ class VllmApplier:
         the CPU ``cpu_linear``), then MLA's absorbed weights rebuilt from the new ``kv_b_proj``."""
         live, shadow = st.layer, st.shadow
         self._live_changed = True
-        # A buffer aliasing a parameter's storage would keep the old one after a rebind.
-        aliased = {b.untyped_storage().data_ptr() for b in live._buffers.values() if b is not None}
         for name, param in live._parameters.items():
             new = shadow._parameters.get(name)
             if param is not None and new is not None and new is not param:
-                _swap_into(param, new, self.rebind and param.untyped_storage().data_ptr() not in aliased)
+                _swap_into(param, new, self.rebind and not _aliased(live, name))
         written = set(st.names)
         for name, buf in live._buffers.items():
             new = shadow._buffers.get(name)
@@ -497,7 +495,8 @@ _MISSING = object()
 
 
 def _aliased(layer: torch.nn.Module, pname: str) -> bool:
-    """Whether a buffer of ``layer`` shares parameter ``pname``'s storage."""
+    """Whether a buffer of ``layer`` shares parameter ``pname``'s storage (it would keep the
+    old storage after a rebind)."""
     ptr = getattr(layer, pname).untyped_storage().data_ptr()
     return any(b is not None and b.untyped_storage().data_ptr() == ptr for b in layer._buffers.values())
 

@@ -126,8 +126,6 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         self.init_error = ""
         #: An overlapped refit receiving on its own thread (``finish_weight_update`` joins it).
         self._background: _Background | None = None
-        #: Seconds the last commit took on this worker (overlapped: the swap).
-        self.last_swap_s = 0.0
 
     # -- descriptors ------------------------------------------------------------------------
     def params(self) -> list[LocalParam]:
@@ -239,12 +237,12 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
             return
         self._conclude(*self._receive(update_info))
 
-    def _conclude(self, request: RefitRequest | None, applier: VllmApplier | None, report: RankReport | None,
-                  outcome: Outcome, quiet: bool = False) -> None:
+    def _conclude(self, request: RefitRequest | None, applier: VllmApplier | None, outcome: Outcome,
+                  quiet: bool = False) -> None:
         """After the vote: commit or roll back, keep the outcome, raise on the last worker
         (``quiet``: never; an overlapped refit concluded by the next ``update_weights``)."""
         if request is not None and applier is not None:
-            outcome = self._settle(request, applier, report, outcome)
+            outcome = self._settle(request, applier, outcome)
         self.last_outcome = outcome
         if (outcome.commit and outcome.known) or quiet:
             return
@@ -257,17 +255,16 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         world = int(par.world_size)
         return self.local_rank % world == world - 1
 
-    def _receive(self, update_info: ReshardUpdateInfo
-                 ) -> tuple[RefitRequest | None, VllmApplier | None, RankReport | None, Outcome]:
+    def _receive(self, update_info: ReshardUpdateInfo) -> tuple[RefitRequest | None, VllmApplier | None, Outcome]:
         """Receive this worker's boxes (into staged or shadow tensors; streaming: live) and
         vote. Nothing is committed here in atomic mode (``_settle`` does, after the vote)."""
         try:
             request = RefitRequest.from_wire(update_info.request)
         except Exception as exc:  # noqa: BLE001 - a bad request is this worker's "no"
-            return None, None, None, Outcome(
+            return None, None, Outcome(
                 False, [], [f"vLLM worker {self.local_rank}: bad update_info: {first_error_line(exc)}"])
         if self.endpoint is None:
-            return None, None, None, Outcome(
+            return None, None, Outcome(
                 False, [], [f"vLLM worker {self.local_rank}: update_weights before init_weight_transfer_engine"],
                 epoch=request.epoch)
         fault = _fault_for(update_info.fault, self.endpoint.rank)
@@ -302,18 +299,15 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
             error = exc
         outcome = self.endpoint.vote(request, report, error, fault=fault)
         self.last_report = report
-        return request, applier, report, outcome
+        return request, applier, outcome
 
-    def _settle(self, request: RefitRequest, applier: VllmApplier, report: RankReport | None,
-                outcome: Outcome) -> Outcome:
+    def _settle(self, request: RefitRequest, applier: VllmApplier, outcome: Outcome) -> Outcome:
         """Commit (atomic: the swap from staged and shadow tensors into the live ones) or roll
         back, as the decision says."""
         version = request.version_at(outcome.epoch)
         if outcome.commit and request.atomic:
             try:
-                t0 = time.perf_counter()
                 applier.finish()  # everyone staged and verified: commit together
-                self.last_swap_s = time.perf_counter() - t0
                 self.version = version
             except BaseException as exc:  # noqa: BLE001 - this engine no longer serves
                 outcome = replace(outcome, commit=False, errors=outcome.errors + [f"{self.endpoint.who}: commit failed: {exc}"])
@@ -383,7 +377,7 @@ class _Background:
                 with set_current_vllm_config(engine.vllm_config):
                     self.result = engine._receive(update_info)
             except BaseException as exc:  # noqa: BLE001 - kept as this worker's outcome
-                self.result = (None, None, None, Outcome(False, [], [f"vLLM worker {engine.local_rank}: background "
+                self.result = (None, None, Outcome(False, [], [f"vLLM worker {engine.local_rank}: background "
                                                                         f"refit failed: {first_error_line(exc)}"]))
 
         self.thread = threading.Thread(target=run, daemon=True, name=f"mcore-reshard-refit-{engine.local_rank}")
@@ -396,7 +390,7 @@ class _Background:
         self.thread.join(self.timeout_s + BACKGROUND_GRACE_S)
         if self.thread.is_alive() or self.result is None:
             e = self.engine
-            return (None, None, None, Outcome(False, [], [
+            return (None, None, Outcome(False, [], [
                 f"vLLM worker {e.local_rank}: the background refit did not end within "
                 f"{self.timeout_s + BACKGROUND_GRACE_S:.0f}s; its shadows are dropped"], known=False))
         return self.result
