@@ -103,7 +103,9 @@ class TrainerRank(RefitRank, Protocol):
 
     def train_step(self, token_ids: TokenIds) -> float: ...
 
-    def logprobs(self, token_ids: TokenIds) -> list[list[float]]: ...
+    def logprobs(self, token_ids: TokenIds, version: int | None = None) -> list[list[float]]: ...
+
+    def snapshot(self, version: int, keep: Sequence[int]) -> int: ...
 
     def grpo_step(self, token_ids: TokenIds, batch: GrpoBatch, loss: PgLossSettings) -> float: ...
 
@@ -193,10 +195,21 @@ class TrainStep(RankCall[float]):
 @dataclass(frozen=True)
 class Logprobs(RankCall[list[list[float]]]):
     token_ids: TokenIds
+    version: int | None = None  # None: the current weights; else a snapshot's
     what = "logprobs"
 
     def run(self, rank: TrainerRank) -> list[list[float]]:
-        return rank.logprobs(self.token_ids)
+        return rank.logprobs(self.token_ids, self.version)
+
+
+@dataclass(frozen=True)
+class Snapshot(RankCall[int]):
+    version: int
+    keep: tuple[int, ...]
+    what = "snapshot"
+
+    def run(self, rank: TrainerRank) -> int:
+        return rank.snapshot(self.version, self.keep)
 
 
 @dataclass(frozen=True)
@@ -282,7 +295,9 @@ class TrainerRanks(RefitRanks, Protocol):
 
     def train_step(self, token_ids: TokenIds) -> Pending[float]: ...
 
-    def logprobs(self, token_ids: TokenIds) -> Pending[list[list[float]]]: ...
+    def logprobs(self, token_ids: TokenIds, version: int | None = None) -> Pending[list[list[float]]]: ...
+
+    def snapshot(self, version: int, keep: Sequence[int]) -> Pending[int]: ...
 
     def grpo_step(self, token_ids: TokenIds, batch: GrpoBatch, loss: PgLossSettings) -> Pending[float]: ...
 
@@ -351,8 +366,15 @@ class RankGroup:
     def train_step(self, token_ids: TokenIds) -> Pending[float]:
         return self._each(TrainStep(_tokens(token_ids)))
 
-    def logprobs(self, token_ids: TokenIds) -> Pending[list[list[float]]]:
-        return self._each(Logprobs(_tokens(token_ids)))
+    def logprobs(self, token_ids: TokenIds, version: int | None = None) -> Pending[list[list[float]]]:
+        """Every sequence's next-token logprobs under the current weights, or under the
+        snapshot of policy ``version`` (:meth:`snapshot`)."""
+        return self._each(Logprobs(_tokens(token_ids), version))
+
+    def snapshot(self, version: int, keep: Sequence[int]) -> Pending[int]:
+        """Keep a copy of the current weights as policy ``version`` and drop the snapshots not
+        in ``keep``; each rank answers the bytes it now holds in snapshots."""
+        return self._each(Snapshot(int(version), tuple(int(v) for v in keep)))
 
     def grpo_step(self, token_ids: TokenIds, batch: GrpoBatch, loss: PgLossSettings) -> Pending[float]:
         return self._each(GrpoStep(_tokens(token_ids), batch, loss))

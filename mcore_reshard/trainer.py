@@ -145,6 +145,9 @@ class MegatronRank(EndpointRank):
         super().__init__(TrainerEndpoint(self.policy.chunks, setup.spec, rank=rank, sync_params=sync),
                          sync_params=self.policy.sync_params)
         self.reference: dict[str, Any] | None = None  # frozen initial weights (GRPO's KL reference)
+        #: Earlier policy versions' weights (async GRPO: a token's logprob under the version
+        #: that generated it), by version.
+        self.snapshots: dict[int, dict[str, Any]] = {}
 
     def _batch(self, token_ids: Sequence[Sequence[int]]) -> list[list[int]]:
         """Each data-parallel rank takes a share, and the interleaved (virtual) pipeline
@@ -160,8 +163,36 @@ class MegatronRank(EndpointRank):
         """One optimizer step of next-token cross-entropy (through megatron's schedule)."""
         return self.policy.train_step(self._batch(token_ids))
 
-    def logprobs(self, token_ids: Sequence[Sequence[int]]) -> list[list[float]]:
+    def logprobs(self, token_ids: Sequence[Sequence[int]], version: int | None = None) -> list[list[float]]:
+        """Next-token logprobs under the current weights, or under the snapshot of ``version``."""
+        if version is not None:
+            if version not in self.snapshots:
+                raise KeyError(f"no snapshot of policy version {version} (held: {sorted(self.snapshots)})")
+            return self._under(self.snapshots[version], token_ids)
         return self.policy.logprobs(self._batch(token_ids))[: len(token_ids)]
+
+    def snapshot(self, version: int, keep: Sequence[int]) -> int:
+        """Keep a copy of the local weights as ``version``, drop versions not in ``keep``;
+        returns the bytes the snapshots hold (host memory, beside the model)."""
+        self.snapshots = {v: w for v, w in self.snapshots.items() if v in keep}
+        if version in keep:
+            self.snapshots[version] = {n: t.detach().clone() for n, t in self.policy.local_params().items()}
+        return sum(t.numel() * t.element_size() for w in self.snapshots.values() for t in w.values())
+
+    def _under(self, weights: dict[str, Any], token_ids: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Logprobs with ``weights`` swapped in, and the current weights back after."""
+        import torch
+
+        params = self.policy.local_params()
+        current = {n: t.detach().clone() for n, t in params.items()}
+        with torch.no_grad():
+            for n, t in params.items():
+                t.copy_(weights[n])
+            try:
+                return self.logprobs(token_ids)
+            finally:
+                for n, t in params.items():
+                    t.copy_(current[n])
 
     def grpo_step(self, token_ids: Sequence[Sequence[int]], batch: GrpoBatch, loss: PgLossSettings) -> float:
         """One GRPO optimizer step: ``batch`` holds per sequence its advantage, the previous and
@@ -176,20 +207,9 @@ class MegatronRank(EndpointRank):
     def reference_logprobs(self, token_ids: Sequence[Sequence[int]]) -> list[list[float]]:
         """Logprobs under the frozen initial weights (kept at the first call: GRPO's reference
         policy), computed by swapping them in and the trained weights back."""
-        import torch
-
-        params = self.policy.local_params()
         if self.reference is None:
-            self.reference = {n: t.detach().clone() for n, t in params.items()}
-        trained = {n: t.detach().clone() for n, t in params.items()}
-        with torch.no_grad():
-            for n, t in params.items():
-                t.copy_(self.reference[n])
-            try:
-                return self.logprobs(token_ids)
-            finally:
-                for n, t in params.items():
-                    t.copy_(trained[n])
+            self.reference = {n: t.detach().clone() for n, t in self.policy.local_params().items()}
+        return self._under(self.reference, token_ids)
 
     def local_tensors(self) -> dict[str, Any]:
         """Copies of the synced local parameters (``verify=full`` gathers them)."""

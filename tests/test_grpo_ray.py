@@ -25,6 +25,7 @@ pytestmark = pytest.mark.slow  # every test runs GRPO: megatron ranks, a vLLM en
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "grpo-tiny-moe-cpu.yaml"
+ASYNC_RECIPE = ROOT / "recipes" / "grpo-tiny-moe-cpu-async.yaml"
 
 
 def _run_processes() -> set[int]:
@@ -183,11 +184,60 @@ def test_colocated_run_keeps_same_device_bytes_off_the_group():
     assert r["segments_after"] == r["segments_before"]
 
 
+def _async_run(workdir: Path) -> dict:
+    """``mcore-reshard grpo`` on the async recipe for three steps, with completions long enough
+    (160 tokens, 4 sequences at a time) that the next step's requests are still decoding when
+    a step's refit lands in flight."""
+    logs = workdir / "logs"
+    cmd = [sys.executable, "-m", "mcore_reshard.cli", "grpo", str(ASYNC_RECIPE), "grpo.max_num_steps=3",
+           "grpo.verify_full_every_n_steps=3", "policy.generation.max_new_tokens=160", f"logger.log_dir={logs}"]
+    proc = track(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        out, err = proc.communicate(timeout=500)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return dict(returncode=proc.returncode, stderr=err, steps=_lines(logs / "metrics.jsonl"))
+
+
+def test_async_run_trains_on_samples_of_the_previous_version_each_token_checked_against_its_own():
+    """Asynchronous GRPO (``recipes/grpo-tiny-moe-cpu-async.yaml``: AsyncLLM in an async Ray
+    actor, in-flight overlapped refits, importance sampling):
+
+    * step k trains on samples whose generation began at version k - 1 (they were generated
+      while step k - 1 trained and refitted), never older than max_trajectory_age_steps = 1;
+    * the refits land in flight: requests running across a swap carry tokens of two versions;
+    * every token's ``token_mult_prob_error`` against the version that generated it (trainer
+      snapshots) is at fp32's bound, while against the current policy it is far above it: the
+      samples are off-policy, and the check still proves each refit served what the trainer held;
+    * every refit verified at the minimum bytes, ``verify=full`` on the last.
+    """
+    r = BACKGROUND.result("grpo-async", _async_run)
+    assert r["returncode"] == 0, r["stderr"][-2000:]
+    steps = r["steps"]
+    assert [s["step"] for s in steps] == [0, 1, 2]
+    for s in steps:
+        assert s["refit_verified"] is True and s["refit_bytes_moved"] == s["refit_bytes_min"] > 0
+        assert 1.0 <= s["token_mult_prob_error"] <= 1.001  # each token vs the version that made it
+        assert s["policy_version"] == s["step"] and s["dropped_stale_samples"] == 0
+        assert s["trajectory_age"] == s["policy_version"] - s["generation_versions"][0] <= 1
+        assert s["snapshot_bytes"] > 0
+    assert steps[0]["generation_versions"] == [0, 0] and steps[0]["trajectory_age"] == 0
+    assert [s["generation_versions"][0] for s in steps[1:]] == [0, 1]  # started one version back
+    assert all(s["trajectory_age"] == 1 for s in steps[1:])
+    # in flight: a batch holds tokens of the version it began at and of the one after
+    assert any(s["generation_versions"][1] == s["generation_versions"][0] + 1 for s in steps[1:]), steps
+    assert all(s["off_policy_token_mult_prob_error"] > 1.01 for s in steps[1:])  # stale vs the current policy
+    assert [s["refit_full_verified"] for s in steps] == [False, False, True]
+
+
 #: Runs ``conftest.py`` starts when the session starts (one at a time, on a background thread)
 #: for these tests: self-contained CLI runs, asserted on where the file order puts the tests.
 BACKGROUND_JOBS = {
     "test_embedded_run_learns_every_refit_verified_and_ctrl_c_stops_it": ("grpo-embedded", _embedded_run),
     "test_colocated_run_keeps_same_device_bytes_off_the_group": ("grpo-colocated", _colocated_run),
+    "test_async_run_trains_on_samples_of_the_previous_version_each_token_checked_against_its_own":
+        ("grpo-async", _async_run),
 }
 
 

@@ -22,8 +22,10 @@ from mcore_reshard.settings.policy import from_policy_config
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "recipes" / "grpo-tiny-moe-cpu.yaml"
+ASYNC = REPO / "recipes" / "grpo-tiny-moe-cpu-async.yaml"
 QWEN_4N = REPO / "recipes" / "grpo-qwen3-30b-a3b-megatron-reshard.yaml"
 QWEN_8N = REPO / "recipes" / "grpo-qwen3-30b-a3b-8n8g-megatron-reshard.yaml"
+QWEN_ASYNC = REPO / "recipes" / "grpo-qwen3-30b-a3b-megatron-reshard-async.yaml"
 # (recipe, training ranks, generation ranks, engines, training nodes, generation nodes)
 QWEN = [(QWEN_4N, 16, 16, 8, 2, 2), (QWEN_8N, 32, 32, 8, 4, 4)]
 
@@ -142,8 +144,42 @@ def test_tiny_recipe_loads_and_runs_here(capsys):
     assert rep["published"] is None and rep["local_problem"] is None
 
 
+def test_async_recipe_loads_with_nemo_rl_keys_and_runs_here(capsys):
+    """The async recipe is the synchronous one plus NeMo RL's async keys (and an overlapped
+    refit); the KV policy of async_grpo reaches the refit."""
+    sync, r = load_grpo_recipe(TINY), load_grpo_recipe(ASYNC)
+    assert sync.async_grpo.enabled is False and sync.async_engine is False
+    assert r.local_problem is None and r.async_engine is True and r.loss.use_importance_sampling_correction
+    a = r.async_grpo
+    assert (a.enabled, a.max_trajectory_age_steps, a.in_flight_weight_updates,
+            a.recompute_kv_cache_after_weight_updates) == (True, 1, True, True)
+    assert r.refit.overlap and r.refit.recompute_kv_cache_after_weight_updates
+    assert replace(r.refit, overlap=False, recompute_kv_cache_after_weight_updates=False) == sync.refit
+    off = load_grpo_recipe(ASYNC, ["grpo.async_grpo.recompute_kv_cache_after_weight_updates=false"])
+    assert off.refit.recompute_kv_cache_after_weight_updates is False
+    rep = _json(capsys, ["grpo", str(ASYNC), "--dry-run", "--json"])
+    assert rep["async_grpo"] == {"enabled": True, "max_trajectory_age_steps": 1, "in_flight_weight_updates": True,
+                                 "recompute_kv_cache_after_weight_updates": True}
+
+
+@pytest.mark.heavy  # a full-size plan (the 4n8g one: cached when that test ran first)
+def test_qwen_async_variant_dry_runs_with_the_same_plan(capsys):
+    """The async variant of the 4n8g recipe: NeMo RL's async keys, an overlapped refit of the
+    same plan (same digest and bytes); the table says how the steps overlap."""
+    sync, r = load_grpo_recipe(QWEN_4N), load_grpo_recipe(QWEN_ASYNC)
+    assert r.async_grpo.enabled and r.async_engine and r.refit.overlap and r.loss.use_importance_sampling_correction
+    assert (r.training, r.vllm, r.spec) == (sync.training, sync.vllm, sync.spec)
+    assert main(["grpo", str(QWEN_ASYNC), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "asynchronous: max trajectory age 1 step(s), in-flight overlapped refits, KV kept across a swap" in out
+    assert "shadow weights up to" in out
+    a, b = (_json(capsys, ["grpo", str(p), "--dry-run", "--json"]) for p in (QWEN_ASYNC, QWEN_4N))
+    assert a["plan"]["digest"] == b["plan"]["digest"] and a["bytes_planned"] == b["bytes_planned"] == a["bytes_min"]
+    assert a["overlap"] and not b["overlap"] and a["async_grpo"]["enabled"] and not b["async_grpo"]["enabled"]
+
+
 def test_qwen_recipes_are_plan_only():
-    for path in (QWEN_4N, QWEN_8N):
+    for path in (QWEN_4N, QWEN_8N, QWEN_ASYNC):
         r = load_grpo_recipe(path)
         assert r.model == "Qwen/Qwen3-30B-A3B" and r.checkpoint_family is None
         assert r.generation.max_new_tokens == 4096  # ${policy.max_total_sequence_length}
@@ -228,6 +264,8 @@ def _edit(d: dict, path: str, value) -> None:
 
 
 _DROP = object()
+_ASYNC = {"grpo.async_grpo.enabled": True, "policy.generation.vllm_cfg.async_engine": True,
+          "loss_fn.use_importance_sampling_correction": True}
 BAD = [
     ("missing-steps", {"grpo.max_num_steps": _DROP}, "grpo.max_num_steps is missing"),
     ("missing-grpo", {"grpo": _DROP}, "grpo is missing"),
@@ -261,6 +299,29 @@ BAD = [
     ("not-a-model", {"policy.model_name": "no-such-model"}, "policy.model_name='no-such-model'"),
     ("grpo-list", {"grpo": [1, 2]}, "grpo is a list"),
     ("tiny-with-model-config", {"policy.model_config": "qwen3-30b-a3b"}, "policy.model_config='qwen3-30b-a3b'"),
+    # asynchronous GRPO: NeMo RL's combinations
+    ("async-sync-engine", {"grpo.async_grpo.enabled": True, "loss_fn.use_importance_sampling_correction": True},
+     "grpo.async_grpo.enabled=true needs policy.generation.vllm_cfg.async_engine=true"),
+    ("async-colocated", {**_ASYNC, "policy.generation.colocated.enabled": True},
+     "grpo.async_grpo.enabled=true with policy.generation.colocated.enabled=true"),
+    ("async-no-importance-sampling", {**_ASYNC, "loss_fn.use_importance_sampling_correction": False},
+     "loss_fn.use_importance_sampling_correction=true"),
+    ("async-age-zero", {**_ASYNC, "grpo.async_grpo.max_trajectory_age_steps": 0},
+     "grpo.async_grpo.max_trajectory_age_steps=0"),
+    ("in-flight-sync-engine", {"grpo.async_grpo.in_flight_weight_updates": True},
+     "grpo.async_grpo.in_flight_weight_updates=true needs policy.generation.vllm_cfg.async_engine=true"),
+    ("in-flight-not-async", {"grpo.async_grpo.in_flight_weight_updates": True,
+                             "policy.generation.vllm_cfg.async_engine": True},
+     "grpo.async_grpo.in_flight_weight_updates=true needs grpo.async_grpo.enabled=true"),
+    ("async-kv-contradiction", {**_ASYNC, "policy.megatron_cfg.mcore_reshard.recompute_kv_cache_after_weight_updates":
+                                True}, "contradicts grpo.async_grpo.recompute_kv_cache_after_weight_updates=false"),
+    ("unknown-async-key", {"grpo.async_grpo.max_age": 2}, "grpo.async_grpo.max_age"),
+    ("truncation-without-correction", {"loss_fn.truncated_importance_sampling_ratio": 2.0},
+     "loss_fn.truncated_importance_sampling_ratio=2.0 needs loss_fn.use_importance_sampling_correction=true"),
+    ("truncation-negative", {**_ASYNC, "loss_fn.truncated_importance_sampling_ratio": -1.0},
+     "loss_fn.truncated_importance_sampling_ratio=-1.0"),
+    ("importance-sampling-string", {"loss_fn.use_importance_sampling_correction": "on"},
+     "loss_fn.use_importance_sampling_correction"),
 ]
 
 

@@ -10,7 +10,8 @@ from .models import (CONFIG_DIR, LOCAL_DTYPES, TINY_MODELS, check_dtype, is_chec
 from .reader import (REQUIRED, Field, Section, build_dataclass, check_type, container, keys, lookup, read,
                      read_mapping, read_section, sections)
 from .schema import (KNOWN_KEYS, PLAN_CONFIG, RECIPE, REFIT_CONFIG, ClusterSettings, GenerationSettings,
-                     GrpoSettings, LossSettings, RaySettings, RecipeLayout, RefitConfig, TaskSettings)
+                     AsyncGrpoSettings, GrpoSettings, LossSettings, RaySettings, RecipeLayout, RefitConfig,
+                     TaskSettings)
 from .sources import apply_overrides, compose, load_config, load_recipe, read_recipe_file, resolve_recipe
 
 __all__ = [
@@ -25,7 +26,7 @@ __all__ = [
     "read_mapping", "read_section", "sections",
     # the schema
     "KNOWN_KEYS", "PLAN_CONFIG", "RECIPE", "REFIT_CONFIG", "ClusterSettings", "GenerationSettings", "GrpoSettings",
-    "LossSettings", "RaySettings", "RecipeLayout", "RefitConfig", "TaskSettings",
+    "AsyncGrpoSettings", "LossSettings", "RaySettings", "RecipeLayout", "RefitConfig", "TaskSettings",
     # the sources
     "apply_overrides", "compose", "load_config", "load_recipe", "read_recipe_file", "resolve_recipe",
 ]

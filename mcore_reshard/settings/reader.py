@@ -58,6 +58,8 @@ class Section:
     #: The prefix ``cls``'s own checks name its fields with, when that is not ``key``
     #: (``RefitConfig`` says ``refit.*`` wherever the section sits).
     names: str | None = None
+    #: Keys of the mapping that are sections of their own (``grpo.async_grpo``): left to those.
+    sub: tuple[str, ...] = ()
 
     @property
     def names_read(self) -> tuple[str, ...]:
@@ -131,6 +133,8 @@ def read_section(cfg: Any, s: Section) -> Any:
         node = dict(read_mapping(cfg, s.key, REQUIRED if s.required else {}))
         if s.only is not None:
             node = {k: node[k] for k in s.only if node.get(k) is not None}
+        for k in s.sub:
+            node.pop(k, None)
         for f in fields(s.cls):
             if f.default is MISSING and f.default_factory is MISSING and node.get(f.name) is None:
                 raise ConfigError(f"recipe: {s.key}.{f.name} is missing")

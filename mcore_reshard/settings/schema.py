@@ -26,7 +26,7 @@ from .reader import REQUIRED, Field, Section, keys
 
 __all__ = [
     "RefitConfig", "RecipeLayout", "TRANSPORTS", "VERIFY", "APPLY", "PLACEMENTS", "MIN_BUFFER_BYTES",
-    "MAX_BUFFER_BYTES", "GrpoSettings", "LossSettings", "GenerationSettings", "TaskSettings", "ClusterSettings",
+    "MAX_BUFFER_BYTES", "GrpoSettings", "AsyncGrpoSettings", "LossSettings", "GenerationSettings", "TaskSettings", "ClusterSettings",
     "RaySettings", "PlanConfigKeys", "RefitConfigKeys", "RecipeKeys", "PLAN_CONFIG", "REFIT_CONFIG", "RECIPE",
     "KNOWN_KEYS",
 ]
@@ -182,14 +182,54 @@ class GrpoSettings:
 
 
 @dataclass(frozen=True)
+class AsyncGrpoSettings:
+    """``grpo.async_grpo``: NeMo RL's asynchronous GRPO. Generation for the next steps runs
+    while a step trains and refits; a trajectory is trained on only while its oldest token
+    is at most ``max_trajectory_age_steps`` policy versions old."""
+
+    enabled: bool = False
+    #: >= 1: a batch whose oldest token came from policy version v trains at step <= v + this.
+    max_trajectory_age_steps: int = 1
+    #: true: refit while the next steps' requests run (their tokens then span two versions);
+    #: false: a refit waits until every running request finished.
+    in_flight_weight_updates: bool = False
+    #: Requests running across a swap recompute their KV with the new weights (else keep it).
+    recompute_kv_cache_after_weight_updates: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("enabled", "in_flight_weight_updates", "recompute_kv_cache_after_weight_updates"):
+            value = getattr(self, name)
+            _check(isinstance(value, bool), f"grpo.async_grpo.{name}={value!r} is not a boolean (true or false)")
+        age = self.max_trajectory_age_steps
+        _check(isinstance(age, int) and not isinstance(age, bool) and age >= 1,
+               f"grpo.async_grpo.max_trajectory_age_steps={age!r} must be an integer >= 1 (0 would train only on "
+               f"samples of the current version: that is synchronous GRPO, grpo.async_grpo.enabled=false)")
+
+
+@dataclass(frozen=True)
 class LossSettings:
     """``loss_fn:``: NeMo RL's clipped-ratio policy loss with an optional KL to the reference."""
 
     reference_policy_kl_penalty: float = 0.0
     ratio_clip_min: float = 0.2
     ratio_clip_max: float = 0.2
+    #: Weight each token's loss by pi_prev / pi_gen (the trainer's logprob before the step over
+    #: the engine's): the samples of an older policy version then estimate the current one's
+    #: loss. Async GRPO requires it.
+    use_importance_sampling_correction: bool = False
+    #: Truncated importance sampling (NeMo RL's key): each weight is capped at this (None: not
+    #: capped), so a token the behaviour policy rarely sampled cannot dominate the step.
+    truncated_importance_sampling_ratio: float | None = None
 
     def __post_init__(self) -> None:
+        c = self.truncated_importance_sampling_ratio
+        _check(c is None or (math.isfinite(c) and c > 0),
+               f"loss_fn.truncated_importance_sampling_ratio={c!r} must be a positive, finite number or null")
+        _check(c is None or self.use_importance_sampling_correction,
+               f"loss_fn.truncated_importance_sampling_ratio={c!r} needs loss_fn.use_importance_sampling_correction=true")
+        _check(isinstance(self.use_importance_sampling_correction, bool),
+               f"loss_fn.use_importance_sampling_correction={self.use_importance_sampling_correction!r} is not a "
+               f"boolean (true or false)")
         k = self.reference_policy_kl_penalty
         _check(math.isfinite(k) and k >= 0, f"loss_fn.reference_policy_kl_penalty={k!r} must be a finite number >= 0")
         for name in ("ratio_clip_min", "ratio_clip_max"):
@@ -345,8 +385,11 @@ class RecipeKeys:
     vllm_dp: Field = Field(_V + "data_parallel_size", int, 1, minimum=1)
     vllm_ep: Field = Field(_V + "expert_parallel_size", int, 1, minimum=1)
     num_redundant_experts: Field = Field(_V + "num_redundant_experts", int, 0, minimum=0)
+    #: The engine is vLLM's ``AsyncLLM`` in an async actor (generation and refit calls at once).
+    async_engine: Field = Field(_V + "async_engine", bool, False)
     # the GRPO loop's own
-    grpo: Section = Section("grpo", GrpoSettings, required=True)
+    grpo: Section = Section("grpo", GrpoSettings, required=True, sub=("async_grpo",))
+    async_grpo: Section = Section("grpo.async_grpo", AsyncGrpoSettings, required=False)
     loss: Section = Section("loss_fn", LossSettings, required=False)
     generation: Section = Section("policy.generation", GenerationSettings, required=True,
                                   only=("max_new_tokens", "temperature"))

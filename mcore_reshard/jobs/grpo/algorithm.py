@@ -12,7 +12,8 @@ from typing import Sequence
 
 from ...losses import GrpoBatch, clipped_pg_loss  # re-exported: the loss lives below the training ranks
 
-__all__ = ["TargetTokensTask", "GrpoBatch", "group_advantages", "clipped_pg_loss", "completion_logprobs"]
+__all__ = ["TargetTokensTask", "GrpoBatch", "group_advantages", "clipped_pg_loss", "completion_logprobs",
+           "token_versions", "trajectory_age"]
 
 
 @dataclass(frozen=True)
@@ -66,3 +67,29 @@ def group_advantages(rewards: Sequence[float], group: int, *, normalize: bool = 
 def completion_logprobs(logprobs: Sequence[float], prompt_length: int) -> list[float]:
     """The completion's part of a sequence's ``[T-1]`` next-token logprobs."""
     return list(logprobs[prompt_length - 1:])
+
+
+def token_versions(spans: Sequence[tuple[str, int, int]], n_tokens: int) -> list[int]:
+    """The policy version that produced each of a completion's ``n_tokens`` tokens, from vLLM's
+    ``weight_versions`` spans ``(version, start, end)`` (the GRPO run names each refit's
+    version by its policy version: "0", "1", ...). Spans must cover every token once."""
+    out: list[int | None] = [None] * n_tokens
+    for version, start, end in spans:
+        try:
+            v = int(version)
+        except ValueError:
+            raise ValueError(f"weight version {version!r} is not a policy version (an engine this run did not "
+                             f"refit?)") from None
+        if not 0 <= start <= end <= n_tokens or any(x is not None for x in out[start:end]):
+            raise ValueError(f"weight-version span {version!r} [{start}, {end}) overlaps another or leaves the "
+                             f"{n_tokens} tokens")
+        out[start:end] = [v] * (end - start)
+    if any(x is None for x in out):
+        raise ValueError(f"weight-version spans {list(spans)} do not cover all {n_tokens} tokens")
+    return out  # type: ignore[return-value]
+
+
+def trajectory_age(policy_version: int, versions: Sequence[Sequence[int]]) -> int:
+    """How many policy versions old a batch is when ``policy_version`` trains on it: measured
+    from its oldest token (a sample that spans a refit is as old as its first token)."""
+    return policy_version - min(min(v) for v in versions if v)

@@ -10,7 +10,7 @@ next to it, and NeMo RL's published figure for the same layout beside it where o
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from ...settings.config import side_layouts
 from ...errors import ConfigError
@@ -148,6 +148,10 @@ class DryRunReport:
     samples_per_step: int
     max_num_steps: int
     local_problem: str | None
+    #: ``grpo.async_grpo`` as read (its ``enabled`` false: synchronous GRPO).
+    async_grpo: dict = field(default_factory=dict)
+    #: ``refit.overlap``: each vLLM worker receives into shadow weights, about what it receives.
+    overlap: bool = False
 
     def to_json(self) -> dict:
         p = self.placement
@@ -180,6 +184,7 @@ class DryRunReport:
                           f"({p.engines} engine(s)) on {share}"),
             ("training -> vLLM", f"{self.training_layout} -> {self.vllm_layout}"),
             ("step", f"{self.samples_per_step} samples, {self.max_num_steps} steps"),
+            ("GRPO", self._mode()),
             ("refit bytes moved", format_bytes(r.bytes_planned) + ("  (= minimum)" if r.bytes_planned == r.bytes_min
                                                                    else f"  (minimum {format_bytes(r.bytes_min)})")),
             ("HF-broadcast baseline bytes", f"{format_bytes(r.bytes_hf_broadcast)}  "
@@ -206,6 +211,20 @@ class DryRunReport:
         ]
         width = max(len(k) for k, _ in rows)
         return "\n".join([title, "-" * len(title)] + [f"{k.ljust(width)}  {v}" for k, v in rows])
+
+
+    def _mode(self) -> str:
+        a = self.async_grpo
+        refit = ("overlapped refits (receive while decoding, shadow weights up to "
+                 f"{format_bytes(self.busiest_dst_bytes)} per vLLM rank)" if self.overlap else "blocking refits")
+        if not a.get("enabled"):
+            return f"synchronous, {refit}"
+        return (f"asynchronous: max trajectory age {a['max_trajectory_age_steps']} step(s), "
+                f"{'in-flight' if a['in_flight_weight_updates'] else 'drained'} "
+                f"{refit.split(' ', 1)[0]} refits, KV "
+                f"{'recomputed' if a['recompute_kv_cache_after_weight_updates'] else 'kept'} across a swap"
+                + (f"; shadow weights up to {format_bytes(self.busiest_dst_bytes)} per vLLM rank" if self.overlap
+                   else ""))
 
 
 def _seconds(s: float) -> str:
@@ -253,4 +272,5 @@ def dry_run(recipe: GrpoRecipe, *, intra_node_gbps: float = 450.0, inter_node_gb
         modelled_hf_broadcast_seconds=modelled_refit_seconds(report.bytes_hf_broadcast, gbps),
         published=published_figure(recipe), samples_per_step=recipe.grpo.samples_per_step,
         max_num_steps=recipe.grpo.max_num_steps, local_problem=recipe.local_problem,
+        async_grpo=asdict(recipe.async_grpo), overlap=recipe.refit.overlap,
     )

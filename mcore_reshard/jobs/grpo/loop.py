@@ -7,6 +7,17 @@ policy's logprobs of the same tokens (``logprob_inference``) -> ``token_mult_pro
 reference logprobs (KL) -> one optimizer step (``policy_training``) -> refit through
 mcore-reshard, checksums verified, ``verify=full`` every N steps (``refit``).
 
+Asynchronous GRPO (``grpo.async_grpo.enabled``, NeMo RL's keys; engines on vLLM's AsyncLLM):
+the prompts of the next ``max_trajectory_age_steps`` steps are generating while a step trains
+and refits, so a batch trains up to that many policy versions after the one that started it
+(older: dropped, never trained on). Every refit names its version after the policy's step
+count, so each token's version is known from vLLM's ``weight_versions`` spans: the loss
+weights each token by pi_prev / pi_gen (importance sampling), and ``token_mult_prob_error``
+compares each token with the trainer's logprob under *the version that generated it* (the
+trainers keep snapshots of the last versions), so a refit that served wrong weights is caught
+as in the synchronous loop. ``in_flight_weight_updates``: the refit runs while those requests
+decode (their tokens then span two versions); else it waits until they finish.
+
 A refit that fails is retried once on the same engines; one that fails again or is not
 verified, or a ``token_mult_prob_error`` above the dtype's bound, stops the run with an error
 naming the parameter / rank: it never trains on a wrong engine.
@@ -32,8 +43,9 @@ from ...protocol import VerifyMode, one_line
 from ..refit import TOKEN_MULT_PROB_BOUND, colocated_placement
 from ...trainer import TrainerSetup
 from ...verify import full_verification, token_mult_prob_error
-from .algorithm import GrpoBatch, TargetTokensTask, completion_logprobs, group_advantages
-from .ray_cluster import RayJob, RayTrainerGroup, start_engines, stop_engines
+from .algorithm import (GrpoBatch, TargetTokensTask, completion_logprobs, group_advantages, token_versions,
+                        trajectory_age)
+from .ray_cluster import Completion, RayJob, RayTrainerGroup, start_engines, stop_engines
 
 __all__ = ["GrpoRun", "StepMetrics", "run_grpo"]
 
@@ -53,6 +65,19 @@ class StepMetrics:
     timing: dict[str, float] = field(default_factory=dict)  # generation, logprob_inference, policy_training, refit, total
     #: Colocated runs: the part of ``refit_bytes_moved`` that stayed on its device (shared memory).
     refit_bytes_same_device: int = 0
+    #: The policy version this step trained (= the engines' weight version before its refit).
+    policy_version: int = 0
+    #: The oldest and newest policy version that generated this step's tokens.
+    generation_versions: tuple[int, int] = (0, 0)
+    #: policy_version minus the oldest generating version (0 in synchronous GRPO).
+    trajectory_age: int = 0
+    #: Generation vs the *current* policy's logprobs (equals token_mult_prob_error when every
+    #: token is on-policy; the gap is the samples' staleness, not an error).
+    off_policy_token_mult_prob_error: float = 1.0
+    #: Samples dropped before training because they were older than the allowed age.
+    dropped_stale_samples: int = 0
+    #: Bytes of earlier policy versions the busiest training rank keeps (async GRPO).
+    snapshot_bytes: int = 0
 
 
 class GrpoRun:
@@ -69,6 +94,10 @@ class GrpoRun:
         self.trainers = self.engines = self.driver = None
         self.initial_refit = None
         self.refit_retries = 0  # failed refits recovered by one retry
+        #: Optimizer steps taken = the version the engines serve after each refit ("0": the
+        #: checkpoint, set by the first refit).
+        self.policy_version = 0
+        self._rollouts: dict[int, Any] = {}  # async GRPO: step -> its launched generation
 
     # -- set-up / shutdown ---------------------------------------------------------------
     def __enter__(self) -> "GrpoRun":
@@ -103,7 +132,7 @@ class GrpoRun:
         self.trainers = RayTrainerGroup(setup, timeout_s=timeout, wait=False)
         self._closers.append(self.trainers.close)
         engines, pgs = start_engines(str(ckpt), r.vllm.replicas, r.vllm.tp, r.dtype, r.refit.apply_mode,
-                                     timeout_s=timeout)
+                                     timeout_s=timeout, async_engine=r.async_engine)
         self.engines = engines
         self._closers.append(lambda: stop_engines(engines, pgs))
         self.trainers.started()
@@ -139,7 +168,9 @@ class GrpoRun:
         """One refit; a failed one is retried once on the same engines (the driver rejoins the
         refit group; a gated engine resumes when the retry commits) before the run stops."""
         d = self.driver
-        request = replace(d.request(), verify=VerifyMode.FULL) if full else d.request()
+        request = replace(d.request(), version=str(self.policy_version))
+        if full:
+            request = replace(request, verify=VerifyMode.FULL)
         try:
             m = d.refit(request=request)
         except RefitFailed as exc:
@@ -155,15 +186,22 @@ class GrpoRun:
             m = replace(m, notes=m.notes + (note,))
         return m
 
-    def _generate(self, prompts: list[list[int]], step: int) -> list[tuple[list[int], list[float]]]:
-        """Every prompt's completions (grouped per prompt), the prompts spread over the engines."""
-        import ray
-
+    def _launch(self, prompts: list[list[int]], step: int) -> tuple[int, list[list[int]], list]:
+        """Start generating every prompt's completions, the prompts spread over the engines;
+        returns what :meth:`_collect` waits for (and the policy version it started at)."""
         r, n = self.recipe, len(self.engines)
         per = [prompts[e::n] for e in range(n)]
         refs = [(e, eng.sample(per[e], r.grpo.num_generations_per_prompt, r.generation.max_new_tokens,
                                r.generation.temperature, r.grpo.seed * 7919 + step))
                 for e, eng in enumerate(self.engines) if per[e]]
+        return self.policy_version, prompts, refs
+
+    def _collect(self, launched: tuple[int, list[list[int]], list]) -> list[Completion]:
+        """The completions (grouped per prompt, in prompt order) of a :meth:`_launch`."""
+        import ray
+
+        r, n = self.recipe, len(self.engines)
+        _, prompts, refs = launched
         got: dict[int, list] = {}
         for e, ref in refs:
             try:
@@ -171,55 +209,111 @@ class GrpoRun:
             except Exception as exc:  # noqa: BLE001 - named
                 raise RefitFailed(f"engine {e} failed to generate: {one_line(getattr(exc, 'cause', None) or exc)}") \
                     from None
-        out: list[tuple[list[int], list[float]]] = []
+        out: list[Completion] = []
         for i in range(len(prompts)):
             out.extend(got[i % n][i // n])
         return out
 
+    def _drain(self) -> None:
+        """Wait (with the refit timeout) until every launched generation has finished."""
+        import ray
+
+        refs = [ref for _, _, launched in self._rollouts.values() for _, ref in launched]
+        if refs:
+            _, left = ray.wait(refs, num_returns=len(refs), timeout=self.recipe.refit.timeout_s)
+            if left:
+                raise RefitFailed(f"{len(left)} generation request(s) still running after "
+                                  f"{self.recipe.refit.timeout_s:.0f}s: the refit cannot wait for them")
+
+    def _generate(self, prompts: list[list[int]], step: int) -> list[Completion]:
+        return self._collect(self._launch(prompts, step))
+
     def step(self, step: int) -> StepMetrics:
+        """One GRPO step (synchronous, or asynchronous with ``grpo.async_grpo.enabled``)."""
         r = self.recipe
+        a = r.async_grpo
         timing: dict[str, float] = {}
         t_all = time.perf_counter()
         G = r.grpo.num_generations_per_prompt
-        prompts = self.task.prompts(step, r.grpo.num_prompts_per_step)
         t = time.perf_counter()
-        samples = self._generate(prompts, step)
+        dropped = 0
+        if not a.enabled:
+            prompts = self.task.prompts(step, r.grpo.num_prompts_per_step)
+            samples = self._generate(prompts, step)
+        else:
+            # The next max_trajectory_age_steps steps' prompts generate while this one trains:
+            # launched at this version, they train at most that many versions later.
+            for s in range(step, min(step + a.max_trajectory_age_steps + 1, r.grpo.max_num_steps)):
+                if s not in self._rollouts:
+                    self._rollouts[s] = self._launch(self.task.prompts(s, r.grpo.num_prompts_per_step), s)
+            launched = self._rollouts.pop(step)
+            prompts, samples = launched[1], self._collect(launched)
+            versions = [token_versions(sp, len(toks)) for toks, _, sp in samples]
+            if trajectory_age(self.policy_version, versions) > a.max_trajectory_age_steps:
+                dropped = len(samples)  # never trained on: generate this step's prompts again, now
+                samples = self._generate(prompts, step)
         timing["generation"] = time.perf_counter() - t
-        seqs = [prompts[i // G] + toks for i, (toks, _) in enumerate(samples)]
-        rewards = [self.task.reward(toks) for toks, _ in samples]
+        seqs = [prompts[i // G] + toks for i, (toks, _, _) in enumerate(samples)]
+        versions = [token_versions(sp, len(toks)) if a.enabled else [self.policy_version] * len(toks)
+                    for toks, _, sp in samples]
+        age = trajectory_age(self.policy_version, versions)
+        rewards = [self.task.reward(toks) for toks, _, _ in samples]
         adv = group_advantages(rewards, G, normalize=r.grpo.normalize_rewards,
                                leave_one_out=r.grpo.use_leave_one_out_baseline)
         t = time.perf_counter()
         prev = self.trainers.logprobs(seqs).wait()[0]
-        timing["logprob_inference"] = time.perf_counter() - t
         P = r.task.prompt_length
-        gen_lp = [x for _, lps in samples for x in lps]
-        train_lp = [x for lp in prev for x in completion_logprobs(lp, P)]
+        # Each token against the version that generated it (snapshots of earlier versions).
+        under = {self.policy_version: prev}
+        for v in sorted({v for vs in versions for v in vs} - {self.policy_version}):
+            under[v] = self.trainers.logprobs(seqs, v).wait()[0]
+        timing["logprob_inference"] = time.perf_counter() - t
+        gen_lp = [x for _, lps, _ in samples for x in lps]
+        train_lp = [completion_logprobs(under[v][i], P)[j] for i, vs in enumerate(versions) for j, v in enumerate(vs)]
         tmpe = token_mult_prob_error(gen_lp, train_lp)
+        off_policy = token_mult_prob_error(gen_lp, [x for lp in prev for x in completion_logprobs(lp, P)])
         bound = TOKEN_MULT_PROB_BOUND.get(r.dtype, 1.05)
         if tmpe > bound:
-            raise RefitError(f"step {step}: token_mult_prob_error {tmpe:.6f} > {bound} (dtype {r.dtype}): the engine "
-                             f"does not serve the weights the trainer holds; stopping before training on its samples")
+            raise RefitError(f"step {step}: token_mult_prob_error {tmpe:.6f} > {bound} (dtype {r.dtype}), each token "
+                             f"against the policy version that generated it: the engine did not serve the weights "
+                             f"the trainer held; stopping before training on its samples")
         ref = None
         if r.loss.reference_policy_kl_penalty > 0:
             t = time.perf_counter()
             ref = tuple(tuple(x) for x in self.trainers.reference_logprobs(seqs).wait()[0])
             timing["reference_logprob_inference"] = time.perf_counter() - t
-        batch = GrpoBatch(tuple(adv), tuple(tuple(x) for x in prev), ref, P)
+        gen = tuple(tuple(lps) for _, lps, _ in samples) if r.loss.use_importance_sampling_correction else None
+        batch = GrpoBatch(tuple(adv), tuple(tuple(x) for x in prev), ref, P, gen)
+        snapshot_bytes = 0
+        if a.enabled:  # what the batches still generating may need after this step
+            v = self.policy_version
+            keep = range(v + 1 - a.max_trajectory_age_steps, v + 1)
+            snapshot_bytes = max(self.trainers.snapshot(v, keep).wait())
         t = time.perf_counter()
         loss = self.trainers.grpo_step(seqs, batch, r.loss).wait()[0]
         timing["policy_training"] = time.perf_counter() - t
+        if a.enabled and not a.in_flight_weight_updates:
+            t = time.perf_counter()  # the refit waits until the requests running now are done
+            self._drain()
+            timing["drain"] = time.perf_counter() - t
         n = r.grpo.verify_full_every_n_steps
         full = bool(n) and (step + 1) % n == 0
         t = time.perf_counter()
-        m = self._refit(full)
+        trained_version = self.policy_version
+        self.policy_version += 1
+        try:
+            m = self._refit(full)
+        except BaseException:
+            self.policy_version -= 1
+            raise
         timing["refit"] = time.perf_counter() - t
         timing["total"] = time.perf_counter() - t_all
+        flat = [v for vs in versions for v in vs]
         sm = StepMetrics(step, sum(rewards) / len(rewards), loss, tmpe, m.verified, full, m.bytes_moved, m.bytes_min,
-                         {k: round(v, 4) for k, v in timing.items()}, m.bytes_same_device)
+                         {k: round(v, 4) for k, v in timing.items()}, m.bytes_same_device, trained_version,
+                         (min(flat), max(flat)), age, off_policy, dropped, snapshot_bytes)
         self.history.append(sm)
         return sm
-
 
 def _colocated(recipe: Any, trainer_nodes: list[dict], engine_infos: list[dict]) -> Any:
     """``policy.generation.colocated.enabled``: training rank i and vLLM worker i share device i,

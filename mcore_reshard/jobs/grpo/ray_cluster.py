@@ -34,7 +34,8 @@ from ...protocol import first_error_line
 from ...ranks import RankCall, RankGroup
 from ...trainer import MegatronRank
 
-__all__ = ["RayJob", "RayRankGroup", "RayTrainerGroup", "EngineHandle", "start_engines", "node_of"]
+__all__ = ["RayJob", "RayRankGroup", "RayTrainerGroup", "EngineActor", "AsyncEngineActor", "EngineHandle",
+           "Completion", "completions", "start_engines", "node_of"]
 
 #: How long start-up (a model built on every training rank, an engine loaded and compiled) may
 #: take. Longer than a refit's call timeout: on two loaded cores an engine start has taken
@@ -303,21 +304,100 @@ class EngineActor:
         return getattr(self.llm, name)(*args, **kwargs)
 
     def sample(self, prompts: list[list[int]], n: int, max_tokens: int, temperature: float,
-               seed: int) -> list[list[tuple[list[int], list[float]]]]:
-        """``n`` sampled completions per prompt with the sampled tokens' logprobs (vLLM's raw
-        logprobs: before temperature, as the trainer computes them)."""
-        from vllm import SamplingParams
-
+               seed: int) -> list[list[Completion]]:
+        """``n`` sampled completions per prompt (see :func:`completions`)."""
         from ...adapters.vllm.engine import check_serving
 
         check_serving(self.llm)
-        sp = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, ignore_eos=True, logprobs=0,
-                            seed=seed)
+        sp = _sampling(n, max_tokens, temperature, seed)
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-        return [[(list(c.token_ids), [float(lp[t].logprob) for t, lp in zip(c.token_ids, c.logprobs)])
-                 for c in o.outputs] for o in outs]
+        return [completions(o, n) for o in outs]
 
     def shutdown(self) -> None:
+        from ...adapters.vllm.engine import stop_engine
+
+        for fn in (lambda: self.llm.shutdown_weight_transfer_engine(), lambda: stop_engine(self.llm)):
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
+
+
+#: One sampled completion: its token ids, their logprobs and the weight versions that produced
+#: them as ``(version, start, end)`` spans over the token indexes (vLLM's ``weight_versions``).
+Completion = tuple[list[int], list[float], list[tuple[str, int, int]]]
+
+
+def _sampling(n: int, max_tokens: int, temperature: float, seed: int) -> Any:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    # vLLM's raw logprobs: before temperature, as the trainer computes them. FINAL_ONLY: an
+    # AsyncLLM request with n > 1 then ends with all n completions (streamed, each output holds
+    # only the child that moved).
+    return SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, ignore_eos=True, logprobs=0, seed=seed,
+                          output_kind=RequestOutputKind.FINAL_ONLY)
+
+
+def completions(out: Any, n: int) -> list[Completion]:
+    """A finished ``RequestOutput``'s ``n`` completions with the sampled tokens' logprobs and the
+    weight-version spans vLLM stamped on them."""
+    if len(out.outputs) != n:
+        raise RuntimeError(f"request {out.request_id}: {len(out.outputs)} completions, asked for {n}")
+    got = []
+    for c in out.outputs:
+        spans = [(str(sp.version), int(sp.start), int(sp.end)) for sp in (c.weight_versions or [])]
+        got.append((list(c.token_ids), [float(lp[t].logprob) for t, lp in zip(c.token_ids, c.logprobs)], spans))
+    return got
+
+
+class AsyncEngineActor:
+    """``policy.generation.vllm_cfg.async_engine``: one vLLM ``AsyncLLM`` (the engine behind
+    ``vllm serve``) in an async Ray actor. Its sample requests and the refit driver's calls run
+    at once: a refit's ``update_weights`` / ``finish_weight_update`` run in a thread while
+    requests keep decoding on the engine's own event loop; completions carry the weight
+    versions that produced each token."""
+
+    def __init__(self, model_dir: str, tp: int, dtype: str, apply_mode: str, env: dict[str, str]) -> None:
+        os.environ.update(env)
+        from ...adapters.vllm.engine import start_async_engine
+        from ...adapters.vllm.worker import REFIT_EXTENSION
+
+        extra = {"distributed_executor_backend": "mp"} if tp > 1 else {}
+        self.llm = start_async_engine(model_dir, tp=tp, dtype=dtype, direct=apply_mode == "direct",
+                                      worker_extension_cls=REFIT_EXTENSION, weight_transfer_config={"backend": BACKEND},
+                                      **extra)
+
+    async def where(self) -> dict:
+        return {**node_of(), "engine": self.llm.engine_info}
+
+    async def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """A driver call (blocking on the engine's loop) in a thread: requests keep running."""
+        import asyncio
+
+        return await asyncio.get_running_loop().run_in_executor(None, lambda: getattr(self.llm, name)(*args, **kwargs))
+
+    async def sample(self, prompts: list[list[int]], n: int, max_tokens: int, temperature: float,
+                     seed: int) -> list[list[Completion]]:
+        """As :meth:`EngineActor.sample`, each prompt one request on the engine's loop."""
+        import asyncio
+        import uuid
+
+        from ...adapters.vllm.engine import check_serving
+
+        await asyncio.get_running_loop().run_in_executor(None, check_serving, self.llm)
+        sp = _sampling(n, max_tokens, temperature, seed)
+
+        async def one(prompt: list[int]) -> Any:
+            final = None
+            async for out in self.llm.engine.generate({"prompt_token_ids": prompt}, sp, request_id=uuid.uuid4().hex):
+                final = out
+            return final
+
+        outs = await asyncio.gather(*(asyncio.wrap_future(self.llm.submit(one(p))) for p in prompts))
+        return [completions(o, n) for o in outs]
+
+    async def shutdown(self) -> None:
         from ...adapters.vllm.engine import stop_engine
 
         for fn in (lambda: self.llm.shutdown_weight_transfer_engine(), lambda: stop_engine(self.llm)):
@@ -372,8 +452,9 @@ class EngineHandle:
 
 def start_engines(model_dir: str, replicas: int, tp: int, dtype: str, apply_mode: str, *, timeout_s: float,
                   start_timeout_s: float = START_TIMEOUT_S, env: dict[str, str] | None = None,
-                  name: str = "mr_engine") -> tuple[list[EngineHandle], list]:
-    """``replicas`` engine actors, each in a placement group of one bundle of ``tp`` devices.
+                  name: str = "mr_engine", async_engine: bool = False) -> tuple[list[EngineHandle], list]:
+    """``replicas`` engine actors (:class:`AsyncEngineActor` with ``async_engine``, else
+    :class:`EngineActor`), each in a placement group of one bundle of ``tp`` devices.
     Each must be up within ``start_timeout_s`` (a model load and a compile: slower than any
     refit call, and much slower on a loaded machine); its calls then get ``timeout_s``.
     Returns the handles and the placement groups (remove them at shutdown)."""
@@ -390,7 +471,8 @@ def start_engines(model_dir: str, replicas: int, tp: int, dtype: str, apply_mode
             device = _devices(tp)
             pg = _placement_group([device], f"{name}_{e}", timeout_s)
             pgs.append(pg)
-            cls = ray.remote(num_cpus=tp, num_gpus=device.get("GPU", 0), max_restarts=0)(EngineActor)
+            cls = ray.remote(num_cpus=tp, num_gpus=device.get("GPU", 0), max_restarts=0)(
+                AsyncEngineActor if async_engine else EngineActor)
             actors.append(cls.options(scheduling_strategy=_strategy(pg, 0), name=f"{name}_{e}")
                           .remote(model_dir, tp, dtype, apply_mode, env))
         infos = []

@@ -12,7 +12,7 @@ key, before any process starts: the loop can trust what it is given.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -21,13 +21,14 @@ from ...adapters.vllm.rules import VllmParallel
 from ...errors import ConfigError
 from ...layout import ModelSpec
 from ...settings.policy import from_policy_config
-from ...settings import (KNOWN_KEYS, LOCAL_DTYPES, RECIPE, TINY_MODELS, ClusterSettings, GenerationSettings,
-                        GrpoSettings, LossSettings, RaySettings, RefitConfig, TaskSettings, apply_overrides,
+from ...settings import (KNOWN_KEYS, LOCAL_DTYPES, RECIPE, TINY_MODELS, AsyncGrpoSettings, ClusterSettings,
+                        GenerationSettings, GrpoSettings, LossSettings, RaySettings, RefitConfig, TaskSettings, apply_overrides,
                         check_type, check_world, is_checkpoint_dir, load_recipe, local_cpu_problem, lookup, read,
                         read_section)
 
 __all__ = [
     "GrpoSettings",
+    "AsyncGrpoSettings",
     "LossSettings",
     "GenerationSettings",
     "TaskSettings",
@@ -62,6 +63,9 @@ class GrpoRecipe:
     lr: float  # policy.megatron_cfg.optimizer.lr
     log_dir: str  # logger.log_dir
     colocated: bool  # policy.generation.colocated.enabled
+    #: ``policy.generation.vllm_cfg.async_engine``: engines run vLLM's AsyncLLM in async actors.
+    async_engine: bool
+    async_grpo: AsyncGrpoSettings  # grpo.async_grpo
     #: None if this recipe runs on this CPU machine; else one line why not.
     local_problem: str | None
 
@@ -132,13 +136,42 @@ def _loop_settings(cfg: Mapping[str, Any], path: str | Path) -> dict[str, Any]:
                           f"env.target_tokens")
     task = read_section(cfg, RECIPE.task)
     ray = read_section(cfg, RECIPE.ray)
+    async_grpo = read_section(cfg, RECIPE.async_grpo)
     cluster = read_section(cfg, RECIPE.cluster)
     lr = read(cfg, RECIPE.lr)
     if not (math.isfinite(lr) and lr > 0):
         raise ConfigError(f"{RECIPE.lr.key}={lr!r} must be a positive, finite number")
     log_dir = check_type(RECIPE.log_dir.key, lookup(cfg, RECIPE.log_dir.key) or f"results/{Path(path).stem}", str)
-    return dict(grpo=grpo, loss=loss, generation=generation, task=task, ray=ray, cluster=cluster, lr=lr,
-                log_dir=log_dir)
+    return dict(grpo=grpo, async_grpo=async_grpo, loss=loss, generation=generation, task=task, ray=ray,
+                cluster=cluster, lr=lr, log_dir=log_dir)
+
+
+def _check_async(s: Mapping[str, Any], colocated: bool, async_engine: bool, refit: RefitConfig) -> RefitConfig:
+    """NeMo RL's rules for asynchronous GRPO; returns the refit with its KV policy."""
+    a, loss = s["async_grpo"], s["loss"]
+    k, v = "grpo.async_grpo.", "policy.generation.vllm_cfg.async_engine"
+    if a.in_flight_weight_updates and not async_engine:
+        raise ConfigError(f"{k}in_flight_weight_updates=true needs {v}=true: a synchronous engine cannot generate "
+                          f"while its weights are updated")
+    if not a.enabled:
+        if a.in_flight_weight_updates:
+            raise ConfigError(f"{k}in_flight_weight_updates=true needs {k}enabled=true: synchronous GRPO generates "
+                              f"nothing while it refits")
+        return refit
+    if colocated:
+        raise ConfigError(f"{k}enabled=true with policy.generation.colocated.enabled=true: colocated trainers and "
+                          f"engines share devices, so generation cannot run while the policy trains")
+    if not async_engine:
+        raise ConfigError(f"{k}enabled=true needs {v}=true: the next step's requests must run while this step "
+                          f"refits, which only vLLM's AsyncLLM allows")
+    if not loss.use_importance_sampling_correction:
+        raise ConfigError(f"{k}enabled=true needs loss_fn.use_importance_sampling_correction=true: samples of an "
+                          f"older policy version are off-policy for the step that trains on them")
+    recompute = a.recompute_kv_cache_after_weight_updates
+    if refit.recompute_kv_cache_after_weight_updates and not recompute:
+        raise ConfigError(f"policy.megatron_cfg.mcore_reshard.recompute_kv_cache_after_weight_updates=true "
+                          f"contradicts {k}recompute_kv_cache_after_weight_updates=false (set one)")
+    return replace(refit, recompute_kv_cache_after_weight_updates=recompute)
 
 
 def _check_step(s: Mapping[str, Any], spec: ModelSpec, training: MegatronParallel) -> None:
@@ -182,11 +215,13 @@ def load_grpo_recipe(path: str | Path, overrides: Sequence[str] = ()) -> GrpoRec
     s = _loop_settings(cfg, path)
     r = "policy.generation.colocated.resources."
     colocated = read(cfg, RECIPE.colocated)  # the same field and default as from_policy_config
+    async_engine = read(cfg, RECIPE.async_engine)
+    refit = _check_async(s, colocated, async_engine, layout.refit)
     if not colocated:  # colocated: both sides on every GPU (from_policy_config checked the sizes)
         _check_placement(s["cluster"], lookup(cfg, r + "num_nodes"), lookup(cfg, r + "gpus_per_node"), training, vllm)
     _check_step(s, spec, training)
     model = _weights(cfg)
     impl = read(cfg, RECIPE.transformer_impl)
     return GrpoRecipe(path=str(path), model=model, spec=spec, dtype=spec.dtype, training=training, vllm=vllm,
-                      refit=layout.refit, colocated=colocated, **s,
+                      refit=refit, colocated=colocated, async_engine=async_engine, **s,
                       local_problem=_local_problem(model, spec.dtype, impl, training, vllm))
