@@ -55,23 +55,15 @@ def cluster(ckpt_cache, engine_cache):
 
 @pytest.fixture(scope="module")
 def async_cluster(cluster):
-    """vLLM's ``AsyncLLM`` (the engine behind ``vllm serve``, TP1) on the same checkpoint,
-    with a trainer pool and driver of its own: clients submit requests while the driver's
-    calls run."""
-    from mcore_reshard.adapters.vllm.engine import start_async_engine, stop_engine
-    from mcore_reshard.adapters.vllm.plugin import BACKEND
-    from mcore_reshard.adapters.vllm.worker import REFIT_EXTENSION
+    """vLLM's ``AsyncLLM`` (the engine behind ``vllm serve``, TP1) on the same checkpoint, as
+    the local job starts it (``job.async_engine``), with a trainer pool and driver of its own:
+    clients submit requests while the driver's calls run."""
     from mcore_reshard.jobs.refit import local_cluster
 
-    engine = start_async_engine(str(cluster.checkpoint), tp=1, dtype="bfloat16",
-                                worker_extension_cls=REFIT_EXTENSION, weight_transfer_config={"backend": BACKEND})
     refit = replace(cluster.refit, overlap=False)
-    try:
-        with local_cluster(cluster.spec, cluster.checkpoint, cluster.training, VllmParallel(tp=1), refit,
-                           train={"lr": 0.05}, engines=[engine]) as c:
-            yield c
-    finally:
-        stop_engine(engine)
+    with local_cluster(cluster.spec, cluster.checkpoint, cluster.training, VllmParallel(tp=1), refit,
+                       train={"lr": 0.05}, async_engine=True) as c:
+        yield c
 
 
 def _served(llm) -> tuple[list[float], list[list[int]]]:
@@ -265,5 +257,48 @@ def test_async_engine_clients_get_nothing_while_gated_and_the_restored_weights_a
         train = c.pool.logprobs([TOKENS]).wait()[0][0]
         assert token_mult_prob_error(served, train) < 1.02  # the restored (trained) weights only
         assert served == engine.submit(_async_prompt_logprobs(engine.engine, TOKENS)).result(timeout=60)
+        assert served == prompt_logprobs(engine, TOKENS)  # the helpers' path (AsyncEngine.generate)
+        assert c.logprob_error(TOKENS) < 1.02
     finally:
         c.driver.refit_config = c.refit
+
+
+def test_without_kv_recompute_no_new_request_reuses_a_prefix_cached_under_old_weights(async_cluster):
+    """``recompute_kv_cache_after_weight_updates=false``: a request running across the swap
+    holds KV blocks, so vLLM cannot reset its prefix cache (the refit's notes say so). A new
+    request of a cached prompt after the swap still reuses nothing cached under the old
+    weights: each request carries the version it arrived at as its ``cache_salt``. An unsalted
+    client shows what that prevents: it reuses the old weights' blocks."""
+    import threading
+
+    from vllm import SamplingParams
+
+    c = async_cluster
+    engine = c.engines[0]
+    block = engine.engine.vllm_config.cache_config.block_size
+    prompt = {"prompt_token_ids": [(7 * i + 3) % 1000 for i in range(block + 8)]}
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    c.driver.refit_config = replace(c.refit, recompute_kv_cache_after_weight_updates=False)
+    try:
+        c.refit_once()
+        old = engine.weight_version
+        engine.generate([prompt], sp)
+        assert engine.generate([prompt], sp)[0].num_cached_tokens >= block  # cached under this version
+        raw = engine.generate([{**prompt, "cache_salt": "unsalted-client"}], sp)[0]  # a client with its own salt
+        c.step(TOKENS)
+        started = threading.Event()
+        running = engine.submit(_async_greedy(engine.engine, TOKENS[:8], 200, started, after=4))
+        assert started.wait(60)
+        m = c.driver.refit()
+        assert m.verified and engine.weight_version != old
+        assert any("prefix cache not reset" in n for n in m.notes), m.notes
+        after = engine.generate([prompt], sp)[0]
+        stale = engine.generate([{**prompt, "cache_salt": "unsalted-client"}], sp)[0]
+        fresh = engine.generate([{**prompt, "cache_salt": "never-seen"}], sp)[0]
+        running.result(timeout=120)
+    finally:
+        c.driver.refit_config = c.refit
+    assert after.num_cached_tokens == 0 and fresh.num_cached_tokens == 0
+    assert list(after.outputs[0].token_ids) == list(fresh.outputs[0].token_ids)  # the new weights' answer
+    assert stale.num_cached_tokens >= block  # without a new salt: the old weights' KV is reused
+    assert raw.num_cached_tokens == 0

@@ -148,16 +148,20 @@ def colocated_placement(num_src: int, num_dst: int) -> Any:
 @contextmanager
 def local_cluster(spec: ModelSpec, checkpoint: Path, training: Any, vllm: Any, refit: Any, *,
                   train: dict | None = None, engines: list | None = None,
-                  sync_before_refit: bool = True, placement: Any = None) -> Iterator[LocalCluster]:
+                  sync_before_refit: bool = True, placement: Any = None,
+                  async_engine: bool = False) -> Iterator[LocalCluster]:
     """Start ``vllm.replicas`` engines (weight-transfer backend ``mcore_reshard`` plus the
     worker extension every transport of the job needs, diagnostics included) and the trainer
     pool, open a driver on them, and close all of it.
     ``engines``: use these running engines instead (they are left running: several trainer
     layouts can refit one engine in turn, each joining a new refit group). ``placement``: where
     each rank sits (``plan.topology.RankPlacement``; default: ``refit.placement=colocated`` builds
-    :func:`colocated_placement`, else no placement, direct plans)."""
-    from ..adapters.vllm.engine import start_engine, stop_engine
+    :func:`colocated_placement`, else no placement, direct plans). ``async_engine``: start
+    vLLM's ``AsyncLLM`` (:class:`~mcore_reshard.adapters.vllm.engine.AsyncEngine`: clients keep
+    generating while the driver's calls run) instead of the offline ``LLM``."""
+    from ..adapters.vllm.engine import start_async_engine, start_engine, stop_engine
 
+    start = start_async_engine if async_engine else start_engine
     c = LocalCluster(spec, checkpoint, training, vllm, refit)
     extension = engine_extension(list(c.transports.values()))
     own = engines is None
@@ -165,9 +169,9 @@ def local_cluster(spec: ModelSpec, checkpoint: Path, training: Any, vllm: Any, r
         c.engines = list(engines)
     try:
         for _ in range(vllm.replicas if own else 0):
-            c.engines.append(start_engine(str(checkpoint), tp=vllm.tp, dtype=spec.dtype, enable_ep=vllm.enable_ep,
-                                          direct=refit.apply_mode == "direct", worker_extension_cls=extension,
-                                          weight_transfer_config={"backend": BACKEND}))
+            c.engines.append(start(str(checkpoint), tp=vllm.tp, dtype=spec.dtype, enable_ep=vllm.enable_ep,
+                                   direct=refit.apply_mode == "direct", worker_extension_cls=extension,
+                                   weight_transfer_config={"backend": BACKEND}))
         c.setup = TrainerSetup(spec, training, str(checkpoint), free_port(), timeout_s=max(refit.timeout_s, 120.0),
                                train=dict(train or {}), sync_before_refit=sync_before_refit)
         c.pool = TrainerPool(c.setup)
@@ -210,7 +214,8 @@ def _run_job(job: Any, workdir: Path, as_json: bool) -> int:
     spec = load_model_spec(ckpt, dtype=job.dtype)
     tokens = list(job.tokens)
     log = (lambda *a: print(*a, file=sys.stderr)) if as_json else print
-    with local_cluster(spec, ckpt, job.training, job.vllm, job.refit, train={"lr": job.lr}) as c:
+    with local_cluster(spec, ckpt, job.training, job.vllm, job.refit, train={"lr": job.lr},
+                       async_engine=job.async_engine) as c:
         d = c.driver
         log(plan_report(d.plan).table(f"refit plan: {spec.name} ({spec.dtype}) {job.src.name if job.src else d.src.name}"
                                       f" -> {d.dst.name}"))

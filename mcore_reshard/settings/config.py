@@ -198,6 +198,8 @@ class RefitJob:
     tokens: tuple[int, ...]  # each 0 <= t < spec.vocab
     compare_hf: bool
     workdir: Path | None  # where the tiny checkpoint goes (None: a temp dir)
+    #: The engines run vLLM's AsyncLLM (as ``vllm serve`` does) instead of the offline ``LLM``.
+    async_engine: bool = False
     #: The HF checkpoint directory; None for the built-in tiny models (written at run time).
     checkpoint: Path | None = None
     src: SideLayout | None = field(default=None, repr=False, compare=False)
@@ -228,7 +230,8 @@ def _job_section(data: Mapping[str, Any]) -> dict[str, Any]:
     workdir = Path(workdir_s) if workdir_s else None
     if workdir is not None and workdir.exists() and not workdir.is_dir():
         raise ConfigError(f"job.workdir={workdir_s!r} exists and is not a directory")
-    return dict(steps=steps, lr=lr, tokens=tokens, compare_hf=compare_hf, workdir=workdir)
+    return dict(steps=steps, lr=lr, tokens=tokens, compare_hf=compare_hf, workdir=workdir,
+                async_engine=read(data, k.async_engine))
 
 
 def _job_model(model: str, dtype: str) -> tuple[ModelSpec, Path | None]:

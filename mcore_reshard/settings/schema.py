@@ -339,6 +339,7 @@ class RefitConfigKeys:
     tokens: Field = Field("job.tokens", tuple[int, ...])
     compare_hf: Field = Field("job.compare_hf", bool)
     workdir: Field = Field("job.workdir", str | None)
+    async_engine: Field = Field("job.async_engine", bool)
 
 
 # --------------------------------------------------------------------------- recipes (NeMo RL shape)

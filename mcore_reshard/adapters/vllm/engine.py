@@ -113,12 +113,23 @@ class AsyncEngine:
     coroutines to ``loop`` (``submit``) and keep generating during a refit's calls.
 
     ``engine_info`` (and ``world_size``, ``dtype``) are stated up front, as for any remote engine handle.
+
+    Prefix caching across refits: a request this wrapper submits carries ``cache_salt`` = the
+    weight version the engine serves when it arrives (set by the driver's
+    ``update_weight_version``), so no new request reuses KV blocks cached under older weights,
+    even when requests still running kept vLLM from resetting its prefix cache after the swap
+    (``recompute_kv_cache_after_weight_updates=false``). A prompt with its own salt keeps it.
     """
 
     def __init__(self, engine: Any, loop: Any, thread: Any) -> None:
         self.engine, self.loop, self._thread = engine, loop, thread
         self.engine_info = info_of_config(engine.vllm_config)
         self.world_size, self.dtype = self.engine_info.world_size, self.engine_info.dtype
+        self.weight_version: str | None = None  # the last version the driver set (None: as loaded)
+
+    def update_weight_version(self, version: str) -> None:
+        self._call("update_weight_version", version)
+        self.weight_version = version
 
     def submit(self, coro: Any) -> Any:
         """Run a coroutine on the engine's loop; returns a ``concurrent.futures.Future``."""
@@ -138,6 +149,33 @@ class AsyncEngine:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         self._call("update_weights", WeightTransferUpdateRequest(update_info=request["update_info"]))
+
+    def generate(self, prompts: Sequence[Any], sampling_params: Any, use_tqdm: bool = False) -> list[Any]:
+        """``LLM.generate``'s shape: every prompt as one request on the engine's loop, all at
+        once; their final outputs in prompt order (so the helpers below serve both engines)."""
+        import asyncio
+        import uuid
+        from copy import copy
+
+        from vllm.sampling_params import RequestOutputKind
+
+        sp = copy(sampling_params)
+        sp.output_kind = RequestOutputKind.FINAL_ONLY  # n > 1: one output with all n completions
+
+        salt = None if self.weight_version is None else f"weights:{self.weight_version}"
+
+        async def one(prompt: Any) -> Any:
+            if salt is not None and isinstance(prompt, dict) and "cache_salt" not in prompt:
+                prompt = {**prompt, "cache_salt": salt}
+            final = None
+            async for out in self.engine.generate(prompt, sp, request_id=uuid.uuid4().hex):
+                final = out
+            return final
+
+        async def every() -> list[Any]:
+            return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+        return self.submit(every()).result()
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):

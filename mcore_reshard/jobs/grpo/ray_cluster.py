@@ -306,12 +306,7 @@ class EngineActor:
     def sample(self, prompts: list[list[int]], n: int, max_tokens: int, temperature: float,
                seed: int) -> list[list[Completion]]:
         """``n`` sampled completions per prompt (see :func:`completions`)."""
-        from ...adapters.vllm.engine import check_serving
-
-        check_serving(self.llm)
-        sp = _sampling(n, max_tokens, temperature, seed)
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-        return [completions(o, n) for o in outs]
+        return _sample(self.llm, prompts, n, max_tokens, temperature, seed)
 
     def shutdown(self) -> None:
         from ...adapters.vllm.engine import stop_engine
@@ -328,15 +323,18 @@ class EngineActor:
 Completion = tuple[list[int], list[float], list[tuple[str, int, int]]]
 
 
-def _sampling(n: int, max_tokens: int, temperature: float, seed: int) -> Any:
+def _sample(llm: Any, prompts: list[list[int]], n: int, max_tokens: int, temperature: float,
+            seed: int) -> list[list[Completion]]:
+    """``n`` sampled completions per prompt of ``llm`` (``LLM`` or ``AsyncEngine``), with vLLM's
+    raw logprobs of the sampled tokens (before temperature, as the trainer computes them)."""
     from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
 
-    # vLLM's raw logprobs: before temperature, as the trainer computes them. FINAL_ONLY: an
-    # AsyncLLM request with n > 1 then ends with all n completions (streamed, each output holds
-    # only the child that moved).
-    return SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, ignore_eos=True, logprobs=0, seed=seed,
-                          output_kind=RequestOutputKind.FINAL_ONLY)
+    from ...adapters.vllm.engine import check_serving
+
+    check_serving(llm)
+    sp = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, ignore_eos=True, logprobs=0, seed=seed)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return [completions(o, n) for o in outs]
 
 
 def completions(out: Any, n: int) -> list[Completion]:
@@ -379,23 +377,12 @@ class AsyncEngineActor:
 
     async def sample(self, prompts: list[list[int]], n: int, max_tokens: int, temperature: float,
                      seed: int) -> list[list[Completion]]:
-        """As :meth:`EngineActor.sample`, each prompt one request on the engine's loop."""
+        """As :meth:`EngineActor.sample`; the requests run on the engine's loop while this
+        actor keeps answering (a refit's calls among them)."""
         import asyncio
-        import uuid
 
-        from ...adapters.vllm.engine import check_serving
-
-        await asyncio.get_running_loop().run_in_executor(None, check_serving, self.llm)
-        sp = _sampling(n, max_tokens, temperature, seed)
-
-        async def one(prompt: list[int]) -> Any:
-            final = None
-            async for out in self.llm.engine.generate({"prompt_token_ids": prompt}, sp, request_id=uuid.uuid4().hex):
-                final = out
-            return final
-
-        outs = await asyncio.gather(*(asyncio.wrap_future(self.llm.submit(one(p))) for p in prompts))
-        return [completions(o, n) for o in outs]
+        return await asyncio.get_running_loop().run_in_executor(
+            None, _sample, self.llm, prompts, n, max_tokens, temperature, seed)
 
     async def shutdown(self) -> None:
         from ...adapters.vllm.engine import stop_engine
