@@ -12,6 +12,15 @@ exposes vLLM's weight-transfer API as routes. One refit of one or many servers i
     POST /reset_prefix_cache               KV blocks computed with the old weights
     POST /resume
 
+An overlapped refit (``RefitRequest.overlap``: the workers receive into shadow weights on
+their own threads) keeps serving while the weights move and pauses only for the swap::
+
+    POST /init_weight_transfer_engine, /start_weight_update, /update_weights   (returns at once)
+    ... the servers keep serving the old weights while the trainers send (``before_swap``) ...
+    POST /pause?mode=keep                  running requests freeze where they are
+    POST /finish_weight_update             the vote's outcome: swap the shadows in, or drop them
+    POST /reset_prefix_cache, /resume
+
 ``refit_servers`` runs it with a deadline on every call and raises ``RefitFailed`` with one
 line naming the server, the route and vLLM's error text when a call fails.
 
@@ -168,8 +177,10 @@ class ServerClient:
             except RefitFailed:
                 pass
 
-    def reset_prefix_cache(self) -> None:
-        out = self.call("POST", "/reset_prefix_cache", self.timeouts.call_s)
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> None:
+        """``reset_running_requests``: preempt running requests (their KV is recomputed)."""
+        params = {"reset_running_requests": "true"} if reset_running_requests else None
+        out = self.call("POST", "/reset_prefix_cache", self.timeouts.call_s, params=params)
         if isinstance(out, dict) and out.get("success") is False:
             raise RefitFailed(f"{self.url} POST /reset_prefix_cache: the server refused (blocks still held)")
 
@@ -217,7 +228,9 @@ def _per_server(init_info: Mapping[str, Any] | Sequence[Mapping[str, Any]] | Non
 
 def refit_servers(servers: Sequence[str], update_info: Mapping[str, Any], weight_version: str, *,
                   init_info: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
-                  timeouts: Timeouts = Timeouts(), resume: bool = True) -> None:
+                  timeouts: Timeouts = Timeouts(), resume: bool = True,
+                  before_swap: Callable[[], Any] | None = None,
+                  recompute_kv_cache_after_weight_updates: bool = False) -> list[str]:
     """Refit every server in ``servers`` (base URLs) once, while the trainers run their side.
 
     ``init_info``: the ``ReshardInitInfo`` body for a new refit group (every server joins the
@@ -225,7 +238,21 @@ def refit_servers(servers: Sequence[str], update_info: Mapping[str, Any], weight
     server, in order (each engine's ``join.dst_offset`` differs). ``weight_version`` is what
     each server then reports at ``/weight_info``. ``resume`` False leaves the servers paused
     after a successful refit (e.g. to check them first). See the module docstring for what a
-    failure leaves behind."""
+    failure leaves behind.
+
+    An overlapped refit (``update_info["request"]["overlap"]``) pauses nothing until the swap:
+    ``before_swap`` (e.g. waiting for the trainers' side) runs while the servers still serve the
+    old weights; then each pauses (``keep``), swaps and resumes. Its prefix-cache reset preempts
+    running requests with ``recompute_kv_cache_after_weight_updates``, else it may be refused
+    while they hold blocks (a note; requests should then carry the version as ``cache_salt``).
+    Returns such notes."""
+    request = update_info.get("request") if isinstance(update_info, Mapping) else None
+    if isinstance(request, Mapping) and request.get("overlap"):
+        return _refit_overlapped(servers, update_info, weight_version, init_info, timeouts, resume, before_swap,
+                                 recompute_kv_cache_after_weight_updates)
+    if before_swap is not None:
+        raise ConfigError("before_swap is for overlapped refits (update_info.request.overlap=true): a blocking "
+                          "refit's /update_weights returns only when the weights moved")
     if not servers:
         raise ConfigError("servers=[]: name at least one server base URL")
     if not isinstance(weight_version, str) or not weight_version:
@@ -260,6 +287,60 @@ def refit_servers(servers: Sequence[str], update_info: Mapping[str, Any], weight
         _raise(_each(clients, lambda c: c.reset_prefix_cache()), " (servers kept paused)")
         if resume:
             _raise(_each(clients, lambda c: c.resume()), "")
+    return []
+
+
+def _refit_overlapped(servers: Sequence[str], update_info: Mapping[str, Any], weight_version: str,
+                      init_info: Any, timeouts: Timeouts, resume: bool, before_swap: Callable[[], Any] | None,
+                      recompute: bool) -> list[str]:
+    """:func:`refit_servers` for an overlapped refit: serving until the swap."""
+    if not servers:
+        raise ConfigError("servers=[]: name at least one server base URL")
+    if not isinstance(weight_version, str) or not weight_version:
+        raise ConfigError(f"weight_version={weight_version!r} must be a non-empty string")
+    inits = _per_server(init_info, len(servers))
+    notes: list[str] = []
+    with httpx.Client() as http:
+        clients = [ServerClient(s, timeouts, http) for s in servers]
+        started: list[RefitFailed | None] = [RefitFailed("not started")] * len(clients)
+        try:
+            if inits is not None:
+                _raise(_each(clients, lambda c: c.init_weight_transfer(inits[clients.index(c)])), "")
+            started = _each(clients, lambda c: c.start_weight_update())
+            _raise(started, "")
+        except RefitFailed as exc:  # nothing received: close what opened; the servers never paused
+            _each([c for c, e in zip(clients, started) if e is None], lambda c: c.finish_weight_update(None))
+            raise RefitFailed(f"{exc} (refit not started: no weights changed, servers still serving)") from None
+        updated = _each(clients, lambda c: c.update_weights(update_info))  # returns once receiving started
+        waited: Exception | None = None
+        if before_swap is not None and not any(updated):
+            try:
+                before_swap()
+            except Exception as exc:  # noqa: BLE001 - reported with the swap's outcome below
+                waited = exc
+        # The vote decided (or the deadline passes in finish): freeze, swap or drop, resume.
+        paused = _each(clients, lambda c: c.pause("keep"))
+        _raise(paused, " (the servers still serve the old weights; their refit sessions are open)")
+        if any(updated):
+            closed = _each(clients, lambda c: c.finish_weight_update(weight_version) if updated[clients.index(c)]
+                           is None else c.close_failed_session())
+            both = [RefitFailed(f"{u}; then {f}") if u and f else (u or f) for u, f in zip(updated, closed)]
+            _raise(both, " (servers kept paused: retry the refit or replace them)")
+        finished = _each(clients, lambda c: c.finish_weight_update(weight_version))
+        if any(finished):
+            _each([c for c, e in zip(clients, finished) if e is not None], lambda c: c.close_failed_swap())
+        _raise(finished, " (servers kept paused)")
+        if waited is not None:
+            raise RefitFailed(f"before_swap failed after the servers committed {weight_version!r}: "
+                              f"{type(waited).__name__}: {waited} (servers kept paused)")
+        for c, e in zip(clients, _each(clients, lambda c: c.reset_prefix_cache(recompute))):
+            if e is not None:
+                if recompute:
+                    raise RefitFailed(f"{e} (servers kept paused)")
+                notes.append(f"{c.url}: prefix cache not reset (requests running across the swap hold KV blocks)")
+        if resume:
+            _raise(_each(clients, lambda c: c.resume()), "")
+    return notes
 
 
 def wait_healthy(base_url: str, timeout_s: float, poll_s: float = 1.0,

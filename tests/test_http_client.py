@@ -91,6 +91,32 @@ def test_failure_before_update_resumes_the_old_weights(routes):
     assert [p for p, _ in h.calls] == ["/pause?mode=wait", "/start_weight_update", "/resume"]
 
 
+def test_overlapped_refit_serves_until_the_swap_and_pauses_only_for_it(routes):
+    """``request.overlap``: no pause before the update; ``before_swap`` runs while the servers
+    serve (nothing paused yet); then pause(keep), swap, reset (running requests preempted with
+    the recompute setting), resume."""
+    url, h = routes
+    seen = []
+    notes = refit_servers([url], {"request": {"overlap": True}}, "v2", timeouts=Timeouts(call_s=5),
+                          before_swap=lambda: seen.append([p for p, _ in h.calls]),
+                          recompute_kv_cache_after_weight_updates=True)
+    assert notes == []
+    assert seen == [["/start_weight_update", "/update_weights"]]
+    assert [p for p, _ in h.calls] == ["/start_weight_update", "/update_weights", "/pause?mode=keep",
+                                       "/finish_weight_update", "/reset_prefix_cache?reset_running_requests=true",
+                                       "/resume"]
+
+
+def test_overlapped_refit_that_fails_at_the_swap_stays_paused(routes):
+    url, h = routes
+    h.fail = "/finish_weight_update"
+    with pytest.raises(RefitFailed, match=r"POST /finish_weight_update: HTTP 500: refit not committed.*kept paused\)$"):
+        refit_servers([url], {"request": {"overlap": True}}, "v2", timeouts=Timeouts(call_s=5))
+    paths = [p for p, _ in h.calls]
+    assert paths[:4] == ["/start_weight_update", "/update_weights", "/pause?mode=keep", "/finish_weight_update"]
+    assert "/resume" not in paths  # a failed swap is never served
+
+
 def test_unreachable_server_names_it():
     with pytest.raises(RefitFailed, match=r"^http://127.0.0.1:9 POST /pause: ConnectError"):
         refit_servers(["http://127.0.0.1:9"], {}, "v1", timeouts=Timeouts(call_s=2))
@@ -101,6 +127,10 @@ def test_bad_input_is_one_line_naming_the_parameter():
         Timeouts(update_s=0)
     with pytest.raises(ConfigError, match=r"base_url='localhost:8000'"):
         ServerClient("localhost:8000")
+    with pytest.raises(ConfigError, match=r"^before_swap is for overlapped refits"):
+        refit_servers(["http://127.0.0.1:9"], {"request": {"overlap": False}}, "v1", before_swap=lambda: None)
+    with pytest.raises(ConfigError, match=r"servers=\[\]"):
+        refit_servers([], {"request": {"overlap": True}}, "v1")
     with pytest.raises(ConfigError, match=r"servers=\[\]"):
         refit_servers([], {}, "v1")
     with pytest.raises(ConfigError, match=r"weight_version=''"):

@@ -247,7 +247,9 @@ def test_http_server_tp1_two_refits_equal_the_trainers_then_its_own_fresh_load(t
     a training step (every rank verified, bytes at the minimum, served logprobs within the fp32
     bound of megatron's), then the server's own checkpoint refit back, overlapped (received in
     the background, swapped at ``/finish_weight_update``): its logprobs then equal exactly those
-    it served at start (vLLM's own load of that checkpoint, a fresh engine)."""
+    it served at start (vLLM's own load of that checkpoint, a fresh engine). While that refit is
+    in flight (``/update_weights`` returned, the swap not yet made) the server is not paused and
+    serves the trained weights, exactly."""
     import torch.multiprocessing as mp
 
     with _serving(tmp_path, 1, seed=6) as (url, model, _log):
@@ -262,8 +264,15 @@ def test_http_server_tp1_two_refits_equal_the_trainers_then_its_own_fresh_load(t
             assert api.weight_version() == "refit-1" and not api.is_paused()
             trained = prompt_logprobs(url, model, TOKENS)
             msg = q.get(timeout=600)
-            refit_servers([url], msg["update_info"], "refit-2", timeouts=TIMEOUTS)  # same group: no init info
-            assert api.weight_version() == "refit-2" and not api.is_paused()
+            during: list = []
+
+            def serve_meanwhile() -> None:  # the refit is in flight: the old weights, no pause
+                during.append((api.is_paused(), api.weight_version(), prompt_logprobs(url, model, TOKENS)))
+
+            notes = refit_servers([url], msg["update_info"], "refit-2", timeouts=TIMEOUTS,  # same group
+                                  before_swap=serve_meanwhile)
+            assert api.weight_version() == "refit-2" and not api.is_paused() and notes == []
+            assert during == [(False, "refit-1", trained)]
             back = prompt_logprobs(url, model, TOKENS)
         finally:
             t.join(timeout=900)
