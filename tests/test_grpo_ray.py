@@ -184,13 +184,14 @@ def test_colocated_run_keeps_same_device_bytes_off_the_group():
     assert r["segments_after"] == r["segments_before"]
 
 
-def _async_run(workdir: Path) -> dict:
+def _async_run(workdir: Path, *overrides: str) -> dict:
     """``mcore-reshard grpo`` on the async recipe for three steps, with completions long enough
     (160 tokens, 4 sequences at a time) that the next step's requests are still decoding when
     a step's refit lands in flight."""
     logs = workdir / "logs"
     cmd = [sys.executable, "-m", "mcore_reshard.cli", "grpo", str(ASYNC_RECIPE), "grpo.max_num_steps=3",
-           "grpo.verify_full_every_n_steps=3", "policy.generation.max_new_tokens=160", f"logger.log_dir={logs}"]
+           "grpo.verify_full_every_n_steps=3", "policy.generation.max_new_tokens=160", f"logger.log_dir={logs}",
+           *overrides]
     proc = track(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     try:
         out, err = proc.communicate(timeout=500)
@@ -231,6 +232,30 @@ def test_async_run_trains_on_samples_of_the_previous_version_each_token_checked_
     assert [s["refit_full_verified"] for s in steps] == [False, False, True]
 
 
+def _drained_run(workdir: Path) -> dict:
+    return _async_run(workdir, "grpo.async_grpo.max_trajectory_age_steps=2",
+                      "grpo.async_grpo.in_flight_weight_updates=false", "policy.megatron_cfg.mcore_reshard.overlap=false",
+                      "policy.generation.max_new_tokens=8")
+
+
+def test_async_run_two_versions_ahead_with_drained_blocking_refits():
+    """``max_trajectory_age_steps=2`` without in-flight updates, blocking refits: two steps'
+    prompts generate ahead, each refit first waits until the requests running finish
+    (``timing.drain``), so every batch's tokens come from the one version it began at and
+    step 2 trains on the batch launched at step 0 (age 2, the most allowed)."""
+    r = BACKGROUND.result("grpo-async-drained", _drained_run)
+    assert r["returncode"] == 0, r["stderr"][-2000:]
+    steps = r["steps"]
+    assert [s["step"] for s in steps] == [0, 1, 2]
+    assert [tuple(s["generation_versions"]) for s in steps] == [(0, 0), (0, 0), (0, 0)]
+    assert [s["trajectory_age"] for s in steps] == [0, 1, 2]
+    for s in steps:
+        assert s["refit_verified"] is True and s["refit_bytes_moved"] == s["refit_bytes_min"] > 0
+        assert 1.0 <= s["token_mult_prob_error"] <= 1.001 and "drain" in s["timing"]
+    assert all(s["off_policy_token_mult_prob_error"] > 1.01 for s in steps[1:])  # stale vs the current policy
+    assert steps[-1]["refit_full_verified"]
+
+
 #: Runs ``conftest.py`` starts when the session starts (one at a time, on a background thread)
 #: for these tests: self-contained CLI runs, asserted on where the file order puts the tests.
 BACKGROUND_JOBS = {
@@ -238,6 +263,7 @@ BACKGROUND_JOBS = {
     "test_colocated_run_keeps_same_device_bytes_off_the_group": ("grpo-colocated", _colocated_run),
     "test_async_run_trains_on_samples_of_the_previous_version_each_token_checked_against_its_own":
         ("grpo-async", _async_run),
+    "test_async_run_two_versions_ahead_with_drained_blocking_refits": ("grpo-async-drained", _drained_run),
 }
 
 
