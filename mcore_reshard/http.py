@@ -273,21 +273,27 @@ def refit_servers(servers: Sequence[str], update_info: Mapping[str, Any], weight
             _each([c for c, e in zip(clients, paused) if e is None], lambda c: c.resume())
             raise RefitFailed(f"{exc} (refit not started: no weights changed, servers resumed)") from None
         updated = _each(clients, lambda c: c.update_weights(update_info))
-        if any(updated):
-            # Close every session (no new version where the update failed), keep every server
-            # paused: the engines that raised kept their weights or must not serve them.
-            closed = _each(clients, lambda c: c.finish_weight_update(weight_version) if updated[clients.index(c)]
-                           is None else c.close_failed_session())
-            both = [RefitFailed(f"{u}; then {f}") if u and f else (u or f) for u, f in zip(updated, closed)]
-            _raise(both, " (servers kept paused: retry the refit or replace them)")
-        finished = _each(clients, lambda c: c.finish_weight_update(weight_version))
-        if any(finished):  # an overlapped refit (``request.overlap``) fails here, at its swap
-            _each([c for c, e in zip(clients, finished) if e is not None], lambda c: c.close_failed_swap())
-        _raise(finished, " (servers kept paused)")
+        _finish(clients, updated, weight_version)
         _raise(_each(clients, lambda c: c.reset_prefix_cache()), " (servers kept paused)")
         if resume:
             _raise(_each(clients, lambda c: c.resume()), "")
     return []
+
+
+def _finish(clients: list[ServerClient], updated: list[RefitFailed | None], weight_version: str) -> None:
+    """``/finish_weight_update`` on every (paused) server after the updates: the new version
+    where every update succeeded; else every session closed (no new version where the update
+    failed) and the servers kept paused, as when a swap fails (the engines that raised kept
+    their weights or must not serve them)."""
+    if any(updated):
+        closed = _each(clients, lambda c: c.finish_weight_update(weight_version) if updated[clients.index(c)]
+                       is None else c.close_failed_session())
+        both = [RefitFailed(f"{u}; then {f}") if u and f else (u or f) for u, f in zip(updated, closed)]
+        _raise(both, " (servers kept paused: retry the refit or replace them)")
+    finished = _each(clients, lambda c: c.finish_weight_update(weight_version))
+    if any(finished):  # an overlapped refit (``request.overlap``) fails here, at its swap
+        _each([c for c, e in zip(clients, finished) if e is not None], lambda c: c.close_failed_swap())
+    _raise(finished, " (servers kept paused)")
 
 
 def _refit_overlapped(servers: Sequence[str], update_info: Mapping[str, Any], weight_version: str,
@@ -321,15 +327,7 @@ def _refit_overlapped(servers: Sequence[str], update_info: Mapping[str, Any], we
         # The vote decided (or the deadline passes in finish): freeze, swap or drop, resume.
         paused = _each(clients, lambda c: c.pause("keep"))
         _raise(paused, " (the servers still serve the old weights; their refit sessions are open)")
-        if any(updated):
-            closed = _each(clients, lambda c: c.finish_weight_update(weight_version) if updated[clients.index(c)]
-                           is None else c.close_failed_session())
-            both = [RefitFailed(f"{u}; then {f}") if u and f else (u or f) for u, f in zip(updated, closed)]
-            _raise(both, " (servers kept paused: retry the refit or replace them)")
-        finished = _each(clients, lambda c: c.finish_weight_update(weight_version))
-        if any(finished):
-            _each([c for c, e in zip(clients, finished) if e is not None], lambda c: c.close_failed_swap())
-        _raise(finished, " (servers kept paused)")
+        _finish(clients, updated, weight_version)
         if waited is not None:
             raise RefitFailed(f"before_swap failed after the servers committed {weight_version!r}: "
                               f"{type(waited).__name__}: {waited} (servers kept paused)")

@@ -156,14 +156,18 @@ def _colocated_run(workdir: Path) -> dict:
     cmd = [sys.executable, "-m", "mcore_reshard.cli", "grpo", str(RECIPE), "policy.generation.colocated.enabled=true",
            "cluster.gpus_per_node=2", "grpo.max_num_steps=2", "grpo.verify_full_every_n_steps=2",
            f"logger.log_dir={logs}"]
+    return dict(_cli(cmd, logs, 400), segments_before=segments, segments_after=set(Path(SHM_DIR).glob(PREFIX + "*")))
+
+
+def _cli(cmd: list[str], logs: Path, timeout_s: float) -> dict:
+    """Run a CLI command to its end (killed past ``timeout_s``): exit code, stderr, logged steps."""
     proc = track(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     try:
-        out, err = proc.communicate(timeout=400)
+        _, err = proc.communicate(timeout=timeout_s)
     finally:
         if proc.poll() is None:
             proc.kill()
-    return dict(returncode=proc.returncode, stderr=err, steps=_lines(logs / "metrics.jsonl"),
-                segments_before=segments, segments_after=set(Path(SHM_DIR).glob(PREFIX + "*")))
+    return dict(returncode=proc.returncode, stderr=err, steps=_lines(logs / "metrics.jsonl"))
 
 
 def test_colocated_run_keeps_same_device_bytes_off_the_group():
@@ -192,13 +196,7 @@ def _async_run(workdir: Path, *overrides: str) -> dict:
     cmd = [sys.executable, "-m", "mcore_reshard.cli", "grpo", str(ASYNC_RECIPE), "grpo.max_num_steps=3",
            "grpo.verify_full_every_n_steps=3", "policy.generation.max_new_tokens=160", f"logger.log_dir={logs}",
            *overrides]
-    proc = track(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    try:
-        out, err = proc.communicate(timeout=500)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    return dict(returncode=proc.returncode, stderr=err, steps=_lines(logs / "metrics.jsonl"))
+    return _cli(cmd, logs, 500)
 
 
 def test_async_run_trains_on_samples_of_the_previous_version_each_token_checked_against_its_own():
