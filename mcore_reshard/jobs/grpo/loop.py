@@ -186,22 +186,22 @@ class GrpoRun:
             m = replace(m, notes=m.notes + (note,))
         return m
 
-    def _launch(self, prompts: list[list[int]], step: int) -> tuple[int, list[list[int]], list]:
+    def _launch(self, prompts: list[list[int]], step: int) -> tuple[list[list[int]], list]:
         """Start generating every prompt's completions, the prompts spread over the engines;
-        returns what :meth:`_collect` waits for (and the policy version it started at)."""
+        returns what :meth:`_collect` waits for."""
         r, n = self.recipe, len(self.engines)
         per = [prompts[e::n] for e in range(n)]
         refs = [(e, eng.sample(per[e], r.grpo.num_generations_per_prompt, r.generation.max_new_tokens,
                                r.generation.temperature, r.grpo.seed * 7919 + step))
                 for e, eng in enumerate(self.engines) if per[e]]
-        return self.policy_version, prompts, refs
+        return prompts, refs
 
-    def _collect(self, launched: tuple[int, list[list[int]], list]) -> list[Completion]:
+    def _collect(self, launched: tuple[list[list[int]], list]) -> list[Completion]:
         """The completions (grouped per prompt, in prompt order) of a :meth:`_launch`."""
         import ray
 
         r, n = self.recipe, len(self.engines)
-        _, prompts, refs = launched
+        prompts, refs = launched
         got: dict[int, list] = {}
         for e, ref in refs:
             try:
@@ -218,7 +218,7 @@ class GrpoRun:
         """Wait (with the refit timeout) until every launched generation has finished."""
         import ray
 
-        refs = [ref for _, _, launched in self._rollouts.values() for _, ref in launched]
+        refs = [ref for _, launched in self._rollouts.values() for _, ref in launched]
         if refs:
             _, left = ray.wait(refs, num_returns=len(refs), timeout=self.recipe.refit.timeout_s)
             if left:
@@ -247,7 +247,7 @@ class GrpoRun:
                 if s not in self._rollouts:
                     self._rollouts[s] = self._launch(self.task.prompts(s, r.grpo.num_prompts_per_step), s)
             launched = self._rollouts.pop(step)
-            prompts, samples = launched[1], self._collect(launched)
+            prompts, samples = launched[0], self._collect(launched)
             versions = [token_versions(sp, len(toks)) for toks, _, sp in samples]
             if trajectory_age(self.policy_version, versions) > a.max_trajectory_age_steps:
                 dropped = len(samples)  # never trained on: generate this step's prompts again, now
