@@ -340,3 +340,43 @@ def test_two_nodes_placement_and_a_dead_trainer_actor_stops_the_run(two_nodes, t
     # Every process the run started is gone: actors, vLLM's engine core, megatron ranks (only
     # the cluster's own daemons and the idle workers Ray keeps in its pool remain).
     assert not _survivors(before, "RAY_AUTH_TOKEN", os.environ["RAY_AUTH_TOKEN"]), "processes survived the run"
+
+
+def test_async_run_recovers_from_a_refit_that_fails_in_the_background(two_nodes, tmp_path):
+    """Async GRPO (overlapped, in-flight refits) on the two-node cluster: the refit of step 1
+    fails in the background, step 2's prompts launched before it (a trainer flips a bit on the
+    wire, after its checksum); the engine keeps its old weights, the run retries the refit once
+    in a new group, and step 2 trains on samples whose every token matches the version that
+    generated it."""
+    from mcore_reshard.faults import Faults, TrainerFault
+    from mcore_reshard.jobs.grpo.loop import GrpoRun
+    from mcore_reshard.jobs.grpo.recipe import load_grpo_recipe
+    from mcore_reshard.transport.executor import Fault
+
+    recipe = load_grpo_recipe(ASYNC_RECIPE, [f"logger.log_dir={tmp_path / 'logs'}", "grpo.max_num_steps=3",
+                                             "grpo.verify_full_every_n_steps=0", "policy.generation.max_new_tokens=32"])
+    with GrpoRun(recipe) as run:
+        assert run.placement()["engines"] == [two_nodes[2].node_id]
+        steps = [run.step(0)]
+        refit = run.driver.refit
+        failed: list = []
+
+        def flip_once(request=None, **kw):
+            if failed:
+                return refit(request=request, **kw)
+            try:
+                return refit(request=request, faults=Faults(TrainerFault(0, Fault("bitflip", bucket=0))))
+            except Exception as exc:
+                failed.append(str(exc))
+                raise
+
+        run.driver.refit = flip_once
+        steps += [run.step(1), run.step(2)]
+        served = run.engines[0].get_weight_version()
+    assert len(failed) == 1 and "checksum mismatch" in failed[0], failed
+    assert run.refit_retries == 1
+    assert served == "3" and [s.policy_version for s in steps] == [0, 1, 2]
+    for s in steps:
+        assert s.refit_verified and s.refit_bytes_moved == s.refit_bytes_min > 0
+        assert 1.0 <= s.token_mult_prob_error <= 1.001  # each token vs the version that generated it
+    assert steps[2].trajectory_age == 1 and steps[2].generation_versions[0] == 1
