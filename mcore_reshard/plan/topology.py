@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..layout import SideLayout
-from .cache import get_plan
+from .cache import get_placed_plan, get_plan
 from .floor import hf_ipc_bytes, inter_node_minimum, over_floor, why_over
 from .placement import LINK_CLASSES, Links, Location, RankPlacement, same_device_pairs
 from .relays import Relays, misdelivered, piece_relays, relay_groups, spread
@@ -68,8 +68,15 @@ def plan_for_placement(src: SideLayout, dst: SideLayout, placement: RankPlacemen
     others over the node's links -- so each element crosses into a node once, spread over the
     group's links. Where relays cannot meet that floor for some tensors (a rank holding a
     box twice), those keep the direct path and the notes say so: a performance miss never
-    refuses a layout. Bytes delivered other than the destinations hold are a ``PlanError``."""
+    refuses a layout. Bytes delivered other than the destinations hold are a ``PlanError``.
+    Cached (``plan.cache``): the same inputs give the same plan object."""
     req = _Request(src, dst, placement, links, bucket_bytes, allow_cast, not_direct)
+    return get_placed_plan(src, dst, (placement, links, bucket_bytes, allow_cast, not_direct), lambda: _placed(req))
+
+
+def _placed(req: _Request) -> TransferPlan:
+    """:func:`plan_for_placement`, uncached."""
+    src, dst, placement = req.src, req.dst, req.placement
     direct = req.plan(dst)
     pairs = same_device_pairs(placement)
     relays = piece_relays(dst, placement)
