@@ -246,18 +246,18 @@ def refit_servers(servers: Sequence[str], update_info: Mapping[str, Any], weight
     running requests with ``recompute_kv_cache_after_weight_updates``, else it may be refused
     while they hold blocks (a note; requests should then carry the version as ``cache_salt``).
     Returns such notes."""
-    request = update_info.get("request") if isinstance(update_info, Mapping) else None
-    if isinstance(request, Mapping) and request.get("overlap"):
-        return _refit_overlapped(servers, update_info, weight_version, init_info, timeouts, resume, before_swap,
-                                 recompute_kv_cache_after_weight_updates)
-    if before_swap is not None:
-        raise ConfigError("before_swap is for overlapped refits (update_info.request.overlap=true): a blocking "
-                          "refit's /update_weights returns only when the weights moved")
     if not servers:
         raise ConfigError("servers=[]: name at least one server base URL")
     if not isinstance(weight_version, str) or not weight_version:
         raise ConfigError(f"weight_version={weight_version!r} must be a non-empty string")
     inits = _per_server(init_info, len(servers))
+    request = update_info.get("request") if isinstance(update_info, Mapping) else None
+    if isinstance(request, Mapping) and request.get("overlap"):
+        return _refit_overlapped(servers, update_info, weight_version, inits, timeouts, resume, before_swap,
+                                 recompute_kv_cache_after_weight_updates)
+    if before_swap is not None:
+        raise ConfigError("before_swap is for overlapped refits (update_info.request.overlap=true): a blocking "
+                          "refit's /update_weights returns only when the weights moved")
     with httpx.Client() as http:
         clients = [ServerClient(s, timeouts, http) for s in servers]
         paused = _each(clients, lambda c: c.pause("wait"))
@@ -297,14 +297,9 @@ def _finish(clients: list[ServerClient], updated: list[RefitFailed | None], weig
 
 
 def _refit_overlapped(servers: Sequence[str], update_info: Mapping[str, Any], weight_version: str,
-                      init_info: Any, timeouts: Timeouts, resume: bool, before_swap: Callable[[], Any] | None,
-                      recompute: bool) -> list[str]:
-    """:func:`refit_servers` for an overlapped refit: serving until the swap."""
-    if not servers:
-        raise ConfigError("servers=[]: name at least one server base URL")
-    if not isinstance(weight_version, str) or not weight_version:
-        raise ConfigError(f"weight_version={weight_version!r} must be a non-empty string")
-    inits = _per_server(init_info, len(servers))
+                      inits: list[Mapping[str, Any]] | None, timeouts: Timeouts, resume: bool,
+                      before_swap: Callable[[], Any] | None, recompute: bool) -> list[str]:
+    """:func:`refit_servers` (its arguments checked) for an overlapped refit: serving until the swap."""
     notes: list[str] = []
     with httpx.Client() as http:
         clients = [ServerClient(s, timeouts, http) for s in servers]

@@ -62,15 +62,21 @@ def get_plan(src: SideLayout, dst: SideLayout, *, bucket_bytes: int, allow_cast:
         key += (placement,)
     if charges:
         key += (charges,)
-    plan = _CACHE.get(key)
+    return _cached(_CACHE, _MAX, key, lambda: build_plan(
+        src, dst, bucket_bytes=bucket_bytes, allow_cast=allow_cast, not_direct=not_direct,
+        link_cost=None if placement is None else _link_cost(placement), charges=charges))
+
+
+def _cached(cache: "OrderedDict[tuple, TransferPlan]", most: int, key: tuple,
+            build: Callable[[], TransferPlan]) -> TransferPlan:
+    """``cache[key]``, built on a miss; least recently used entries beyond ``most`` dropped."""
+    plan = cache.get(key)
     if plan is None:
-        plan = build_plan(src, dst, bucket_bytes=bucket_bytes, allow_cast=allow_cast, not_direct=not_direct,
-                          link_cost=None if placement is None else _link_cost(placement), charges=charges)
-        _CACHE[key] = plan
-        while len(_CACHE) > _MAX:
-            _CACHE.popitem(last=False)
+        plan = cache[key] = build()
+        while len(cache) > most:
+            cache.popitem(last=False)
     else:
-        _CACHE.move_to_end(key)
+        cache.move_to_end(key)
     return plan
 
 
@@ -89,15 +95,7 @@ _MAX_PLACED = 4
 
 def get_placed_plan(src: SideLayout, dst: SideLayout, params: tuple, build: Callable[[], TransferPlan]) -> TransferPlan:
     """``build()`` once per (both layouts' digests, ``params``): ``plan_for_placement``'s cache."""
-    key = (layout_digest(src), layout_digest(dst), params)
-    plan = _PLACED.get(key)
-    if plan is None:
-        plan = _PLACED[key] = build()
-        while len(_PLACED) > _MAX_PLACED:
-            _PLACED.popitem(last=False)
-    else:
-        _PLACED.move_to_end(key)
-    return plan
+    return _cached(_PLACED, _MAX_PLACED, (layout_digest(src), layout_digest(dst), params), build)
 
 
 def clear_plan_cache() -> None:

@@ -76,7 +76,7 @@ def plan_for_placement(src: SideLayout, dst: SideLayout, placement: RankPlacemen
 
 def _placed(req: _Request) -> TransferPlan:
     """:func:`plan_for_placement`, uncached."""
-    src, dst, placement = req.src, req.dst, req.placement
+    dst, placement = req.dst, req.placement
     direct = req.plan(dst)
     pairs = same_device_pairs(placement)
     relays = piece_relays(dst, placement)

@@ -26,8 +26,8 @@ from .reader import REQUIRED, Field, Section, keys
 
 __all__ = [
     "RefitConfig", "RecipeLayout", "TRANSPORTS", "VERIFY", "APPLY", "PLACEMENTS", "MIN_BUFFER_BYTES",
-    "MAX_BUFFER_BYTES", "GrpoSettings", "AsyncGrpoSettings", "LossSettings", "GenerationSettings", "TaskSettings", "ClusterSettings",
-    "RaySettings", "PlanConfigKeys", "RefitConfigKeys", "RecipeKeys", "PLAN_CONFIG", "REFIT_CONFIG", "RECIPE",
+    "MAX_BUFFER_BYTES", "GrpoSettings", "AsyncGrpoSettings", "LossSettings", "GenerationSettings", "TaskSettings",
+    "ClusterSettings", "RaySettings", "PlanConfigKeys", "RefitConfigKeys", "RecipeKeys", "PLAN_CONFIG", "REFIT_CONFIG", "RECIPE",
     "KNOWN_KEYS",
 ]
 

@@ -212,19 +212,16 @@ class DryRunReport:
         width = max(len(k) for k, _ in rows)
         return "\n".join([title, "-" * len(title)] + [f"{k.ljust(width)}  {v}" for k, v in rows])
 
-
     def _mode(self) -> str:
+        """How steps and refits overlap (the table's "GRPO" row)."""
         a = self.async_grpo
-        refit = ("overlapped refits (receive while decoding, shadow weights up to "
-                 f"{format_bytes(self.busiest_dst_bytes)} per vLLM rank)" if self.overlap else "blocking refits")
+        refits = "overlapped refits" if self.overlap else "blocking refits"
+        shadow = f"; shadow weights up to {format_bytes(self.busiest_dst_bytes)} per vLLM rank" if self.overlap else ""
         if not a.get("enabled"):
-            return f"synchronous, {refit}"
+            return f"synchronous, {refits}{shadow}"
         return (f"asynchronous: max trajectory age {a['max_trajectory_age_steps']} step(s), "
-                f"{'in-flight' if a['in_flight_weight_updates'] else 'drained'} "
-                f"{refit.split(' ', 1)[0]} refits, KV "
-                f"{'recomputed' if a['recompute_kv_cache_after_weight_updates'] else 'kept'} across a swap"
-                + (f"; shadow weights up to {format_bytes(self.busiest_dst_bytes)} per vLLM rank" if self.overlap
-                   else ""))
+                f"{'in-flight' if a['in_flight_weight_updates'] else 'drained'} {refits}, KV "
+                f"{'recomputed' if a['recompute_kv_cache_after_weight_updates'] else 'kept'} across a swap{shadow}")
 
 
 def _seconds(s: float) -> str:

@@ -97,7 +97,7 @@ class GrpoRun:
         #: Optimizer steps taken = the version the engines serve after each refit ("0": the
         #: checkpoint, set by the first refit).
         self.policy_version = 0
-        self._rollouts: dict[int, Any] = {}  # async GRPO: step -> its launched generation
+        self._rollouts: dict[int, tuple[list[list[int]], list]] = {}  # async GRPO: step -> its _launch
 
     # -- set-up / shutdown ---------------------------------------------------------------
     def __enter__(self) -> "GrpoRun":
@@ -248,14 +248,13 @@ class GrpoRun:
                     self._rollouts[s] = self._launch(self.task.prompts(s, r.grpo.num_prompts_per_step), s)
             launched = self._rollouts.pop(step)
             prompts, samples = launched[0], self._collect(launched)
-            versions = [token_versions(sp, len(toks)) for toks, _, sp in samples]
-            if trajectory_age(self.policy_version, versions) > a.max_trajectory_age_steps:
-                dropped = len(samples)  # never trained on: generate this step's prompts again, now
-                samples = self._generate(prompts, step)
+        versions = _versions(samples)  # the policy version behind each token (vLLM's spans)
+        if trajectory_age(self.policy_version, versions) > a.max_trajectory_age_steps:
+            dropped = len(samples)  # never trained on: generate this step's prompts again, now
+            samples = self._generate(prompts, step)
+            versions = _versions(samples)
         timing["generation"] = time.perf_counter() - t
         seqs = [prompts[i // G] + toks for i, (toks, _, _) in enumerate(samples)]
-        versions = [token_versions(sp, len(toks)) if a.enabled else [self.policy_version] * len(toks)
-                    for toks, _, sp in samples]
         age = trajectory_age(self.policy_version, versions)
         rewards = [self.task.reward(toks) for toks, _, _ in samples]
         adv = group_advantages(rewards, G, normalize=r.grpo.normalize_rewards,
@@ -314,6 +313,12 @@ class GrpoRun:
                          (min(flat), max(flat)), age, off_policy, dropped, snapshot_bytes)
         self.history.append(sm)
         return sm
+
+
+def _versions(samples: Sequence[Completion]) -> list[list[int]]:
+    """Per sample, the policy version that produced each token (``token_versions``)."""
+    return [token_versions(spans, len(toks)) for toks, _, spans in samples]
+
 
 def _colocated(recipe: Any, trainer_nodes: list[dict], engine_infos: list[dict]) -> Any:
     """``policy.generation.colocated.enabled``: training rank i and vLLM worker i share device i,

@@ -309,13 +309,7 @@ class EngineActor:
         return _sample(self.llm, prompts, n, max_tokens, temperature, seed)
 
     def shutdown(self) -> None:
-        from ...adapters.vllm.engine import stop_engine
-
-        for fn in (lambda: self.llm.shutdown_weight_transfer_engine(), lambda: stop_engine(self.llm)):
-            try:
-                fn()
-            except Exception:  # noqa: BLE001 - best effort on the way out
-                pass
+        _shutdown(self.llm)
 
 
 #: One sampled completion: its token ids, their logprobs and the weight versions that produced
@@ -335,6 +329,17 @@ def _sample(llm: Any, prompts: list[list[int]], n: int, max_tokens: int, tempera
     sp = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, ignore_eos=True, logprobs=0, seed=seed)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     return [completions(o, n) for o in outs]
+
+
+def _shutdown(llm: Any) -> None:
+    """Close the engine's refit group, then stop the engine (best effort on the way out)."""
+    from ...adapters.vllm.engine import stop_engine
+
+    for fn in (lambda: llm.shutdown_weight_transfer_engine(), lambda: stop_engine(llm)):
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            pass
 
 
 def completions(out: Any, n: int) -> list[Completion]:
@@ -385,13 +390,7 @@ class AsyncEngineActor:
             None, _sample, self.llm, prompts, n, max_tokens, temperature, seed)
 
     async def shutdown(self) -> None:
-        from ...adapters.vllm.engine import stop_engine
-
-        for fn in (lambda: self.llm.shutdown_weight_transfer_engine(), lambda: stop_engine(self.llm)):
-            try:
-                fn()
-            except Exception:  # noqa: BLE001 - best effort on the way out
-                pass
+        _shutdown(self.llm)
 
 
 class EngineHandle:

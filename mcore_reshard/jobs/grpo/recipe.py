@@ -22,9 +22,9 @@ from ...errors import ConfigError
 from ...layout import ModelSpec
 from ...settings.policy import from_policy_config
 from ...settings import (KNOWN_KEYS, LOCAL_DTYPES, RECIPE, TINY_MODELS, AsyncGrpoSettings, ClusterSettings,
-                        GenerationSettings, GrpoSettings, LossSettings, RaySettings, RefitConfig, TaskSettings, apply_overrides,
-                        check_type, check_world, is_checkpoint_dir, load_recipe, local_cpu_problem, lookup, read,
-                        read_section)
+                        GenerationSettings, GrpoSettings, LossSettings, RaySettings, RefitConfig, TaskSettings,
+                        apply_overrides, check_type, check_world, is_checkpoint_dir, load_recipe, local_cpu_problem,
+                        lookup, read, read_section)
 
 __all__ = [
     "GrpoSettings",
