@@ -267,8 +267,9 @@ def test_without_kv_recompute_no_new_request_reuses_a_prefix_cached_under_old_we
     """``recompute_kv_cache_after_weight_updates=false``: a request running across the swap
     holds KV blocks, so vLLM cannot reset its prefix cache (the refit's notes say so). A new
     request of a cached prompt after the swap still reuses nothing cached under the old
-    weights: each request carries the version it arrived at as its ``cache_salt``. An unsalted
-    client shows what that prevents: it reuses the old weights' blocks."""
+    weights: each request carries the version it arrived at as its ``cache_salt``. A client
+    that keeps one fixed salt across the refit shows what that prevents: it reuses the old
+    weights' blocks."""
     import threading
 
     from vllm import SamplingParams
@@ -284,7 +285,7 @@ def test_without_kv_recompute_no_new_request_reuses_a_prefix_cached_under_old_we
         old = engine.weight_version
         engine.generate([prompt], sp)
         assert engine.generate([prompt], sp)[0].num_cached_tokens >= block  # cached under this version
-        raw = engine.generate([{**prompt, "cache_salt": "unsalted-client"}], sp)[0]  # a client with its own salt
+        raw = engine.generate([{**prompt, "cache_salt": "fixed-salt-client"}], sp)[0]  # a client with its own salt
         c.step(TOKENS)
         started = threading.Event()
         running = engine.submit(_async_greedy(engine.engine, TOKENS[:8], 200, started, after=4))
@@ -293,12 +294,12 @@ def test_without_kv_recompute_no_new_request_reuses_a_prefix_cached_under_old_we
         assert m.verified and engine.weight_version != old
         assert any("prefix cache not reset" in n for n in m.notes), m.notes
         after = engine.generate([prompt], sp)[0]
-        stale = engine.generate([{**prompt, "cache_salt": "unsalted-client"}], sp)[0]
+        stale = engine.generate([{**prompt, "cache_salt": "fixed-salt-client"}], sp)[0]  # the same salt as before
         fresh = engine.generate([{**prompt, "cache_salt": "never-seen"}], sp)[0]
         running.result(timeout=120)
     finally:
         c.driver.refit_config = c.refit
     assert after.num_cached_tokens == 0 and fresh.num_cached_tokens == 0
     assert list(after.outputs[0].token_ids) == list(fresh.outputs[0].token_ids)  # the new weights' answer
-    assert stale.num_cached_tokens >= block  # without a new salt: the old weights' KV is reused
+    assert stale.num_cached_tokens >= block  # the same salt across the refit: the old weights' KV is reused
     assert raw.num_cached_tokens == 0
