@@ -78,6 +78,16 @@ class RefitMetrics:
     pause_seconds: float = 0.0
     #: Whether the engines kept generating while the weights moved (``refit.overlap``).
     overlapped: bool = False
+    #: Delta refits (``refit.delta``): what a full refit would have moved (``bytes_moved`` is
+    #: what did); whether this one sent deltas, and why not; changed elements / elements (1.0
+    #: for a full refit); boxes sent unchanged (nothing), sparse, dense; the most bytes one
+    #: rank keeps as its baseline.
+    bytes_full: int = 0
+    delta: bool = False
+    delta_fraction: float = 1.0
+    delta_reason: str = ""
+    delta_boxes: dict[str, int] = field(default_factory=dict)
+    delta_state_bytes: int = 0
 
 
 def engine_world(llm: Any) -> int:
@@ -373,7 +383,8 @@ class RefitDriver:
     # -- refits -------------------------------------------------------------------------------
     def request(self) -> RefitRequest:
         cfg = self.refit_config
-        return RefitRequest(self.plan.digest(), cfg.verify, cfg.timeout_s, cfg.atomic, overlap=cfg.overlap)
+        return RefitRequest(self.plan.digest(), cfg.verify, cfg.timeout_s, cfg.atomic, overlap=cfg.overlap,
+                            delta=cfg.delta, delta_state_limit_bytes=cfg.delta_state_limit_bytes)
 
     def next_epoch(self) -> int:
         """The number of the next refit on this driver's groups (signed messages are bound to it)."""
@@ -667,4 +678,20 @@ def _metrics(driver: RefitDriver, reports: list[RankReport], seconds: float, cac
         phases=phases,
         bytes_same_device=sum(r.bytes_same_device for r in dst),
         bytes_zero_copy=sum(r.bytes_zero_copy for r in dst),
+        **_delta_metrics(src, dst, reports),
     )
+
+
+def _delta_metrics(src: list[RankReport], dst: list[RankReport], reports: list[RankReport]) -> dict[str, Any]:
+    """The delta part of ``RefitMetrics`` from every rank's report."""
+    on = bool(reports) and all(r.delta for r in reports)
+    elements = sum(r.delta_elements for r in src)
+    boxes = [sum(r.delta_boxes[i] for r in src) for i in range(3)]
+    return {
+        "bytes_full": sum(r.bytes_full for r in dst),
+        "delta": on,
+        "delta_fraction": sum(r.delta_changed for r in src) / elements if on and elements else 1.0,
+        "delta_reason": next((r.delta_reason for r in reports if r.delta_reason), ""),
+        "delta_boxes": dict(zip(("unchanged", "sparse", "dense"), boxes)) if on else {},
+        "delta_state_bytes": max((r.delta_state_bytes for r in reports), default=0),
+    }

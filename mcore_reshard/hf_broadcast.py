@@ -269,6 +269,9 @@ def reload_weights(worker: Any, stream: Iterable[tuple[str, torch.Tensor]]) -> N
         original(layer, info)
 
     layerwise._copy_and_restore_kernel_tensors = copy_after_prepack
+    forget = getattr(getattr(worker, "weight_transfer_engine", None), "forget_baselines", None)
+    if forget is not None:  # weights change outside a refit: the next refit is full
+        forget()
     try:
         with set_current_vllm_config(worker.vllm_config):
             worker.model_runner.reload_weights(weights_iterator=stream, is_checkpoint_format=True)
@@ -363,9 +366,12 @@ class HFBroadcastTransport:
             llm.reset_prefix_cache()
         phases = {"gather": max(s.gather_seconds for s in src_stats), "root": max(s.seconds for s in src_stats),
                   "receive_and_reload": max(s.seconds for s in dst_stats)}
+        moved = sum(s.gather_bytes for s in src_stats) + sum(s.bytes_received for s in dst_stats)
         return RefitMetrics(
             transport=self.name,
-            bytes_moved=sum(s.gather_bytes for s in src_stats) + sum(s.bytes_received for s in dst_stats),
+            bytes_moved=moved,
+            bytes_full=moved,  # always whole tensors
+            delta_reason="the hf_broadcast baseline sends whole tensors",
             bytes_min=driver.plan.bytes_min,
             seconds=seconds,
             transfer_seconds=max([s.seconds for s in dst_stats] + [s.seconds for s in src_stats]),

@@ -182,9 +182,20 @@ class RefitRequest:
     #: thread, and ``finish_weight_update`` swaps them in between two model steps (needs
     #: ``atomic``: a streaming refit writes live weights as buckets arrive).
     overlap: bool = False
+    #: ``auto``: send only what changed whenever every rank holds the same committed refit
+    #: (``transport/delta.py``); ``off``: always full, and keep no baselines.
+    delta: str = "auto"
+    #: The most bytes of baseline one rank keeps for delta refits (0: no limit); a rank over
+    #: it keeps none, and refits stay full.
+    delta_state_limit_bytes: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "verify", VerifyMode.parse(self.verify))
+        if self.delta not in ("auto", "off"):
+            raise ConfigError(f"delta={self.delta!r} is not one of auto, off")
+        if not isinstance(self.delta_state_limit_bytes, int) or self.delta_state_limit_bytes < 0:
+            raise ConfigError(f"delta_state_limit_bytes={self.delta_state_limit_bytes!r} must be a non-negative "
+                              "integer (bytes; 0: no limit)")
         _check_positive("timeout_s", self.timeout_s)
         if not isinstance(self.epoch, int) or self.epoch < 0:
             raise ConfigError(f"epoch={self.epoch!r} must be a non-negative integer")
@@ -197,7 +208,8 @@ class RefitRequest:
 
     def to_wire(self) -> dict:
         return {"plan_digest": self.plan_digest, "verify": self.verify.value, "timeout_s": self.timeout_s,
-                "atomic": self.atomic, "epoch": self.epoch, "version": self.version, "overlap": self.overlap}
+                "atomic": self.atomic, "epoch": self.epoch, "version": self.version, "overlap": self.overlap,
+                "delta": self.delta, "delta_state_limit_bytes": self.delta_state_limit_bytes}
 
     @staticmethod
     def from_wire(d: Mapping[str, Any]) -> "RefitRequest":
@@ -226,6 +238,16 @@ class RankReport:
     bytes_same_device: int = 0
     #: The part that went zero-copy (parameter to parameter, no buffer between).
     bytes_zero_copy: int = 0
+    #: Delta refits (``transport/delta.py``): what a full refit would have received; whether
+    #: this one sent deltas and why not; the sender's elements and changed elements; boxes
+    #: (unchanged, sparse, dense); the bytes this rank keeps as its baseline.
+    bytes_full: int = 0
+    delta: bool = False
+    delta_reason: str = ""
+    delta_elements: int = 0
+    delta_changed: int = 0
+    delta_boxes: list[int] = field(default_factory=lambda: [0, 0, 0])
+    delta_state_bytes: int = 0
 
     def to_wire(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -255,12 +255,17 @@ TOKEN_MULT_PROB_BOUND = {"float32": 1.001, "bfloat16": 1.05, "float16": 1.05}
 
 
 def _table(results, stale: float, baseline, reshard) -> str:
-    head = f"{'refit':<44} {'transport':<13} {'moved':>11} {'minimum':>11} {'seconds':>8} {'peak buf':>10} {'verified':>8} {'tok_mult_prob_err':>17}"
+    head = (f"{'refit':<44} {'transport':<13} {'moved':>11} {'full':>11} {'minimum':>11} {'changed':>8} "
+            f"{'seconds':>8} {'peak buf':>10} {'verified':>8} {'tok_mult_prob_err':>17}")
     lines = ["", head, "-" * len(head)]
     for label, m in results:
-        lines.append(f"{label:<44} {m.transport:<13} {format_bytes(m.bytes_moved):>11} {format_bytes(m.bytes_min):>11} "
-                     f"{m.seconds:>8.3f} {format_bytes(m.peak_extra_bytes):>10} {str(m.verified):>8} "
-                     f"{m.token_mult_prob_error:>17.6f}")
+        changed = f"{100 * m.delta_fraction:.2f}%" if m.delta else "full"
+        lines.append(f"{label:<44} {m.transport:<13} {format_bytes(m.bytes_moved):>11} {format_bytes(m.bytes_full):>11} "
+                     f"{format_bytes(m.bytes_min):>11} {changed:>8} {m.seconds:>8.3f} "
+                     f"{format_bytes(m.peak_extra_bytes):>10} {str(m.verified):>8} {m.token_mult_prob_error:>17.6f}")
+    why = next((m.delta_reason for label, m in results[1:] if m.transport == "reshard" and not m.delta), "")
+    if why:
+        lines.append(f"refit 2 was full: {why}")
     lines.append(f"before refit 2 the engine still served the old weights: token_mult_prob_error {stale:.6f}")
     if baseline is not None:
         lines.append(f"reshard vs hf_broadcast: {baseline.bytes_moved / max(reshard.bytes_moved, 1):.2f}x fewer bytes, "

@@ -5,7 +5,8 @@ gloo tags are C ints, so every kind of message has its own band below ``2**31``:
 =======================  ===========================================================
 ``[0, B]``               plain bucket ``k`` (``B``: the checksums), ``k`` itself
 ``(B, 2**29)``           relayed messages: per (bucket, relay group, sent/forwarded, rank)
-``[2**29, 2**30)``       zero-copy boxes: per (bucket, box of the pair)
+``[2**29, 2**30)``       zero-copy boxes: per (bucket, box of the pair), and the headers
+                         of delta refits (which send no zero-copy box): per (bucket, relay group)
 ``2**30 + 1``            the group's connect handshake
 ``2**30 + 2 + ...``      consumed-buffer acknowledgements: per (bucket, relay group)
 ``2**31 - 4096 + e``     the liveness watch of refit epoch ``e`` (mod 4096)
@@ -21,7 +22,7 @@ from .types import PlanError
 
 __all__ = [
     "MAX_RANKS", "CONNECT_TAG", "ACK_TAG", "LIVE_TAG",
-    "message_tag", "direct_tag", "ack_tag", "live_tag", "relayed_tags_fit",
+    "message_tag", "direct_tag", "header_tag", "ack_tag", "live_tag", "relayed_tags_fit",
 ]
 
 #: Ranks a relayed message's tag can name (``config.MAX_WORLD``).
@@ -55,9 +56,17 @@ def relayed_tags_fit(num_buckets: int, num_groups: int) -> bool:
 
 def direct_tag(k: int, i: int) -> int:
     """Tag of the ``i``-th zero-copy box of a pair in bucket ``k``."""
-    if i >= 1 << 16 or k >= 1 << 13:
+    if i >= 1 << 15 or k >= 1 << 13:
         raise PlanError(f"zero-copy tag out of range (bucket {k}, box {i})")
     return _DIRECT_BASE + (k << 16) + i
+
+
+def header_tag(k: int, g: int) -> int:
+    """Tag of a delta refit's header of bucket ``k``'s message in relay group ``g`` (-1: none):
+    the upper half of the zero-copy band, which a delta refit does not use."""
+    if g + 1 >= 1 << 15 or k >= 1 << 13:
+        raise PlanError(f"delta header tag out of range (bucket {k}, relay group {g})")
+    return _DIRECT_BASE + (k << 16) + (1 << 15) + g + 1
 
 
 def ack_tag(num_groups: int, k: int, g: int) -> int:

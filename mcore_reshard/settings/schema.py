@@ -91,6 +91,14 @@ class RefitConfig:
     #: its live weights (about what the worker receives); 0: no cap. An overlapped refit over
     #: the cap is refused before any byte moves.
     max_shadow_bytes: int = 0
+    #: Delta refits: ``auto`` sends only the elements that changed since the last committed
+    #: refit whenever every rank holds it (the first refit, and any after a failure, a new
+    #: process or a new plan, are full); ``off`` always sends whole boxes and keeps no copies.
+    delta: str = "auto"
+    #: The most bytes one rank keeps between refits for deltas (a training rank: a wire-dtype
+    #: copy of what it sends; a vLLM worker: a model-format copy of the layers vLLM repacks);
+    #: 0: no limit. A rank over it keeps nothing, and refits stay full (the report says so).
+    delta_state_limit_bytes: int = 0
     #: After new weights go live, requests running across the swap: true drops their KV and
     #: recomputes it with the new weights (vLLM's prefix-cache reset with running requests
     #: preempted); false keeps it (faster; tokens after the swap then attend to old-weight
@@ -111,7 +119,8 @@ class RefitConfig:
         for name in ("enabled", "allow_cast", "atomic", "overlap", "recompute_kv_cache_after_weight_updates"):
             value = getattr(self, name)
             _check(isinstance(value, bool), f"refit.{name}={value!r} is not a boolean (true or false)")
-        for name, allowed in (("transport", TRANSPORTS), ("apply_mode", APPLY), ("placement", PLACEMENTS)):
+        for name, allowed in (("transport", TRANSPORTS), ("apply_mode", APPLY), ("placement", PLACEMENTS),
+                              ("delta", ("auto", "off"))):
             value = getattr(self, name)
             _check(isinstance(value, str) and value in allowed, f"refit.{name}={value!r} is not one of {list(allowed)}")
         object.__setattr__(self, "verify", VerifyMode.parse(self.verify, "refit.verify"))
@@ -120,9 +129,10 @@ class RefitConfig:
                                 "as buckets arrive, which the steps generating meanwhile would read")
             _check(self.transport == "reshard", f"refit.overlap=true needs refit.transport=reshard "
                                                 f"(the {self.transport} baseline blocks the engine)")
-        cap = self.max_shadow_bytes
-        _check(isinstance(cap, int) and not isinstance(cap, bool) and cap >= 0,
-               f"refit.max_shadow_bytes={cap!r} is not a non-negative integer (bytes; 0: no cap)")
+        for name in ("max_shadow_bytes", "delta_state_limit_bytes"):
+            cap = getattr(self, name)
+            _check(isinstance(cap, int) and not isinstance(cap, bool) and cap >= 0,
+                   f"refit.{name}={cap!r} is not a non-negative integer (bytes; 0: no cap)")
         b = self.buffer_bytes
         _check(isinstance(b, int) and not isinstance(b, bool), f"refit.buffer_bytes={b!r} is not an integer (bytes)")
         _check(b >= MIN_BUFFER_BYTES, f"refit.buffer_bytes={b} is below the floor of {MIN_BUFFER_BYTES} (64 KiB): "

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, NamedTuple, Protocol, Sequence
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Protocol, Sequence
 
 import torch
 
@@ -33,7 +33,6 @@ from ..plan.tags import ack_tag, direct_tag, message_tag
 from ..plan.types import PlanError, RankPlan, Transfer
 from .dataplane import error_class
 from .group import RankMap, RefitError, RefitGroup
-from .packing import message_numel
 from .shm import ShmSegment, new_nonce, segment_path
 from .sink import Sink
 from .stats import Tally
@@ -167,6 +166,10 @@ class GroupChannel:
 
     def __init__(self, group: RefitGroup, route: Route, timeout_s: float, zero_copy: "ZeroCopyChannel") -> None:
         self.group, self.route, self.timeout_s, self.zero_copy = group, route, timeout_s, zero_copy
+        #: Elements of a channel's buffered message in bucket k: the plan's (a delta refit
+        #: sets its headers' sizes, ``delta.HeaderExchange.numel``).
+        self.numel: Callable[[int, ChannelKey, Sequence[Transfer]], int] = \
+            lambda k, channel, ts: zero_copy.packed_numel(ts)
 
     def post_send(self, k: int, key: MsgKey, ts: Sequence[Transfer], msg: torch.Tensor, posts: BucketPosts) -> None:
         peer, stream = key
@@ -176,7 +179,7 @@ class GroupChannel:
 
     def post_recv(self, k: int, channel: ChannelKey, ts: Sequence[Transfer], posts: BucketPosts) -> None:
         g, tag = self.route.recv_from(k, channel)
-        n = self.zero_copy.packed_numel(ts)
+        n = self.numel(k, channel, ts)
         if n:
             posts.specs.append(("src", channel, posts.recv_slot(n), g, tag))
 
@@ -272,11 +275,14 @@ class ZeroCopyChannel:
 
     def __init__(self, route: Route, send_b: Sequence[Mapping[MsgKey, list[Transfer]]],
                  recv_b: Sequence[Mapping[ChannelKey, list[Transfer]]], src_tensors: Mapping[str, torch.Tensor],
-                 sink: Sink | None, dtype: torch.dtype, device: torch.device, tally: Tally) -> None:
+                 sink: Sink | None, dtype: torch.dtype, device: torch.device, tally: Tally,
+                 enabled: bool = True) -> None:
         self.route, self.src_tensors, self.sink = route, src_tensors, sink
         self.dtype, self.device, self.tally = dtype, device, tally
         self.has_target = sink is not None and sink.capabilities.target
         self.direct: set[int] = set()  # id() of this rank's zero-copy transfers
+        if not enabled:  # a delta refit: every box is encoded into a message
+            send_b = recv_b = ()
         for b in send_b:
             for (peer, g), ts in b.items():
                 if g < 0 and not route.is_me("dst", peer) and peer not in route.shm_dst:
@@ -391,7 +397,7 @@ class ShmChannel:
         """The message a ready flag points at, inside the sender's segment (mapped once)."""
         rm, src = self.route.rank_map, channel[0]
         bucket, offset, numel, nonce = (int(v) for v in flag.tolist())
-        want = message_numel(self.recv_b[k][channel])
+        want = self.wire.numel(k, channel, self.recv_b[k][channel])
         if bucket != k or numel != want or offset < 0:
             raise RefitError(f"{rm.describe_group_rank(self.route.me)}: bad ready flag from "
                              f"{rm.describe('src', src)} in bucket {k}: {flag.tolist()} "

@@ -8,7 +8,7 @@ close-on-failure, the pair lookup of the bandwidth probe and the report format l
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 import torch
@@ -17,6 +17,7 @@ from ..errors import RefitError, RefitFailed
 from ..plan.types import RankPlan
 from ..plan.wire import slice_from_wire
 from ..protocol import JoinInfo, RankReport, RefitRequest, first_error_line
+from .delta import DeltaRun, DeltaState, decide, refit_id
 from .executor import TransferStats, execute_plan, raw_send_bandwidth
 from .faults import Fault
 from .group import RefitGroup
@@ -53,6 +54,8 @@ class RefitEndpoint:
         self.group: RefitGroup | None = None
         self._slice: RankPlan | None = None
         self._digest: str | None = None
+        #: What this rank keeps between refits for delta refits (``delta.py``).
+        self.delta = DeltaState()
 
     @property
     def who(self) -> str:
@@ -88,16 +91,34 @@ class RefitEndpoint:
         return self._slice
 
     def run(self, request: RefitRequest, src_tensors: Mapping[str, torch.Tensor], sink: Any,
-            progress: bool = False, fault: Fault | None = None) -> TransferStats:
+            progress: bool = False, fault: Fault | None = None, baseline: bool = True) -> TransferStats:
         """Move this rank's bytes. A failure posts the group's abort signal (every other rank
-        stops within a poll interval) and leaves the group broken (closed after the vote)."""
+        stops within a poll interval) and leaves the group broken (closed after the vote).
+
+        Before any byte moves every rank agrees on the plan digest and the verify mode, and
+        whether this refit sends deltas (``delta.decide``: every rank holds the same committed
+        refit). ``baseline`` False: this destination cannot rebuild boxes from what it holds
+        (e.g. a vLLM worker whose repacked layers have no model-format copy yet)."""
         if self.group is not None:
             self.group.begin_refit(request.epoch, watch=True)  # before any check: even a refused refit aborts
         s = self.plan_slice(request)
         src, dst = (s, None) if self.side == "src" else (None, s)
-        return execute_plan(src, dst, src_tensors, sink, self.group, timeout_s=request.timeout_s,
-                            verify=request.verify, progress=progress, plan_digest=request.plan_digest, fault=fault,
-                            begin=False)
+        self.delta.begin()
+        if request.delta == "off":
+            self.delta.baselines.clear()
+        offer = self.delta.offer(request.plan_digest) if baseline and request.delta != "off" else None
+        exchanged = self.group.exchange([request.plan_digest, request.verify.value, offer], request.timeout_s)
+        self.group.check_values([v[:2] for v in exchanged], "(plan digest, verify)")
+        rm = self.group.rank_map
+        decision = decide([v[2] for v in exchanged], request.delta,
+                          refit_id(request.plan_digest, self.group.control.nonce, self.group.control.epoch),
+                          [rm.describe_group_rank(r) for r in range(len(exchanged))])
+        delta = None if request.delta == "off" else DeltaRun(decision, self.delta, request.delta_state_limit_bytes)
+        stats = execute_plan(src, dst, src_tensors, sink, self.group, timeout_s=request.timeout_s,
+                             verify=request.verify, progress=progress, fault=fault, begin=False, delta=delta)
+        if delta is None:
+            stats = replace(stats, delta_reason=decision.reason)
+        return stats
 
     def vote(self, request: RefitRequest, report: RankReport | None, error: BaseException | None,
              fault: Fault | None = None) -> Outcome:
@@ -109,6 +130,7 @@ class RefitEndpoint:
             fault.hit("before_vote")
         if self.group is None:  # never joined (or already closed): no one to vote with
             why = f"{self.who}: refit without a refit group" + (f" ({first_error_line(error)})" if error else "")
+            self.delta.settle(False)
             return Outcome(False, [], [why], known=True, epoch=request.epoch)
         line = "" if error is None else f"{self.who}: {type(error).__name__}: {first_error_line(error)}"
         if error is not None:  # ranks still inside their transfer stop at this signal, not at their timeout
@@ -118,6 +140,7 @@ class RefitEndpoint:
         decision = self.group.decide(error is None, payload, line, timeout_s=request.timeout_s, after_vote=after_vote)
         reports = [RankReport.from_wire(p["report"]) if p and p.get("report") else None for p in decision.payloads]
         outcome = Outcome(decision.commit, reports, list(decision.errors), decision.known, self.group.control.epoch)
+        self.delta.settle(outcome.commit and outcome.known)
         if fault is not None:
             fault.hit("after_decision")
         if not outcome.commit:
@@ -129,7 +152,8 @@ class RefitEndpoint:
                           stats.buckets, stats.seconds, stats.peak_extra_bytes, stats.verified,
                           {"pack": stats.pack_s, "wire": stats.wire_s, "unpack": stats.unpack_s,
                            "verify": stats.verify_s, **(phases or {})}, stats.bytes_same_device,
-                          stats.bytes_zero_copy)
+                          stats.bytes_zero_copy, stats.bytes_full, stats.delta, stats.delta_reason,
+                          stats.delta_elements, stats.delta_changed, list(stats.delta_boxes), stats.delta_state_bytes)
 
     def raw_bandwidth(self, pairs: list[tuple[int, int]], nbytes: int, timeout_s: float) -> float | None:
         """Benchmark floor: one ``nbytes`` message per (source, destination) group-rank pair;

@@ -12,6 +12,8 @@ This module is the orchestrator; each concern lives in a part of its own:
   capabilities it declares.
 * ``ledger.py`` -- the checksums that prove source tensor == destination tensor.
 * ``reinterpret.py`` -- tensors the plan carries as their bits, seen in wire units.
+* ``delta.py`` -- delta refits: each message encoded against what the receiver holds
+  (headers ahead of the data, boxes rebuilt whole before delivery).
 * ``faults.py`` -- fault injection, which only tests and soak runs set.
 
 Every wait has a timeout and failures name the peer and the bucket.
@@ -20,6 +22,7 @@ Every wait has a timeout and failures name the peer and the bucket.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Callable, Mapping, Sequence
 
@@ -33,6 +36,7 @@ from ..protocol import VerifyMode
 from .channels import BucketPosts, Channel, GroupChannel, LocalChannel, Op, Route, ShmChannel, ZeroCopyChannel
 from .dataplane import error_class
 from .deliver import Delivery
+from .delta import DeltaDecoder, DeltaEncoder, DeltaRun, HeaderExchange
 from .faults import Fault
 from .group import RankMap, RefitGroup
 from .ledger import ChecksumLedger, box_hasher
@@ -80,6 +84,7 @@ def execute_plan(
     wire_dtype: torch.dtype | None = None,
     fault: Fault | None = None,
     begin: bool = True,
+    delta: DeltaRun | None = None,
 ) -> TransferStats:
     """Run this group rank's sends (``plan_slice_src``) and receives (``plan_slice_dst``).
 
@@ -90,6 +95,9 @@ def execute_plan(
     ``fault``: fault injection for tests and soak runs (see :class:`Fault`).
     ``begin``: this call starts a new refit on the group (a caller that already did, e.g. an
     endpoint that checks its slice first, passes False).
+    ``delta``: this rank's part of delta refits (``delta.py``; the endpoint agreed on it with
+    every rank): encode against the baselines when the decision is on, and (sender) keep what
+    was sent as the next baseline once this rank's part succeeded.
     Raises ``RefitTimeout``/``RefitError`` naming the peer and bucket (and posts the group's
     abort signal, so every other rank stops too); the group is then broken.
     """
@@ -110,8 +118,10 @@ def execute_plan(
     run = None
     try:
         run = _Run(plan_slice_src, plan_slice_dst, src_tensors, sink, group, rank_map, dtype, timeout_s,
-                   mode.checksums, fault)
+                   mode.checksums, fault, delta)
         run.execute(progress)
+        if delta is not None:
+            _keep_baseline(delta, plan_slice_src, src_tensors, dtype, run.tally)
     except RefitAborted:
         if run is not None:
             run.close(failed=True)
@@ -124,7 +134,26 @@ def execute_plan(
             run.close(failed=True)
         raise
     run.close(failed=False)
-    return run.tally.report(run.num_buckets, time.perf_counter() - t_start, run.verified)
+    stats = run.tally.report(run.num_buckets, time.perf_counter() - t_start, run.verified)
+    if delta is not None:
+        stats = replace(stats, delta=delta.decision.on, delta_reason=delta.decision.reason or delta.state.note,
+                        delta_state_bytes=delta.state.nbytes)
+    return stats
+
+
+def _keep_baseline(delta: DeltaRun, src: RankPlan | None, src_tensors: Mapping[str, torch.Tensor],
+                   dtype: torch.dtype, tally: Tally) -> None:
+    """This rank's part succeeded: a sender keeps what it sent as its next baseline (the
+    commit makes it the version every rank holds, ``DeltaState.settle``)."""
+    t0 = time.perf_counter()
+    if src is not None:
+        delta.state.keep_sent(src, src_tensors, dtype, delta.limit_bytes)
+        if delta.state.note:
+            delta.state.finished(None)
+            tally.timed("pack", t0)
+            return
+    delta.state.finished(delta.decision.refit_id)
+    tally.timed("pack", t0)
 
 
 def _check_roles(src: RankPlan | None, dst: RankPlan | None, me: int, rank_map: RankMap) -> None:
@@ -167,7 +196,7 @@ class _Run:
 
     def __init__(self, src: RankPlan | None, dst: RankPlan | None, src_tensors: Mapping[str, torch.Tensor],
                  sink: Sink | None, group: RefitGroup, rank_map: RankMap, dtype: torch.dtype, timeout_s: float,
-                 verify: bool, fault: Fault | None = None) -> None:
+                 verify: bool, fault: Fault | None = None, delta: DeltaRun | None = None) -> None:
         self.group, self.dtype, self.itemsize = group, dtype, dtype.itemsize
         self.src_tensors, self.timeout_s, self.verify = src_tensors, timeout_s, verify
         #: Fault injection: set only by tests and soak runs.
@@ -179,11 +208,21 @@ class _Run:
         self.send_b = src.messages() if src is not None else [{} for _ in range(self.num_buckets)]
         self.recv_b = dst.channels() if dst is not None else [{} for _ in range(self.num_buckets)]
         self.tally = Tally()
+        self.tally.bytes_full = self.itemsize * sum(
+            message_numel(ts) for b in self.recv_b for c, ts in b.items() if not route.local(c))
         self.verified = False
         self.bar: Any = None
+        on = delta is not None and delta.decision.on
         self.zero_copy = ZeroCopyChannel(route, self.send_b, self.recv_b, src_tensors, sink, dtype, group.device,
-                                         self.tally)
+                                         self.tally, enabled=not on)
         self.wire = GroupChannel(group, route, timeout_s, self.zero_copy)
+        # A delta refit (``delta.py``): messages encoded against the baselines, sized by headers.
+        self.encoder = DeltaEncoder(delta.state.baselines, dtype, self.tally) if on and src is not None else None
+        self.headers = HeaderExchange(self.wire, route, self.recv_b, self.itemsize) if on else None
+        self.decoder = None
+        if on and sink is not None:
+            self.wire.numel = self.headers.numel
+            self.decoder = DeltaDecoder(sink, self.headers, dtype, group.device, self.tally)
         self.local = LocalChannel(route)
         self.shm = ShmChannel(group, route, self.wire, self.recv_b, dtype)
         self.relay = RelayForwarder(self.wire, self.shm, self.local)
@@ -255,13 +294,17 @@ class _Run:
         buf = self.send_bufs[i] if self.send_bufs else None
         direct, phase, verify = self.zero_copy.direct, self.tally.phase, self.verify
         out, pos = {}, 0
+        encoder = self.encoder
         for key, ts in peers.items():
             t0 = time.perf_counter()
-            msg = pack([t for t in ts if id(t) not in direct], self.src_tensors, buf[pos:])
+            if encoder is not None:
+                msg = encoder.encode(key, ts, self.src_tensors, buf[pos:])
+            else:
+                msg = pack([t for t in ts if id(t) not in direct], self.src_tensors, buf[pos:])
             t1 = time.perf_counter()
             phase["pack"] += t1 - t0
-            if verify:
-                self.ledger.packed(key, ts, msg, direct)
+            if verify:  # a delta's boxes are hashed whole, in the source (as zero-copy ones)
+                self.ledger.packed(key, ts, msg, direct if encoder is None else {id(t) for t in ts})
                 phase["verify"] += time.perf_counter() - t1
             out[key] = msg
             pos += msg.numel()
@@ -275,7 +318,11 @@ class _Run:
         return self.zero_copy.temp(k, t, local_view(self.src_tensors[t.src_name], t.src_view).clone()).view(-1)
 
     def post(self, k: int, packed: dict[tuple[int, int], torch.Tensor]) -> list[Op]:
-        """Post every receive and send of bucket ``k``, each through its channel."""
+        """Post every receive and send of bucket ``k``, each through its channel (a delta
+        refit first exchanges the bucket's headers, which size its messages)."""
+        header_sends = []
+        if self.headers is not None:
+            header_sends = self.headers.post(k, self.encoder.take() if self.encoder is not None else {}, self._wait)
         posts = BucketPosts(k, self.recv_bufs)
         for channel, ts in self.recv_b[k].items():
             for ch in self._recv_channels(channel):
@@ -284,7 +331,7 @@ class _Run:
         for key, msg in packed.items():
             for ch in self._send_channels(key[0]):
                 ch.post_send(k, key, sends[key], msg, posts)
-        return self.wire.post_all(k, posts.specs) + posts.ops
+        return header_sends + self.wire.post_all(k, posts.specs) + posts.ops
 
     def posted(self) -> None:
         self.ledger.posted(self.src_tensors)
@@ -298,8 +345,16 @@ class _Run:
     def deliver(self, k: int, ops: list[Op]) -> None:
         msgs = {op.peer: self.shm.msgs.pop((k, op.peer), op.tensor) for op in ops if op.side in ("src", "shm_src")}
         msgs.update(self.local.take(k))
-        if self.delivery is not None:
+        if self.delivery is None:
+            return
+        if self.decoder is None:
             self.delivery.deliver(k, msgs, self.recv_b[k])
+            return
+        dense = {c: self.decoder.decode(k, c, ts, msgs.get(c)) for c, ts in self.recv_b[k].items()}
+        self.delivery.deliver(k, dense, self.recv_b[k])
+        for x in dense.values():
+            self.decoder.release(x)
+        self.headers.drop(k)
 
     def release(self, k: int) -> None:
         forwards = self.relay.take()

@@ -86,7 +86,11 @@ class RefitControl:
 
         Raises ``RefitError`` on every rank naming the rank(s) that disagree with the majority.
         """
-        values = [json.dumps(v, sort_keys=True) for v in self.exchange(value, timeout_s)]
+        self.check_values(self.exchange(value, timeout_s), what)
+
+    def check_values(self, exchanged: list[Any], what: str) -> None:
+        """``check_agreement`` on values already exchanged (one per group rank)."""
+        values = [json.dumps(v, sort_keys=True) for v in exchanged]
         counts = Counter(values)
         if len(counts) == 1:
             return
@@ -260,6 +264,9 @@ class RefitGroup:
 
     def check_agreement(self, value: Any, what: str = "plan digest", timeout_s: float | None = None) -> None:
         self.ctl.check_agreement(value, what, timeout_s)
+
+    def check_values(self, exchanged: list[Any], what: str) -> None:
+        self.ctl.check_values(exchanged, what)
 
     def decide(self, ok: bool, payload: Any, error: str = "", timeout_s: float | None = None,
                after_vote: Callable[[], None] | None = None) -> Decision:

@@ -91,3 +91,10 @@ class ReinterpretSink:
         if real is None:
             return self.inner.landed(local_name, view, hash_fn)
         return self.inner.landed(local_name, _real_view(view, real[1], local_name), self._wire_hash(hash_fn))
+
+    def current(self, local_name: str, view: View) -> torch.Tensor:
+        real = self.real.get(local_name)
+        if real is None:
+            return self.inner.current(local_name, view)
+        x = self.inner.current(local_name, _real_view(view, real[1], local_name))
+        return x.contiguous().view(self.wire).reshape(view.shape)

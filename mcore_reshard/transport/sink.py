@@ -24,7 +24,7 @@ from .views import TORCH_DTYPES, local_view
 __all__ = ["Sink", "SinkCaps", "TensorSink", "as_sink", "sink_dtypes"]
 
 #: The methods a sink may leave out (``write`` it may not).
-OPTIONAL = ("write_hashed", "target", "landed")
+OPTIONAL = ("write_hashed", "target", "landed", "current")
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,7 @@ class SinkCaps:
     target: bool = False
     landed: bool = False
     bulk: bool = False
+    current: bool = False
 
 
 class Sink(Protocol):
@@ -55,7 +56,11 @@ class Sink(Protocol):
     once its bytes are there (returns ``hash_fn`` of them, like ``write_hashed``). Without them
     such a box is received into a temporary and written.
 
-    ``capabilities`` says which of these three the sink implements."""
+    ``current(local_name, view)``: what the destination holds at ``view`` now (the live
+    weights, not a staged copy): the baseline a delta refit's changes apply to (``delta.py``).
+    A sink without it takes full refits only.
+
+    ``capabilities`` says which of these four the sink implements."""
 
     capabilities: SinkCaps
 
@@ -66,6 +71,8 @@ class Sink(Protocol):
     def target(self, local_name: str, view: View) -> torch.Tensor | None: ...
 
     def landed(self, local_name: str, view: View, hash_fn: Callable | None) -> Any: ...
+
+    def current(self, local_name: str, view: View) -> torch.Tensor: ...
 
 
 class TensorSink:
@@ -78,7 +85,7 @@ class TensorSink:
     def capabilities(self) -> SinkCaps:
         # A subclass may change any method (tests corrupt in ``write`` or ``landed``), which a
         # bulk scatter would skip: only this class itself is bulk.
-        return SinkCaps(write_hashed=True, target=True, landed=True, bulk=type(self) is TensorSink)
+        return SinkCaps(write_hashed=True, target=True, landed=True, bulk=type(self) is TensorSink, current=True)
 
     def write(self, local_name: str, view: View, tensor: torch.Tensor) -> None:
         local_view(self.tensors[local_name], view).copy_(tensor)
@@ -92,6 +99,9 @@ class TensorSink:
 
     def landed(self, local_name: str, view: View, hash_fn: Callable | None) -> Any:
         return hash_fn(local_view(self.tensors[local_name], view)) if hash_fn is not None else None
+
+    def current(self, local_name: str, view: View) -> torch.Tensor:
+        return local_view(self.tensors[local_name], view)
 
 
 class _Undeclared:
@@ -118,6 +128,9 @@ class _Undeclared:
 
     def landed(self, local_name: str, view: View, hash_fn: Callable | None) -> Any:
         raise self._missing("landed")
+
+    def current(self, local_name: str, view: View) -> torch.Tensor:
+        raise self._missing("current")
 
 
 class _CallableSink(_Undeclared):

@@ -33,6 +33,17 @@ class TransferStats:
     bytes_same_device: int = 0
     #: The part that went zero-copy: from the source parameter into the destination's tensor.
     bytes_zero_copy: int = 0
+    #: What a full refit would have received on this rank (equal to ``bytes_received`` then).
+    bytes_full: int = 0
+    #: Delta refits (``delta.py``): whether this one sent deltas, and why not; the sender's
+    #: elements and changed elements; boxes sent (unchanged, sparse, dense); the bytes this
+    #: rank keeps between refits as its baseline.
+    delta: bool = False
+    delta_reason: str = ""
+    delta_elements: int = 0
+    delta_changed: int = 0
+    delta_boxes: tuple[int, int, int] = (0, 0, 0)
+    delta_state_bytes: int = 0
 
 
 @dataclass
@@ -44,6 +55,11 @@ class Tally:
     messages: int = 0
     bytes_same_device: int = 0
     bytes_zero_copy: int = 0
+    bytes_full: int = 0
+    delta_elements: int = 0
+    delta_changed: int = 0
+    #: Boxes encoded (unchanged, sparse, dense).
+    delta_boxes: list[int] = field(default_factory=lambda: [0, 0, 0])
     #: Seconds per phase; parts add to them as they go.
     phase: dict[str, float] = field(default_factory=lambda: {"pack": 0.0, "wire": 0.0, "unpack": 0.0, "verify": 0.0})
     #: Wire buffers, and the most they and zero-copy temporaries held at once.
@@ -89,4 +105,8 @@ class Tally:
             verified=verified,
             bytes_same_device=self.bytes_same_device,
             bytes_zero_copy=self.bytes_zero_copy,
+            bytes_full=self.bytes_full,
+            delta_elements=self.delta_elements,
+            delta_changed=self.delta_changed,
+            delta_boxes=tuple(self.delta_boxes),
         )

@@ -187,6 +187,13 @@ class VllmApplier:
         self.reason = ""
         self._torn = False
         self._absorbers = mla_absorbers(model)
+        #: Delta refits: the model-format values of every reload-mode parameter as last
+        #: committed (its live tensor is kernel format, so a delta cannot start from it),
+        #: and the copies taken in the refit under way (promoted at its commit). Kept only
+        #: while refits ask for deltas (``keep_baselines``).
+        self.keep_baselines = False
+        self._baselines: dict[str, torch.Tensor] = {}
+        self._pending_baselines: dict[str, torch.Tensor] = {}
         self._reset()
         # The engine-level gate (a paused scheduler) keeps requests from reaching a torn
         # model; this is its backstop in the worker, for a caller that resumes by hand (a
@@ -209,6 +216,7 @@ class VllmApplier:
         """Take over ``old``'s model: torn weights stay torn until a whole refit commits."""
         if old.state == "not_serving":
             self.state, self.reason = old.state, old.reason
+        self.keep_baselines, self._baselines = old.keep_baselines, old._baselines
         old.close()
 
     def _reset(self) -> None:
@@ -217,6 +225,7 @@ class VllmApplier:
         self._written: dict[str, int] = {}
         self._layers: dict[int, _LayerState] = {}
         self._staged: dict[str, torch.Tensor] = {}  # atomic direct writes
+        self._pending_baselines = {}
         self._live_changed = False
         self._prepared = False
 
@@ -246,6 +255,29 @@ class VllmApplier:
         large contiguous box straight into it, then calls ``landed``."""
         lp = self._check(local_name, view, tuple(view.shape))
         return local_view(self._target(local_name, lp), view)
+
+    def current(self, local_name: str, view: View) -> torch.Tensor:
+        """What the engine serves at ``view`` now, in model format (a delta refit's baseline):
+        the live tensor of a direct parameter, the last committed model-format copy of a
+        reload-mode one."""
+        self._check(local_name, view, tuple(view.shape))
+        if self.modes[local_name] == DIRECT:
+            layer, pname = _owner(self.model, local_name)
+            return local_view(getattr(layer, pname).data, view)
+        base = self._baselines.get(local_name)
+        if base is None:
+            raise RefitIncomplete(f"{local_name}: no model-format baseline for a delta refit")
+        return local_view(base, view)
+
+    def delta_ready(self) -> bool:
+        """Whether every parameter can rebuild a box from what it holds (``current``): the
+        reload-mode ones need a model-format copy from a committed refit."""
+        return self.keep_baselines and not self._torn and self.state != "not_serving" and all(
+            n in self._baselines for n, m in self.modes.items() if m == RELOAD)
+
+    def baseline_bytes(self) -> int:
+        """Bytes of model-format copies kept for delta refits (``delta_state_bytes``)."""
+        return sum(t.numel() * t.element_size() for t in self._baselines.values())
 
     def landed(self, local_name: str, view: View, hash_fn: Callable[[torch.Tensor], Any] | None) -> Any:
         """The bytes of a box received into ``target(local_name, view)`` are there: count them,
@@ -322,6 +354,11 @@ class VllmApplier:
             self._fail(f"finish() failed: {exc}")
             raise
         self._staged.clear()
+        if self.keep_baselines:
+            self._baselines.update(self._pending_baselines)
+        else:
+            self._baselines.clear()
+        self._pending_baselines = {}
         self.state = "serving"
 
     def abort(self, reason: str = "aborted") -> None:
@@ -359,6 +396,9 @@ class VllmApplier:
         # Uncommitted layers changed only their shadows: dropping them is the whole undo.
         self._layers = {k: st for k, st in self._layers.items() if st.committed}
         self._staged.clear()
+        self._pending_baselines = {}
+        if self._live_changed:  # committed layers changed without their copies: start over
+            self._baselines.clear()
         if self._live_changed:
             self.state = "not_serving"
             self.reason = (f"refit {reason} after live weights were partly replaced; "
@@ -451,6 +491,9 @@ class VllmApplier:
 
         layer = st.shadow
         st.processed = True
+        if self.keep_baselines:  # the model-format values, before vLLM repacks them
+            for attr, local in st.names.items():
+                self._pending_baselines[local] = getattr(layer, attr).data.clone()
         if hasattr(layer, "_already_called_process_weights_after_loading"):
             delattr(layer, "_already_called_process_weights_after_loading")
         qm = getattr(layer, "quant_method", None)

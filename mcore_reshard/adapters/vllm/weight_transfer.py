@@ -285,7 +285,9 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
                 if self.endpoint.group is not None:
                     self.endpoint.group.begin_refit(request.epoch, watch=True)
                 raise RefitError(self.init_error)
-            stats = self.endpoint.run(request, {}, sink)
+            ready = applier.delta_ready()
+            applier.keep_baselines = request.delta != "off"
+            stats = self.endpoint.run(request, {}, sink, baseline=ready)
             t0 = time.perf_counter()
             if request.atomic:
                 applier.prepare()  # complete and processed in the shadows, nothing live changed yet
@@ -293,6 +295,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
                 applier.finish()  # streaming: layers committed as they completed; the rest now
             finish_s = time.perf_counter() - t0
             report = self.endpoint.report(stats, _apply_phases(applier.timings, finish_s))
+            report = replace(report, delta_state_bytes=report.delta_state_bytes + applier.baseline_bytes())
             if request.overlap:  # the shadows are held while the engine serves the live weights
                 report = replace(report, peak_extra_bytes=report.peak_extra_bytes + applier.shadow_bytes())
         except BaseException as exc:  # noqa: BLE001 - voted on, then kept as the outcome
@@ -310,6 +313,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
                 applier.finish()  # everyone staged and verified: commit together
                 self.version = version
             except BaseException as exc:  # noqa: BLE001 - this engine no longer serves
+                self.endpoint.delta.reset()
                 outcome = replace(outcome, commit=False, errors=outcome.errors + [f"{self.endpoint.who}: commit failed: {exc}"])
         elif outcome.commit:
             self.version = version
@@ -324,6 +328,14 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
             else:
                 applier.invalidate(reason)  # streaming: finished here, failed elsewhere
         return outcome
+
+    def forget_baselines(self) -> None:
+        """The weights change outside a refit (e.g. the HF baseline's reload): no delta may
+        start from what this worker held before, so the next refit is full."""
+        if self.endpoint is not None:
+            self.endpoint.delta.reset()
+        if self._applier is not None:
+            self._applier._baselines.clear()
 
     def finish_weight_update(self) -> None:
         """Blocking refits: nothing to close (the commit happened inside ``update_weights``,
@@ -437,6 +449,9 @@ class _Tee:
     def target(self, local_name: str, view: Any) -> torch.Tensor:
         return self.applier.target(local_name, view)
 
+    def current(self, local_name: str, view: Any) -> torch.Tensor:
+        return self.applier.current(local_name, view)
+
     def landed(self, local_name: str, view: Any, hash_fn: Any) -> Any:
         # Copy before the applier may process (repack) a layer this box completes.
         local_view(self.copies[local_name], view).copy_(self.applier.target(local_name, view))
@@ -462,6 +477,9 @@ class _ExitAfter:
 
     def target(self, local_name: str, view: Any) -> torch.Tensor:
         return self.sink.target(local_name, view)
+
+    def current(self, local_name: str, view: Any) -> torch.Tensor:
+        return self.sink.current(local_name, view)
 
     def landed(self, local_name: str, view: Any, hash_fn: Any) -> Any:
         import os

@@ -1,0 +1,321 @@
+"""Delta refits: after the first refit, move only the elements that changed since the last one.
+
+A refit's boxes are the same every step (the plan is cached), so each rank can remember what
+the other end holds. The sender keeps a copy, in the wire dtype, of what it last sent
+(``DeltaState.baselines``, host memory beside the parameters: ``delta_state_bytes``); the
+receiver's baseline is what its destination holds now (``Sink.current``: the live parameter,
+or for a layer vLLM repacks, the model-format copy ``VllmApplier`` keeps of its last commit).
+A delta is against that baseline only if every rank of the refit committed the same refit last
+(``DeltaState.offer``: the id of that refit, under this plan digest), checked in the
+agreement exchange before any byte moves (``decide``); otherwise the refit is full and its
+report says why.
+
+Encoding, per box, decided at run time from the bits (``-0.0 != 0.0``, NaN payloads count):
+
+* unchanged: nothing on the wire (header 0);
+* sparse: int32 positions (box-flat, ascending) then the new values: ``h`` changed elements
+  cost ``4h + h * itemsize`` bytes, chosen while that is below the dense box;
+* dense: the box as a full refit sends it (header ``numel``).
+
+A message is its boxes' encodings back to back in plan order; its header (one int64 per box)
+goes ahead of it in the same bucket (``HeaderExchange``), so the receiver posts a receive of
+the right size. The receiver rebuilds every box whole (its current values plus the changes)
+and hands it to the sink as a full refit would: staging, vLLM's layerwise reload, the
+two-phase commit and the checksums are unchanged, and the checksum compares the *whole* new
+box (the sender hashes its new weights, not the delta), so a wrong baseline cannot pass.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from ..errors import ConfigError
+from ..plan.tags import header_tag
+from ..plan.types import RankPlan, Transfer
+from .channels import ChannelKey, GroupChannel, MsgKey, Op, Route, Spec
+from .group import RefitError
+from .packing import message_numel
+from .sink import Sink
+from .stats import Tally
+from .views import local_view
+
+__all__ = ["DELTA_MODES", "DeltaDecision", "DeltaEncoder", "DeltaDecoder", "DeltaRun", "DeltaState", "HeaderExchange",
+           "check_delta_mode", "decide", "encoded_numel", "refit_id"]
+
+DELTA_MODES = ("auto", "off")
+
+#: Integer views of each wire dtype's bits (a change is a change of bits).
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def check_delta_mode(mode: str, what: str = "refit.delta") -> str:
+    if mode not in DELTA_MODES:
+        raise ConfigError(f"{what}={mode!r} is not one of {', '.join(DELTA_MODES)}")
+    return mode
+
+
+def refit_id(plan_digest: str, nonce: str, epoch: int) -> str:
+    """The id every rank of a refit records when it commits: unique per (plan, group, refit),
+    so a restarted process, a new group or a new plan never matches an old one."""
+    h = hashlib.sha256(f"{plan_digest}\0{nonce}\0{epoch}".encode()).hexdigest()[:16]
+    return f"{plan_digest[:16]}:{h}"
+
+
+def encoded_numel(h: int, n: int, itemsize: int) -> int:
+    """Wire elements of a box of ``n`` elements with header ``h`` (0, changed count, or ``n``)."""
+    if h == 0 or h == n:
+        return h
+    return -(-4 * h // itemsize) + h
+
+
+def _sparse_pays(changed: int, n: int, itemsize: int) -> bool:
+    return 0 < changed and encoded_numel(changed, n, itemsize) < n
+
+
+@dataclass(frozen=True)
+class DeltaDecision:
+    """Whether this refit sends deltas (``on``), and why not when it does not."""
+
+    on: bool
+    reason: str = ""
+    #: The refit every rank records if this one commits (``refit_id``).
+    refit_id: str = ""
+
+
+def decide(offers: Sequence[str | None], mode: str, refit: str, names: Sequence[str]) -> DeltaDecision:
+    """Delta iff ``mode`` is auto and every rank offers the same committed refit (``names``:
+    how to call each rank in the reason). Every rank computes this from the same exchange."""
+    if mode == "off":
+        return DeltaDecision(False, "refit.delta=off", refit)
+    if all(o is None for o in offers):
+        return DeltaDecision(False, "no rank holds a committed baseline (first refit under this plan)", refit)
+    held = sorted({o for o in offers if o is not None})
+    if len(held) == 1 and None not in offers:
+        return DeltaDecision(True, "", refit)
+    missing = [names[i] for i, o in enumerate(offers) if o is None]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        return DeltaDecision(False, f"{', '.join(missing[:3])}{more} hold no committed baseline "
+                                    "(new or restarted process, failed or aborted last refit, or a changed plan)",
+                             refit)
+    return DeltaDecision(False, f"ranks hold {len(held)} different committed refits (an engine or trainer "
+                                "missed a refit)", refit)
+
+
+@dataclass
+class DeltaState:
+    """What one rank keeps between refits: the id of the last refit it committed and, on a
+    sender, the wire-dtype copy of every source tensor it sends (``baselines``). Lives as long
+    as the rank's endpoint; a new process starts without it (its first refit is full)."""
+
+    version: str | None = None
+    #: This refit's id once this rank finished its part; becomes ``version`` at the commit.
+    pending: str | None = None
+    baselines: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: Why this rank keeps no baseline (over ``delta_state_limit_bytes``), for the report.
+    note: str = ""
+
+    def offer(self, plan_digest: str) -> str | None:
+        """The committed refit this rank can take a delta against under ``plan_digest``."""
+        v = self.version
+        return v if v is not None and v.startswith(plan_digest[:16] + ":") else None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.baselines.values())
+
+    def begin(self) -> None:
+        """A refit starts: until it commits, this rank's baseline is in flux."""
+        self.pending = None
+
+    def finished(self, refit: str | None) -> None:
+        """This rank's part of refit ``refit`` succeeded (None: but it keeps no baseline)."""
+        self.pending = refit
+
+    def settle(self, commit: bool) -> None:
+        """The refit's decision: the baseline is the refit just committed, or none."""
+        self.version = self.pending if commit else None
+        self.pending = None
+
+    def reset(self) -> None:
+        self.version = self.pending = None
+
+    def keep_sent(self, plan: RankPlan, src_tensors: Mapping[str, torch.Tensor], dtype: torch.dtype,
+                  limit_bytes: int) -> int:
+        """After a successful send: every source tensor this rank sends, as sent (the wire
+        dtype), in the baselines. Over ``limit_bytes`` (0: no limit) none is kept and this rank's
+        refits stay full (``note`` says why). Returns the bytes kept."""
+        names = sorted({t.src_name for t in plan.transfers})
+        need = sum(src_tensors[n].numel() for n in names) * dtype.itemsize
+        if limit_bytes and need > limit_bytes:
+            self.baselines.clear()
+            self.note = (f"training rank {plan.rank}: a baseline of {need} bytes exceeds "
+                         f"refit.delta_state_limit_bytes={limit_bytes}")
+            return 0
+        self.note = ""
+        for n in names:
+            x = src_tensors[n]
+            base = self.baselines.get(n)
+            if base is None or base.shape != x.shape or base.dtype != dtype or base.device != x.device:
+                base = self.baselines[n] = torch.empty(x.shape, dtype=dtype, device=x.device)
+            base.copy_(x)
+        for n in set(self.baselines) - set(names):
+            del self.baselines[n]
+        return need
+
+
+@dataclass(frozen=True)
+class DeltaRun:
+    """One refit's delta part on one rank: the agreed decision, this rank's state (kept
+    across refits by its endpoint) and the most bytes of baseline it may keep."""
+
+    decision: DeltaDecision
+    state: DeltaState
+    limit_bytes: int = 0
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view(_BITS[x.element_size()])
+
+
+class DeltaEncoder:
+    """The sender's part of a delta refit: encodes each message against ``baselines``."""
+
+    def __init__(self, baselines: Mapping[str, torch.Tensor], dtype: torch.dtype, tally: Tally) -> None:
+        self.baselines, self.dtype, self.isz, self.tally = baselines, dtype, dtype.itemsize, tally
+        self.headers: dict[MsgKey, torch.Tensor] = {}
+
+    def encode(self, key: MsgKey, ts: Sequence[Transfer], src_tensors: Mapping[str, torch.Tensor],
+               out: torch.Tensor) -> torch.Tensor:
+        """Encode the boxes ``ts`` into ``out``; returns the used part, keeps the header."""
+        isz, dtype, tally = self.isz, self.dtype, self.tally
+        hdr = torch.empty(len(ts), dtype=torch.int64)
+        pos = 0
+        for i, t in enumerate(ts):
+            new = local_view(src_tensors[t.src_name], t.src_view)
+            if new.dtype != dtype:
+                new = new.to(dtype)
+            n = t.box.numel
+            base = self.baselines.get(t.src_name)
+            idx = None
+            if base is None:
+                h = changed = n
+            else:
+                idx = (_bits(new) != _bits(local_view(base, t.src_view))).reshape(-1).nonzero().squeeze(1)
+                changed = idx.numel()
+                h = changed if changed == 0 or _sparse_pays(changed, n, isz) else n
+            tally.delta_elements += n
+            tally.delta_changed += changed
+            tally.delta_boxes[0 if h == 0 else (1 if h < n else 2)] += 1
+            hdr[i] = h
+            if h == n:
+                out[pos : pos + n].view(new.shape).copy_(new)
+            elif h:
+                npos = encoded_numel(h, n, isz) - h
+                out[pos : pos + npos].view(torch.uint8)[: 4 * h].copy_(idx.to(torch.int32).view(torch.uint8))
+                out[pos + npos : pos + npos + h].copy_(new.reshape(-1)[idx])
+            pos += encoded_numel(h, n, isz)
+        self.headers[key] = hdr
+        return out[:pos]
+
+    def take(self) -> dict[MsgKey, torch.Tensor]:
+        """The headers of the bucket just encoded, forgotten here."""
+        headers, self.headers = self.headers, {}
+        return headers
+
+
+class HeaderExchange:
+    """The headers of a delta refit's messages: in each bucket the sender posts one per
+    message (to every member of a relay group, whose forwarded copy it describes too), and a
+    receiver waits for its headers before it posts the data receives they size."""
+
+    def __init__(self, wire: GroupChannel, route: Route, recv_b: Sequence[Mapping[ChannelKey, list[Transfer]]],
+                 itemsize: int) -> None:
+        self.wire, self.route, self.recv_b, self.isz = wire, route, recv_b, itemsize
+        self.got: dict[tuple[int, ChannelKey], torch.Tensor] = {}
+        self._mine: dict[tuple[int, int], torch.Tensor] = {}  # (bucket, relay group) -> header to myself
+
+    def post(self, k: int, headers: Mapping[MsgKey, torch.Tensor], wait: Any) -> list[Op]:
+        """Post bucket ``k``'s header sends (``headers``: this rank's messages of bucket ``k``),
+        receive its own headers (``wait(k, ops)``); returns the sends, for the caller to wait
+        with the bucket's data."""
+        route, gr = self.route, self.route.rank_map.group_rank
+        specs: list[Spec] = []
+        for (peer, g), hdr in headers.items():
+            for m in (route.groups[g] if g >= 0 else (peer,)):
+                if route.is_me("dst", m):
+                    self._mine[(k, g)] = hdr
+                else:
+                    specs.append(("dst", m, hdr, gr("dst", m), header_tag(k, g)))
+        recv: dict[ChannelKey, torch.Tensor] = {}
+        for channel, ts in self.recv_b[k].items() if k < len(self.recv_b) else ():
+            src, _, g = channel
+            if route.is_me("src", src):
+                self.got[(k, channel)] = self._mine.pop((k, g))
+                continue
+            recv[channel] = torch.empty(len(ts), dtype=torch.int64)
+            specs.append(("src", channel, recv[channel], gr("src", src), header_tag(k, g)))
+        ops = self.wire.post_all(k, specs)
+        wait(k, [op for op in ops if op.side == "src"])
+        for channel, hdr in recv.items():
+            self.got[(k, channel)] = hdr
+        return [op for op in ops if op.side == "dst"]
+
+    def header(self, k: int, channel: ChannelKey) -> torch.Tensor:
+        return self.got[(k, channel)]
+
+    def numel(self, k: int, channel: ChannelKey, ts: Sequence[Transfer]) -> int:
+        """Wire elements of ``channel``'s message in bucket ``k``, from its header (checked)."""
+        hdr = self.got[(k, channel)].tolist()
+        if len(hdr) != len(ts) or any(not 0 <= h <= t.box.numel for h, t in zip(hdr, ts)):
+            raise RefitError(f"{self.route.rank_map.describe_group_rank(self.route.me)}: bad delta header from "
+                             f"{self.route.rank_map.describe('src', channel[0])} in bucket {k}")
+        return sum(encoded_numel(h, t.box.numel, self.isz) for h, t in zip(hdr, ts))
+
+    def drop(self, k: int) -> None:
+        for key in [key for key in self.got if key[0] == k]:
+            del self.got[key]
+
+
+class DeltaDecoder:
+    """The receiver's part: rebuilds each box whole from what the sink holds now
+    (``Sink.current``) and the changes, into a dense message that delivery writes as usual."""
+
+    def __init__(self, sink: Sink, headers: HeaderExchange, dtype: torch.dtype, device: torch.device,
+                 tally: Tally) -> None:
+        self.sink, self.headers, self.dtype, self.device, self.tally = sink, headers, dtype, device, tally
+        self.isz = dtype.itemsize
+
+    def decode(self, k: int, channel: ChannelKey, ts: Sequence[Transfer], msg: torch.Tensor | None) -> torch.Tensor:
+        t0 = time.perf_counter()
+        hdr = self.headers.header(k, channel).tolist()
+        dense = torch.empty(message_numel(ts), dtype=self.dtype, device=self.device)
+        self.tally.hold(dense.numel() * self.isz)
+        pos_in = pos_out = 0
+        for h, t in zip(hdr, ts):
+            n = t.box.numel
+            box = dense[pos_out : pos_out + n]
+            if h == n:
+                box.copy_(msg[pos_in : pos_in + n])
+            else:
+                box.view(t.dst_view.shape).copy_(self.sink.current(t.dst_name, t.dst_view))
+                if h:
+                    npos = encoded_numel(h, n, self.isz) - h
+                    at = torch.empty(h, dtype=torch.int32)
+                    at.view(torch.uint8).copy_(msg[pos_in : pos_in + npos].view(torch.uint8)[: 4 * h])
+                    idx = at.to(device=self.device, dtype=torch.int64)
+                    if int(idx.min()) < 0 or int(idx.max()) >= n:
+                        raise RefitError(f"delta for {t.dst_name} in bucket {k}: positions outside its box")
+                    box.index_copy_(0, idx, msg[pos_in + npos : pos_in + npos + h])
+            pos_in += encoded_numel(h, n, self.isz)
+            pos_out += n
+        self.tally.timed("unpack", t0)
+        return dense
+
+    def release(self, dense: torch.Tensor) -> None:
+        self.tally.hold(-dense.numel() * self.isz)
