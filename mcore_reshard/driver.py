@@ -83,11 +83,22 @@ class RefitMetrics:
     #: for a full refit); boxes sent unchanged (nothing), sparse, dense; the most bytes one
     #: rank keeps as its baseline.
     bytes_full: int = 0
+    #: The part of ``bytes_moved`` that was delta headers (8 bytes per box).
+    bytes_headers: int = 0
     delta: bool = False
     delta_fraction: float = 1.0
     delta_reason: str = ""
     delta_boxes: dict[str, int] = field(default_factory=dict)
     delta_state_bytes: int = 0
+
+    @property
+    def at_minimum(self) -> bool:
+        """Whether this refit moved what the plan promises: a full refit exactly the minimum,
+        a delta refit the changes of a refit of the minimum (its boxes' encodings are never
+        larger than the boxes) plus its headers."""
+        if not self.delta:
+            return self.bytes_moved == self.bytes_min
+        return self.bytes_full == self.bytes_min and self.bytes_moved - self.bytes_headers <= self.bytes_full
 
 
 def engine_world(llm: Any) -> int:
@@ -689,6 +700,7 @@ def _delta_metrics(src: list[RankReport], dst: list[RankReport], reports: list[R
     boxes = [sum(r.delta_boxes[i] for r in src) for i in range(3)]
     return {
         "bytes_full": sum(r.bytes_full for r in dst),
+        "bytes_headers": sum(r.bytes_headers for r in dst),
         "delta": on,
         "delta_fraction": sum(r.delta_changed for r in src) / elements if on and elements else 1.0,
         "delta_reason": next((r.delta_reason for r in reports if r.delta_reason), ""),

@@ -242,6 +242,7 @@ class RankReport:
     #: this one sent deltas and why not; the sender's elements and changed elements; boxes
     #: (unchanged, sparse, dense); the bytes this rank keeps as its baseline.
     bytes_full: int = 0
+    bytes_headers: int = 0
     delta: bool = False
     delta_reason: str = ""
     delta_elements: int = 0

@@ -101,7 +101,7 @@ class RefitRank(RankContext, Protocol):
 class TrainerRank(RefitRank, Protocol):
     """A training rank that also trains (``trainer.MegatronRank``): what the jobs call."""
 
-    def train_step(self, token_ids: TokenIds) -> float: ...
+    def train_step(self, token_ids: TokenIds, lr: float | None = None) -> float: ...
 
     def logprobs(self, token_ids: TokenIds, version: int | None = None) -> list[list[float]]: ...
 
@@ -186,10 +186,11 @@ class RunTask(RankCall[T]):
 @dataclass(frozen=True)
 class TrainStep(RankCall[float]):
     token_ids: TokenIds
+    lr: float | None = None  # None: the configured learning rate
     what = "train_step"
 
     def run(self, rank: TrainerRank) -> float:
-        return rank.train_step(self.token_ids)
+        return rank.train_step(self.token_ids, self.lr)
 
 
 @dataclass(frozen=True)
@@ -363,8 +364,8 @@ class RankGroup:
         return self._each(RunTask(task))
 
     # -- training -------------------------------------------------------------------------------
-    def train_step(self, token_ids: TokenIds) -> Pending[float]:
-        return self._each(TrainStep(_tokens(token_ids)))
+    def train_step(self, token_ids: TokenIds, lr: float | None = None) -> Pending[float]:
+        return self._each(TrainStep(_tokens(token_ids), lr))
 
     def logprobs(self, token_ids: TokenIds, version: int | None = None) -> Pending[list[list[float]]]:
         """Every sequence's next-token logprobs under the current weights, or under the

@@ -159,9 +159,10 @@ class MegatronRank(EndpointRank):
         reps = -(-k // len(batch)) if len(batch) % k else 1
         return batch * reps
 
-    def train_step(self, token_ids: Sequence[Sequence[int]]) -> float:
-        """One optimizer step of next-token cross-entropy (through megatron's schedule)."""
-        return self.policy.train_step(self._batch(token_ids))
+    def train_step(self, token_ids: Sequence[Sequence[int]], lr: float | None = None) -> float:
+        """One optimizer step of next-token cross-entropy (through megatron's schedule);
+        ``lr``: this step's learning rate instead of the configured one."""
+        return self.policy.train_step(self._batch(token_ids), lr=lr)
 
     def logprobs(self, token_ids: Sequence[Sequence[int]], version: int | None = None) -> list[list[float]]:
         """Next-token logprobs under the current weights, or under the snapshot of ``version``."""

@@ -168,7 +168,7 @@ def test_colocated_refits_live(ckpt_cache, shared_engine, moe):
                 assert 0 < want.bytes_same_device < d.plan.bytes_min and want.bytes_intra_node > 0
             c.step(TOKENS)
             m = c.refit_once()
-            assert m.verified and m.bytes_moved == m.bytes_min and any("full verification" in n for n in m.notes)
+            assert m.verified and m.at_minimum and any("full verification" in n for n in m.notes)
             assert m.bytes_same_device == want.bytes_same_device and m.peak_extra_bytes <= cfg.buffer_bytes
             dst = [r for r in d.last_reports if r.side == "dst"]
             src = [r for r in d.last_reports if r.side == "src"]

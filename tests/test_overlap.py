@@ -94,7 +94,7 @@ def test_the_engine_serves_the_old_weights_while_receiving_then_swaps_in_the_new
     m, (meanwhile, statuses) = cluster.refit_while(during, faults=Faults(TrainerFault(0, STALL)))
     assert meanwhile == old  # token for token, logprob for logprob: the live weights untouched
     assert all(s.state == "serving" for s in statuses), statuses
-    assert m.verified and m.overlapped and m.bytes_moved == m.bytes_min
+    assert m.verified and m.overlapped and m.at_minimum
     assert any("full verification" in n for n in m.notes), m.notes  # every rank equals the trainers'
     assert m.pause_seconds > 0.0 and m.peak_extra_bytes > 0  # shadows are counted
     after = _served(llm)
@@ -127,7 +127,7 @@ def test_a_refit_failing_in_the_background_leaves_the_old_weights_and_the_next_r
     if fault.kind == "exit":
         cluster.restart_trainers()
     m, _ = cluster.refit_while(lambda: None)
-    assert m.verified and m.bytes_moved == m.bytes_min
+    assert m.verified and m.at_minimum
     assert cluster.logprob_error(TOKENS) < BF16_BOUND
 
 
@@ -143,7 +143,7 @@ def test_a_shadow_cap_below_a_workers_share_is_refused_before_a_byte_moves(clust
     msg = str(err.value)
     assert "refit.max_shadow_bytes=1024" in msg and "destination rank" in msg and "\n" not in msg, msg
     m, _ = cluster.refit_while(lambda: None)  # nothing was started: the next refit runs as usual
-    assert m.verified and m.bytes_moved == m.bytes_min
+    assert m.verified and m.at_minimum
 
 
 def test_a_request_spanning_the_swap_has_version_spans_each_matching_its_weights(async_cluster):

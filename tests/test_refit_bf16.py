@@ -64,12 +64,34 @@ def _train_and_refit(spec, ckpt, llm, training, **kw):
 @pytest.mark.parametrize("training", [MegatronParallel(tp=2, ep=2, etp=1), MegatronParallel(pp=2)],
                          ids=["tp2-ep2", "pp2"])
 def test_bf16_moe_refit_after_a_distributed_optimizer_step(moe, training):
+    """Each refit after an optimizer step is a delta (refit.delta=auto) that ``verify=full``
+    proves equal, element for element, to the trainer's weights -- what a full refit gives;
+    then a step at lr 0 changes nothing, and its refit moves only headers, still verified."""
     spec, ckpt, llm = moe
-    c, m, stale, err = _train_and_refit(spec, ckpt, llm, training)
+    start = cluster if training == SHARED else local_cluster
+    with start(spec, ckpt, training, VllmParallel(tp=1), CFG, train={"lr": 0.05}, engines=[llm]) as c:
+        c.refit_once()
+        c.step(TOKENS)
+        stale = c.logprob_error(TOKENS)
+        m = c.refit_once()
+        err = c.logprob_error(TOKENS)
+        c.step(TOKENS, lr=1e-6)
+        small = c.refit_once()
+        c.step(TOKENS, lr=0.0)
+        none = c.refit_once()
+        plan = c.driver.plan
     assert m.verified and any("full verification" in n for n in m.notes)
-    assert m.bytes_moved == m.bytes_min == c.driver.plan.bytes_min  # bf16 bytes: 2 per element
-    assert c.driver.plan.itemsize == 2
+    assert m.delta and m.at_minimum and m.bytes_full == m.bytes_min == plan.bytes_min  # bf16: 2 bytes per element
+    assert plan.itemsize == 2
     assert stale > err and err <= BF16
+    # lr 1e-6 (N(0, 0.05) weights): a sparse delta under a tenth of the bytes, equal element for element
+    assert small.delta and small.verified and any("full verification" in n for n in small.notes)
+    assert 0 < small.delta_fraction < 0.05 and small.delta_boxes["sparse"] > 0
+    assert small.bytes_moved < small.bytes_full / 10
+    # lr 0: every box unchanged; the wire carried the headers (8 bytes a box) and nothing else
+    assert none.delta and none.verified and any("full verification" in n for n in none.notes)
+    assert none.delta_fraction == 0.0 and none.delta_boxes["sparse"] == none.delta_boxes["dense"] == 0
+    assert none.bytes_moved == none.bytes_headers == 8 * none.delta_boxes["unchanged"] > 0
 
 
 def test_bf16_dense_tp2_refit(tmp_path_factory):

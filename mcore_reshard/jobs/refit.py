@@ -103,8 +103,9 @@ class LocalCluster:
         train = self.pool.logprobs([list(tokens)]).wait()[0][0]
         return max(token_mult_prob_error(prompt_logprobs(llm, list(tokens)), train) for llm in self.engines)
 
-    def step(self, tokens: Sequence[int]) -> float:
-        return self.pool.train_step([list(tokens)]).wait()[0]
+    def step(self, tokens: Sequence[int], lr: float | None = None) -> float:
+        """One optimizer step on every trainer (``lr``: instead of the configured one)."""
+        return self.pool.train_step([list(tokens)], lr).wait()[0]
 
     def raw_bandwidth(self, pairs: Sequence[tuple[int, int]], nbytes: int) -> float:
         """The local floor: one ``nbytes`` gloo message per (source, destination) group-rank

@@ -191,8 +191,10 @@ class DeltaEncoder:
         self.headers: dict[MsgKey, torch.Tensor] = {}
 
     def encode(self, key: MsgKey, ts: Sequence[Transfer], src_tensors: Mapping[str, torch.Tensor],
-               out: torch.Tensor) -> torch.Tensor:
-        """Encode the boxes ``ts`` into ``out``; returns the used part, keeps the header."""
+               out: torch.Tensor, dense_first: bool = False) -> torch.Tensor:
+        """Encode the boxes ``ts`` into ``out``; returns the used part, keeps the header.
+        ``dense_first``: send the first box whole (fault injection: a flipped bit then lands
+        in a value, whatever changed)."""
         isz, dtype, tally = self.isz, self.dtype, self.tally
         hdr = torch.empty(len(ts), dtype=torch.int64)
         pos = 0
@@ -203,7 +205,7 @@ class DeltaEncoder:
             n = t.box.numel
             base = self.baselines.get(t.src_name)
             idx = None
-            if base is None:
+            if base is None or (dense_first and i == 0):
                 h = changed = n
             else:
                 idx = (_bits(new) != _bits(local_view(base, t.src_view))).reshape(-1).nonzero().squeeze(1)
@@ -235,8 +237,8 @@ class HeaderExchange:
     receiver waits for its headers before it posts the data receives they size."""
 
     def __init__(self, wire: GroupChannel, route: Route, recv_b: Sequence[Mapping[ChannelKey, list[Transfer]]],
-                 itemsize: int) -> None:
-        self.wire, self.route, self.recv_b, self.isz = wire, route, recv_b, itemsize
+                 itemsize: int, tally: Tally) -> None:
+        self.wire, self.route, self.recv_b, self.isz, self.tally = wire, route, recv_b, itemsize, tally
         self.got: dict[tuple[int, ChannelKey], torch.Tensor] = {}
         self._mine: dict[tuple[int, int], torch.Tensor] = {}  # (bucket, relay group) -> header to myself
 
@@ -264,6 +266,7 @@ class HeaderExchange:
         wait(k, [op for op in ops if op.side == "src"])
         for channel, hdr in recv.items():
             self.got[(k, channel)] = hdr
+            self.tally.bytes_headers += hdr.numel() * hdr.element_size()
         return [op for op in ops if op.side == "dst"]
 
     def header(self, k: int, channel: ChannelKey) -> torch.Tensor:

@@ -152,7 +152,7 @@ class RefitEndpoint:
                           stats.buckets, stats.seconds, stats.peak_extra_bytes, stats.verified,
                           {"pack": stats.pack_s, "wire": stats.wire_s, "unpack": stats.unpack_s,
                            "verify": stats.verify_s, **(phases or {})}, stats.bytes_same_device,
-                          stats.bytes_zero_copy, stats.bytes_full, stats.delta, stats.delta_reason,
+                          stats.bytes_zero_copy, stats.bytes_full, stats.bytes_headers, stats.delta, stats.delta_reason,
                           stats.delta_elements, stats.delta_changed, list(stats.delta_boxes), stats.delta_state_bytes)
 
     def raw_bandwidth(self, pairs: list[tuple[int, int]], nbytes: int, timeout_s: float) -> float | None:

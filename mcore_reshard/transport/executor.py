@@ -218,7 +218,7 @@ class _Run:
         self.wire = GroupChannel(group, route, timeout_s, self.zero_copy)
         # A delta refit (``delta.py``): messages encoded against the baselines, sized by headers.
         self.encoder = DeltaEncoder(delta.state.baselines, dtype, self.tally) if on and src is not None else None
-        self.headers = HeaderExchange(self.wire, route, self.recv_b, self.itemsize) if on else None
+        self.headers = HeaderExchange(self.wire, route, self.recv_b, self.itemsize, self.tally) if on else None
         self.decoder = None
         if on and sink is not None:
             self.wire.numel = self.headers.numel
@@ -295,10 +295,11 @@ class _Run:
         direct, phase, verify = self.zero_copy.direct, self.tally.phase, self.verify
         out, pos = {}, 0
         encoder = self.encoder
+        flip = self.fault is not None and self.fault.kind == "bitflip" and self.fault.bucket == k
         for key, ts in peers.items():
             t0 = time.perf_counter()
             if encoder is not None:
-                msg = encoder.encode(key, ts, self.src_tensors, buf[pos:])
+                msg = encoder.encode(key, ts, self.src_tensors, buf[pos:], dense_first=flip and not out)
             else:
                 msg = pack([t for t in ts if id(t) not in direct], self.src_tensors, buf[pos:])
             t1 = time.perf_counter()

@@ -35,6 +35,8 @@ class TransferStats:
     bytes_zero_copy: int = 0
     #: What a full refit would have received on this rank (equal to ``bytes_received`` then).
     bytes_full: int = 0
+    #: The part of ``bytes_received`` that was delta headers (8 bytes per box).
+    bytes_headers: int = 0
     #: Delta refits (``delta.py``): whether this one sent deltas, and why not; the sender's
     #: elements and changed elements; boxes sent (unchanged, sparse, dense); the bytes this
     #: rank keeps between refits as its baseline.
@@ -56,6 +58,7 @@ class Tally:
     bytes_same_device: int = 0
     bytes_zero_copy: int = 0
     bytes_full: int = 0
+    bytes_headers: int = 0
     delta_elements: int = 0
     delta_changed: int = 0
     #: Boxes encoded (unchanged, sparse, dense).
@@ -106,6 +109,7 @@ class Tally:
             bytes_same_device=self.bytes_same_device,
             bytes_zero_copy=self.bytes_zero_copy,
             bytes_full=self.bytes_full,
+            bytes_headers=self.bytes_headers,
             delta_elements=self.delta_elements,
             delta_changed=self.delta_changed,
             delta_boxes=tuple(self.delta_boxes),

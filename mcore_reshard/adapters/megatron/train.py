@@ -242,10 +242,13 @@ class Policy:
         cfg = self.config
         return not (cfg.num_moe_experts and cfg.tensor_model_parallel_size > 1 and not cfg.sequence_parallel)
 
-    def train_step(self, token_ids: Sequence[Sequence[int]], loss_fn: LossFn | None = None) -> float:
+    def train_step(self, token_ids: Sequence[Sequence[int]], loss_fn: LossFn | None = None,
+                   lr: float | None = None) -> float:
         """One optimizer step on ``token_ids`` (the global batch: sequence i goes to data-parallel
         rank ``i % dp``; one sequence per micro-batch; equal lengths). Default loss: next-token
-        cross-entropy averaged over positions. Returns the mean loss over the batch, on every rank."""
+        cross-entropy averaged over positions. ``lr``: this step's learning rate instead of the
+        configured one (e.g. 0: a step that changes no weight). Returns the mean loss over the
+        batch, on every rank."""
         import torch
 
         mine = self._dp_slice(token_ids)
@@ -258,7 +261,16 @@ class Policy:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         res = self._run_schedule(mine, forward_only=False, per_seq=per_seq)
-        update_ok, _grad_norm, _ = self.optimizer.step()
+        groups = self.optimizer.param_groups
+        before = [g["lr"] for g in groups]
+        if lr is not None:
+            for g in groups:
+                g["lr"] = lr
+        try:
+            update_ok, _grad_norm, _ = self.optimizer.step()
+        finally:
+            for g, v in zip(groups, before):
+                g["lr"] = v
         if not update_ok:
             raise RuntimeError("megatron optimizer skipped the step (non-finite gradients)")
         total = torch.tensor([sum(float(d["loss"]) for d in res.values()), float(len(res))], dtype=torch.float64)

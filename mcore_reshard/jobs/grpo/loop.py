@@ -78,6 +78,13 @@ class StepMetrics:
     dropped_stale_samples: int = 0
     #: Bytes of earlier policy versions the busiest training rank keeps (async GRPO).
     snapshot_bytes: int = 0
+    #: Delta refits (``refit.delta``): what a full refit would have moved, the part of
+    #: ``refit_bytes_moved`` that was headers, whether the refit sent deltas, and changed
+    #: elements / elements (1.0 for a full refit).
+    refit_bytes_full: int = 0
+    refit_bytes_headers: int = 0
+    refit_delta: bool = False
+    refit_delta_fraction: float = 1.0
 
 
 class GrpoRun:
@@ -310,7 +317,8 @@ class GrpoRun:
         flat = [v for vs in versions for v in vs]
         sm = StepMetrics(step, sum(rewards) / len(rewards), loss, tmpe, m.verified, full, m.bytes_moved, m.bytes_min,
                          {k: round(v, 4) for k, v in timing.items()}, m.bytes_same_device, trained_version,
-                         (min(flat), max(flat)), age, off_policy, dropped, snapshot_bytes)
+                         (min(flat), max(flat)), age, off_policy, dropped, snapshot_bytes, m.bytes_full,
+                         m.bytes_headers, m.delta, m.delta_fraction)
         self.history.append(sm)
         return sm
 
@@ -368,20 +376,29 @@ def write_plot(history: Sequence[StepMetrics], path: Path, title: str) -> Path:
     return path
 
 
+def _at_minimum(h: StepMetrics) -> bool:
+    """``RefitMetrics.at_minimum`` of a step's refit."""
+    if not h.refit_delta:
+        return h.refit_bytes_moved == h.refit_bytes_min
+    return h.refit_bytes_full == h.refit_bytes_min and h.refit_bytes_moved - h.refit_bytes_headers <= h.refit_bytes_full
+
+
 def summary_table(history: Sequence[StepMetrics], random_reward: float) -> str:
     head = (f"{'step':>4} {'reward':>7} {'loss':>8} {'tok_mult_prob_err':>17} {'refit s':>8} {'moved':>10} "
-            f"{'minimum':>10} {'verified':>9} {'full':>5} {'step s':>7}")
+            f"{'full':>10} {'changed':>8} {'minimum':>10} {'verified':>9} {'full v':>6} {'step s':>7}")
     lines = [head, "-" * len(head)]
     for h in history:
+        changed = f"{100 * h.refit_delta_fraction:.2f}%" if h.refit_delta else "full"
         lines.append(f"{h.step:>4} {h.reward:>7.3f} {h.loss:>8.4f} {h.token_mult_prob_error:>17.6f} "
                      f"{h.timing.get('refit', 0):>8.3f} {format_bytes(h.refit_bytes_moved):>10} "
+                     f"{format_bytes(h.refit_bytes_full):>10} {changed:>8} "
                      f"{format_bytes(h.refit_bytes_min):>10} {str(h.refit_verified):>9} "
-                     f"{'yes' if h.refit_full_verified else '':>5} {h.timing.get('total', 0):>7.2f}")
+                     f"{'yes' if h.refit_full_verified else '':>6} {h.timing.get('total', 0):>7.2f}")
     if history:
         lines.append(f"reward {history[0].reward:.3f} at step 0 -> {history[-1].reward:.3f} at step "
                      f"{history[-1].step} (a random policy scores {random_reward:.3f}); every refit verified: "
                      f"{all(h.refit_verified for h in history)}, at the minimum bytes: "
-                     f"{all(h.refit_bytes_moved == h.refit_bytes_min for h in history)}")
+                     f"{all(_at_minimum(h) for h in history)}")
     return "\n".join(lines)
 
 
