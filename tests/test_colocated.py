@@ -176,4 +176,11 @@ def test_colocated_refits_live(ckpt_cache, shared_engine, moe):
                 want.bytes_same_device
             assert sum(r.bytes_received - r.bytes_same_device for r in dst) == want.bytes_intra_node
             assert c.logprob_error(TOKENS) <= 1.001
+            # the next refit is a delta: through shared memory too, and equal element for element
+            # (fp32 at lr 1e-6 still changes most elements: most boxes go dense, some sparse)
+            c.step(TOKENS, lr=1e-6)
+            m2 = c.refit_once()
+            assert m2.delta and m2.verified and m2.at_minimum and any("full verification" in n for n in m2.notes)
+            assert 0 < m2.bytes_same_device < m.bytes_same_device and m2.bytes_moved < m.bytes_moved
+            assert c.logprob_error(TOKENS) <= 1.001
     assert _segments() - before == set()

@@ -379,7 +379,8 @@ class ShmChannel:
         of its consumed flag (waited before the buffer is packed again)."""
         peer, stream = key
         g = self.route.rank_map.group_rank("dst", peer)
-        offset = (msg.data_ptr() - self.segment.data.data_ptr()) // self.dtype.itemsize
+        # (an empty message -- a delta refit's unchanged boxes -- has no address of its own)
+        offset = (msg.data_ptr() - self.segment.data.data_ptr()) // self.dtype.itemsize if msg.numel() else 0
         flag = torch.tensor([k, offset, msg.numel(), self.nonce], dtype=torch.int64)
         self.flags.append(flag)
         ack = torch.empty(1, dtype=torch.int64)
