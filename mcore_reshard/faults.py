@@ -30,11 +30,15 @@ class TrainerFault:
 @dataclass(frozen=True)
 class EngineFault:
     """On destination rank ``rank`` (a vLLM worker): ``fault`` (``exit`` / ``sleep`` at a
-    protocol step), and/or its process exits abruptly after ``exit_after_writes`` writes."""
+    protocol step), and/or its process exits abruptly after ``exit_after_writes`` writes,
+    and/or before receiving it adds 1 to the first element of the baseline a delta would
+    start from for local parameter ``alter_baseline`` (its live weight, or the model-format
+    copy of a repacked one): what the trainers last sent is then not what it holds."""
 
     rank: int
     fault: "Fault | None" = None
     exit_after_writes: int | None = None
+    alter_baseline: str | None = None
 
     def to_wire(self) -> dict[str, Any]:
         """``ReshardUpdateInfo.fault``: what the weight-transfer engine reads."""
@@ -43,6 +47,8 @@ class EngineFault:
             out.update(self.fault.to_wire())
         if self.exit_after_writes is not None:
             out["exit_after_writes"] = self.exit_after_writes
+        if self.alter_baseline is not None:
+            out["alter_baseline"] = self.alter_baseline
         return out
 
 

@@ -161,6 +161,33 @@ def test_streaming_refit_that_fails_gates_the_engine_for_every_client(cluster):
     assert cluster.logprob_error(TOKENS) < 1.02
 
 
+def test_a_delta_onto_an_altered_baseline_is_named_and_the_engine_keeps_its_weights(cluster):
+    """One element of a worker's weights changes behind the refit's back: the next delta
+    rebuilds that box from it, the checksum of the whole box names the parameter, every
+    worker keeps what it served, and the refit after the failure is full and repairs it."""
+    llm = cluster.engines[0]
+    _armed(cluster)
+    cluster.refit_once()  # engine and trainers hold the same committed refit
+    # no step: every box of the next refit is unchanged, each rebuilt from what the worker holds
+    # a live weight (a norm), and the model-format copy of a layer vLLM repacks (the experts)
+    for name, live in (("model.norm.weight", True), ("model.layers.0.mlp.experts.routed_experts.w2_weight", False)):
+        held = [s.version for s in cluster.driver.status()]
+        before = _served(llm)
+        msg, seconds = _fault(cluster, faults=Faults(engine=EngineFault(1, alter_baseline=name)))
+        assert "checksum mismatch" in msg and name in msg and "destination rank 1" in msg, msg
+        assert seconds < DEATH_S
+        st = cluster.driver.status()
+        assert [s.version for s in st] == held and all(s.state == "serving" for s in st), st  # old weights kept
+        if not live:
+            assert _served(llm) == before  # nothing it serves changed
+        m = cluster.refit_once()  # a refit after a failure is full: it repairs the altered weight
+        assert not m.delta and "committed baseline" in m.delta_reason and m.verified and m.at_minimum
+        assert cluster.logprob_error(TOKENS) < 1.02
+    cluster.step(TOKENS)
+    assert cluster.refit_once().delta  # and the one after a full one is a delta again
+    assert cluster.logprob_error(TOKENS) < 1.02
+
+
 def test_after_a_failed_refit_the_next_one_on_the_same_engine_works_and_rpcs_are_clean(cluster):
     """A refused refit (a digest no rank holds) raises from update_weights on the last worker
     only, so no reply is left queued in vLLM: the very next RPCs answer correctly."""

@@ -275,6 +275,17 @@ class VllmApplier:
         return self.keep_baselines and not self._torn and self.state != "not_serving" and all(
             n in self._baselines for n, m in self.modes.items() if m == RELOAD)
 
+    def alter_baseline(self, local_name: str) -> None:
+        """Fault injection (tests): add 1 to the first element a delta of ``local_name``
+        would start from -- its live tensor, or its model-format copy."""
+        if local_name not in self.modes:
+            raise LayoutError(f"alter_baseline: {local_name} is not a parameter of this worker")
+        if self.modes[local_name] == DIRECT:
+            layer, pname = _owner(self.model, local_name)
+            getattr(layer, pname).data.view(-1)[0] += 1
+        elif local_name in self._baselines:
+            self._baselines[local_name].view(-1)[0] += 1
+
     def baseline_bytes(self) -> int:
         """Bytes of model-format copies kept for delta refits (``delta_state_bytes``)."""
         return sum(t.numel() * t.element_size() for t in self._baselines.values())

@@ -285,6 +285,8 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
                 if self.endpoint.group is not None:
                     self.endpoint.group.begin_refit(request.epoch, watch=True)
                 raise RefitError(self.init_error)
+            if (update_info.fault or {}).get("alter_baseline") and update_info.fault.get("rank") == self.endpoint.rank:
+                applier.alter_baseline(str(update_info.fault["alter_baseline"]))
             ready = applier.delta_ready()
             applier.keep_baselines = request.delta != "off"
             stats = self.endpoint.run(request, {}, sink, baseline=ready)

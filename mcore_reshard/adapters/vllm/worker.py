@@ -166,6 +166,9 @@ class ReshardWorkerExtension:
         ``stop_after`` stops after that many writes and calls ``then`` (``abort`` or
         ``finish``) to exercise the failure paths."""
         canon = load_canonical(path)
+        eng = self._mr_engine()
+        if eng is not None:  # weights change outside a refit: the next refit is full
+            eng.forget_baselines()
         ap = self.mr_applier(atomic)
         ap.begin()
         n = 0
