@@ -105,12 +105,16 @@ def tiny_config(family: str = "qwen3", overrides: dict[str, Any] | None = None) 
 
 
 def make_tiny_checkpoint(path: str | Path, overrides: dict[str, Any] | None = None, *, moe: bool = False,
-                         dtype: str = "float32", seed: int = 0, family: str | None = None) -> Path:
+                         dtype: str = "float32", seed: int = 0, family: str | None = None,
+                         weight_std: float = 0.05) -> Path:
     """Write a random-weight HF checkpoint to ``path`` and return it.
 
     ``family``: qwen3 (default; qwen3_moe when ``moe``), llama, qwen2 or deepseek_v3. Norm
     weights are randomised too (HF initialises them to ones, which would hide a norm mapped to
     the wrong tensor), and so are biases and DeepSeek's router bias (a buffer, zero in HF).
+    Matrices are N(0, ``weight_std``): 0.05 by default (large enough that tests see every
+    element); 0.02 is the ``initializer_range`` of published Qwen3 / Llama configs, the spread
+    a delta refit's measurements use (how many bf16 elements a step changes depends on it).
     """
     import torch
     import transformers
@@ -128,7 +132,7 @@ def make_tiny_checkpoint(path: str | Path, overrides: dict[str, Any] | None = No
             if p.dim() == 1:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             else:
-                p.normal_(0.0, 0.05)
+                p.normal_(0.0, weight_std)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.1 * torch.randn_like(b))

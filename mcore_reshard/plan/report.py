@@ -39,6 +39,11 @@ class PlanReport:
     #: Every tensor carried as its bits in the wire dtype (``TransferPlan.reinterpret``):
     #: {"tensor", "dtype" (its own), "wire"}.
     reinterpret: list[dict[str, str]] = field(default_factory=list)
+    #: How a delta refit (``refit.delta=auto``) rebuilds each destination tensor (per rank):
+    #: ``live`` from the weights the engine holds, ``kept_copy`` from the model-format copy a
+    #: worker keeps of a tensor vLLM repacks (``not_direct``). Which boxes went unchanged,
+    #: sparse or dense is per refit: ``RefitMetrics.delta_boxes``.
+    delta_mode_per_tensor: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -57,6 +62,8 @@ class PlanReport:
             ("planning time", f"{self.plan_seconds:.3f} s"),
             ("plan digest", self.digest),
             ("not on the direct path", "none" if not self.not_direct else f"{len(self.not_direct)} parameter(s)"),
+            ("delta refits rebuild from", f"live weights: {self.delta_mode_per_tensor.get('live', 0)} tensor(s), "
+                                          f"a kept model-format copy: {self.delta_mode_per_tensor.get('kept_copy', 0)}"),
         ]
         width = max(len(k) for k, _ in rows)
         lines = [title, "-" * len(title)] + [f"{k.ljust(width)}  {v}" for k, v in rows]
@@ -100,7 +107,15 @@ def plan_report(plan: TransferPlan) -> PlanReport:
         notes=list(plan.notes),
         casts=[{"tensor": t, "from": s, "to": d} for t, s, d in plan.casts],
         reinterpret=[{"tensor": t, "dtype": d, "wire": plan.dtype} for t, d in plan.reinterpret],
+        delta_mode_per_tensor=_delta_modes(plan),
     )
+
+
+def _delta_modes(plan: TransferPlan) -> dict[str, int]:
+    copied = {p for p, _ in plan.not_direct}
+    tensors = {(t.dst, t.dst_name) for t in plan.transfers}
+    kept = sum(1 for _, name in tensors if name in copied)
+    return {"live": len(tensors) - kept, "kept_copy": kept}
 
 
 #: Grouped cast lines shown in the table (a bf16 model into an fp32 engine casts every tensor).
