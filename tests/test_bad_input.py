@@ -134,6 +134,8 @@ REFIT_CASES = [
     (["refit.overlap=true", "refit.atomic=false"], "refit.overlap=true needs refit.atomic=true"),
     (["refit.overlap=true", "refit.transport=hf_broadcast"], "refit.overlap=true needs refit.transport=reshard"),
     (["refit.max_shadow_bytes=-1"], "refit.max_shadow_bytes=-1"),
+    (["refit.delta=sometimes"], "refit.delta='sometimes'"),
+    (["refit.delta_state_limit_bytes=-1"], "refit.delta_state_limit_bytes=-1"),
     (["training.pp=0"], "training.pp=0"),
     (["training.tp=3"], "tp=3"),
     (["training.pp=3"], "training layout"),  # 4 layers do not split over 3 stages

@@ -278,7 +278,10 @@ def test_http_server_tp1_two_refits_equal_the_trainers_then_its_own_fresh_load(t
             t.join(timeout=900)
     assert "error" not in out, out.get("error")
     rank0 = out["ranks"][0]
-    assert rank0["received"] == [rank0["bytes_min"]] * 2  # the engine's one worker received the minimum
+    # the engine's one worker received the minimum, then (the second refit a delta back to the
+    # checkpoint) at most that: the elements the training step changed
+    assert rank0["full"] == [rank0["bytes_min"]] * 2 and rank0["delta"] == [False, True]
+    assert rank0["received"][0] == rank0["bytes_min"] >= rank0["received"][1] > 0
     assert rank0["verified"] == [rank0["ranks"]] * 2  # every rank of both sides, both refits
     assert token_mult_prob_error(trained, rank0["logprobs_1"]) < 1.001
     assert token_mult_prob_error(trained, fresh) > 1.01  # the training step reached the server
