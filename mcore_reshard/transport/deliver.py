@@ -12,7 +12,7 @@ How is decided once, from the sink's declared ``capabilities`` (``sink.py``):
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 import torch
 
@@ -41,21 +41,23 @@ class Delivery:
         self._last_sum = 0.0
 
     def deliver(self, k: int, msgs: Mapping[ChannelKey, torch.Tensor],
-                bucket: Mapping[ChannelKey, list[Transfer]]) -> None:
+                bucket: Mapping[ChannelKey, list[Transfer]], kept: Collection[int] = ()) -> None:
         """Hand every box of bucket ``k`` to the sink (``msgs``: each channel's packed message),
-        then checksum what it holds."""
+        then checksum what it holds. ``kept``: ids of boxes a delta refit left unchanged (not in
+        the messages): the sink keeps what it holds there (``Sink.keep``)."""
         for peer, ts in bucket.items():
             msg = msgs.get(peer)
             if not self.verify and not any(id(t) in self.direct for t in ts):
                 t0 = time.perf_counter()
-                self._write_boxes(ts, msg)
+                self._write_boxes(ts, msg, kept)
                 self.tally.timed("unpack", t0)
             elif self.bulk_cpu:
-                self._deliver_tensors(peer, ts, msg)
+                self._deliver_tensors(peer, ts, msg, kept)
             else:
-                self._deliver_boxes(k, peer, ts, msg)
+                self._deliver_boxes(k, peer, ts, msg, kept)
 
-    def _deliver_boxes(self, k: int, peer: ChannelKey, ts: list[Transfer], msg: torch.Tensor | None) -> None:
+    def _deliver_boxes(self, k: int, peer: ChannelKey, ts: list[Transfer], msg: torch.Tensor | None,
+                       kept: Collection[int] = ()) -> None:
         """Box by box: the sink writes, then hashes what the destination holds at the box (still
         in cache); the hash's own time is split off by timing it separately."""
         sink, phase = self.sink, self.tally.phase
@@ -65,7 +67,9 @@ class Delivery:
         for t in ts:
             t0 = time.perf_counter()
             self._last_sum = 0.0
-            if id(t) in self.direct:
+            if id(t) in kept:
+                row = sink.keep(t.dst_name, t.dst_view, hash_fn)
+            elif id(t) in self.direct:
                 temp = self.temps.get((k, id(t)))
                 if temp is None:  # landed in the sink's own tensor
                     row = sink.landed(t.dst_name, t.dst_view, hash_fn)
@@ -90,27 +94,31 @@ class Delivery:
         if self.verify:
             self.ledger.received(peer, sums)
 
-    def _deliver_tensors(self, peer: ChannelKey, ts: list[Transfer], msg: torch.Tensor | None) -> None:
+    def _deliver_tensors(self, peer: ChannelKey, ts: list[Transfer], msg: torch.Tensor | None,
+                         kept: Collection[int] = ()) -> None:
         """Into a bulk sink's tensors (CPU): the packed boxes in one batched copy, then each box
-        hashed where it now lies."""
+        hashed where it now lies (a kept box is already there)."""
         t0 = time.perf_counter()
         direct, tensors = self.direct, self.sink.tensors
-        packed = [t for t in ts if id(t) not in direct]
+        packed = [t for t in ts if id(t) not in direct and id(t) not in kept]
         written = iter(unpack(packed, msg, tensors) if packed else ())
         t1 = time.perf_counter()
         if self.verify:
             self.ledger.received(peer, [
-                digest(local_view(tensors[t.dst_name], t.dst_view)) if id(t) in direct else digest_written(next(written))
-                for t in ts])
+                digest(local_view(tensors[t.dst_name], t.dst_view)) if id(t) in direct or id(t) in kept
+                else digest_written(next(written)) for t in ts])
         self.tally.phase["unpack"] += t1 - t0
         self.tally.phase["verify"] += time.perf_counter() - t1
 
-    def _write_boxes(self, ts: Sequence[Transfer], msg: torch.Tensor) -> None:
+    def _write_boxes(self, ts: Sequence[Transfer], msg: torch.Tensor, kept: Collection[int] = ()) -> None:
         if self.caps.bulk:  # a bulk sink's write() is a plain copy: scatter them all at once
-            unpack(ts, msg, self.sink.tensors)
+            unpack([t for t in ts if id(t) not in kept] if kept else ts, msg, self.sink.tensors)
             return
         pos = 0
         for t in ts:
+            if id(t) in kept:
+                self.sink.keep(t.dst_name, t.dst_view, None)
+                continue
             n = t.box.numel
             self.sink.write(t.dst_name, t.dst_view, msg[pos : pos + n].view(t.dst_view.shape))
             pos += n

@@ -39,7 +39,6 @@ from ..plan.tags import header_tag
 from ..plan.types import RankPlan, Transfer
 from .channels import ChannelKey, GroupChannel, MsgKey, Op, Route, Spec
 from .group import RefitError
-from .packing import message_numel
 from .sink import Sink
 from .stats import Tally
 from .views import local_view
@@ -286,21 +285,29 @@ class HeaderExchange:
 
 
 class DeltaDecoder:
-    """The receiver's part: rebuilds each box whole from what the sink holds now
-    (``Sink.current``) and the changes, into a dense message that delivery writes as usual."""
+    """The receiver's part: rebuilds each changed box whole from what the sink holds now
+    (``Sink.current``) and the changes, into a dense message that delivery writes as usual.
+    An unchanged box is not rebuilt where the sink can keep it (``Sink.keep``: nothing to copy
+    where it writes in place, one copy where it stages)."""
 
     def __init__(self, sink: Sink, headers: HeaderExchange, dtype: torch.dtype, device: torch.device,
                  tally: Tally) -> None:
         self.sink, self.headers, self.dtype, self.device, self.tally = sink, headers, dtype, device, tally
         self.isz = dtype.itemsize
+        self.keeps = sink.capabilities.keep
 
-    def decode(self, k: int, channel: ChannelKey, ts: Sequence[Transfer], msg: torch.Tensor | None) -> torch.Tensor:
+    def decode(self, k: int, channel: ChannelKey, ts: Sequence[Transfer],
+               msg: torch.Tensor | None) -> tuple[torch.Tensor, set[int]]:
+        """(the dense message of the boxes delivery writes, ids of the boxes the sink keeps)."""
         t0 = time.perf_counter()
         hdr = self.headers.header(k, channel).tolist()
-        dense = torch.empty(message_numel(ts), dtype=self.dtype, device=self.device)
+        kept = {id(t) for h, t in zip(hdr, ts) if h == 0} if self.keeps else set()
+        dense = torch.empty(sum(t.box.numel for t in ts if id(t) not in kept), dtype=self.dtype, device=self.device)
         self.tally.hold(dense.numel() * self.isz)
         pos_in = pos_out = 0
         for h, t in zip(hdr, ts):
+            if id(t) in kept:
+                continue
             n = t.box.numel
             box = dense[pos_out : pos_out + n]
             if h == n:
@@ -318,7 +325,7 @@ class DeltaDecoder:
             pos_in += encoded_numel(h, n, self.isz)
             pos_out += n
         self.tally.timed("unpack", t0)
-        return dense
+        return dense, kept
 
     def release(self, dense: torch.Tensor) -> None:
         self.tally.hold(-dense.numel() * self.isz)

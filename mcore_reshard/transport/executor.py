@@ -351,9 +351,10 @@ class _Run:
         if self.decoder is None:
             self.delivery.deliver(k, msgs, self.recv_b[k])
             return
-        dense = {c: self.decoder.decode(k, c, ts, msgs.get(c)) for c, ts in self.recv_b[k].items()}
-        self.delivery.deliver(k, dense, self.recv_b[k])
-        for x in dense.values():
+        decoded = {c: self.decoder.decode(k, c, ts, msgs.get(c)) for c, ts in self.recv_b[k].items()}
+        kept = set().union(*(ids for _, ids in decoded.values()))
+        self.delivery.deliver(k, {c: x for c, (x, _) in decoded.items()}, self.recv_b[k], kept)
+        for x, _ in decoded.values():
             self.decoder.release(x)
         self.headers.drop(k)
 

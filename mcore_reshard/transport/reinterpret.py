@@ -98,3 +98,9 @@ class ReinterpretSink:
             return self.inner.current(local_name, view)
         x = self.inner.current(local_name, _real_view(view, real[1], local_name))
         return x.contiguous().view(self.wire).reshape(view.shape)
+
+    def keep(self, local_name: str, view: View, hash_fn: Callable | None) -> Any:
+        real = self.real.get(local_name)
+        if real is None:
+            return self.inner.keep(local_name, view, hash_fn)
+        return self.inner.keep(local_name, _real_view(view, real[1], local_name), self._wire_hash(hash_fn))

@@ -24,7 +24,7 @@ from .views import TORCH_DTYPES, local_view
 __all__ = ["Sink", "SinkCaps", "TensorSink", "as_sink", "sink_dtypes"]
 
 #: The methods a sink may leave out (``write`` it may not).
-OPTIONAL = ("write_hashed", "target", "landed", "current")
+OPTIONAL = ("write_hashed", "target", "landed", "current", "keep")
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,7 @@ class SinkCaps:
     landed: bool = False
     bulk: bool = False
     current: bool = False
+    keep: bool = False
 
 
 class Sink(Protocol):
@@ -58,7 +59,10 @@ class Sink(Protocol):
 
     ``current(local_name, view)``: what the destination holds at ``view`` now (the live
     weights, not a staged copy): the baseline a delta refit's changes apply to (``delta.py``).
-    A sink without it takes full refits only.
+    A sink without it takes full refits only. ``keep(local_name, view, hash_fn)``: a delta
+    left the box unchanged -- make sure the destination holds its current values there (where
+    it writes into a staged copy, copy them in) and return ``hash_fn`` of them, like
+    ``landed``; without it such a box is rebuilt and written like any other.
 
     ``capabilities`` says which of these four the sink implements."""
 
@@ -74,6 +78,8 @@ class Sink(Protocol):
 
     def current(self, local_name: str, view: View) -> torch.Tensor: ...
 
+    def keep(self, local_name: str, view: View, hash_fn: Callable | None) -> Any: ...
+
 
 class TensorSink:
     """The default sink: writes into a mapping of contiguous local tensors."""
@@ -85,7 +91,8 @@ class TensorSink:
     def capabilities(self) -> SinkCaps:
         # A subclass may change any method (tests corrupt in ``write`` or ``landed``), which a
         # bulk scatter would skip: only this class itself is bulk.
-        return SinkCaps(write_hashed=True, target=True, landed=True, bulk=type(self) is TensorSink, current=True)
+        return SinkCaps(write_hashed=True, target=True, landed=True, bulk=type(self) is TensorSink, current=True,
+                        keep=True)
 
     def write(self, local_name: str, view: View, tensor: torch.Tensor) -> None:
         local_view(self.tensors[local_name], view).copy_(tensor)
@@ -102,6 +109,9 @@ class TensorSink:
 
     def current(self, local_name: str, view: View) -> torch.Tensor:
         return local_view(self.tensors[local_name], view)
+
+    def keep(self, local_name: str, view: View, hash_fn: Callable | None) -> Any:
+        return self.landed(local_name, view, hash_fn)  # written in place: it is there already
 
 
 class _Undeclared:
@@ -131,6 +141,9 @@ class _Undeclared:
 
     def current(self, local_name: str, view: View) -> torch.Tensor:
         raise self._missing("current")
+
+    def keep(self, local_name: str, view: View, hash_fn: Callable | None) -> Any:
+        raise self._missing("keep")
 
 
 class _CallableSink(_Undeclared):

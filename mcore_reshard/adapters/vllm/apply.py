@@ -269,6 +269,16 @@ class VllmApplier:
             raise RefitIncomplete(f"{local_name}: no model-format baseline for a delta refit")
         return local_view(base, view)
 
+    def keep(self, local_name: str, view: View, hash_fn: Callable[[torch.Tensor], Any] | None) -> Any:
+        """A delta left this box unchanged: the staged copy or shadow takes the current values
+        (nothing to do where writes go to the live tensor), counted and hashed as a write."""
+        lp = self._check(local_name, view, tuple(view.shape))
+        dst = local_view(self._target(local_name, lp), view)
+        cur = self.current(local_name, view)
+        if dst.data_ptr() != cur.data_ptr() or dst.stride() != cur.stride():
+            dst.copy_(cur)
+        return self._landed(local_name, lp, dst, hash_fn)
+
     def delta_ready(self) -> bool:
         """Whether every parameter can rebuild a box from what it holds (``current``): the
         reload-mode ones need a model-format copy from a committed refit."""

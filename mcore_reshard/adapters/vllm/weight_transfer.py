@@ -454,6 +454,10 @@ class _Tee:
     def current(self, local_name: str, view: Any) -> torch.Tensor:
         return self.applier.current(local_name, view)
 
+    def keep(self, local_name: str, view: Any, hash_fn: Any) -> Any:
+        local_view(self.copies[local_name], view).copy_(self.applier.current(local_name, view))
+        return self.applier.keep(local_name, view, hash_fn)
+
     def landed(self, local_name: str, view: Any, hash_fn: Any) -> Any:
         # Copy before the applier may process (repack) a layer this box completes.
         local_view(self.copies[local_name], view).copy_(self.applier.target(local_name, view))
@@ -482,6 +486,14 @@ class _ExitAfter:
 
     def current(self, local_name: str, view: Any) -> torch.Tensor:
         return self.sink.current(local_name, view)
+
+    def keep(self, local_name: str, view: Any, hash_fn: Any) -> Any:
+        import os
+
+        if self._left <= 0:
+            os._exit(19)
+        self._left -= 1
+        return self.sink.keep(local_name, view, hash_fn)
 
     def landed(self, local_name: str, view: Any, hash_fn: Any) -> Any:
         import os
