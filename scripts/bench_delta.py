@@ -75,7 +75,7 @@ def _row(m: Any) -> dict[str, Any]:
     return {"seconds": m.seconds, "bytes_moved": m.bytes_moved, "bytes_full": m.bytes_full,
             "bytes_headers": m.bytes_headers, "delta": m.delta, "delta_fraction": m.delta_fraction,
             "delta_boxes": m.delta_boxes, "verified": m.verified, "delta_state_bytes": m.delta_state_bytes,
-            "delta_reason": m.delta_reason}
+            "delta_reason": m.delta_reason, "phases": dict(m.phases)}
 
 
 def run(args: argparse.Namespace, log: Callable[..., None]) -> dict[str, Any]:

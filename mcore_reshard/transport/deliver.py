@@ -12,7 +12,7 @@ How is decided once, from the sink's declared ``capabilities`` (``sink.py``):
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Collection, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -41,10 +41,12 @@ class Delivery:
         self._last_sum = 0.0
 
     def deliver(self, k: int, msgs: Mapping[ChannelKey, torch.Tensor],
-                bucket: Mapping[ChannelKey, list[Transfer]], kept: Collection[int] = ()) -> None:
+                bucket: Mapping[ChannelKey, list[Transfer]], special: Mapping[int, Any] | None = None) -> None:
         """Hand every box of bucket ``k`` to the sink (``msgs``: each channel's packed message),
-        then checksum what it holds. ``kept``: ids of boxes a delta refit left unchanged (not in
-        the messages): the sink keeps what it holds there (``Sink.keep``)."""
+        then checksum what it holds. ``special``: boxes of a delta refit that are not in the
+        messages, by id: None -- unchanged, the sink keeps what it holds (``Sink.keep``);
+        (positions, values) -- the sink patches what it holds (``Sink.patch``)."""
+        kept = special or {}
         for peer, ts in bucket.items():
             msg = msgs.get(peer)
             if not self.verify and not any(id(t) in self.direct for t in ts):
@@ -57,7 +59,7 @@ class Delivery:
                 self._deliver_boxes(k, peer, ts, msg, kept)
 
     def _deliver_boxes(self, k: int, peer: ChannelKey, ts: list[Transfer], msg: torch.Tensor | None,
-                       kept: Collection[int] = ()) -> None:
+                       kept: Mapping[int, Any]) -> None:
         """Box by box: the sink writes, then hashes what the destination holds at the box (still
         in cache); the hash's own time is split off by timing it separately."""
         sink, phase = self.sink, self.tally.phase
@@ -68,7 +70,7 @@ class Delivery:
             t0 = time.perf_counter()
             self._last_sum = 0.0
             if id(t) in kept:
-                row = sink.keep(t.dst_name, t.dst_view, hash_fn)
+                row = self._in_place(t, kept[id(t)], hash_fn)
             elif id(t) in self.direct:
                 temp = self.temps.get((k, id(t)))
                 if temp is None:  # landed in the sink's own tensor
@@ -85,7 +87,7 @@ class Delivery:
                 if hashed is not None and hash_fn is not None:
                     row = hashed(t.dst_name, t.dst_view, part.view(t.dst_view.shape), hash_fn)
                 else:
-                    self._write_boxes((t,), part)
+                    self._write_boxes((t,), part, {})
                     row = hash_fn(part) if hash_fn else None  # a sink that only writes: what it was given
             t1 = time.perf_counter()
             phase["unpack"] += t1 - t0 - self._last_sum
@@ -95,13 +97,16 @@ class Delivery:
             self.ledger.received(peer, sums)
 
     def _deliver_tensors(self, peer: ChannelKey, ts: list[Transfer], msg: torch.Tensor | None,
-                         kept: Collection[int] = ()) -> None:
+                         kept: Mapping[int, Any]) -> None:
         """Into a bulk sink's tensors (CPU): the packed boxes in one batched copy, then each box
-        hashed where it now lies (a kept box is already there)."""
+        hashed where it now lies (a kept or patched box lies in place)."""
         t0 = time.perf_counter()
         direct, tensors = self.direct, self.sink.tensors
         packed = [t for t in ts if id(t) not in direct and id(t) not in kept]
         written = iter(unpack(packed, msg, tensors) if packed else ())
+        for t in ts:
+            if id(t) in kept:
+                self._in_place(t, kept[id(t)], None)
         t1 = time.perf_counter()
         if self.verify:
             self.ledger.received(peer, [
@@ -110,18 +115,27 @@ class Delivery:
         self.tally.phase["unpack"] += t1 - t0
         self.tally.phase["verify"] += time.perf_counter() - t1
 
-    def _write_boxes(self, ts: Sequence[Transfer], msg: torch.Tensor, kept: Collection[int] = ()) -> None:
+    def _write_boxes(self, ts: Sequence[Transfer], msg: torch.Tensor, kept: Mapping[int, Any]) -> None:
         if self.caps.bulk:  # a bulk sink's write() is a plain copy: scatter them all at once
             unpack([t for t in ts if id(t) not in kept] if kept else ts, msg, self.sink.tensors)
+            for t in ts:
+                if id(t) in kept:
+                    self._in_place(t, kept[id(t)], None)
             return
         pos = 0
         for t in ts:
             if id(t) in kept:
-                self.sink.keep(t.dst_name, t.dst_view, None)
+                self._in_place(t, kept[id(t)], None)
                 continue
             n = t.box.numel
             self.sink.write(t.dst_name, t.dst_view, msg[pos : pos + n].view(t.dst_view.shape))
             pos += n
+
+    def _in_place(self, t: Transfer, change: Any, hash_fn: Callable | None) -> Any:
+        """A delta's box that is not in the message: kept (``change`` None) or patched."""
+        if change is None:
+            return self.sink.keep(t.dst_name, t.dst_view, hash_fn)
+        return self.sink.patch(t.dst_name, t.dst_view, change[0], change[1], hash_fn)
 
     def _timed_sum(self, x: torch.Tensor) -> Any:
         """``box_sum`` for a sink's ``write_hashed``/``landed``, remembering how long it took."""

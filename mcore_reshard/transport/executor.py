@@ -352,8 +352,8 @@ class _Run:
             self.delivery.deliver(k, msgs, self.recv_b[k])
             return
         decoded = {c: self.decoder.decode(k, c, ts, msgs.get(c)) for c, ts in self.recv_b[k].items()}
-        kept = set().union(*(ids for _, ids in decoded.values()))
-        self.delivery.deliver(k, {c: x for c, (x, _) in decoded.items()}, self.recv_b[k], kept)
+        special = {i: change for _, s in decoded.values() for i, change in s.items()}
+        self.delivery.deliver(k, {c: x for c, (x, _) in decoded.items()}, self.recv_b[k], special)
         for x, _ in decoded.values():
             self.decoder.release(x)
         self.headers.drop(k)

@@ -61,7 +61,8 @@ class ReinterpretSink:
         self.inner, self.wire = inner, wire
         w = torch.empty((), dtype=wire).element_size()
         self.real = {n: (TORCH_DTYPES[d], TORCH_DTYPES[d].itemsize // w) for n, d in real.items()}
-        self.capabilities: SinkCaps = replace(inner.capabilities, bulk=False)
+        # (a delta's positions are in wire units: no patch, such boxes are rebuilt whole)
+        self.capabilities: SinkCaps = replace(inner.capabilities, bulk=False, patch=False)
 
     def _wire_hash(self, hash_fn: Callable | None) -> Callable | None:
         return None if hash_fn is None else (lambda x: hash_fn(x.view(self.wire)))

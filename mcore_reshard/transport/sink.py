@@ -19,12 +19,12 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 import torch
 
 from ..layout.descriptor import LocalParam, View
-from .views import TORCH_DTYPES, local_view
+from .views import TORCH_DTYPES, local_view, scatter_flat
 
 __all__ = ["Sink", "SinkCaps", "TensorSink", "as_sink", "sink_dtypes"]
 
 #: The methods a sink may leave out (``write`` it may not).
-OPTIONAL = ("write_hashed", "target", "landed", "current", "keep")
+OPTIONAL = ("write_hashed", "target", "landed", "current", "keep", "patch")
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,7 @@ class SinkCaps:
     bulk: bool = False
     current: bool = False
     keep: bool = False
+    patch: bool = False
 
 
 class Sink(Protocol):
@@ -63,6 +64,8 @@ class Sink(Protocol):
     left the box unchanged -- make sure the destination holds its current values there (where
     it writes into a staged copy, copy them in) and return ``hash_fn`` of them, like
     ``landed``; without it such a box is rebuilt and written like any other.
+    ``patch(local_name, view, positions, values, hash_fn)``: the same for a box of which only
+    ``values`` at box-flat ``positions`` changed (written over the current values).
 
     ``capabilities`` says which of these four the sink implements."""
 
@@ -80,6 +83,9 @@ class Sink(Protocol):
 
     def keep(self, local_name: str, view: View, hash_fn: Callable | None) -> Any: ...
 
+    def patch(self, local_name: str, view: View, positions: torch.Tensor, values: torch.Tensor,
+              hash_fn: Callable | None) -> Any: ...
+
 
 class TensorSink:
     """The default sink: writes into a mapping of contiguous local tensors."""
@@ -92,7 +98,7 @@ class TensorSink:
         # A subclass may change any method (tests corrupt in ``write`` or ``landed``), which a
         # bulk scatter would skip: only this class itself is bulk.
         return SinkCaps(write_hashed=True, target=True, landed=True, bulk=type(self) is TensorSink, current=True,
-                        keep=True)
+                        keep=True, patch=True)
 
     def write(self, local_name: str, view: View, tensor: torch.Tensor) -> None:
         local_view(self.tensors[local_name], view).copy_(tensor)
@@ -112,6 +118,11 @@ class TensorSink:
 
     def keep(self, local_name: str, view: View, hash_fn: Callable | None) -> Any:
         return self.landed(local_name, view, hash_fn)  # written in place: it is there already
+
+    def patch(self, local_name: str, view: View, positions: torch.Tensor, values: torch.Tensor,
+              hash_fn: Callable | None) -> Any:
+        scatter_flat(local_view(self.tensors[local_name], view), positions, values)
+        return self.landed(local_name, view, hash_fn)
 
 
 class _Undeclared:
@@ -144,6 +155,10 @@ class _Undeclared:
 
     def keep(self, local_name: str, view: View, hash_fn: Callable | None) -> Any:
         raise self._missing("keep")
+
+    def patch(self, local_name: str, view: View, positions: torch.Tensor, values: torch.Tensor,
+              hash_fn: Callable | None) -> Any:
+        raise self._missing("patch")
 
 
 class _CallableSink(_Undeclared):

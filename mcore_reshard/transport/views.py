@@ -14,7 +14,7 @@ import torch
 from ..layout.descriptor import Box, LocalParam, Piece, View
 from ..layout.dtensor import DTensorForm
 
-__all__ = ["box_slices", "local_view", "canonical_box", "materialize_local", "write_pieces", "zero_padding",
+__all__ = ["box_slices", "local_view", "scatter_flat", "canonical_box", "materialize_local", "write_pieces", "zero_padding",
            "torch_placements", "TORCH_DTYPES"]
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -38,6 +38,15 @@ def local_view(local: torch.Tensor, view: View) -> torch.Tensor:
         raise ValueError("local tensors must be contiguous to address them by flat views")
     flat = local.view(-1)
     return flat.as_strided(view.shape, view.stride, flat.storage_offset() + view.offset)
+
+
+def scatter_flat(x: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:
+    """``x`` (a view, possibly strided) with ``values`` written at its flat, C-order
+    ``positions`` (int64), in place: a delta refit's changes."""
+    if x.is_contiguous():
+        x.view(-1).index_copy_(0, positions, values)
+    else:
+        x[torch.unravel_index(positions, x.shape)] = values
 
 
 def canonical_box(tensors: Mapping[str, torch.Tensor], piece: Piece) -> torch.Tensor:

@@ -44,7 +44,7 @@ import torch
 
 from ...errors import RefitIncomplete
 from ...layout.descriptor import LayoutError, LocalParam, View
-from ...transport.views import TORCH_DTYPES, local_view, zero_padding
+from ...transport.views import TORCH_DTYPES, local_view, scatter_flat, zero_padding
 
 __all__ = ["VllmApplier", "RefitIncomplete", "select_modes", "plain_linear_enabled", "mla_absorbers", "DIRECT",
            "RELOAD", "MLA_NOTE", "reprepack_cpu_moe"]
@@ -272,11 +272,19 @@ class VllmApplier:
     def keep(self, local_name: str, view: View, hash_fn: Callable[[torch.Tensor], Any] | None) -> Any:
         """A delta left this box unchanged: the staged copy or shadow takes the current values
         (nothing to do where writes go to the live tensor), counted and hashed as a write."""
+        return self.patch(local_name, view, None, None, hash_fn)
+
+    def patch(self, local_name: str, view: View, positions: torch.Tensor | None, values: torch.Tensor | None,
+              hash_fn: Callable[[torch.Tensor], Any] | None) -> Any:
+        """A delta changed ``values`` at box-flat ``positions`` of this box: the staged copy or
+        shadow takes the current values and those changes; counted and hashed as a write."""
         lp = self._check(local_name, view, tuple(view.shape))
         dst = local_view(self._target(local_name, lp), view)
         cur = self.current(local_name, view)
         if dst.data_ptr() != cur.data_ptr() or dst.stride() != cur.stride():
             dst.copy_(cur)
+        if positions is not None:
+            scatter_flat(dst, positions.to(dst.device), values.to(dst.device))
         return self._landed(local_name, lp, dst, hash_fn)
 
     def delta_ready(self) -> bool:

@@ -46,7 +46,7 @@ from ...protocol import EngineInitInfo, RankReport, RefitRequest, VerifyMode, Wo
 from ...slice_store import fetch_slice
 from ...transport.endpoint import Outcome, RefitEndpoint
 from ...transport.faults import Fault
-from ...transport.views import TORCH_DTYPES, local_view
+from ...transport.views import TORCH_DTYPES, local_view, scatter_flat
 from .apply import VllmApplier
 from .record import record_local_params
 
@@ -455,8 +455,14 @@ class _Tee:
         return self.applier.current(local_name, view)
 
     def keep(self, local_name: str, view: Any, hash_fn: Any) -> Any:
-        local_view(self.copies[local_name], view).copy_(self.applier.current(local_name, view))
-        return self.applier.keep(local_name, view, hash_fn)
+        return self.patch(local_name, view, None, None, hash_fn)
+
+    def patch(self, local_name: str, view: Any, positions: Any, values: Any, hash_fn: Any) -> Any:
+        copy = local_view(self.copies[local_name], view)
+        copy.copy_(self.applier.current(local_name, view))  # before a layer this completes is processed
+        if positions is not None:
+            scatter_flat(copy, positions, values)
+        return self.applier.patch(local_name, view, positions, values, hash_fn)
 
     def landed(self, local_name: str, view: Any, hash_fn: Any) -> Any:
         # Copy before the applier may process (repack) a layer this box completes.
@@ -488,12 +494,15 @@ class _ExitAfter:
         return self.sink.current(local_name, view)
 
     def keep(self, local_name: str, view: Any, hash_fn: Any) -> Any:
+        return self.patch(local_name, view, None, None, hash_fn)
+
+    def patch(self, local_name: str, view: Any, positions: Any, values: Any, hash_fn: Any) -> Any:
         import os
 
         if self._left <= 0:
             os._exit(19)
         self._left -= 1
-        return self.sink.keep(local_name, view, hash_fn)
+        return self.sink.patch(local_name, view, positions, values, hash_fn)
 
     def landed(self, local_name: str, view: Any, hash_fn: Any) -> Any:
         import os
