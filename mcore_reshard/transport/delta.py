@@ -2,7 +2,8 @@
 
 A refit's boxes are the same every step (the plan is cached), so each rank can remember what
 the other end holds. The sender keeps a copy, in the wire dtype, of what it last sent
-(``DeltaState.baselines``, host memory beside the parameters: ``delta_state_bytes``); the
+(``DeltaState.baseline``: every box of its plan slice back to back, on the parameters'
+device -- host memory here; ``delta_state_bytes``), updated in place as it encodes; the
 receiver's baseline is what its destination holds now (``Sink.current``: the live parameter,
 or for a layer vLLM repacks, the model-format copy ``VllmApplier`` keeps of its last commit).
 A delta is against that baseline only if every rank of the refit committed the same refit last
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -110,13 +111,14 @@ def decide(offers: Sequence[str | None], mode: str, refit: str, names: Sequence[
 @dataclass
 class DeltaState:
     """What one rank keeps between refits: the id of the last refit it committed and, on a
-    sender, the wire-dtype copy of every source tensor it sends (``baselines``). Lives as long
+    sender, a wire-dtype copy of every box it sends (``baseline``: its plan slice's boxes back
+    to back, in slice order, so each box's copy is its own and updated in place). Lives as long
     as the rank's endpoint; a new process starts without it (its first refit is full)."""
 
     version: str | None = None
     #: This refit's id once this rank finished its part; becomes ``version`` at the commit.
     pending: str | None = None
-    baselines: dict[str, torch.Tensor] = field(default_factory=dict)
+    baseline: torch.Tensor | None = None
     #: Why this rank keeps no baseline (over ``delta_state_limit_bytes``), for the report.
     note: str = ""
 
@@ -127,7 +129,10 @@ class DeltaState:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.baselines.values())
+        return 0 if self.baseline is None else self.baseline.numel() * self.baseline.element_size()
+
+    def clear(self) -> None:
+        self.baseline = None
 
     def begin(self) -> None:
         """A refit starts: until it commits, this rank's baseline is in flux."""
@@ -147,26 +152,26 @@ class DeltaState:
 
     def keep_sent(self, plan: RankPlan, src_tensors: Mapping[str, torch.Tensor], dtype: torch.dtype,
                   limit_bytes: int) -> int:
-        """After a successful send: every source tensor this rank sends, as sent (the wire
-        dtype), in the baselines. Over ``limit_bytes`` (0: no limit) none is kept and this rank's
+        """After a successful full send: every box this rank sent, as sent (the wire dtype),
+        into the baseline. Over ``limit_bytes`` (0: no limit) none is kept and this rank's
         refits stay full (``note`` says why). Returns the bytes kept."""
-        names = sorted({t.src_name for t in plan.transfers})
-        need = sum(src_tensors[n].numel() for n in names) * dtype.itemsize
-        if limit_bytes and need > limit_bytes:
-            self.baselines.clear()
-            self.note = (f"training rank {plan.rank}: a baseline of {need} bytes exceeds "
+        n = sum(t.box.numel for t in plan.transfers)
+        if limit_bytes and n * dtype.itemsize > limit_bytes:
+            self.baseline = None
+            self.note = (f"training rank {plan.rank}: a baseline of {n * dtype.itemsize} bytes exceeds "
                          f"refit.delta_state_limit_bytes={limit_bytes}")
             return 0
         self.note = ""
-        for n in names:
-            x = src_tensors[n]
-            base = self.baselines.get(n)
-            if base is None or base.shape != x.shape or base.dtype != dtype or base.device != x.device:
-                base = self.baselines[n] = torch.empty(x.shape, dtype=dtype, device=x.device)
-            base.copy_(x)
-        for n in set(self.baselines) - set(names):
-            del self.baselines[n]
-        return need
+        device = next((src_tensors[t.src_name].device for t in plan.transfers), torch.device("cpu"))
+        base = self.baseline
+        if base is None or base.numel() != n or base.dtype != dtype or base.device != device:
+            base = self.baseline = torch.empty(n, dtype=dtype, device=device)
+        pos = 0
+        for t in plan.transfers:
+            m = t.box.numel
+            base[pos : pos + m].view(t.src_view.shape).copy_(local_view(src_tensors[t.src_name], t.src_view))
+            pos += m
+        return n * dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -202,10 +207,21 @@ def _positions_values(new: torch.Tensor, idx: Any) -> tuple[torch.Tensor, torch.
 
 
 class DeltaEncoder:
-    """The sender's part of a delta refit: encodes each message against ``baselines``."""
+    """The sender's part of a delta refit: encodes each box against its copy in the baseline,
+    and updates that copy in place (the refit fails as a whole, or the copy is what was sent;
+    a failed refit drops the baseline's version, ``DeltaState.settle``)."""
 
-    def __init__(self, baselines: Mapping[str, torch.Tensor], dtype: torch.dtype, tally: Tally) -> None:
-        self.baselines, self.dtype, self.isz, self.tally = baselines, dtype, dtype.itemsize, tally
+    def __init__(self, state: DeltaState, plan: RankPlan, dtype: torch.dtype, tally: Tally) -> None:
+        self.dtype, self.isz, self.tally = dtype, dtype.itemsize, tally
+        self.baseline = state.baseline
+        n = sum(t.box.numel for t in plan.transfers)
+        if self.baseline is not None and (self.baseline.numel() != n or self.baseline.dtype != dtype):
+            self.baseline = None  # not this plan's: every box goes dense
+        self.at: dict[int, int] = {}  # id(transfer) -> its copy's offset in the baseline
+        pos = 0
+        for t in plan.transfers:
+            self.at[id(t)] = pos
+            pos += t.box.numel
         self.headers: dict[MsgKey, torch.Tensor] = {}
 
     def encode(self, key: MsgKey, ts: Sequence[Transfer], src_tensors: Mapping[str, torch.Tensor],
@@ -221,12 +237,15 @@ class DeltaEncoder:
             if new.dtype != dtype:
                 new = new.to(dtype)
             n = t.box.numel
-            base = self.baselines.get(t.src_name)
+            base = None
+            if self.baseline is not None:
+                at = self.at[id(t)]
+                base = self.baseline[at : at + n].view(new.shape)
             idx = None
             if base is None or (dense_first and i == 0):
                 h = changed = n
             else:
-                idx = _changed(new, local_view(base, t.src_view))
+                idx = _changed(new, base)
                 changed = idx.size if isinstance(idx, np.ndarray) else idx.numel()
                 h = changed if changed == 0 or _sparse_pays(changed, n, isz) else n
             tally.delta_elements += n
@@ -235,11 +254,14 @@ class DeltaEncoder:
             hdr[i] = h
             if h == n:
                 out[pos : pos + n].view(new.shape).copy_(new)
+                if base is not None:
+                    base.copy_(new)
             elif h:
                 npos = encoded_numel(h, n, isz) - h
-                at, values = _positions_values(new, idx)
-                out[pos : pos + npos].view(torch.uint8)[: 4 * h].copy_(at.view(torch.uint8))
+                where, values = _positions_values(new, idx)
+                out[pos : pos + npos].view(torch.uint8)[: 4 * h].copy_(where.view(torch.uint8))
                 out[pos + npos : pos + npos + h].copy_(values)
+                base.view(-1).index_copy_(0, where.to(device=base.device, dtype=torch.int64), values.to(base.device))
             pos += encoded_numel(h, n, isz)
         self.headers[key] = hdr
         return out[:pos]

@@ -105,7 +105,7 @@ class RefitEndpoint:
         src, dst = (s, None) if self.side == "src" else (None, s)
         self.delta.begin()
         if request.delta == "off":
-            self.delta.baselines.clear()
+            self.delta.clear()
         offer = self.delta.offer(request.plan_digest) if baseline and request.delta != "off" else None
         exchanged = self.group.exchange([request.plan_digest, request.verify.value, offer], request.timeout_s)
         self.group.check_values([v[:2] for v in exchanged], "(plan digest, verify)")

@@ -146,7 +146,7 @@ def _keep_baseline(delta: DeltaRun, src: RankPlan | None, src_tensors: Mapping[s
     """This rank's part succeeded: a sender keeps what it sent as its next baseline (the
     commit makes it the version every rank holds, ``DeltaState.settle``)."""
     t0 = time.perf_counter()
-    if src is not None:
+    if src is not None and not delta.decision.on:  # a delta updated the baseline as it encoded
         delta.state.keep_sent(src, src_tensors, dtype, delta.limit_bytes)
         if delta.state.note:
             delta.state.finished(None)
@@ -217,7 +217,7 @@ class _Run:
                                          self.tally, enabled=not on)
         self.wire = GroupChannel(group, route, timeout_s, self.zero_copy)
         # A delta refit (``delta.py``): messages encoded against the baselines, sized by headers.
-        self.encoder = DeltaEncoder(delta.state.baselines, dtype, self.tally) if on and src is not None else None
+        self.encoder = DeltaEncoder(delta.state, src, dtype, self.tally) if on and src is not None else None
         self.headers = HeaderExchange(self.wire, route, self.recv_b, self.itemsize, self.tally) if on else None
         self.decoder = None
         if on and sink is not None:
