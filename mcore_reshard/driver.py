@@ -695,15 +695,15 @@ def _metrics(driver: RefitDriver, reports: list[RankReport], seconds: float, cac
 
 def _delta_metrics(src: list[RankReport], dst: list[RankReport], reports: list[RankReport]) -> dict[str, Any]:
     """The delta part of ``RefitMetrics`` from every rank's report."""
-    on = bool(reports) and all(r.delta for r in reports)
-    elements = sum(r.delta_elements for r in src)
-    boxes = [sum(r.delta_boxes[i] for r in src) for i in range(3)]
+    on = bool(reports) and all(r.delta.on for r in reports)
+    elements = sum(r.delta.elements for r in src)
+    boxes = [sum(r.delta.boxes[i] for r in src) for i in range(3)]
     return {
         "bytes_full": sum(r.bytes_full for r in dst),
         "bytes_headers": sum(r.bytes_headers for r in dst),
         "delta": on,
-        "delta_fraction": sum(r.delta_changed for r in src) / elements if on and elements else 1.0,
-        "delta_reason": next((r.delta_reason for r in reports if r.delta_reason), ""),
+        "delta_fraction": sum(r.delta.changed for r in src) / elements if on and elements else 1.0,
+        "delta_reason": next((r.delta.reason for r in reports if r.delta.reason), ""),
         "delta_boxes": dict(zip(("unchanged", "sparse", "dense"), boxes)) if on else {},
-        "delta_state_bytes": max((r.delta_state_bytes for r in reports), default=0),
+        "delta_state_bytes": max((r.delta.state_bytes for r in reports), default=0),
     }

@@ -217,6 +217,29 @@ class RefitRequest:
 
 
 @dataclass(frozen=True)
+class DeltaStats:
+    """One rank's delta part of a refit (``transport/delta.py``): whether it sent deltas and
+    why not; the sender's elements and changed elements; its boxes sent unchanged, sparse and
+    dense; the bytes it keeps between refits as its baseline."""
+
+    on: bool = False
+    reason: str = ""
+    elements: int = 0
+    changed: int = 0
+    boxes: tuple[int, int, int] = (0, 0, 0)
+    state_bytes: int = 0
+
+    def to_wire(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @staticmethod
+    def from_wire(d: Mapping[str, Any]) -> "DeltaStats":
+        d = dict(d)
+        d["boxes"] = tuple(d.get("boxes", (0, 0, 0)))
+        return DeltaStats(**d)
+
+
+@dataclass(frozen=True)
 class RankReport:
     """What one rank did in one refit (both sides report the same shape).
 
@@ -238,24 +261,22 @@ class RankReport:
     bytes_same_device: int = 0
     #: The part that went zero-copy (parameter to parameter, no buffer between).
     bytes_zero_copy: int = 0
-    #: Delta refits (``transport/delta.py``): what a full refit would have received; whether
-    #: this one sent deltas and why not; the sender's elements and changed elements; boxes
-    #: (unchanged, sparse, dense); the bytes this rank keeps as its baseline.
+    #: What a full refit would have received, and the part of ``bytes_received`` that was
+    #: delta headers; the rest of the delta part of the refit.
     bytes_full: int = 0
     bytes_headers: int = 0
-    delta: bool = False
-    delta_reason: str = ""
-    delta_elements: int = 0
-    delta_changed: int = 0
-    delta_boxes: list[int] = field(default_factory=lambda: [0, 0, 0])
-    delta_state_bytes: int = 0
+    delta: DeltaStats = DeltaStats()
 
     def to_wire(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["delta"] = self.delta.to_wire()
+        return out
 
     @staticmethod
     def from_wire(d: Mapping[str, Any]) -> "RankReport":
-        return RankReport(**dict(d))
+        d = dict(d)
+        d["delta"] = DeltaStats.from_wire(d.get("delta") or {})
+        return RankReport(**d)
 
 
 @dataclass(frozen=True)

@@ -140,7 +140,7 @@ def http_two_refits_job(ctx: WorldCtx, ckpt: str, dtype: str, par: MegatronParal
     dst_reports = [[r for r in rs if r is not None and r.side == "dst"] for rs in reports]
     received = [sum(r.bytes_received - r.bytes_headers for r in rs) for rs in dst_reports]
     full = [sum(r.bytes_full for r in rs) for rs in dst_reports]
-    delta = [all(r.delta for r in rs) for rs in dst_reports]
+    delta = [all(r.delta.on for r in rs) for rs in dst_reports]
     verified = [sorted((r.side, r.rank) for r in rs if r is not None and r.verified) for rs in reports]
     return {"logprobs_1": logprobs_1, "bytes_min": plan.bytes_min, "received": received, "full": full,
             "delta": delta, "verified": verified,

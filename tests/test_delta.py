@@ -108,7 +108,7 @@ def test_in_process_delta_equals_the_new_weights_and_a_wrong_baseline_is_named(t
         first = _run(plan, s, d, group, state, "r1", False)
         state.settle(True)
         sent = plan.for_rank("src", 0).transfers
-        assert not first.delta and state.nbytes == sum(t.box.numel for t in sent) * s["local.a"].element_size()
+        assert not first.delta.on and state.nbytes == sum(t.box.numel for t in sent) * s["local.a"].element_size()
         for name in ("a", "c"):  # an element of two tensors, and +0.0 -> -0.0 (equal, other bits)
             canon[name].view(-1)[5] += 1
         canon["b"].view(-1)[0] = -0.0
@@ -117,12 +117,12 @@ def test_in_process_delta_equals_the_new_weights_and_a_wrong_baseline_is_named(t
         state.settle(True)
         zero_fill_padding(d, dst.for_rank(0))
         assert expected_equal(dst, 0, canon, d) == []
-        assert second.delta and second.verified and second.delta_changed == 3
+        assert second.delta.on and second.verified and second.delta.changed == 3
         assert torch.signbit(d["local.b"].view(-1)[0])
-        assert second.delta_boxes[1] >= 1 and second.delta_boxes[0] > 0
+        assert second.delta.boxes[1] >= 1 and second.delta.boxes[0] > 0
         same = _run(plan, s, d, group, state, "r3", True)
         state.settle(True)
-        assert same.delta and same.delta_changed == 0 and same.delta_boxes[1] == same.delta_boxes[2] == 0
+        assert same.delta.on and same.delta.changed == 0 and same.delta.boxes[1] == same.delta.boxes[2] == 0
         d["local.c"].view(-1)[1] += 1  # the receiver no longer holds what the sender thinks
         with pytest.raises(RefitError, match=r"checksum mismatch in 1 transfer\(s\): local.c"):
             _run(plan, s, d, group, state, "r4", True)
@@ -203,16 +203,16 @@ def test_relays_forward_the_delta_and_every_member_ends_bit_for_bit_right():
     full = {r: res[r]["full"] for r in range(world)}
     delta = {r: res[r]["delta"] for r in range(world)}
     for r in range(NUM_SRC, world):
-        assert full[r]["err"] is None and full[r]["bad"] == [] and not full[r]["stats"].delta
+        assert full[r]["err"] is None and full[r]["bad"] == [] and not full[r]["stats"].delta.on
         assert delta[r]["err"] is None and delta[r]["bad"] == [], (r, delta[r])
-        assert delta[r]["stats"].delta and delta[r]["stats"].verified
+        assert delta[r]["stats"].delta.on and delta[r]["stats"].verified
     moved_full = sum(full[r]["stats"].bytes_received for r in range(NUM_SRC, world))
     moved = sum(delta[r]["stats"].bytes_received - delta[r]["stats"].bytes_headers for r in range(NUM_SRC, world))
     # members forward what they received from the sources: the delta, a small part of the boxes
     forwarded = sum(delta[r]["stats"].bytes_sent for r in range(NUM_SRC, world))
     assert 0 < forwarded < sum(full[r]["stats"].bytes_sent for r in range(NUM_SRC, world)) / 4
     assert 0 < moved < moved_full / 4
-    assert sum(delta[r]["stats"].delta_changed for r in range(NUM_SRC)) == len(T16)
+    assert sum(delta[r]["stats"].delta.changed for r in range(NUM_SRC)) == len(T16)
     # a member's altered baseline: its checksum names the tensor; every rank's refit fails
     err = res[NUM_SRC + 3]["corrupt"]["err"]
     assert err is not None and "checksum mismatch" in err and "local.a" in err, err

@@ -117,7 +117,7 @@ class RefitEndpoint:
         stats = execute_plan(src, dst, src_tensors, sink, self.group, timeout_s=request.timeout_s,
                              verify=request.verify, progress=progress, fault=fault, begin=False, delta=delta)
         if delta is None:
-            stats = replace(stats, delta_reason=decision.reason)
+            stats = replace(stats, delta=replace(stats.delta, reason=decision.reason))
         return stats
 
     def vote(self, request: RefitRequest, report: RankReport | None, error: BaseException | None,
@@ -152,8 +152,7 @@ class RefitEndpoint:
                           stats.buckets, stats.seconds, stats.peak_extra_bytes, stats.verified,
                           {"pack": stats.pack_s, "wire": stats.wire_s, "unpack": stats.unpack_s,
                            "verify": stats.verify_s, **(phases or {})}, stats.bytes_same_device,
-                          stats.bytes_zero_copy, stats.bytes_full, stats.bytes_headers, stats.delta, stats.delta_reason,
-                          stats.delta_elements, stats.delta_changed, list(stats.delta_boxes), stats.delta_state_bytes)
+                          stats.bytes_zero_copy, stats.bytes_full, stats.bytes_headers, stats.delta)
 
     def raw_bandwidth(self, pairs: list[tuple[int, int]], nbytes: int, timeout_s: float) -> float | None:
         """Benchmark floor: one ``nbytes`` message per (source, destination) group-rank pair;

@@ -136,8 +136,8 @@ def execute_plan(
     run.close(failed=False)
     stats = run.tally.report(run.num_buckets, time.perf_counter() - t_start, run.verified)
     if delta is not None:
-        stats = replace(stats, delta=delta.decision.on, delta_reason=delta.decision.reason or delta.state.note,
-                        delta_state_bytes=delta.state.nbytes)
+        stats = replace(stats, delta=replace(stats.delta, on=delta.decision.on, state_bytes=delta.state.nbytes,
+                                             reason=delta.decision.reason or delta.state.note))
     return stats
 
 

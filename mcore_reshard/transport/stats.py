@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from ..protocol import DeltaStats
+
 __all__ = ["Tally", "TransferStats"]
 
 #: Sides of a posted op that send (see ``channels.Op``); every other counted side receives.
@@ -37,15 +39,8 @@ class TransferStats:
     bytes_full: int = 0
     #: The part of ``bytes_received`` that was delta headers (8 bytes per box).
     bytes_headers: int = 0
-    #: Delta refits (``delta.py``): whether this one sent deltas, and why not; the sender's
-    #: elements and changed elements; boxes sent (unchanged, sparse, dense); the bytes this
-    #: rank keeps between refits as its baseline.
-    delta: bool = False
-    delta_reason: str = ""
-    delta_elements: int = 0
-    delta_changed: int = 0
-    delta_boxes: tuple[int, int, int] = (0, 0, 0)
-    delta_state_bytes: int = 0
+    #: Delta refits (``delta.py``).
+    delta: DeltaStats = DeltaStats()
 
 
 @dataclass
@@ -110,7 +105,5 @@ class Tally:
             bytes_zero_copy=self.bytes_zero_copy,
             bytes_full=self.bytes_full,
             bytes_headers=self.bytes_headers,
-            delta_elements=self.delta_elements,
-            delta_changed=self.delta_changed,
-            delta_boxes=tuple(self.delta_boxes),
+            delta=DeltaStats(elements=self.delta_elements, changed=self.delta_changed, boxes=tuple(self.delta_boxes)),
         )

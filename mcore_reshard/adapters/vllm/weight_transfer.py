@@ -297,7 +297,8 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
                 applier.finish()  # streaming: layers committed as they completed; the rest now
             finish_s = time.perf_counter() - t0
             report = self.endpoint.report(stats, _apply_phases(applier.timings, finish_s))
-            report = replace(report, delta_state_bytes=report.delta_state_bytes + applier.baseline_bytes())
+            report = replace(report, delta=replace(report.delta,
+                                                   state_bytes=report.delta.state_bytes + applier.baseline_bytes()))
             if request.overlap:  # the shadows are held while the engine serves the live weights
                 report = replace(report, peak_extra_bytes=report.peak_extra_bytes + applier.shadow_bytes())
         except BaseException as exc:  # noqa: BLE001 - voted on, then kept as the outcome
