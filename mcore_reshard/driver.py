@@ -44,7 +44,7 @@ from .settings.policy import RefitConfig
 if TYPE_CHECKING:
     from .adapters.vllm.engine import EngineInfo
 
-__all__ = ["RefitDriver", "RefitMetrics", "PendingRefit", "Transport", "ReshardTransport", "EngineCalls", "engine_world",
+__all__ = ["RefitDriver", "RefitMetrics", "bytes_at_minimum", "PendingRefit", "Transport", "ReshardTransport", "EngineCalls", "engine_world",
            "engine_dtype", "dst_layout_of", "ENGINE_GRACE_S"]
 
 _log = logging.getLogger("mcore_reshard.driver")
@@ -93,12 +93,17 @@ class RefitMetrics:
 
     @property
     def at_minimum(self) -> bool:
-        """Whether this refit moved what the plan promises: a full refit exactly the minimum,
-        a delta refit the changes of a refit of the minimum (its boxes' encodings are never
-        larger than the boxes) plus its headers."""
-        if not self.delta:
-            return self.bytes_moved == self.bytes_min
-        return self.bytes_full == self.bytes_min and self.bytes_moved - self.bytes_headers <= self.bytes_full
+        """``bytes_at_minimum`` of this refit."""
+        return bytes_at_minimum(self.bytes_moved, self.bytes_min, self.bytes_full, self.bytes_headers, self.delta)
+
+
+def bytes_at_minimum(moved: int, minimum: int, full: int, headers: int, delta: bool) -> bool:
+    """Whether a refit moved what the plan promises: a full refit exactly the minimum, a delta
+    refit the changes of a refit of the minimum (its boxes' encodings are never larger than the
+    boxes) plus its headers."""
+    if not delta:
+        return moved == minimum
+    return full == minimum and moved - headers <= full
 
 
 def engine_world(llm: Any) -> int:

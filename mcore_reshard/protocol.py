@@ -29,6 +29,7 @@ from .layout.descriptor import Box, LocalParam, Piece, View
 
 __all__ = [
     "VerifyMode",
+    "DELTA_MODES",
     "RankMap",
     "JoinInfo",
     "RefitRequest",
@@ -40,6 +41,11 @@ __all__ = [
     "first_error_line",
     "one_line",
 ]
+
+
+#: ``refit.delta`` / ``RefitRequest.delta``: ``auto`` sends only what changed whenever every
+#: rank holds the same committed refit; ``off`` always sends whole boxes.
+DELTA_MODES = ("auto", "off")
 
 
 class VerifyMode(str, enum.Enum):
@@ -191,8 +197,8 @@ class RefitRequest:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "verify", VerifyMode.parse(self.verify))
-        if self.delta not in ("auto", "off"):
-            raise ConfigError(f"delta={self.delta!r} is not one of auto, off")
+        if self.delta not in DELTA_MODES:
+            raise ConfigError(f"delta={self.delta!r} is not one of {', '.join(DELTA_MODES)}")
         if not isinstance(self.delta_state_limit_bytes, int) or self.delta_state_limit_bytes < 0:
             raise ConfigError(f"delta_state_limit_bytes={self.delta_state_limit_bytes!r} must be a non-negative "
                               "integer (bytes; 0: no limit)")

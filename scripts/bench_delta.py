@@ -119,13 +119,13 @@ def run(args: argparse.Namespace, log: Callable[..., None]) -> dict[str, Any]:
                 log(f"lr {lr:g} round {i}: {100 * dm.delta_fraction:.2f}% changed, delta {dm.bytes_moved} B "
                     f"{dm.seconds:.3f}s vs full {fm.bytes_moved} B {fm.seconds:.3f}s")
             tmpe = c.logprob_error(tokens)
-            out["lrs"][f"{lr:g}"] = _summarize(lr, rounds, tmpe)
+            out["lrs"][f"{lr:g}"] = _summarize(lr, rounds, tmpe, d.plan.itemsize)
     if args.grpo_steps:
         out["grpo"] = grpo_bytes(args.grpo_steps, log)
     return out
 
 
-def _summarize(lr: float, rounds: list[dict[str, Any]], tmpe: float) -> dict[str, Any]:
+def _summarize(lr: float, rounds: list[dict[str, Any]], tmpe: float, itemsize: int) -> dict[str, Any]:
     med = statistics.median
     delta_bytes = med(r["delta"]["bytes_moved"] for r in rounds)
     full_bytes = med(r["full"]["bytes_moved"] for r in rounds)
@@ -140,7 +140,7 @@ def _summarize(lr: float, rounds: list[dict[str, Any]], tmpe: float) -> dict[str
         "delta_state_bytes": rounds[-1]["delta"]["delta_state_bytes"], "token_mult_prob_error": tmpe,
         "all_verified": all(r[k]["verified"] for r in rounds for k in ("delta", "full")),
         "bytes_per_changed_element": (delta_bytes - rounds[-1]["delta"]["bytes_headers"])
-        / max(1.0, med(r["delta"]["delta_fraction"] for r in rounds) * full_bytes / 2),
+        / max(1.0, med(r["delta"]["delta_fraction"] for r in rounds) * full_bytes / itemsize),
     }
     if lr <= 1e-6:
         res["targets"] = {"bytes": res["bytes_ratio"] <= TARGET_BYTES, "seconds": res["seconds_ratio"] <= TARGET_SECONDS}

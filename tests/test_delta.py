@@ -6,6 +6,7 @@ forwards the delta, not the dense box). Live megatron -> vLLM deltas are in
 
 from __future__ import annotations
 
+import json
 import math
 import traceback
 from typing import Any
@@ -73,6 +74,25 @@ def test_a_baseline_is_offered_only_after_a_commit_under_the_same_plan():
     s.finished(refit_id("a" * 64, "n", 2))
     s.settle(False)  # aborted: the receivers kept the old weights, this rank kept the new
     assert s.offer("a" * 64) is None
+
+
+def test_a_refit_is_at_the_minimum_when_full_or_a_delta_no_larger_than_full():
+    from mcore_reshard.driver import bytes_at_minimum
+
+    assert bytes_at_minimum(1000, 1000, 1000, 0, delta=False)
+    assert not bytes_at_minimum(999, 1000, 1000, 0, delta=False)  # a full refit moves exactly the minimum
+    assert bytes_at_minimum(300 + 16, 1000, 1000, 16, delta=True)
+    assert bytes_at_minimum(1000 + 16, 1000, 1000, 16, delta=True)  # every box dense: full + headers
+    assert not bytes_at_minimum(1001 + 16, 1000, 1000, 16, delta=True)  # more data than full
+    assert not bytes_at_minimum(300, 1000, 1200, 0, delta=True)  # planned above the minimum
+
+
+def test_rank_reports_carry_their_delta_part_over_the_wire():
+    from mcore_reshard.protocol import DeltaStats, RankReport
+
+    r = RankReport("src", 1, bytes_full=64, bytes_headers=8,
+                   delta=DeltaStats(True, "", elements=10, changed=2, boxes=(1, 1, 0), state_bytes=20))
+    assert RankReport.from_wire(json.loads(json.dumps(r.to_wire()))) == r
 
 
 def test_refit_request_checks_its_delta_settings_in_one_line():

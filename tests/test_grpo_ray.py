@@ -70,10 +70,11 @@ def _survivors(before: set[int], key: str, value: str, grace_s: float = 30.0) ->
 def _at_minimum(s: dict) -> bool:
     """A step's refit moved what the plan promises: a full refit the minimum; a delta (every
     refit after the first, ``refit.delta=auto``) at most the full refit's data, plus headers."""
-    if not s["refit_delta"]:
-        return s["refit_bytes_moved"] == s["refit_bytes_min"] > 0
-    return (s["refit_bytes_full"] == s["refit_bytes_min"] > 0
-            and s["refit_bytes_moved"] - s["refit_bytes_headers"] <= s["refit_bytes_full"])
+    from mcore_reshard.driver import bytes_at_minimum
+
+    return s["refit_bytes_min"] > 0 and bytes_at_minimum(s["refit_bytes_moved"], s["refit_bytes_min"],
+                                                         s["refit_bytes_full"], s["refit_bytes_headers"],
+                                                         s["refit_delta"])
 
 
 def _lines(path: Path) -> list[dict]:

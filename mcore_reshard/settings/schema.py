@@ -19,7 +19,7 @@ from ..adapters.megatron.rules import MegatronParallel
 from ..adapters.vllm.rules import VllmParallel
 from ..errors import ConfigError
 from ..layout import DTYPE_BYTES, ModelSpec
-from ..protocol import VerifyMode
+from ..protocol import DELTA_MODES, VerifyMode
 from .topology import TopologyConfig
 from .models import LOCAL_DTYPES
 from .reader import REQUIRED, Field, Section, keys
@@ -120,7 +120,7 @@ class RefitConfig:
             value = getattr(self, name)
             _check(isinstance(value, bool), f"refit.{name}={value!r} is not a boolean (true or false)")
         for name, allowed in (("transport", TRANSPORTS), ("apply_mode", APPLY), ("placement", PLACEMENTS),
-                              ("delta", ("auto", "off"))):
+                              ("delta", DELTA_MODES)):
             value = getattr(self, name)
             _check(isinstance(value, str) and value in allowed, f"refit.{name}={value!r} is not one of {list(allowed)}")
         object.__setattr__(self, "verify", VerifyMode.parse(self.verify, "refit.verify"))

@@ -46,20 +46,20 @@ class Delivery:
         then checksum what it holds. ``special``: boxes of a delta refit that are not in the
         messages, by id: None -- unchanged, the sink keeps what it holds (``Sink.keep``);
         (positions, values) -- the sink patches what it holds (``Sink.patch``)."""
-        kept = special or {}
+        in_place = special or {}
         for peer, ts in bucket.items():
             msg = msgs.get(peer)
             if not self.verify and not any(id(t) in self.direct for t in ts):
                 t0 = time.perf_counter()
-                self._write_boxes(ts, msg, kept)
+                self._write_boxes(ts, msg, in_place)
                 self.tally.timed("unpack", t0)
             elif self.bulk_cpu:
-                self._deliver_tensors(peer, ts, msg, kept)
+                self._deliver_tensors(peer, ts, msg, in_place)
             else:
-                self._deliver_boxes(k, peer, ts, msg, kept)
+                self._deliver_boxes(k, peer, ts, msg, in_place)
 
     def _deliver_boxes(self, k: int, peer: ChannelKey, ts: list[Transfer], msg: torch.Tensor | None,
-                       kept: Mapping[int, Any]) -> None:
+                       in_place: Mapping[int, Any]) -> None:
         """Box by box: the sink writes, then hashes what the destination holds at the box (still
         in cache); the hash's own time is split off by timing it separately."""
         sink, phase = self.sink, self.tally.phase
@@ -69,8 +69,8 @@ class Delivery:
         for t in ts:
             t0 = time.perf_counter()
             self._last_sum = 0.0
-            if id(t) in kept:
-                row = self._in_place(t, kept[id(t)], hash_fn)
+            if id(t) in in_place:
+                row = self._keep_or_patch(t, in_place[id(t)], hash_fn)
             elif id(t) in self.direct:
                 temp = self.temps.get((k, id(t)))
                 if temp is None:  # landed in the sink's own tensor
@@ -97,41 +97,41 @@ class Delivery:
             self.ledger.received(peer, sums)
 
     def _deliver_tensors(self, peer: ChannelKey, ts: list[Transfer], msg: torch.Tensor | None,
-                         kept: Mapping[int, Any]) -> None:
+                         in_place: Mapping[int, Any]) -> None:
         """Into a bulk sink's tensors (CPU): the packed boxes in one batched copy, then each box
         hashed where it now lies (a kept or patched box lies in place)."""
         t0 = time.perf_counter()
         direct, tensors = self.direct, self.sink.tensors
-        packed = [t for t in ts if id(t) not in direct and id(t) not in kept]
+        packed = [t for t in ts if id(t) not in direct and id(t) not in in_place]
         written = iter(unpack(packed, msg, tensors) if packed else ())
         for t in ts:
-            if id(t) in kept:
-                self._in_place(t, kept[id(t)], None)
+            if id(t) in in_place:
+                self._keep_or_patch(t, in_place[id(t)], None)
         t1 = time.perf_counter()
         if self.verify:
             self.ledger.received(peer, [
-                digest(local_view(tensors[t.dst_name], t.dst_view)) if id(t) in direct or id(t) in kept
+                digest(local_view(tensors[t.dst_name], t.dst_view)) if id(t) in direct or id(t) in in_place
                 else digest_written(next(written)) for t in ts])
         self.tally.phase["unpack"] += t1 - t0
         self.tally.phase["verify"] += time.perf_counter() - t1
 
-    def _write_boxes(self, ts: Sequence[Transfer], msg: torch.Tensor, kept: Mapping[int, Any]) -> None:
+    def _write_boxes(self, ts: Sequence[Transfer], msg: torch.Tensor, in_place: Mapping[int, Any]) -> None:
         if self.caps.bulk:  # a bulk sink's write() is a plain copy: scatter them all at once
-            unpack([t for t in ts if id(t) not in kept] if kept else ts, msg, self.sink.tensors)
+            unpack([t for t in ts if id(t) not in in_place] if in_place else ts, msg, self.sink.tensors)
             for t in ts:
-                if id(t) in kept:
-                    self._in_place(t, kept[id(t)], None)
+                if id(t) in in_place:
+                    self._keep_or_patch(t, in_place[id(t)], None)
             return
         pos = 0
         for t in ts:
-            if id(t) in kept:
-                self._in_place(t, kept[id(t)], None)
+            if id(t) in in_place:
+                self._keep_or_patch(t, in_place[id(t)], None)
                 continue
             n = t.box.numel
             self.sink.write(t.dst_name, t.dst_view, msg[pos : pos + n].view(t.dst_view.shape))
             pos += n
 
-    def _in_place(self, t: Transfer, change: Any, hash_fn: Callable | None) -> Any:
+    def _keep_or_patch(self, t: Transfer, change: Any, hash_fn: Callable | None) -> Any:
         """A delta's box that is not in the message: kept (``change`` None) or patched."""
         if change is None:
             return self.sink.keep(t.dst_name, t.dst_view, hash_fn)

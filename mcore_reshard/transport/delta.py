@@ -36,28 +36,16 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from ..errors import ConfigError
 from ..plan.tags import header_tag
 from ..plan.types import RankPlan, Transfer
 from .channels import ChannelKey, GroupChannel, MsgKey, Op, Route, Spec
 from .group import RefitError
 from .sink import Sink
 from .stats import Tally
-from .views import local_view
+from .views import BIT_VIEWS, local_view
 
-__all__ = ["DELTA_MODES", "DeltaDecision", "DeltaEncoder", "DeltaDecoder", "DeltaRun", "DeltaState", "HeaderExchange",
-           "check_delta_mode", "decide", "encoded_numel", "refit_id"]
-
-DELTA_MODES = ("auto", "off")
-
-#: Integer views of each wire dtype's bits (a change is a change of bits).
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def check_delta_mode(mode: str, what: str = "refit.delta") -> str:
-    if mode not in DELTA_MODES:
-        raise ConfigError(f"{what}={mode!r} is not one of {', '.join(DELTA_MODES)}")
-    return mode
+__all__ = ["DeltaDecision", "DeltaEncoder", "DeltaDecoder", "DeltaRun", "DeltaState", "HeaderExchange",
+           "decide", "encoded_numel", "refit_id"]
 
 
 def refit_id(plan_digest: str, nonce: str, epoch: int) -> str:
@@ -76,6 +64,16 @@ def encoded_numel(h: int, n: int, itemsize: int) -> int:
 
 def _sparse_pays(changed: int, n: int, itemsize: int) -> bool:
     return 0 < changed and encoded_numel(changed, n, itemsize) < n
+
+
+def _box_offsets(plan: RankPlan) -> tuple[dict[int, int], int]:
+    """Where each box of a sender's slice has its copy in the baseline (by ``id`` of its
+    transfer: the boxes back to back, in slice order), and the baseline's elements."""
+    at, pos = {}, 0
+    for t in plan.transfers:
+        at[id(t)] = pos
+        pos += t.box.numel
+    return at, pos
 
 
 @dataclass(frozen=True)
@@ -148,14 +146,15 @@ class DeltaState:
         self.pending = None
 
     def reset(self) -> None:
-        self.version = self.pending = None
+        """Forget the baseline's version (the weights changed outside a refit): the next refit is full."""
+        self.settle(False)
 
     def keep_sent(self, plan: RankPlan, src_tensors: Mapping[str, torch.Tensor], dtype: torch.dtype,
                   limit_bytes: int) -> int:
         """After a successful full send: every box this rank sent, as sent (the wire dtype),
         into the baseline. Over ``limit_bytes`` (0: no limit) none is kept and this rank's
         refits stay full (``note`` says why). Returns the bytes kept."""
-        n = sum(t.box.numel for t in plan.transfers)
+        at, n = _box_offsets(plan)
         if limit_bytes and n * dtype.itemsize > limit_bytes:
             self.baseline = None
             self.note = (f"training rank {plan.rank}: a baseline of {n * dtype.itemsize} bytes exceeds "
@@ -166,11 +165,9 @@ class DeltaState:
         base = self.baseline
         if base is None or base.numel() != n or base.dtype != dtype or base.device != device:
             base = self.baseline = torch.empty(n, dtype=dtype, device=device)
-        pos = 0
         for t in plan.transfers:
-            m = t.box.numel
-            base[pos : pos + m].view(t.src_view.shape).copy_(local_view(src_tensors[t.src_name], t.src_view))
-            pos += m
+            pos = at[id(t)]
+            base[pos : pos + t.box.numel].view(t.src_view.shape).copy_(local_view(src_tensors[t.src_name], t.src_view))
         return n * dtype.itemsize
 
 
@@ -185,7 +182,7 @@ class DeltaRun:
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
-    return x.view(_BITS[x.element_size()])
+    return x.view(BIT_VIEWS[x.element_size()])
 
 
 def _changed(new: torch.Tensor, base: torch.Tensor) -> Any:
@@ -214,14 +211,9 @@ class DeltaEncoder:
     def __init__(self, state: DeltaState, plan: RankPlan, dtype: torch.dtype, tally: Tally) -> None:
         self.dtype, self.isz, self.tally = dtype, dtype.itemsize, tally
         self.baseline = state.baseline
-        n = sum(t.box.numel for t in plan.transfers)
+        self.at, n = _box_offsets(plan)  # id(transfer) -> its copy's offset in the baseline
         if self.baseline is not None and (self.baseline.numel() != n or self.baseline.dtype != dtype):
             self.baseline = None  # not this plan's: every box goes dense
-        self.at: dict[int, int] = {}  # id(transfer) -> its copy's offset in the baseline
-        pos = 0
-        for t in plan.transfers:
-            self.at[id(t)] = pos
-            pos += t.box.numel
         self.headers: dict[MsgKey, torch.Tensor] = {}
 
     def encode(self, key: MsgKey, ts: Sequence[Transfer], src_tensors: Mapping[str, torch.Tensor],

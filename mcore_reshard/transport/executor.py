@@ -148,11 +148,7 @@ def _keep_baseline(delta: DeltaRun, src: RankPlan | None, src_tensors: Mapping[s
     t0 = time.perf_counter()
     if src is not None and not delta.decision.on:  # a delta updated the baseline as it encoded
         delta.state.keep_sent(src, src_tensors, dtype, delta.limit_bytes)
-        if delta.state.note:
-            delta.state.finished(None)
-            tally.timed("pack", t0)
-            return
-    delta.state.finished(delta.decision.refit_id)
+    delta.state.finished(None if delta.state.note else delta.decision.refit_id)  # note: over the limit
     tally.timed("pack", t0)
 
 

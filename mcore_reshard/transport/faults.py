@@ -13,10 +13,10 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from .views import BIT_VIEWS
+
 __all__ = ["Fault"]
 
-#: An integer dtype of each element size: a bit flip on any wire dtype.
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ class Fault:
         first = next((m for m in messages.values() if m.numel()), None)
         if first is None:
             first = copy_first()
-        bits = first[:1].view(_BITS[first.element_size()])
+        bits = first[:1].view(BIT_VIEWS[first.element_size()])
         bits ^= 1
 
     def to_wire(self) -> dict:

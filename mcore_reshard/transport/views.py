@@ -14,7 +14,7 @@ import torch
 from ..layout.descriptor import Box, LocalParam, Piece, View
 from ..layout.dtensor import DTensorForm
 
-__all__ = ["box_slices", "local_view", "scatter_flat", "canonical_box", "materialize_local", "write_pieces", "zero_padding",
+__all__ = ["BIT_VIEWS", "box_slices", "local_view", "scatter_flat", "canonical_box", "materialize_local", "write_pieces", "zero_padding",
            "torch_placements", "TORCH_DTYPES"]
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -26,6 +26,10 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "int32": torch.int32,
     "int64": torch.int64,
 }
+
+
+#: An integer dtype of each element size: the bits of a tensor of any dtype, to flip or compare.
+BIT_VIEWS: dict[int, torch.dtype] = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def box_slices(box: Box) -> tuple[slice, ...]:

@@ -304,6 +304,10 @@ class VllmApplier:
         elif local_name in self._baselines:
             self._baselines[local_name].view(-1)[0] += 1
 
+    def forget_baselines(self) -> None:
+        """The weights changed outside a refit: no model-format copy is current any more."""
+        self._baselines.clear()
+
     def baseline_bytes(self) -> int:
         """Bytes of model-format copies kept for delta refits (``delta_state_bytes``)."""
         return sum(t.numel() * t.element_size() for t in self._baselines.values())

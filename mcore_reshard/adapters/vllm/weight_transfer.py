@@ -274,8 +274,9 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         if request.verify is VerifyMode.FULL:
             sink = _Tee(applier)
             self.received = sink.copies
-        if "exit_after_writes" in (update_info.fault or {}) and update_info.fault.get("rank") == self.endpoint.rank:
-            sink = _ExitAfter(sink, int(update_info.fault["exit_after_writes"]))
+        exit_after = _engine_fault(update_info, self.endpoint.rank, "exit_after_writes")
+        if exit_after is not None:
+            sink = _ExitAfter(sink, int(exit_after))
         report, error = None, None
         if applier.state == "updating":  # a refit that never reached its end on this worker
             applier.abort("superseded by a new refit")
@@ -285,8 +286,9 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
                 if self.endpoint.group is not None:
                     self.endpoint.group.begin_refit(request.epoch, watch=True)
                 raise RefitError(self.init_error)
-            if (update_info.fault or {}).get("alter_baseline") and update_info.fault.get("rank") == self.endpoint.rank:
-                applier.alter_baseline(str(update_info.fault["alter_baseline"]))
+            altered = _engine_fault(update_info, self.endpoint.rank, "alter_baseline")
+            if altered is not None:
+                applier.alter_baseline(str(altered))
             ready = applier.delta_ready()
             applier.keep_baselines = request.delta != "off"
             stats = self.endpoint.run(request, {}, sink, baseline=ready)
@@ -338,7 +340,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         if self.endpoint is not None:
             self.endpoint.delta.reset()
         if self._applier is not None:
-            self._applier._baselines.clear()
+            self._applier.forget_baselines()
 
     def finish_weight_update(self) -> None:
         """Blocking refits: nothing to close (the commit happened inside ``update_weights``,
@@ -420,6 +422,12 @@ def _timeout_of(update_info: ReshardUpdateInfo) -> float:
         return float(RefitRequest.from_wire(update_info.request).timeout_s)
     except Exception:  # noqa: BLE001 - refused in the thread, with its reason
         return 60.0
+
+
+def _engine_fault(update_info: ReshardUpdateInfo, rank: int, key: str) -> Any:
+    """Fault injection: ``key`` of ``ReshardUpdateInfo.fault`` when it is for destination ``rank``."""
+    spec = update_info.fault or {}
+    return spec.get(key) if spec.get("rank") == rank else None
 
 
 def _fault_for(spec: dict | None, rank: int) -> Fault | None:

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ...checkpoint import make_tiny_checkpoint
-from ...driver import RefitDriver
+from ...driver import RefitDriver, bytes_at_minimum
 from ...errors import ConfigError, RefitError, RefitFailed
 from ...plan.report import format_bytes
 from ...protocol import VerifyMode, one_line
@@ -378,9 +378,8 @@ def write_plot(history: Sequence[StepMetrics], path: Path, title: str) -> Path:
 
 def _at_minimum(h: StepMetrics) -> bool:
     """``RefitMetrics.at_minimum`` of a step's refit."""
-    if not h.refit_delta:
-        return h.refit_bytes_moved == h.refit_bytes_min
-    return h.refit_bytes_full == h.refit_bytes_min and h.refit_bytes_moved - h.refit_bytes_headers <= h.refit_bytes_full
+    return bytes_at_minimum(h.refit_bytes_moved, h.refit_bytes_min, h.refit_bytes_full, h.refit_bytes_headers,
+                            h.refit_delta)
 
 
 def summary_table(history: Sequence[StepMetrics], random_reward: float) -> str:
