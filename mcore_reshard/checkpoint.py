@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TINY_DENSE", "TINY_MOE", "TINY_DEEPSEEK_V3", "TINY_FAMILIES", "tiny_config", "make_tiny_checkpoint", "load_canonical"]
+__all__ = ["TINY_DENSE", "TINY_MOE", "TINY_DEEPSEEK_V3", "TINY_DENSE_128", "TINY_MOE_128", "TINY_FAMILIES", "tiny_config", "make_tiny_checkpoint", "load_canonical"]
 
 #: Small enough for seconds-long CPU tests, shaped so that every layout rule is exercised:
 #: GQA with P = 4 query heads per group, qk-norm, vocab not a multiple of 64 (vLLM pads it).
@@ -77,6 +77,22 @@ TINY_DEEPSEEK_V3: dict[str, Any] = dict(
     tie_word_embeddings=False,
 )
 
+#: FP8 rollout's tiny models: every linear a whole number of 128x128 blocks, as vLLM's CPU
+#: block-FP8 kernels need (K-block 128; every merged shard but the last, and the MoE
+#: intermediate per TP rank, multiples of 128): head_dim 128 and 256-wide MLPs, so every shard
+#: is whole blocks at TP1 and TP2 (experts under TP included).
+TINY_DENSE_128: dict[str, Any] = dict(
+    TINY_DENSE,
+    hidden_size=256,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=128,
+)
+TINY_MOE_128: dict[str, Any] = dict(TINY_MOE, **{k: v for k, v in TINY_DENSE_128.items() if k != "architectures"},
+                                    moe_intermediate_size=256)
+
 #: The same tiny shape in every dense family the specs support (Llama-3: no qk-norm; Qwen2:
 #: qkv bias, no qk-norm). Keys the family's config class does not know are dropped.
 TINY_FAMILIES: dict[str, dict[str, Any]] = {
@@ -86,6 +102,8 @@ TINY_FAMILIES: dict[str, dict[str, Any]] = {
     # Qwen2's config has no head_dim (it is hidden / heads): 128 / 4 keeps it at 32.
     "qwen2": dict(TINY_DENSE, architectures=["Qwen2ForCausalLM"], hidden_size=128, num_attention_heads=4),
     "deepseek_v3": TINY_DEEPSEEK_V3,
+    "qwen3_128": TINY_DENSE_128,
+    "qwen3_moe_128": TINY_MOE_128,
 }
 
 _CONFIG_CLASSES = {

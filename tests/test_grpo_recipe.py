@@ -27,6 +27,7 @@ ASYNC = REPO / "recipes" / "grpo-tiny-moe-cpu-async.yaml"
 QWEN_4N = REPO / "recipes" / "grpo-qwen3-30b-a3b-megatron-reshard.yaml"
 QWEN_8N = REPO / "recipes" / "grpo-qwen3-30b-a3b-8n8g-megatron-reshard.yaml"
 QWEN_ASYNC = REPO / "recipes" / "grpo-qwen3-30b-a3b-megatron-reshard-async.yaml"
+QWEN_FP8 = REPO / "recipes" / "grpo-qwen3-30b-a3b-megatron-reshard-fp8.yaml"
 # (recipe, training ranks, generation ranks, engines, training nodes, generation nodes)
 QWEN = [(QWEN_4N, 16, 16, 8, 2, 2), (QWEN_8N, 32, 32, 8, 4, 4)]
 
@@ -181,8 +182,27 @@ def test_qwen_async_variant_dry_runs_with_the_same_plan():
     assert j["async_grpo"]["recompute_kv_cache_after_weight_updates"] is False
 
 
+@pytest.mark.heavy  # two full-size plans
+def test_qwen_fp8_variant_dry_runs_with_fp8_bytes():
+    """The FP8 variant of the 4n8g recipe: the same layouts into block-FP8 engines; every
+    attention and expert weight moves as codes + scales (half its bf16 bytes), the router,
+    norms, embeddings and LM head in bf16; the rest of the plan is the bf16 one's."""
+    sync, r = load_grpo_recipe(QWEN_4N), load_grpo_recipe(QWEN_FP8)
+    assert r.vllm.quantization == "fp8_per_block" and sync.vllm.quantization is None
+    assert (r.training, r.spec, r.refit.bucket_bytes) == (sync.training, sync.spec, sync.refit.bucket_bytes)
+    fp8, bf16 = dry_run(r), dry_run(sync)
+    j = fp8.to_json()
+    assert j["bytes_planned"] == j["bytes_min"]
+    plan = j["plan"]
+    assert plan["quantized_bytes"] <= 0.52 * plan["quantized_bytes_unquantized"]
+    assert len(plan["quantized"]) == 48 * (4 + 3 * 128)  # q/k/v/o and every expert's three, per layer
+    assert not any(q["tensor"].endswith(("mlp.gate.weight", "embed_tokens.weight")) for q in plan["quantized"])
+    assert j["bytes_min"] == bf16.to_json()["bytes_min"] - plan["quantized_bytes_unquantized"] + plan["quantized_bytes"]
+    assert "quantized at the sender (block FP8 128x128" in fp8.table()
+
+
 def test_qwen_recipes_are_plan_only():
-    for path in (QWEN_4N, QWEN_8N, QWEN_ASYNC):
+    for path in (QWEN_4N, QWEN_8N, QWEN_ASYNC, QWEN_FP8):
         r = load_grpo_recipe(path)
         assert r.model == "Qwen/Qwen3-30B-A3B" and r.checkpoint_family is None
         assert r.generation.max_new_tokens == 4096  # ${policy.max_total_sequence_length}

@@ -112,10 +112,14 @@ def test_toy_mixed_plan_simulates_bit_exact_with_splits_and_replicas():
 
 
 def test_what_cannot_be_carried_as_bits_stays_an_error():
-    # a tensor narrower than the wire (bf16 in an fp32 plan)
-    t = {"w": ((8, 4), "float32"), "b": ((4,), "bfloat16")}
+    # two dtypes of one width: neither is a whole number of the other's elements
+    t = {"w": ((8, 4), "float16"), "b": ((4,), "bfloat16")}
     with pytest.raises(PlanError, match="mixed element types on the destination"):
         build_plan(split_layout(t, parts=1, dim=0), split_layout(t, parts=1, dim=0))
+    # the wire is the narrowest dtype: fp32 weights beside a small bf16 tensor go as bf16 bits
+    t = {"w": ((8, 4), "float32"), "b": ((4,), "bfloat16")}
+    plan = build_plan(split_layout(t, parts=1, dim=0), split_layout(t, parts=1, dim=0))
+    assert plan.dtype == "bfloat16" and plan.reinterpret == (("w", "float32"),) and plan.bytes_min == 32 * 4 + 4 * 2
     # a cast into a dtype other than the wire's
     t16 = {"w": ((8, 4), "bfloat16"), "b": ((4,), "bfloat16")}
     t32b = {"w": ((8, 4), "bfloat16"), "b": ((4,), "float32")}

@@ -182,6 +182,9 @@ class SideLayout:
     params: tuple[LocalParam, ...]
     tensors: dict[str, tuple[tuple[int, ...], str]]
     notes: tuple[str, ...] = ()
+    #: (canonical tensor, dtype held) of the tensors this side quantizes before sending
+    #: (``layout.quant``): described in ``tensors``' dtype (FP8), held in the other one.
+    quantize: tuple[tuple[str, str], ...] = ()
 
     def pieces(self) -> Iterable[Piece]:
         for p in self.params:

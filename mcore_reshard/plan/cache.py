@@ -44,6 +44,8 @@ def _digest(side: SideLayout) -> str:
     h = hashlib.sha256(f"{side.world_size}".encode())
     for name, (shape, dtype) in sorted(side.tensors.items()):
         h.update(f"{name}{tuple(shape)}{dtype}".encode())
+    if side.quantize:  # layouts without it keep their digests
+        h.update(f"quantize{side.quantize}".encode())
     for p in sorted(side.params, key=lambda p: (p.rank, p.name)):
         h.update(f"{p.rank}|{p.name}|{p.shape}|{p.dtype}".encode())
         for q in p.pieces:

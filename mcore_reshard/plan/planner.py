@@ -33,6 +33,7 @@ import time
 from typing import Callable, Iterable, Iterator
 
 from ..layout.descriptor import DTYPE_BYTES, SideLayout, contiguous_strides
+from ..layout.quant import scale_name, sender_side
 from .buckets import Charges, Keys, bucket
 from .fragments import add_moves, choose_senders, fragment, merge
 from .types import PlanError, TransferPlan
@@ -96,7 +97,9 @@ def _build_plan(
 ) -> TransferPlan:
     if bucket_bytes <= 0:
         raise PlanError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    src = sender_side(src, dst)  # what the destination holds in block FP8, the senders quantize
     casts = check_sides(src, dst, allow_cast=allow_cast)
+    quantized = src.quantize  # (the reinterpreted copies below do not need it)
     dtype, reinterpret = wire_dtype(dst, casts)
     if reinterpret:  # both sides, in wire-dtype units from here on
         real = dict(reinterpret)
@@ -124,6 +127,9 @@ def _build_plan(
 
     dst_numel = sum(p.numel for p in dst.params) - sum(n for _, _, n in padding)
     total_elems = sum(math.prod(shape) for shape, _ in dst.tensors.values())
+    hf_bytes = total_elems * itemsize
+    if quantized:  # the baseline broadcasts the unquantized model (the engine quantizes on load)
+        hf_bytes = _hf_unquantized_bytes(dst.tensors, dict(quantized))
     plan = TransferPlan(
         transfers=tuple(transfers),
         num_buckets=num_buckets,
@@ -132,13 +138,14 @@ def _build_plan(
         itemsize=itemsize,
         dtype=dtype,
         bytes_min=dst_numel * itemsize,
-        bytes_hf_broadcast=total_elems * itemsize * dst.world_size,
+        bytes_hf_broadcast=hf_bytes * dst.world_size,
         bucket_bytes=bucket_bytes,
         padding=tuple(padding),
         not_direct=tuple(not_direct),
         casts=casts,
         notes=tuple(src.notes) + tuple(dst.notes),
         reinterpret=reinterpret,
+        quantized=quantized,
     )
     if planned != plan.bytes_min:
         raise PlanError(
@@ -146,6 +153,14 @@ def _build_plan(
             f"({first_uncovered(dst, plan)})"
         )
     return plan
+
+
+def _hf_unquantized_bytes(tensors: dict, held: dict[str, str]) -> int:
+    """Bytes of the whole model as the HF baseline sends it into an FP8 engine: quantized
+    tensors in the dtype the trainers hold, no scales, the rest as they are."""
+    scales = {scale_name(n) for n in held}
+    return sum(math.prod(shape) * DTYPE_BYTES[held.get(name, d)] for name, (shape, d) in tensors.items()
+               if name not in scales)
 
 
 def _keys(dst: SideLayout, num_src: int, num_dst: int) -> Keys:

@@ -8,7 +8,8 @@ import re
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 
-from ..layout import SideLayout
+from ..layout import DTYPE_BYTES, SideLayout
+from ..layout.quant import FP8, scale_name
 from .floor import clear_floor_cache, hf_ipc_bytes, inter_node_minimum
 from .placement import LINK_CLASSES, Links, RankPlacement
 from .types import TransferPlan
@@ -44,6 +45,12 @@ class PlanReport:
     #: worker keeps of a tensor vLLM repacks (``not_direct``). Which boxes went unchanged,
     #: sparse or dense is per refit: ``RefitMetrics.delta_boxes``.
     delta_mode_per_tensor: dict[str, int] = field(default_factory=dict)
+    #: Every tensor the senders quantize to block FP8 (``TransferPlan.quantized``):
+    #: {"tensor", "from", "to"}; and the planned bytes of those tensors (codes + scales) next to
+    #: what the same elements would move in the dtype the senders hold them in.
+    quantized: list[dict[str, str]] = field(default_factory=list)
+    quantized_bytes: int = 0
+    quantized_bytes_unquantized: int = 0
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -80,6 +87,13 @@ class PlanReport:
         for (pattern, dtype, wire), count in _group_names(self.reinterpret, "tensor", "dtype", "wire").items():
             what = f"x {count} layers" if ".*." in pattern else f"x{count}"
             lines.append(f"  reinterpreted: {pattern} ({what}) carried as {dtype} bits in a {wire} plan (not cast)")
+        if self.quantized:
+            ratio = self.quantized_bytes / self.quantized_bytes_unquantized if self.quantized_bytes_unquantized else 0
+            lines.append(f"quantized at the sender (block FP8 128x128, vLLM's formula): {len(self.quantized)} tensor(s), "
+                         f"{format_bytes(self.quantized_bytes)} of codes + scales for "
+                         f"{format_bytes(self.quantized_bytes_unquantized)} in {self.quantized[0]['from']} ({ratio:.3f}x)")
+            for (pattern, src, dst), count in list(_group_names(self.quantized, "tensor", "from", "to").items())[:_MAX_CAST_LINES]:
+                lines.append(f"  quantized: {pattern} (x{count}): {src} -> {dst} + fp32 scale_inv")
         for note in self.notes:
             lines.append(f"  note: {note}")
         return "\n".join(lines)
@@ -108,7 +122,28 @@ def plan_report(plan: TransferPlan) -> PlanReport:
         casts=[{"tensor": t, "from": s, "to": d} for t, s, d in plan.casts],
         reinterpret=[{"tensor": t, "dtype": d, "wire": plan.dtype} for t, d in plan.reinterpret],
         delta_mode_per_tensor=_delta_modes(plan),
+        **_quantized(plan),
     )
+
+
+def _quantized(plan: TransferPlan) -> dict:
+    """The report's FP8 fields: bytes of quantized tensors (codes and scales) every destination
+    rank receives, and what those elements would be unquantized."""
+    if not plan.quantized:
+        return {}
+    held = dict(plan.quantized)
+    scales = {scale_name(n) for n in held}
+    moved = unquantized = 0
+    relay_of = plan.relay_of or (-1,) * len(plan.transfers)
+    for t, group in zip(plan.transfers, relay_of):
+        copies = len(plan.relay_groups[group]) if group >= 0 else 1  # every destination rank that holds it
+        if t.canonical in held:
+            moved += t.nbytes * copies
+            unquantized += t.box.numel * DTYPE_BYTES[held[t.canonical]] * copies
+        elif t.canonical in scales:
+            moved += t.nbytes * copies
+    return {"quantized": [{"tensor": n, "from": d, "to": FP8} for n, d in plan.quantized],
+            "quantized_bytes": moved, "quantized_bytes_unquantized": unquantized}
 
 
 def _delta_modes(plan: TransferPlan) -> dict[str, int]:

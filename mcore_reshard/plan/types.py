@@ -15,8 +15,9 @@ from itertools import repeat
 from typing import Iterable, Sequence
 
 from ..layout.descriptor import Box, View
+from ..layout.quant import SCALE_SUFFIX, scale_name
 
-__all__ = ["PlanError", "Transfer", "RankPlan", "TransferPlan", "member_site"]
+__all__ = ["PlanError", "Transfer", "RankPlan", "TransferPlan", "member_site", "quantized_locals"]
 
 
 class PlanError(ValueError):
@@ -87,6 +88,10 @@ class RankPlan:
     #: bits unchanged: see ``TransferPlan.reinterpret``. Views and boxes of these tensors'
     #: transfers are in wire-dtype units.
     reinterpret: tuple[tuple[str, str], ...] = ()
+    #: Source side: local tensors this rank quantizes to block FP8 before packing
+    #: (``TransferPlan.quantized``); the plan reads their codes under the same name and their
+    #: scales as ``<name>_scale_inv``.
+    quantize: tuple[str, ...] = ()
 
     def channels(self) -> list[dict[tuple[int, int, int], list[Transfer]]]:
         """Destination side, per bucket: (source rank, via, relay group) -> transfers in wire
@@ -124,7 +129,8 @@ class RankPlan:
         """Hash of this slice: a rank checks the slice it was given is the one it runs."""
         relays = (self.relay_groups, self.relay_of, self.via) if self.relay_groups else None
         return plan_digest(self.transfers, self.num_buckets, self.dtype, relays=relays,
-                           same_device=self.same_device or None, reinterpret=self.reinterpret or None)
+                           same_device=self.same_device or None, reinterpret=self.reinterpret or None,
+                           quantize=self.quantize or None)
 
 
 @dataclass(frozen=True)
@@ -170,6 +176,10 @@ class TransferPlan:
     #: transfer inside such a box at its own place (``member_site``). Empty: every member
     #: holds each relayed box where its receiver does.
     relay_sites: tuple[tuple[tuple[int, str, str, Box, View], ...], ...] = ()
+    #: (canonical tensor, dtype the sender holds) of every tensor the senders quantize to block
+    #: FP8 while packing (``layout.quant``; the wire carries codes and scales, ``bytes_min``
+    #: counts them): recorded like casts, in the source's tensor order.
+    quantized: tuple[tuple[str, str], ...] = ()
     _by_src: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
     _by_dst: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
     _by_group: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
@@ -201,6 +211,8 @@ class TransferPlan:
     def for_rank(self, side: str, rank: int) -> RankPlan:
         """This rank's slice (indexed once per plan, so every rank pays O(its transfers))."""
         s = self._for_rank(side, rank)
+        if self.quantized and side == "src":
+            s = replace(s, quantize=quantized_locals(s.transfers, self.quantized))
         if self.reinterpret:
             real = dict(self.reinterpret)
             local = {(t.src_name if side == "src" else t.dst_name): real[t.canonical]
@@ -263,7 +275,22 @@ class TransferPlan:
         if self.relay_groups:  # members' own places only when some differ: older digests stay
             relays = (self.relay_groups, self.relay_of) + ((self.relay_sites,) if self.relay_sites else ())
         return plan_digest(self.transfers, self.num_buckets, self.dtype, self.casts, relays=relays,
-                           same_device=self.same_device or None, reinterpret=self.reinterpret or None)
+                           same_device=self.same_device or None, reinterpret=self.reinterpret or None,
+                           quantize=self.quantized or None)
+
+
+def quantized_locals(transfers: Iterable[Transfer], quantized: Sequence[tuple[str, str]]) -> tuple[str, ...]:
+    """Source local tensors that ``transfers`` read quantized (codes, or scales named
+    ``<local>_scale_inv``), named as the sender holds them."""
+    names = {name for name, _ in quantized}
+    scales = {scale_name(name) for name in names}
+    local = set()
+    for t in transfers:
+        if t.canonical in names:
+            local.add(t.src_name)
+        elif t.canonical in scales:
+            local.add(t.src_name[: -len(SCALE_SUFFIX)])
+    return tuple(sorted(local))
 
 
 def member_site(sites: Sequence[tuple[tuple[int, str, str, Box, View], ...]], index: dict, t: Transfer,
@@ -288,7 +315,7 @@ def member_site(sites: Sequence[tuple[tuple[int, str, str, Box, View], ...]], in
 
 def plan_digest(
     transfers: Iterable[Transfer], num_buckets: int, dtype: str, casts: Iterable[tuple[str, str, str]] = (),
-    *, relays: object = None, same_device: object = None, reinterpret: object = None,
+    *, relays: object = None, same_device: object = None, reinterpret: object = None, quantize: object = None,
 ) -> str:
     h = hashlib.sha256(f"{num_buckets}|{dtype}".encode())
     for t in transfers:
@@ -304,4 +331,6 @@ def plan_digest(
         h.update(f"same_device|{same_device}\n".encode())
     if reinterpret is not None:  # likewise: plans of one dtype keep their digests
         h.update(f"reinterpret|{reinterpret}\n".encode())
+    if quantize is not None:  # likewise: plans without FP8 keep their digests
+        h.update(f"quantize|{quantize}\n".encode())
     return h.hexdigest()[:16]

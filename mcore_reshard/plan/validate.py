@@ -275,8 +275,8 @@ def _check_disjoint_views(param: LocalParam, numel: int, lengths: _Lengths) -> N
 
 
 def wire_dtype(dst: SideLayout, casts: Sequence[tuple[str, str, str]] = ()) -> tuple[str, tuple[tuple[str, str], ...]]:
-    """One element type per refit: the wire carries the destination's -- the dtype holding most
-    of its elements (the first in its table on a tie). A tensor in a wider dtype that is a whole
+    """One element type per refit: the wire carries the destination's -- of its narrowest dtypes
+    the one holding most of its elements (the first in its table on a tie). A tensor in a wider dtype that is a whole
     number of wire elements (fp32 = 2 x bf16), held so on both sides (not a cast), is carried
     as its bits reinterpreted: returned as (tensor, real dtype), in the destination's order.
     Anything else in another dtype is an error."""
@@ -288,7 +288,8 @@ def wire_dtype(dst: SideLayout, casts: Sequence[tuple[str, str, str]] = ()) -> t
     if len(first) == 1:
         return next(iter(first)), ()
     order = list(first)
-    wire = max(order, key=lambda d: (numel[d], -order.index(d)))
+    narrowest = min(DTYPE_BYTES[d] for d in order)  # FP8 engines: 1-byte codes beside bf16 and fp32 tensors
+    wire = max((d for d in order if DTYPE_BYTES[d] == narrowest), key=lambda d: (numel[d], -order.index(d)))
     w = DTYPE_BYTES[wire]
     cast = {c[0] for c in casts}
     reinterpret, bad = [], {}
@@ -344,7 +345,7 @@ def reinterpreted(side: SideLayout, real: dict[str, str], wire: str, what: str) 
             view = View(v.offset * r, box.sizes, (*(s * r for s in v.stride[:-1]), 1))
             pieces.append(Piece(q.rank, q.local_name, q.canonical, box, view))
         params.append(LocalParam(p.rank, p.name, (*p.shape[:-1], p.shape[-1] * r), wire, tuple(pieces)))
-    return SideLayout(side.name, side.world_size, tuple(params), tensors, side.notes)
+    return SideLayout(side.name, side.world_size, tuple(params), tensors, side.notes, side.quantize)
 
 
 def check_whole_elements(transfers: Sequence[Transfer], real: dict[str, str], wire: str, budget: int) -> None:

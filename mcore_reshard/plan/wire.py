@@ -43,6 +43,8 @@ def slice_to_wire(s: RankPlan) -> dict[str, Any]:
         out["same_device"] = list(s.same_device)
     if s.reinterpret:
         out["reinterpret"] = [list(r) for r in s.reinterpret]
+    if s.quantize:
+        out["quantize"] = list(s.quantize)
     return out
 
 
@@ -59,7 +61,8 @@ def slice_from_wire(d: Mapping[str, Any]) -> RankPlan:
                  relay_of=tuple(int(group) for group in relays.get("stream", ())),
                  via=tuple(int(v) for v in relays.get("via", ())),
                  same_device=tuple(int(r) for r in d.get("same_device", ())),
-                 reinterpret=tuple((str(n), str(dt)) for n, dt in d.get("reinterpret", ())))
+                 reinterpret=tuple((str(n), str(dt)) for n, dt in d.get("reinterpret", ())),
+                 quantize=tuple(str(n) for n in d.get("quantize", ())))
     if s.digest() != d["digest"]:
         raise PlanError(f"{s.side} rank {s.rank}: the plan slice received does not hash to its digest "
                         f"({s.digest()} != {d['digest']})")

@@ -23,6 +23,7 @@ from typing import Any, Mapping, Sequence
 from ..adapters.megatron.rules import MegatronParallel, megatron_layout
 from ..adapters.vllm.rules import VllmParallel, vllm_layout
 from ..layout import DTYPE_BYTES, LayoutError, ModelSpec, SideLayout, dtensor_report, dtensor_summary
+from ..layout.quant import sender_side
 from ..plan import check_sides, get_plan, plan_report
 from ..plan.report import PlanReport
 from ..plan.topology import PlacementReport, placement_report, plan_for_placement
@@ -110,7 +111,11 @@ def side_layouts(spec: ModelSpec, training: MegatronParallel, vllm: VllmParallel
             f"refit.buffer_bytes={refit.buffer_bytes} is too small for this model and layout: buckets of "
             f"{refit.bucket_bytes} bytes cut the refit into >= {n} transfers (at most {MAX_PLAN_TRANSFERS})"
         )
-    check_sides(src, dst, allow_cast=refit.allow_cast)  # the planner's first check, named before the placement's
+    try:
+        sent = sender_side(src, dst)  # into an FP8 engine: the senders quantize (what the planner does too)
+    except LayoutError as exc:
+        raise LayoutError(f"training layout: {one_line(exc)}") from None
+    check_sides(sent, dst, allow_cast=refit.allow_cast)  # the planner's first check, named before the placement's
     return src, dst
 
 

@@ -9,7 +9,7 @@ from ..adapters.megatron.rules import MegatronParallel
 from ..adapters.vllm.rules import VllmParallel
 from ..errors import ConfigError
 
-__all__ = ["MAX_WORLD", "MAX_LOCAL_PROCESSES", "MAX_PLAN_TRANSFERS", "check_world", "local_cpu_problem"]
+__all__ = ["MAX_WORLD", "MAX_LOCAL_PROCESSES", "MAX_PLAN_TRANSFERS", "check_world", "local_cpu_problem", "cpu_has_amx"]
 
 #: Ranks per side the metadata planner describes. Layouts are built rank by rank in memory
 #: (about 1.6k pieces per rank for a large MoE), so a typo such as ``training.dp=100000000``
@@ -58,8 +58,21 @@ def local_cpu_problem(training: MegatronParallel, vllm: VllmParallel, *,
     if vllm.enable_ep:
         return (f"{names['enable_ep']}: vLLM's CPU fused-MoE kernel segfaults on an expert-parallel "
                 f"forward; the local job runs the experts under TP")
+    if vllm.quantization is not None and not cpu_has_amx():
+        return (f"vllm.quantization={vllm.quantization}: vLLM's CPU block-FP8 kernels need AMX tiles "
+                f"(Sapphire Rapids or newer); this CPU has none")
     procs = training.world_size + vllm.world_size
     if procs > MAX_LOCAL_PROCESSES:
         return (f"training world {training.world_size} + vllm world {vllm.world_size} = {procs} processes: "
                 f"the local job starts at most {MAX_LOCAL_PROCESSES} on this machine")
     return None
+
+
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles (``amx_tile`` in ``/proc/cpuinfo``): what vLLM's CPU
+    block-FP8 linear and MoE kernels require."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            return any(line.startswith("flags") and " amx_tile" in line for line in f)
+    except OSError:
+        return False

@@ -124,7 +124,8 @@ def _vllm(cfg: Mapping[str, Any], gen_gpus: int) -> VllmParallel:
         raise ConfigError(f"{_V}expert_parallel_size={ep}: vLLM's expert parallelism spans "
                           f"data_parallel_size*tensor_parallel_size={vdp * vtp} ranks")
     return VllmParallel(tp=vtp, pp=vpp, dp=vdp, replicas=gen_gpus // per_engine, enable_ep=ep > 1,
-                        num_redundant_experts=read(cfg, RECIPE.num_redundant_experts))
+                        num_redundant_experts=read(cfg, RECIPE.num_redundant_experts),
+                        quantization="fp8_per_block" if read(cfg, RECIPE.vllm_precision) == "fp8" else None)
 
 
 def from_policy_config(cfg: Mapping[str, Any]) -> RecipeLayout:

@@ -318,7 +318,7 @@ _TRAINING = Section("training", MegatronParallel,
                                  make_vocab_size_divisible_by=1, vocab_padded=1),
                     choices=dict(layer_spec=("local", "te"), experts=("sequential", "grouped")))
 _VLLM = Section("vllm", VllmParallel, minimum=dict(tp=1, pp=1, dp=1, replicas=1, num_redundant_experts=0),
-                choices=dict(expert_placement=("linear", "round_robin")))
+                choices=dict(expert_placement=("linear", "round_robin"), quantization=(None, "fp8_per_block")))
 
 
 @dataclass(frozen=True)
@@ -396,6 +396,9 @@ class RecipeKeys:
     vllm_dp: Field = Field(_V + "data_parallel_size", int, 1, minimum=1)
     vllm_ep: Field = Field(_V + "expert_parallel_size", int, 1, minimum=1)
     num_redundant_experts: Field = Field(_V + "num_redundant_experts", int, 0, minimum=0)
+    #: NeMo RL's generation precision: ``fp8`` runs the engine in block FP8 (vLLM's
+    #: ``fp8_per_block``, the router kept in the model dtype), quantized at the sender.
+    vllm_precision: Field = Field(_V + "precision", str | None, None, choices=("bfloat16", "float16", "float32", "fp8"))
     #: The engine is vLLM's ``AsyncLLM`` in an async actor (generation and refit calls at once).
     async_engine: Field = Field(_V + "async_engine", bool, False)
     # the GRPO loop's own

@@ -9,6 +9,7 @@ import torch
 from ..transport.views import TORCH_DTYPES
 from ..plan.types import TransferPlan
 from ..transport.packing import message_numel, pack, unpack
+from ..transport.quantize import QuantizedSources
 from ..transport.reinterpret import WireTensors
 
 __all__ = ["run_plan_locally"]
@@ -24,6 +25,9 @@ def run_plan_locally(
     bytes every destination received."""
     moved = 0
     wire = TORCH_DTYPES[plan.dtype]
+    if plan.quantized:  # block FP8 at the sender (``RankPlan.quantize``), as the executor does
+        src_tensors = {r: QuantizedSources(src_tensors.get(r, {}), plan.for_rank("src", r).quantize)
+                       for r in range(plan.num_src)}
     if plan.reinterpret:  # tensors carried as their bits: viewed as the wire dtype on both ends
         src_tensors = {r: WireTensors(src_tensors.get(r, {}), dict(plan.for_rank("src", r).reinterpret), wire)
                        for r in range(plan.num_src)}

@@ -151,7 +151,8 @@ class RefitEndpoint:
         return RankReport(self.side, self.rank, stats.bytes_sent, stats.bytes_received, stats.messages,
                           stats.buckets, stats.seconds, stats.peak_extra_bytes, stats.verified,
                           {"pack": stats.pack_s, "wire": stats.wire_s, "unpack": stats.unpack_s,
-                           "verify": stats.verify_s, **(phases or {})}, stats.bytes_same_device,
+                           "verify": stats.verify_s, **({"quantize": stats.quantize_s} if stats.quantize_s else {}),
+                           **(phases or {})}, stats.bytes_same_device,
                           stats.bytes_zero_copy, stats.bytes_full, stats.bytes_headers, stats.delta)
 
     def raw_bandwidth(self, pairs: list[tuple[int, int]], nbytes: int, timeout_s: float) -> float | None:

@@ -41,6 +41,7 @@ from .faults import Fault
 from .group import RankMap, RefitGroup
 from .ledger import ChecksumLedger, box_hasher
 from .packing import message_numel, pack
+from .quantize import QuantizedSources
 from .reinterpret import ReinterpretSink, WireTensors
 from .relay import RelayForwarder
 from .schedule import BufferSizes, run_rounds
@@ -111,6 +112,9 @@ def execute_plan(
         group.check_agreement([plan_digest, mode.value], what="(plan digest, verify)", timeout_s=timeout_s)
     sink = as_sink(dst_tensors_or_sink) if plan_slice_dst is not None else None
     dtype = wire_dtype or _wire_dtype(plan_slice_src, plan_slice_dst, src_tensors, dst_tensors_or_sink, sink)
+    quantized = None
+    if plan_slice_src is not None and plan_slice_src.quantize:  # block FP8 at the sender: codes + scales
+        src_tensors = quantized = QuantizedSources(src_tensors, plan_slice_src.quantize)
     if plan_slice_src is not None and plan_slice_src.reinterpret:
         src_tensors = WireTensors(src_tensors, dict(plan_slice_src.reinterpret), dtype)
     if sink is not None and plan_slice_dst.reinterpret:
@@ -135,6 +139,8 @@ def execute_plan(
         raise
     run.close(failed=False)
     stats = run.tally.report(run.num_buckets, time.perf_counter() - t_start, run.verified)
+    if quantized is not None:  # the codes and scales are held for the whole refit
+        stats = replace(stats, quantize_s=quantized.seconds, peak_extra_bytes=stats.peak_extra_bytes + quantized.nbytes)
     if delta is not None:
         stats = replace(stats, delta=replace(stats.delta, on=delta.decision.on, state_bytes=delta.state.nbytes,
                                              reason=delta.decision.reason or delta.state.note))

@@ -41,6 +41,8 @@ class TransferStats:
     bytes_headers: int = 0
     #: Delta refits (``delta.py``).
     delta: DeltaStats = DeltaStats()
+    #: Seconds this sender spent quantizing to block FP8 (``quantize.py``; 0 without).
+    quantize_s: float = 0.0
 
 
 @dataclass

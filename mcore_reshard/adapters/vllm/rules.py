@@ -26,10 +26,11 @@ No vllm or torch import: plans for full-size models are computed from metadata a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping
 
 from ...layout import Box, LayoutError, LocalParam, ModelSpec, Piece, SideLayout, View
+from ...layout.quant import BlockFp8, quantize_side
 from ...layout.spec import ROUTER_BIAS_DTYPE
 
 __all__ = ["VllmParallel", "vllm_layout", "vllm_rank_params"]
@@ -62,10 +63,24 @@ class VllmParallel:
     physical_to_logical: tuple[tuple[int, tuple[int, ...]], ...] | None = None
     #: VLLM_PP_LAYER_PARTITION equivalent; None: vLLM's default split.
     pp_partition: tuple[int, ...] | None = None
+    #: vLLM's ``quantization``: None (the model dtype) or ``fp8_per_block`` (online block FP8:
+    #: linears and experts held as FP8 codes + fp32 block scales, the router kept in the model
+    #: dtype, ``layout.quant``); a refit into it quantizes at the sender.
+    quantization: str | None = None
 
     @property
     def world_size(self) -> int:
         return self.replicas * self.dp * self.pp * self.tp
+
+    @property
+    def fp8(self) -> BlockFp8 | None:
+        """What the engine holds in block FP8 (None: nothing)."""
+        if self.quantization is None:
+            return None
+        if self.quantization != "fp8_per_block":
+            raise LayoutError(f"vllm.quantization={self.quantization!r} is not one of [None, 'fp8_per_block'] "
+                              f"(block FP8 quantized at the sender)")
+        return BlockFp8()
 
 
 def pad_vocab(vocab: int, pad_to: int = VOCAB_PAD) -> int:
@@ -489,7 +504,8 @@ class _Builder:
 
 
 def vllm_rank_params(spec: ModelSpec, par: VllmParallel, rank: int) -> list[LocalParam]:
-    """The model-format parameters of one vLLM rank, each with its canonical (HF) pieces."""
+    """The model-format parameters of one vLLM rank, each with its canonical (HF) pieces
+    (of an FP8 engine: in bf16, as its loaders take them; ``vllm_layout`` describes the FP8 form)."""
     return _Builder(spec, par).rank_params(rank)
 
 
@@ -520,4 +536,12 @@ def vllm_layout(spec: ModelSpec, par: VllmParallel) -> SideLayout:
                      f"(num_nextn_predict_layers={spec.mtp_layers}) are not held by the destination: vLLM's "
                      "main model skips them (only an MTP speculative-decoding draft loads them); not refit")
     tensors = spec.tensor_table()
-    return SideLayout("vllm", par.world_size, tuple(params), tensors, tuple(notes))
+    side = SideLayout("vllm", par.world_size, tuple(params), tensors, tuple(notes))
+    fp8 = par.fp8
+    if fp8 is None:
+        return side
+    side = quantize_side(side, fp8, "vllm")
+    return replace(side, notes=side.notes + (
+        f"block FP8 ({fp8.block}x{fp8.block} {fp8.dtype} codes + fp32 weight_scale_inv; kept in {spec.dtype}: "
+        f"embeddings, lm_head, norms, modules matching {list(fp8.ignore)}); vLLM packs the codes after loading: "
+        f"written through the layerwise reload",))

@@ -187,6 +187,10 @@ class DryRunReport:
             ("GRPO", self._mode()),
             ("refit bytes moved", format_bytes(r.bytes_planned) + ("  (= minimum)" if r.bytes_planned == r.bytes_min
                                                                    else f"  (minimum {format_bytes(r.bytes_min)})")),
+            *([("FP8 rollout", f"quantized at the sender (block FP8 128x128): {len(r.quantized)} tensors, "
+                               f"{format_bytes(r.quantized_bytes)} of codes + scales for "
+                               f"{format_bytes(r.quantized_bytes_unquantized)} in {r.quantized[0]['from']}")]
+              if r.quantized else []),
             ("HF-broadcast baseline bytes", f"{format_bytes(r.bytes_hf_broadcast)}  "
                                             f"({r.bytes_hf_broadcast / max(r.bytes_planned, 1):.1f}x moved)"),
             ("busiest destination rank", f"rank {self.busiest_dst_rank}: {format_bytes(self.busiest_dst_bytes)}"),
@@ -255,7 +259,8 @@ def dry_run(recipe: GrpoRecipe, *, intra_node_gbps: float = 450.0, inter_node_gb
     link, gbps = (("colocated", intra_node_gbps) if recipe.colocated else
                   ("intra-node", intra_node_gbps) if place.shared_node else ("inter-node", inter_node_gbps))
     v = recipe.vllm
-    vllm_name = f"vllm(tp={v.tp},pp={v.pp},dp={v.dp},replicas={v.replicas}{',ep' if v.enable_ep else ''})"
+    vllm_name = (f"vllm(tp={v.tp},pp={v.pp},dp={v.dp},replicas={v.replicas}{',ep' if v.enable_ep else ''}"
+                 f"{',' + v.quantization if v.quantization else ''})")
     return DryRunReport(
         recipe=recipe.path, model=recipe.model, dtype=recipe.dtype, placement=place, training_layout=src.name,
         vllm_layout=vllm_name, plan=report, busiest_dst_rank=busiest_dst,

@@ -1,0 +1,183 @@
+"""Block-FP8 layouts: which canonical tensors an FP8 engine holds quantized, and the pieces of
+their scales.
+
+DeepSeek-style block FP8 (vLLM's ``fp8_per_block``): a quantized weight ``W`` [N, K] is held as
+``float8_e4m3fn`` codes of the same shape plus ``W_scale_inv`` [ceil(N/128), ceil(K/128)] in
+fp32, one scale per 128x128 block. Both are canonical tensors here (HF's names for a serialized
+block-FP8 checkpoint: ``<module>.weight_scale_inv``), so a quantized refit is planned like any
+other: the sender's side is described in FP8 too (it quantizes what it owns before sending),
+and scales are boxes like weights.
+
+The one rule that makes this exact: every 128x128 block a rank holds lies inside one of its
+pieces, at block-aligned coordinates of both the canonical and the local tensor. Then
+quantizing a local tensor block by block (what vLLM's online quantization does to a worker's
+shard, and what a training rank does to its shard) gives the same codes and scales as
+quantizing the canonical tensor, and a scale piece is the weight piece divided by 128. A
+layout that cuts a block is refused in one line naming the tensor: no silent re-blocking.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from .descriptor import Box, LayoutError, LocalParam, Piece, SideLayout, View, contiguous_strides
+
+__all__ = ["FP8", "BLOCK", "SCALE_SUFFIX", "BlockFp8", "scale_name", "quantized_tensors", "quantize_side", "sender_side", "fp8_bytes"]
+
+FP8 = "float8_e4m3fn"
+#: vLLM's ``fp8_per_block``: ``weight_block_size = [128, 128]``.
+BLOCK = 128
+SCALE_SUFFIX = "_scale_inv"
+#: Modules never quantized whatever the ignore list says: the engine keeps them in its dtype.
+#: (vLLM's online FP8 quantizes ``LinearBase`` layers only: embeddings, the LM head and norms
+#: are not linears; the MoE router is one, hence the default ignore list.)
+_LINEAR_SUFFIXES = ("_proj.weight",)
+
+
+def scale_name(weight: str) -> str:
+    """``x.weight`` -> ``x.weight_scale_inv`` (HF's and vLLM's name; ``w13_weight`` ->
+    ``w13_weight_scale_inv`` likewise)."""
+    return weight + SCALE_SUFFIX
+
+
+@dataclass(frozen=True)
+class BlockFp8:
+    """What an FP8 engine quantizes: vLLM's ``quantization="fp8_per_block"`` with
+    ``quantization_config={"ignore": ignore}`` (module-name patterns, fnmatch, as vLLM matches
+    them). The router must stay in the model dtype (vLLM's CPU kernel refuses a quantized one)."""
+
+    ignore: tuple[str, ...] = ("*.mlp.gate",)
+    block: int = BLOCK
+    dtype: str = FP8
+
+    def __post_init__(self) -> None:
+        if self.block != BLOCK:
+            raise LayoutError(f"fp8 block={self.block}: only vLLM's fp8_per_block 128x128 blocks are supported")
+
+    def quantizes(self, name: str) -> bool:
+        """Whether canonical tensor ``name`` (HF name) is held quantized."""
+        if not name.endswith(_LINEAR_SUFFIXES):
+            return False
+        module = name.rpartition(".")[0]
+        return not any(fnmatch.fnmatchcase(module, pat) for pat in self.ignore)
+
+    def engine_config(self) -> dict:
+        """vLLM's engine arguments for it."""
+        return {"quantization": "fp8_per_block", "quantization_config": {"ignore": list(self.ignore)}}
+
+
+def quantized_tensors(tensors: Mapping[str, tuple[tuple[int, ...], str]], quant: BlockFp8) -> tuple[str, ...]:
+    """The canonical tensors of ``tensors`` that ``quant`` holds in FP8, in table order."""
+    out = []
+    for name, (shape, _) in tensors.items():
+        if quant.quantizes(name):
+            if len(shape) != 2:
+                raise LayoutError(f"{name}: block FP8 needs a 2-D weight, got shape {tuple(shape)}")
+            out.append(name)
+    return tuple(out)
+
+
+def _blocks(n: int, b: int) -> int:
+    return -(-n // b)
+
+
+def quantize_side(side: SideLayout, quant: BlockFp8, what: str, *, at_sender: bool = False) -> SideLayout:
+    """``side`` as an FP8 engine holds it (or, ``at_sender``, as a sender quantizing its
+    shards sends them: recorded in ``SideLayout.quantize``): every
+    local tensor of quantized canonical tensors becomes FP8 codes of the same shape plus a
+    ``<local>_scale_inv`` tensor [..., ceil(rows/128), ceil(cols/128)] of fp32 scales, whose
+    pieces are the weight pieces divided by 128. ``what`` names the side in errors."""
+    names = set(quantized_tensors(side.tensors, quant))
+    if not names or all(side.tensors[n][1] == quant.dtype and scale_name(n) in side.tensors for n in names):
+        return side  # nothing to quantize, or described in FP8 already (an engine's own description)
+    return _quantize(side, names, quant.block, quant.dtype, what, at_sender)
+
+
+def sender_side(src: SideLayout, dst: SideLayout, what: str = "training") -> SideLayout:
+    """``src`` as it sends into ``dst``: the tensors ``dst`` holds in block FP8 (codes plus
+    ``_scale_inv`` scales) and ``src`` holds unquantized are quantized by their senders
+    (``SideLayout.quantize``); anything else is ``src`` unchanged."""
+    names = {n for n, (_, d) in dst.tensors.items()
+             if d == FP8 and scale_name(n) in dst.tensors and n in src.tensors and src.tensors[n][1] != FP8
+             and scale_name(n) not in src.tensors}
+    if not names:
+        return src
+    block = _block_of(dst, next(iter(sorted(names))))
+    return _quantize(src, names, block, FP8, what, True)
+
+
+def _block_of(side: SideLayout, name: str) -> int:
+    (rows, cols), (srows, scols) = side.tensors[name][0], side.tensors[scale_name(name)][0]
+    if _blocks(rows, BLOCK) != srows or _blocks(cols, BLOCK) != scols:
+        raise LayoutError(f"{scale_name(name)}: shape {(srows, scols)} is not {BLOCK}x{BLOCK} blocks of "
+                          f"{name} {(rows, cols)}; only vLLM's fp8_per_block is supported")
+    return BLOCK
+
+
+def _quantize(side: SideLayout, names: set[str], b: int, dtype: str, what: str, at_sender: bool) -> SideLayout:
+    tensors: dict[str, tuple[tuple[int, ...], str]] = {}
+    for name, (shape, d) in side.tensors.items():
+        if name in names:
+            tensors[name] = (tuple(shape), dtype)
+            tensors[scale_name(name)] = ((_blocks(shape[0], b), _blocks(shape[1], b)), "float32")
+        else:
+            tensors[name] = (tuple(shape), d)
+    params: list[LocalParam] = []
+    for p in side.params:
+        inside = [q.canonical in names for q in p.pieces]
+        if not any(inside):
+            params.append(p)
+            continue
+        if not all(inside):
+            q = p.pieces[inside.index(False)]
+            raise LayoutError(f"{p.name} ({what} rank {p.rank}) holds {q.canonical}, which stays unquantized, "
+                              f"beside FP8 weights: one local tensor cannot be both")
+        if len(p.shape) < 2:
+            raise LayoutError(f"{p.name} ({what} rank {p.rank}): a 1-D local tensor cannot hold 128x128 blocks")
+        sshape = (*p.shape[:-2], _blocks(p.shape[-2], b), _blocks(p.shape[-1], b))
+        pieces = tuple(_scale_piece(p, q, side.tensors[q.canonical][0], sshape, b, what) for q in p.pieces)
+        params.append(LocalParam(p.rank, p.name, p.shape, dtype, p.pieces))
+        params.append(LocalParam(p.rank, scale_name(p.name), sshape, "float32", pieces))
+    held = tuple((n, side.tensors[n][1]) for n in side.tensors if n in names) if at_sender else ()
+    return SideLayout(side.name, side.world_size, tuple(params), tensors, side.notes, held)
+
+
+def _scale_piece(p: LocalParam, q: Piece, shape: Sequence[int], sshape: tuple[int, ...], b: int,
+                 what: str) -> Piece:
+    """The scale piece of weight piece ``q`` of local tensor ``p`` (canonical ``shape``)."""
+    v, box = q.view, q.box
+    strides = contiguous_strides(p.shape)
+    where = f"{q.canonical}: {what} rank {p.rank} holds rows {_span(box, 0)} x cols {_span(box, 1)} in {p.name}"
+    if len(box.sizes) != 2 or any(n != 1 and s != strides[d - 2] for d, (n, s) in
+                                  enumerate(zip(v.shape, v.stride))):
+        raise LayoutError(f"{where} at strides {v.stride}: FP8 blocks need the rows and columns of a "
+                          f"{len(p.shape)}-D tensor's last two dims")
+    coords, rem = [], v.offset
+    for s in strides:
+        coords.append(rem // s)
+        rem %= s
+    local = coords[-2:]
+    for d in range(2):
+        start, size, full = box.offsets[d], box.sizes[d], shape[d]
+        ends_here = start + size == full and local[d] + size == p.shape[d - 2]
+        if start % b or local[d] % b or (size % b and not ends_here):
+            raise LayoutError(f"{where}: it cuts a {b}x{b} FP8 block (its {('rows', 'columns')[d]} are not whole "
+                              f"blocks of {b} there); FP8 needs every shard a whole number of blocks")
+    sbox = Box((box.offsets[0] // b, box.offsets[1] // b), (_blocks(box.sizes[0], b), _blocks(box.sizes[1], b)))
+    sstrides = contiguous_strides(sshape)
+    scoords = (*coords[:-2], local[0] // b, local[1] // b)
+    offset = sum(c * s for c, s in zip(scoords, sstrides))
+    return Piece(p.rank, scale_name(p.name), scale_name(q.canonical), sbox,
+                 View(offset, sbox.sizes, (sstrides[-2], 1)))
+
+
+def _span(box: Box, d: int) -> str:
+    return f"[{box.offsets[d]}, {box.offsets[d] + box.sizes[d]})"
+
+
+def fp8_bytes(shape: Sequence[int], b: int = BLOCK) -> int:
+    """Bytes of a quantized [N, K] weight: codes plus fp32 scales."""
+    return math.prod(shape) + 4 * _blocks(shape[0], b) * _blocks(shape[1], b)

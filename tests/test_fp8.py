@@ -1,0 +1,159 @@
+"""Block-FP8 rollout, quantized at the sender: layouts (codes + scales on both sides, a cut
+block refused in one line), plans at the FP8 minimum, and the plan run in-process ending in
+exactly what vLLM's online ``fp8_per_block`` quantization makes of every worker's shard."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mcore_reshard.adapters.megatron.rules import MegatronParallel, megatron_layout
+from mcore_reshard.adapters.vllm.rules import VllmParallel, vllm_layout
+from mcore_reshard.checkpoint import TINY_DENSE_128, TINY_MOE_128
+from mcore_reshard.layout import LayoutError
+from mcore_reshard.layout.quant import FP8, BlockFp8, quantize_side, quantized_tensors, scale_name
+from mcore_reshard.layout.spec import spec_from_hf_config
+from mcore_reshard.plan import build_plan, plan_report
+from mcore_reshard.plan.wire import slice_from_wire, slice_to_wire
+from mcore_reshard.testing.local_plan import run_plan_locally
+from mcore_reshard.transport.quantize import per_block_fp8
+from mcore_reshard.transport.views import TORCH_DTYPES, materialize_local
+
+Q = BlockFp8()
+
+
+def _spec(moe: bool = True):
+    return spec_from_hf_config(TINY_MOE_128 if moe else TINY_DENSE_128, dtype="bfloat16")
+
+
+def _sides(moe: bool, mpar: MegatronParallel, vpar: VllmParallel):
+    spec = _spec(moe)
+    src = quantize_side(megatron_layout(spec, mpar), Q, "training", at_sender=True)
+    dst = quantize_side(vllm_layout(spec, vpar), Q, "vllm")
+    return spec, src, dst
+
+
+def test_which_tensors_are_quantized():
+    spec = _spec()
+    names = quantized_tensors(spec.tensor_table(), Q)
+    assert "model.layers.0.self_attn.q_proj.weight" in names
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in names
+    # embeddings, the LM head, norms and the router stay in the model dtype
+    for keep in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
+                 "model.layers.0.mlp.gate.weight", "model.layers.0.self_attn.q_norm.weight"):
+        assert keep not in names
+    assert len(names) == spec.num_layers * (4 + 3 * spec.num_experts)
+    # an ignore pattern keeps a module out
+    no_attn = BlockFp8(ignore=("*.mlp.gate", "*.self_attn.*"))
+    assert not any(".self_attn." in n for n in quantized_tensors(spec.tensor_table(), no_attn))
+
+
+def test_vllm_fp8_layout_holds_codes_and_block_scales():
+    spec = _spec()
+    dst = quantize_side(vllm_layout(spec, VllmParallel(tp=2, enable_ep=True)), Q, "vllm")
+    by = {(p.rank, p.name): p for p in dst.params}
+    qkv = by[(0, "model.layers.0.self_attn.qkv_proj.weight")]
+    assert qkv.dtype == FP8 and qkv.shape == (512, 256)  # q 256 + k 128 + v 128 rows per TP rank
+    s = by[(0, "model.layers.0.self_attn.qkv_proj.weight_scale_inv")]
+    assert s.dtype == "float32" and s.shape == (4, 2)
+    # one scale piece per weight piece, at the weight's block coordinates
+    assert [(q.canonical, q.box.offsets, q.box.sizes, q.view.offset) for q in s.pieces] == [
+        ("model.layers.0.self_attn.q_proj.weight_scale_inv", (0, 0), (2, 2), 0),
+        ("model.layers.0.self_attn.k_proj.weight_scale_inv", (0, 0), (1, 2), 4),
+        ("model.layers.0.self_attn.v_proj.weight_scale_inv", (0, 0), (1, 2), 6)]
+    w13 = by[(1, "model.layers.0.mlp.experts.routed_experts.w13_weight")]
+    assert w13.dtype == FP8 and w13.shape == (4, 512, 256)  # 4 local experts, [gate; up] of 256 rows each
+    assert by[(1, "model.layers.0.mlp.experts.routed_experts.w13_weight_scale_inv")].shape == (4, 4, 2)
+    # what stays bf16, and the canonical table in both forms
+    assert by[(0, "model.layers.0.mlp.gate.weight")].dtype == "bfloat16"
+    assert dst.tensors["model.layers.0.self_attn.o_proj.weight"] == ((256, 512), FP8)
+    assert dst.tensors["model.layers.0.self_attn.o_proj.weight_scale_inv"] == ((2, 4), "float32")
+    # describing it again changes nothing (an engine's own FP8 description)
+    assert quantize_side(dst, Q, "vllm") is dst
+
+
+def test_a_split_that_cuts_a_block_is_refused_in_one_line():
+    spec = _spec(moe=False)
+    # vLLM TP4: 256 intermediate rows / 4 = 64 per rank
+    with pytest.raises(LayoutError) as e:
+        quantize_side(vllm_layout(spec, VllmParallel(tp=4)), Q, "vllm")
+    msg = str(e.value)
+    assert "\n" not in msg and "mlp.gate_proj.weight" in msg and "cuts a 128x128 FP8 block" in msg
+    assert "vllm rank 0" in msg
+    # the training side likewise (megatron TP4)
+    with pytest.raises(LayoutError, match=r"training rank \d.*cuts a 128x128 FP8 block"):
+        quantize_side(megatron_layout(spec, MegatronParallel(tp=4)), Q, "training", at_sender=True)
+
+
+@pytest.mark.parametrize("moe, mpar, vpar", [
+    (True, MegatronParallel(tp=2, ep=2, etp=1), VllmParallel(tp=1)),
+    (True, MegatronParallel(tp=2, ep=2, etp=1), VllmParallel(tp=2, enable_ep=True)),
+    (False, MegatronParallel(tp=2, pp=2), VllmParallel(tp=2)),
+], ids=["moe-tp2ep2-to-tp1", "moe-tp2ep2-to-tp2ep2", "dense-tp2pp2-to-tp2"])
+def test_fp8_plan_is_at_the_fp8_minimum_and_ends_as_vllm_quantizes(moe, mpar, vpar):
+    spec, src, dst = _sides(moe, mpar, vpar)
+    plan = build_plan(src, dst, bucket_bytes=1 << 16)
+    assert plan.dtype == FP8 and plan.casts == ()
+    names = quantized_tensors(spec.tensor_table(), Q)
+    assert [n for n, _ in plan.quantized] == list(names) and {d for _, d in plan.quantized} == {"bfloat16"}
+    real = sum((p.numel - p.padding) * torch.empty((), dtype=TORCH_DTYPES[p.dtype]).element_size() for p in dst.params)
+    assert plan.bytes_planned == plan.bytes_min == real
+    # codes + scales of the quantized tensors: about half their bf16 bytes
+    rep = plan_report(plan)
+    assert rep.quantized_bytes / rep.quantized_bytes_unquantized <= 0.52
+    assert rep.quantized_bytes_unquantized == 2 * sum(t.box.numel for t in plan.transfers if t.canonical in set(names))
+    assert "quantized at the sender (block FP8 128x128" in rep.table()
+    bf16 = build_plan(megatron_layout(spec, mpar), vllm_layout(spec, vpar), bucket_bytes=1 << 16)
+    # the whole refit: only the quantized tensors' bytes change
+    assert plan.bytes_min == bf16.bytes_min - rep.quantized_bytes_unquantized + rep.quantized_bytes
+    assert plan.digest() != bf16.digest()
+    # slices: the senders learn what to quantize, over the wire and in the digest
+    for r in range(src.world_size):
+        s = plan.for_rank("src", r)
+        assert s.quantize and all(not n.endswith("_scale_inv") for n in s.quantize)
+        back = slice_from_wire(slice_to_wire(s))
+        assert back.quantize == s.quantize and back.digest() == s.digest()
+    assert not plan.for_rank("dst", 0).quantize
+
+    # run it: bf16 canonical weights at a published spread -> every destination tensor is
+    # what vLLM's fp8_per_block makes of that worker's bf16 shard (codes and scales), the
+    # rest bit for bit
+    g = torch.Generator().manual_seed(1)
+    canon = {n: (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)
+             for n, (shape, _) in spec.tensor_table().items()}
+    src_t = {r: {} for r in range(src.world_size)}
+    for p in megatron_layout(spec, mpar).params:
+        src_t[p.rank][p.name] = materialize_local(p, canon)
+    dst_t = {r: {} for r in range(dst.world_size)}
+    for p in dst.params:
+        dst_t[p.rank][p.name] = torch.zeros(p.shape, dtype=TORCH_DTYPES[p.dtype])
+    assert run_plan_locally(plan, src_t, dst_t) == plan.bytes_planned
+    model_format = {(p.rank, p.name): p for p in vllm_layout(spec, vpar).params}
+    checked = 0
+    for p in dst.params:
+        got = dst_t[p.rank][p.name]
+        if p.name.endswith("_scale_inv"):
+            continue
+        bf = materialize_local(model_format[(p.rank, p.name)], canon)
+        if p.dtype == FP8:
+            codes, scales = per_block_fp8(bf)
+            assert torch.equal(got.view(torch.uint8), codes.view(torch.uint8)), (p.rank, p.name)
+            assert torch.equal(dst_t[p.rank][scale_name(p.name)], scales), (p.rank, p.name)
+            checked += 1
+        else:
+            assert torch.equal(got.view(torch.int16), bf.view(torch.int16)), (p.rank, p.name)
+    assert checked == sum(1 for p in dst.params if p.dtype == FP8) > 0
+
+
+def test_fp8_codes_round_trip_within_the_block_bound():
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(300, 260, generator=g) * 0.02).to(torch.bfloat16)
+    codes, scales = per_block_fp8(w)
+    assert codes.dtype == torch.float8_e4m3fn and codes.shape == w.shape and scales.shape == (3, 3)
+    back = codes.float() * scales.repeat_interleave(128, 0)[:300].repeat_interleave(128, 1)[:, :260]
+    # e4m3 keeps 3 mantissa bits: relative error <= 2^-4 of the block's scale-normalised value
+    err = (back - w.float()).abs()
+    bound = scales.repeat_interleave(128, 0)[:300].repeat_interleave(128, 1)[:, :260] * 448 / 16
+    assert bool((err <= bound).all()) and math.isfinite(float(err.max()))
