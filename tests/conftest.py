@@ -47,6 +47,7 @@ LIVE_ORDER: list[tuple[str, frozenset[str]]] = [
     ("test_megatron_live", frozenset({"megatron"})),
     ("test_deepseek_megatron", frozenset({"megatron"})),
     ("test_megatron_train", frozenset({"megatron"})),
+    ("test_fp8", frozenset({"megatron"})),
     # fp32 tiny MoE (seed 7): engines TP1 and TP2, the TP2xEP2 trainer pool
     ("test_endpoints", frozenset({"megatron", "live"})),
     ("test_colocated", frozenset({"live"})),

@@ -104,6 +104,9 @@ PLAN_CASES = [
     (["model=no-such-model"], "model='no-such-model'"),
     (["model=123"], "model=123"),
     (["vllm_model=no-such-model"], "vllm_model='no-such-model'"),
+    (["vllm.quantization=fp8"], "vllm.quantization='fp8' is not one of [None, 'fp8_per_block']"),
+    # Qwen3-30B-A3B's 768 expert rows over vLLM TP8: 96 per rank cut a 128-row FP8 block
+    (["vllm.quantization=fp8_per_block", "vllm.tp=8"], "mlp.experts.0.gate_proj.weight: vllm rank 0 holds rows [0, 96)"),
 ]
 
 REFIT_CASES = [
@@ -161,6 +164,8 @@ REFIT_CASES = [
     (["vllm.replicas=0"], "vllm.replicas=0"),
     (["refit.enabled=false"], "refit.enabled"),
     (["--recipe", str(RECIPE)], "--recipe"),
+    (["vllm.quantization=fp8"], "vllm.quantization='fp8'"),
+    (["model=tiny-moe-128", "vllm.quantization=fp8_per_block"], "the local job does not start FP8 engines yet"),
 ]
 
 

@@ -147,6 +147,23 @@ def test_fp8_plan_is_at_the_fp8_minimum_and_ends_as_vllm_quantizes(moe, mpar, vp
     assert checked == sum(1 for p in dst.params if p.dtype == FP8) > 0
 
 
+@pytest.mark.parametrize("shape", [(256, 256), (384, 200), (1000, 130), (2, 3, 300, 260)])
+def test_sender_quantizer_is_vllms_bit_for_bit(shape):
+    """``per_block_fp8`` against vLLM's own ``per_block_cast_to_fp8`` (what an online
+    ``fp8_per_block`` engine runs on every weight it loads): codes and scales identical, with
+    partial edge blocks and stacked (expert) tensors."""
+    from vllm.utils.deep_gemm import per_block_cast_to_fp8
+
+    g = torch.Generator().manual_seed(sum(shape))
+    w = (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)
+    codes, scales = per_block_fp8(w)
+    flat, sflat = codes.reshape(-1, *shape[-2:]), scales.reshape(-1, *scales.shape[-2:])
+    for i, x in enumerate(w.reshape(-1, *shape[-2:])):
+        want, want_s = per_block_cast_to_fp8(x, block_size=[128, 128], use_ue8m0=False)
+        assert torch.equal(flat[i].view(torch.uint8), want.view(torch.uint8))
+        assert torch.equal(sflat[i], want_s)
+
+
 def test_fp8_codes_round_trip_within_the_block_bound():
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(300, 260, generator=g) * 0.02).to(torch.bfloat16)
@@ -157,3 +174,106 @@ def test_fp8_codes_round_trip_within_the_block_bound():
     err = (back - w.float()).abs()
     bound = scales.repeat_interleave(128, 0)[:300].repeat_interleave(128, 1)[:, :260] * 448 / 16
     assert bool((err <= bound).all()) and math.isfinite(float(err.max()))
+
+
+# -- live: megatron trainers quantize at the sender ----------------------------------------------
+
+TOKENS = [11, 42, 7, 99, 123, 5, 77, 300, 8, 64, 512, 3]
+
+
+@pytest.mark.slow
+def test_trainers_quantize_at_the_sender_into_fp8_destinations(ckpt_cache):
+    """bf16 megatron trainers (TP2 x EP2, distributed optimizer) take an optimizer step and
+    refit into the layout of a block-FP8 vLLM engine of TP2 (two destination processes):
+    every FP8 tensor lands as exactly what vLLM's ``fp8_per_block`` makes of that worker's bf16
+    shard of the trained weights (codes and scales), checksums verified on the codes and
+    scales, the senders' quantization time reported; a delta of the same weights moves
+    headers only; a scale changed where a destination holds it is caught by the checksum of the
+    whole box and the refit aborted everywhere."""
+    import torch.multiprocessing as mp
+
+    from _fp8_jobs import fp8_destination_main, fp8_trainer_job
+    from mcore_reshard.adapters.megatron.rules import MegatronParallel
+    from mcore_reshard.layout import LocalParam
+    from mcore_reshard.protocol import RankReport
+    from mcore_reshard.transport.views import box_slices, local_view
+    from support.megatron import run_world
+
+    ckpt = ckpt_cache.get(family="qwen3_moe_128", dtype="bfloat16")
+    spec = spec_from_hf_config(TINY_MOE_128, dtype="bfloat16")
+    par, vpar = MegatronParallel(tp=2, ep=2, etp=1), VllmParallel(tp=2, quantization="fp8_per_block")
+    dst = vllm_layout(spec, vpar)
+    flip = "model.layers.1.self_attn.o_proj.weight_scale_inv"
+    ctx = mp.get_context("spawn")
+    manager = ctx.Manager()
+    try:
+        inboxes, q = [manager.Queue() for _ in range(dst.world_size)], ctx.Queue()
+        procs = [ctx.Process(target=fp8_destination_main, args=(r, dst.world_size, inboxes[r], q, dst, flip),
+                             daemon=True) for r in range(dst.world_size)]
+        for p in procs:
+            p.start()
+        ranks = run_world(fp8_trainer_job, 2, (str(ckpt), par, vpar, TOKENS, inboxes, 3), timeout_s=600)
+        got = dict(q.get(timeout=120) for _ in procs)
+        for p in procs:
+            p.join(timeout=30)
+    finally:
+        manager.shutdown()
+    assert all("crash" not in got[r] for r in got), [got[r].get("crash") for r in got]
+
+    # the trained weights, assembled from the trainers' own shards
+    canon = {n: torch.zeros(shape, dtype=torch.bfloat16) for n, (shape, _) in spec.tensor_table().items()}
+    for out in ranks:
+        for lp in out["descs"]:
+            for piece in lp.pieces:
+                canon[piece.canonical][box_slices(piece.box)] = local_view(out["weights"][lp.name], piece.view)
+    assert all(out["quantize"] for out in ranks)
+
+    # refit 1: committed, every tensor as vLLM's online quantization makes it
+    model_format = {(p.rank, p.name): p for p in vllm_layout(spec, VllmParallel(tp=2)).params}
+    for r in range(dst.world_size):
+        commit, errors = got[r]["outcomes"][0]
+        assert commit, errors
+        held = {n: torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(TORCH_DTYPES[d]).reshape(shape)
+                for n, (d, shape, raw) in got[r]["tensors"].items()}
+        for lp in dst.for_rank(r):
+            if lp.name.endswith("_scale_inv"):
+                continue
+            bf = materialize_local(model_format[(r, lp.name)], canon)
+            if lp.dtype == FP8:
+                codes, scales = per_block_fp8(bf)
+                assert torch.equal(held[lp.name].view(torch.uint8), codes.view(torch.uint8)), lp.name
+                assert torch.equal(held[scale_name(lp.name)], scales), lp.name
+            else:
+                assert torch.equal(held[lp.name].view(torch.int16), bf.view(torch.int16)), lp.name
+    reports = [RankReport.from_wire(out["reports"][0]) for out in ranks]
+    assert all(r.verified and r.phases.get("quantize", 0) > 0 for r in reports)
+    received = [RankReport.from_wire(got[r]["stats"][0]) for r in range(dst.world_size)]
+    assert sum(r.bytes_received for r in received) == ranks[0]["bytes_min"]
+    # the trainers' steps changed the weights: what landed is not the checkpoint's quantization
+    ckpt_q = per_block_fp8(load_canonical_bf16(ckpt)["model.layers.0.self_attn.o_proj.weight"])[0]
+    assert not torch.equal(ckpt_q.view(torch.uint8),
+                           per_block_fp8(canon["model.layers.0.self_attn.o_proj.weight"])[0].view(torch.uint8))
+
+    # refit 2, the same weights: a delta of FP8 codes and scales moves headers only, verified
+    # against the whole boxes the destinations hold
+    for r in range(dst.world_size):
+        assert got[r]["outcomes"][1][0], got[r]["outcomes"][1][1]
+        rep = RankReport.from_wire(got[r]["stats"][1])
+        assert rep.verified and rep.delta.on
+        assert rep.bytes_received == rep.bytes_headers > 0 and rep.bytes_full == received[r].bytes_received
+    for out in ranks:  # the senders compared the new codes and scales with what they sent
+        rep = RankReport.from_wire(out["reports"][1])
+        assert rep.delta.on and rep.delta.elements > 0 and rep.delta.changed == 0
+
+    # refit 3, a delta again, but a destination's held scale was changed first: the checksum of
+    # the whole box names the tensor, nobody commits
+    for r in range(dst.world_size):
+        commit, errors = got[r]["outcomes"][2]
+        assert not commit and any("o_proj.weight_scale_inv" in e for e in errors), errors
+    assert all(len(out["errors"]) == 1 and len(out["reports"]) == 2 for out in ranks)
+
+
+def load_canonical_bf16(ckpt) -> dict:
+    from mcore_reshard.checkpoint import load_canonical
+
+    return {k: v.to(torch.bfloat16) for k, v in load_canonical(str(ckpt)).items()}
