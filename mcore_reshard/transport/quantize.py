@@ -35,13 +35,20 @@ def per_block_fp8(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, to
         raise ValueError(f"block FP8 needs a tensor of at least 2 dims, got shape {tuple(x.shape)}")
     *lead, r, c = x.shape
     rb, cb = -(-r // block), -(-c // block)
-    padded = torch.zeros((*lead, rb * block, cb * block), dtype=x.dtype, device=x.device)
-    padded[..., :r, :c] = x
+    ragged = bool(r % block or c % block)
+    if ragged:  # zero padding: never raises a block's amax
+        padded = torch.zeros((*lead, rb * block, cb * block), dtype=x.dtype, device=x.device)
+        padded[..., :r, :c] = x
+    else:
+        padded = x.contiguous()
     blocks = padded.view(-1, rb, block, cb, block)
-    amax = blocks.abs().float().amax(dim=(2, 4), keepdim=True).clamp(1e-4)
+    # amax in the input dtype, then fp32: a max is exact in either (vLLM converts first)
+    amax = blocks.abs().amax(dim=(2, 4), keepdim=True).float().clamp(1e-4)
     scale = amax / FP8_MAX
-    codes = (blocks * (1.0 / scale)).to(torch.float8_e4m3fn)
-    codes = codes.view(*lead, rb * block, cb * block)[..., :r, :c].contiguous()
+    codes = (blocks * (1.0 / scale)).to(torch.float8_e4m3fn)  # bf16 x fp32 -> fp32, as vLLM's
+    codes = codes.view(*lead, rb * block, cb * block)
+    if ragged:
+        codes = codes[..., :r, :c].contiguous()
     return codes, scale.view(*lead, rb, cb)
 
 
