@@ -10,8 +10,9 @@ engine does (codes + fp32 block scales, the router, norms, embeddings and LM hea
 senders quantizing with vLLM's formula. The destinations are two processes holding that layout
 (this machine's vLLM CPU build cannot start an FP8 engine without AMX), so the numbers are the
 transfer's: bytes, seconds (medians of ``--rounds``, the two kinds alternating), each sender's
-quantization time, every refit verified by checksums. Targets, PASS/FAIL: FP8 bytes of the
-quantized tensors <= 0.52 x their bf16 bytes.
+quantization time, every refit verified by checksums. Then ``token_mult_prob_error`` of FP8
+weights against the bf16 ones in one HF model (what the quantization alone costs the rollout
+policy). Targets, PASS/FAIL: FP8 bytes of the quantized tensors <= 0.52 x their bf16 bytes.
 
 ``--json`` prints exactly one JSON object on stdout.
 """
@@ -214,7 +215,44 @@ def run(args: argparse.Namespace, log: Any) -> dict[str, Any]:
     b, f = out["kinds"]["bf16"], out["kinds"]["fp8"]
     out["ratios"] = {"bytes": f["bytes"] / b["bytes"], "seconds": f["seconds"] / b["seconds"]}
     out["target"] = {"quantized_ratio_max": TARGET_RATIO, "pass": out["quantized"]["ratio"] <= TARGET_RATIO}
+    out["token_mult_prob_error_w8a16"] = fp8_logprob_error(ckpt, [t % spec.vocab for t in TOKENS])
     return out
+
+
+#: The local refit job's tokens (``configs/refit.yaml``), teacher-forced.
+TOKENS = [11, 42, 7, 99, 123, 5, 77, 300, 8, 64, 512, 3, 250, 17, 901, 46]
+
+
+def fp8_logprob_error(ckpt: Path, tokens: list[int]) -> float:
+    """``token_mult_prob_error`` of the FP8 engine's weights against the bf16 policy's, in one
+    HF model (the same kernels for both, so only the weights differ): every tensor an
+    ``fp8_per_block`` engine quantizes is replaced by its codes x scales, as vLLM's W8A16 CPU
+    kernel computes with them (transformers fuses experts as ``gate_up_proj`` [E, 2F, H]:
+    quantized per expert, the same blocks when F is a multiple of 128)."""
+    import torch
+    import transformers
+
+    from mcore_reshard.layout.quant import BlockFp8
+    from mcore_reshard.transport.quantize import per_block_fp8
+    from mcore_reshard.verify import token_mult_prob_error
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).eval()
+    ids = torch.tensor([tokens])
+
+    def logprobs() -> list[float]:
+        with torch.no_grad():
+            lp = torch.log_softmax(model(ids).logits.float(), dim=-1)[0, :-1]
+        return lp.gather(1, ids[0, 1:, None])[:, 0].tolist()
+
+    bf16 = logprobs()
+    quant = BlockFp8()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if quant.quantizes(name) or name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                codes, scales = per_block_fp8(p.data)
+                full = scales.repeat_interleave(128, -2).repeat_interleave(128, -1)
+                p.data.copy_((codes.float() * full[..., :p.shape[-2], :p.shape[-1]]).to(p.dtype))
+    return token_mult_prob_error(logprobs(), bf16)
 
 
 def _mib(n: float) -> str:
@@ -234,7 +272,9 @@ def table(res: dict[str, Any]) -> str:
              f"{'PASS' if res['target']['pass'] else 'FAIL'})",
              "sender quantization per training rank: " + ", ".join(f"{s:.3f} s" for s in f["quantize_s_per_rank"])
              + "  (pack incl. it: " + ", ".join(f"{s:.3f} s" for s in f["pack_s_per_rank"]) + "; bf16 pack: "
-             + ", ".join(f"{s:.3f} s" for s in b["pack_s_per_rank"]) + ")"]
+             + ", ".join(f"{s:.3f} s" for s in b["pack_s_per_rank"]) + ")",
+             f"token_mult_prob_error, FP8 weights (W8A16) vs the bf16 policy, one HF model: "
+             f"{res['token_mult_prob_error_w8a16']:.4f}  (NeMo RL / NVIDIA: < 1.03-1.05 is acceptable)"]
     return "\n".join(lines)
 
 

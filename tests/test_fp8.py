@@ -11,9 +11,9 @@ import torch
 
 from mcore_reshard.adapters.megatron.rules import MegatronParallel, megatron_layout
 from mcore_reshard.adapters.vllm.rules import VllmParallel, vllm_layout
-from mcore_reshard.checkpoint import TINY_DENSE_128, TINY_MOE_128
+from mcore_reshard.checkpoint import TINY_DEEPSEEK_V3, TINY_DENSE_128, TINY_MOE_128
 from mcore_reshard.layout import LayoutError
-from mcore_reshard.layout.quant import FP8, BlockFp8, quantize_side, quantized_tensors, scale_name
+from mcore_reshard.layout.quant import FP8, BlockFp8, fp8_sides, quantize_side, quantized_tensors, scale_name
 from mcore_reshard.layout.spec import spec_from_hf_config
 from mcore_reshard.plan import build_plan, plan_report
 from mcore_reshard.plan.wire import slice_from_wire, slice_to_wire
@@ -28,11 +28,19 @@ def _spec(moe: bool = True):
     return spec_from_hf_config(TINY_MOE_128 if moe else TINY_DENSE_128, dtype="bfloat16")
 
 
-def _sides(moe: bool, mpar: MegatronParallel, vpar: VllmParallel):
-    spec = _spec(moe)
-    src = quantize_side(megatron_layout(spec, mpar), Q, "training", at_sender=True)
-    dst = quantize_side(vllm_layout(spec, vpar), Q, "vllm")
-    return spec, src, dst
+#: DeepSeek-V3 shaped (MLA with q_lora, a dense first layer, a shared expert, the fp32 router
+#: bias), every projection whole 128x128 blocks at TP2: kv_a_proj_with_mqa's 576 rows end in a
+#: partial block that ends the tensor (and vLLM's fused_qkv_a_proj) too.
+DEEPSEEK_128 = dict(TINY_DEEPSEEK_V3, hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
+                    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=256,
+                    qk_nope_head_dim=128, v_head_dim=128)
+
+
+def _sides(moe, mpar: MegatronParallel, vpar: VllmParallel):
+    """(spec, the bf16 training layout, the FP8 engine's layout, that layout as it receives)."""
+    spec = spec_from_hf_config(DEEPSEEK_128, dtype="bfloat16") if moe == "deepseek" else _spec(moe)
+    src, dst = megatron_layout(spec, mpar), quantize_side(vllm_layout(spec, vpar), Q, "vllm")
+    return spec, src, dst, fp8_sides(src, dst)[1]
 
 
 def test_which_tensors_are_quantized():
@@ -82,21 +90,53 @@ def test_a_split_that_cuts_a_block_is_refused_in_one_line():
     msg = str(e.value)
     assert "\n" not in msg and "mlp.gate_proj.weight" in msg and "cuts a 128x128 FP8 block" in msg
     assert "vllm rank 0" in msg
-    # the training side likewise (megatron TP4)
+    # the training side likewise (megatron TP4), when asked to quantize it all
     with pytest.raises(LayoutError, match=r"training rank \d.*cuts a 128x128 FP8 block"):
         quantize_side(megatron_layout(spec, MegatronParallel(tp=4)), Q, "training", at_sender=True)
+
+
+def test_blocks_the_training_layout_cuts_go_unquantized_and_the_receiver_quantizes_them():
+    """Megatron TP4 on the 256-row MLPs: 64 rows per rank cut every block of gate/up/down, so
+    no sender can quantize them; they travel in bf16 (the receiver quantizes them, as vLLM's
+    online quantization does) and the plan says so with what it costs; attention stays FP8."""
+    spec = _spec(moe=False)
+    src, dst = megatron_layout(spec, MegatronParallel(tp=4)), quantize_side(vllm_layout(spec, VllmParallel(tp=2)), Q, "vllm")
+    sent, received, late = fp8_sides(src, dst)
+    names = {n for n, _, _ in late}
+    assert names == {f"model.layers.{i}.mlp.{m}_proj.weight" for i in range(2) for m in ("gate", "up", "down")}
+    assert all(d == "bfloat16" and "cuts a 128x128 FP8 block" in w or "shares" in w for _, d, w in late)
+    assert all(received.tensors[n][1] == "bfloat16" and scale_name(n) not in received.tensors for n in names)
+    assert received.tensors["model.layers.0.self_attn.q_proj.weight"][1] == FP8
+    plan = build_plan(src, dst, bucket_bytes=1 << 16)
+    assert plan.quantized_at_receiver == late and {n for n, _ in plan.quantized}.isdisjoint(names)
+    rep = plan_report(plan)
+    mlp = 6 * 256 * 256 * 2  # bf16 bytes of the six MLP weights, half on each vLLM rank
+    assert plan.bytes_planned == plan.bytes_min and rep.bytes_over_fp8_minimum == mlp // 2
+    assert "quantized at the receiver (the training layout cuts their FP8 blocks): 6 tensor(s)" in rep.table()
 
 
 @pytest.mark.parametrize("moe, mpar, vpar", [
     (True, MegatronParallel(tp=2, ep=2, etp=1), VllmParallel(tp=1)),
     (True, MegatronParallel(tp=2, ep=2, etp=1), VllmParallel(tp=2, enable_ep=True)),
     (False, MegatronParallel(tp=2, pp=2), VllmParallel(tp=2)),
-], ids=["moe-tp2ep2-to-tp1", "moe-tp2ep2-to-tp2ep2", "dense-tp2pp2-to-tp2"])
+    ("deepseek", MegatronParallel(tp=2, ep=2, etp=1), VllmParallel(tp=2)),
+], ids=["moe-tp2ep2-to-tp1", "moe-tp2ep2-to-tp2ep2", "dense-tp2pp2-to-tp2", "deepseek-tp2ep2-to-tp2"])
 def test_fp8_plan_is_at_the_fp8_minimum_and_ends_as_vllm_quantizes(moe, mpar, vpar):
-    spec, src, dst = _sides(moe, mpar, vpar)
-    plan = build_plan(src, dst, bucket_bytes=1 << 16)
+    spec, src, engine, dst = _sides(moe, mpar, vpar)
+    plan = build_plan(src, engine, bucket_bytes=1 << 16)
     assert plan.dtype == FP8 and plan.casts == ()
     names = quantized_tensors(spec.tensor_table(), Q)
+    if moe == "deepseek":  # every MLA projection quantized; the fp32 router bias rides as bits
+        assert {n.rsplit(".", 2)[-2] for n in names if ".self_attn." in n} == {
+            "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"}
+        assert any(n.endswith("e_score_correction_bias") and d == "float32" for n, d in plan.reinterpret)
+        # megatron TP2 splits kv_a_proj_with_mqa's 576 rows 288 + 288: a block straddles the
+        # two ranks, so it goes unquantized, and q_a_proj with it (vLLM fuses them)
+        late = {n.rsplit(".", 2)[-2] for n, _, _ in plan.quantized_at_receiver}
+        assert late == {"kv_a_proj_with_mqa", "q_a_proj"}
+        names = tuple(n for n in names if n not in {m for m, _, _ in plan.quantized_at_receiver})
+    else:
+        assert plan.quantized_at_receiver == ()
     assert [n for n, _ in plan.quantized] == list(names) and {d for _, d in plan.quantized} == {"bfloat16"}
     real = sum((p.numel - p.padding) * torch.empty((), dtype=TORCH_DTYPES[p.dtype]).element_size() for p in dst.params)
     assert plan.bytes_planned == plan.bytes_min == real
@@ -106,7 +146,7 @@ def test_fp8_plan_is_at_the_fp8_minimum_and_ends_as_vllm_quantizes(moe, mpar, vp
     assert rep.quantized_bytes_unquantized == 2 * sum(t.box.numel for t in plan.transfers if t.canonical in set(names))
     assert "quantized at the sender (block FP8 128x128" in rep.table()
     bf16 = build_plan(megatron_layout(spec, mpar), vllm_layout(spec, vpar), bucket_bytes=1 << 16)
-    # the whole refit: only the quantized tensors' bytes change
+    # the whole refit: only the tensors quantized at the sender change their bytes
     assert plan.bytes_min == bf16.bytes_min - rep.quantized_bytes_unquantized + rep.quantized_bytes
     assert plan.digest() != bf16.digest()
     # slices: the senders learn what to quantize, over the wire and in the digest
@@ -136,7 +176,7 @@ def test_fp8_plan_is_at_the_fp8_minimum_and_ends_as_vllm_quantizes(moe, mpar, vp
         got = dst_t[p.rank][p.name]
         if p.name.endswith("_scale_inv"):
             continue
-        bf = materialize_local(model_format[(p.rank, p.name)], canon)
+        bf = materialize_local(model_format[(p.rank, p.name)], canon)  # (received unquantized: as is)
         if p.dtype == FP8:
             codes, scales = per_block_fp8(bf)
             assert torch.equal(got.view(torch.uint8), codes.view(torch.uint8)), (p.rank, p.name)

@@ -25,7 +25,7 @@ from typing import Mapping, Sequence
 
 from .descriptor import Box, LayoutError, LocalParam, Piece, SideLayout, View, contiguous_strides
 
-__all__ = ["FP8", "BLOCK", "SCALE_SUFFIX", "BlockFp8", "scale_name", "quantized_tensors", "quantize_side", "sender_side", "fp8_bytes"]
+__all__ = ["FP8", "BLOCK", "SCALE_SUFFIX", "BlockFp8", "scale_name", "quantized_tensors", "quantize_side", "fp8_sides", "fp8_bytes"]
 
 FP8 = "float8_e4m3fn"
 #: vLLM's ``fp8_per_block``: ``weight_block_size = [128, 128]``.
@@ -34,7 +34,7 @@ SCALE_SUFFIX = "_scale_inv"
 #: Modules never quantized whatever the ignore list says: the engine keeps them in its dtype.
 #: (vLLM's online FP8 quantizes ``LinearBase`` layers only: embeddings, the LM head and norms
 #: are not linears; the MoE router is one, hence the default ignore list.)
-_LINEAR_SUFFIXES = ("_proj.weight",)
+_LINEAR_SUFFIXES = ("_proj.weight", "_proj_with_mqa.weight")  # MLA: kv_a_proj_with_mqa
 
 
 def scale_name(weight: str) -> str:
@@ -96,17 +96,61 @@ def quantize_side(side: SideLayout, quant: BlockFp8, what: str, *, at_sender: bo
     return _quantize(side, names, quant.block, quant.dtype, what, at_sender)
 
 
-def sender_side(src: SideLayout, dst: SideLayout, what: str = "training") -> SideLayout:
-    """``src`` as it sends into ``dst``: the tensors ``dst`` holds in block FP8 (codes plus
-    ``_scale_inv`` scales) and ``src`` holds unquantized are quantized by their senders
-    (``SideLayout.quantize``); anything else is ``src`` unchanged."""
+def fp8_sides(src: SideLayout, dst: SideLayout) -> tuple[SideLayout, SideLayout, tuple[tuple[str, str, str], ...]]:
+    """(``src`` as it sends, ``dst`` as it receives, what the receiver quantizes) for a refit
+    into ``dst``, which holds some tensors in block FP8 (codes + ``_scale_inv`` scales) that
+    ``src`` holds unquantized.
+
+    The senders quantize every such tensor whose blocks each lie whole on one training rank
+    (``SideLayout.quantize``). One the training layout cuts (a block split between two ranks,
+    e.g. megatron's TP split of MLA's 576-row ``kv_a_proj_with_mqa``) cannot be quantized by
+    any single sender: it travels unquantized and the receiver quantizes it as vLLM's online
+    quantization does; so does every tensor sharing a local tensor with it on either side (a
+    local tensor is FP8 or not as a whole). Returned as (tensor, its unquantized dtype, why),
+    in ``dst``'s order."""
     names = {n for n, (_, d) in dst.tensors.items()
              if d == FP8 and scale_name(n) in dst.tensors and n in src.tensors and src.tensors[n][1] != FP8
              and scale_name(n) not in src.tensors}
     if not names:
-        return src
-    block = _block_of(dst, next(iter(sorted(names))))
-    return _quantize(src, names, block, FP8, what, True)
+        return src, dst, ()
+    b = _block_of(dst, next(iter(sorted(names))))
+    why: dict[str, str] = {}
+    for p in src.params:
+        for q in p.pieces:
+            if q.canonical in names and q.canonical not in why:
+                cut = _cut(p, q, src.tensors[q.canonical][0], b, "training")
+                if cut:
+                    why[q.canonical] = cut
+    changed = bool(why)
+    while changed:  # a local tensor is FP8 or not as a whole, on both sides
+        changed = False
+        for side, held in ((src.params, names), (dst.params, names)):
+            for p in side:
+                mine = {q.canonical for q in p.pieces if q.canonical in held}
+                bad = next((c for c in mine if c in why), None)
+                for c in mine - set(why) if bad else ():
+                    why[c] = f"shares {p.name} with {bad}"
+                    changed = True
+    good = names - set(why)
+    sent = _quantize(src, good, b, FP8, "training", True) if good else src
+    received = _unquantize(dst, {n: src.tensors[n][1] for n in why}) if why else dst
+    return sent, received, tuple((n, src.tensors[n][1], why[n]) for n in dst.tensors if n in why)
+
+
+def _unquantize(side: SideLayout, held: dict[str, str]) -> SideLayout:
+    """``side`` with the FP8 tensors of ``held`` (name -> unquantized dtype) back in that
+    dtype, their scales gone: what a receiver that quantizes them itself takes in."""
+    scales = {scale_name(n) for n in held}
+    tensors = {n: ((shape, held[n]) if n in held else (shape, d)) for n, (shape, d) in side.tensors.items()
+               if n not in scales}
+    params = []
+    for p in side.params:
+        if any(q.canonical in scales for q in p.pieces):
+            continue
+        if any(q.canonical in held for q in p.pieces):
+            p = LocalParam(p.rank, p.name, p.shape, held[p.pieces[0].canonical], p.pieces)
+        params.append(p)
+    return SideLayout(side.name, side.world_size, tuple(params), tensors, side.notes, side.quantize)
 
 
 def _block_of(side: SideLayout, name: str) -> int:
@@ -145,27 +189,43 @@ def _quantize(side: SideLayout, names: set[str], b: int, dtype: str, what: str, 
     return SideLayout(side.name, side.world_size, tuple(params), tensors, side.notes, held)
 
 
-def _scale_piece(p: LocalParam, q: Piece, shape: Sequence[int], sshape: tuple[int, ...], b: int,
-                 what: str) -> Piece:
-    """The scale piece of weight piece ``q`` of local tensor ``p`` (canonical ``shape``)."""
+def _local_coords(p: LocalParam, offset: int) -> list[int]:
+    coords, rem = [], offset
+    for s in contiguous_strides(p.shape):
+        coords.append(rem // s)
+        rem %= s
+    return coords
+
+
+def _cut(p: LocalParam, q: Piece, shape: Sequence[int], b: int, what: str) -> str:
+    """Why piece ``q`` of local tensor ``p`` (canonical ``shape``) does not hold whole
+    ``b``x``b`` blocks at aligned coordinates of both tensors (one line), or "" when it does."""
     v, box = q.view, q.box
     strides = contiguous_strides(p.shape)
     where = f"{q.canonical}: {what} rank {p.rank} holds rows {_span(box, 0)} x cols {_span(box, 1)} in {p.name}"
-    if len(box.sizes) != 2 or any(n != 1 and s != strides[d - 2] for d, (n, s) in
-                                  enumerate(zip(v.shape, v.stride))):
-        raise LayoutError(f"{where} at strides {v.stride}: FP8 blocks need the rows and columns of a "
-                          f"{len(p.shape)}-D tensor's last two dims")
-    coords, rem = [], v.offset
-    for s in strides:
-        coords.append(rem // s)
-        rem %= s
-    local = coords[-2:]
+    if len(box.sizes) != 2 or len(p.shape) < 2 or any(n != 1 and s != strides[d - 2] for d, (n, s) in
+                                                      enumerate(zip(v.shape, v.stride))):
+        return (f"{where} at strides {v.stride}: FP8 blocks need the rows and columns of a "
+                f"{len(p.shape)}-D tensor's last two dims")
+    local = _local_coords(p, v.offset)[-2:]
     for d in range(2):
         start, size, full = box.offsets[d], box.sizes[d], shape[d]
         ends_here = start + size == full and local[d] + size == p.shape[d - 2]
         if start % b or local[d] % b or (size % b and not ends_here):
-            raise LayoutError(f"{where}: it cuts a {b}x{b} FP8 block (its {('rows', 'columns')[d]} are not whole "
-                              f"blocks of {b} there); FP8 needs every shard a whole number of blocks")
+            return (f"{where}: it cuts a {b}x{b} FP8 block (its {('rows', 'columns')[d]} are not whole "
+                    f"blocks of {b} there); FP8 needs every shard a whole number of blocks")
+    return ""
+
+
+def _scale_piece(p: LocalParam, q: Piece, shape: Sequence[int], sshape: tuple[int, ...], b: int,
+                 what: str) -> Piece:
+    """The scale piece of weight piece ``q`` of local tensor ``p`` (canonical ``shape``)."""
+    cut = _cut(p, q, shape, b, what)
+    if cut:
+        raise LayoutError(cut)
+    v, box = q.view, q.box
+    coords = _local_coords(p, v.offset)
+    local = coords[-2:]
     sbox = Box((box.offsets[0] // b, box.offsets[1] // b), (_blocks(box.sizes[0], b), _blocks(box.sizes[1], b)))
     sstrides = contiguous_strides(sshape)
     scoords = (*coords[:-2], local[0] // b, local[1] // b)

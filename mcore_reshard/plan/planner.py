@@ -33,7 +33,7 @@ import time
 from typing import Callable, Iterable, Iterator
 
 from ..layout.descriptor import DTYPE_BYTES, SideLayout, contiguous_strides
-from ..layout.quant import scale_name, sender_side
+from ..layout.quant import fp8_sides, scale_name
 from .buckets import Charges, Keys, bucket
 from .fragments import add_moves, choose_senders, fragment, merge
 from .types import PlanError, TransferPlan
@@ -97,7 +97,9 @@ def _build_plan(
 ) -> TransferPlan:
     if bucket_bytes <= 0:
         raise PlanError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    src = sender_side(src, dst)  # what the destination holds in block FP8, the senders quantize
+    # what the destination holds in block FP8 the senders quantize, but blocks the training
+    # layout cuts travel unquantized and the receiver quantizes them (``layout.quant.fp8_sides``)
+    src, dst, at_receiver = fp8_sides(src, dst)
     casts = check_sides(src, dst, allow_cast=allow_cast)
     quantized = src.quantize  # (the reinterpreted copies below do not need it)
     dtype, reinterpret = wire_dtype(dst, casts)
@@ -128,7 +130,7 @@ def _build_plan(
     dst_numel = sum(p.numel for p in dst.params) - sum(n for _, _, n in padding)
     total_elems = sum(math.prod(shape) for shape, _ in dst.tensors.values())
     hf_bytes = total_elems * itemsize
-    if quantized:  # the baseline broadcasts the unquantized model (the engine quantizes on load)
+    if quantized or at_receiver:  # the baseline broadcasts the unquantized model (the engine quantizes on load)
         hf_bytes = _hf_unquantized_bytes(dst.tensors, dict(quantized))
     plan = TransferPlan(
         transfers=tuple(transfers),
@@ -146,6 +148,7 @@ def _build_plan(
         notes=tuple(src.notes) + tuple(dst.notes),
         reinterpret=reinterpret,
         quantized=quantized,
+        quantized_at_receiver=at_receiver,
     )
     if planned != plan.bytes_min:
         raise PlanError(

@@ -51,6 +51,11 @@ class PlanReport:
     quantized: list[dict[str, str]] = field(default_factory=list)
     quantized_bytes: int = 0
     quantized_bytes_unquantized: int = 0
+    #: Tensors the destination holds in FP8 but the training layout cuts their blocks: sent
+    #: unquantized, quantized by the receiver ({"tensor", "why"}); and the bytes that costs over
+    #: codes + scales (every destination rank).
+    quantized_at_receiver: list[dict[str, str]] = field(default_factory=list)
+    bytes_over_fp8_minimum: int = 0
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -94,6 +99,12 @@ class PlanReport:
                          f"{format_bytes(self.quantized_bytes_unquantized)} in {self.quantized[0]['from']} ({ratio:.3f}x)")
             for (pattern, src, dst), count in list(_group_names(self.quantized, "tensor", "from", "to").items())[:_MAX_CAST_LINES]:
                 lines.append(f"  quantized: {pattern} (x{count}): {src} -> {dst} + fp32 scale_inv")
+        if self.quantized_at_receiver:
+            lines.append(f"quantized at the receiver (the training layout cuts their FP8 blocks): "
+                         f"{len(self.quantized_at_receiver)} tensor(s), {format_bytes(self.bytes_over_fp8_minimum)} "
+                         f"more than their FP8 codes")
+            for (pattern, why), count in list(_group_names(self.quantized_at_receiver, "tensor", "why").items())[:_MAX_CAST_LINES]:
+                lines.append(f"  at the receiver: {pattern} (x{count}): {why}")
         for note in self.notes:
             lines.append(f"  note: {note}")
         return "\n".join(lines)
@@ -129,7 +140,7 @@ def plan_report(plan: TransferPlan) -> PlanReport:
 def _quantized(plan: TransferPlan) -> dict:
     """The report's FP8 fields: bytes of quantized tensors (codes and scales) every destination
     rank receives, and what those elements would be unquantized."""
-    if not plan.quantized:
+    if not plan.quantized and not plan.quantized_at_receiver:
         return {}
     held = dict(plan.quantized)
     scales = {scale_name(n) for n in held}
@@ -142,8 +153,17 @@ def _quantized(plan: TransferPlan) -> dict:
             unquantized += t.box.numel * DTYPE_BYTES[held[t.canonical]] * copies
         elif t.canonical in scales:
             moved += t.nbytes * copies
+    late = {n: d for n, d, _ in plan.quantized_at_receiver}
+    over = 0
+    for t, group in zip(plan.transfers, relay_of):
+        d = late.get(t.canonical)
+        if d is not None:  # moved unquantized: one byte per element as FP8 codes (scales left out)
+            copies = len(plan.relay_groups[group]) if group >= 0 else 1
+            over += (t.nbytes - t.nbytes // DTYPE_BYTES[d]) * copies
     return {"quantized": [{"tensor": n, "from": d, "to": FP8} for n, d in plan.quantized],
-            "quantized_bytes": moved, "quantized_bytes_unquantized": unquantized}
+            "quantized_bytes": moved, "quantized_bytes_unquantized": unquantized,
+            "quantized_at_receiver": [{"tensor": n, "why": w} for n, _, w in plan.quantized_at_receiver],
+            "bytes_over_fp8_minimum": over}
 
 
 def _delta_modes(plan: TransferPlan) -> dict[str, int]:

@@ -180,6 +180,10 @@ class TransferPlan:
     #: FP8 while packing (``layout.quant``; the wire carries codes and scales, ``bytes_min``
     #: counts them): recorded like casts, in the source's tensor order.
     quantized: tuple[tuple[str, str], ...] = ()
+    #: (canonical tensor, dtype sent, why) of tensors the destination holds in FP8 but receives
+    #: unquantized and quantizes itself: the training layout cuts their blocks
+    #: (``layout.quant.fp8_sides``); ``bytes_min`` counts them as sent.
+    quantized_at_receiver: tuple[tuple[str, str, str], ...] = ()
     _by_src: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
     _by_dst: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
     _by_group: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
@@ -276,7 +280,8 @@ class TransferPlan:
             relays = (self.relay_groups, self.relay_of) + ((self.relay_sites,) if self.relay_sites else ())
         return plan_digest(self.transfers, self.num_buckets, self.dtype, self.casts, relays=relays,
                            same_device=self.same_device or None, reinterpret=self.reinterpret or None,
-                           quantize=self.quantized or None)
+                           quantize=(self.quantized, self.quantized_at_receiver) if self.quantized_at_receiver
+                           else (self.quantized or None))
 
 
 def quantized_locals(transfers: Iterable[Transfer], quantized: Sequence[tuple[str, str]]) -> tuple[str, ...]:

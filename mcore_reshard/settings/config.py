@@ -23,7 +23,7 @@ from typing import Any, Mapping, Sequence
 from ..adapters.megatron.rules import MegatronParallel, megatron_layout
 from ..adapters.vllm.rules import VllmParallel, vllm_layout
 from ..layout import DTYPE_BYTES, LayoutError, ModelSpec, SideLayout, dtensor_report, dtensor_summary
-from ..layout.quant import sender_side
+from ..layout.quant import fp8_sides
 from ..plan import check_sides, get_plan, plan_report
 from ..plan.report import PlanReport
 from ..plan.topology import PlacementReport, placement_report, plan_for_placement
@@ -112,10 +112,10 @@ def side_layouts(spec: ModelSpec, training: MegatronParallel, vllm: VllmParallel
             f"{refit.bucket_bytes} bytes cut the refit into >= {n} transfers (at most {MAX_PLAN_TRANSFERS})"
         )
     try:
-        sent = sender_side(src, dst)  # into an FP8 engine: the senders quantize (what the planner does too)
+        sent, dst_in, _ = fp8_sides(src, dst)  # into an FP8 engine: the senders quantize (as the planner does)
     except LayoutError as exc:
         raise LayoutError(f"training layout: {one_line(exc)}") from None
-    check_sides(sent, dst, allow_cast=refit.allow_cast)  # the planner's first check, named before the placement's
+    check_sides(sent, dst_in, allow_cast=refit.allow_cast)  # the planner's first check, named before the placement's
     return src, dst
 
 
