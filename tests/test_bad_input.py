@@ -106,7 +106,8 @@ PLAN_CASES = [
     (["vllm_model=no-such-model"], "vllm_model='no-such-model'"),
     (["vllm.quantization=fp8"], "vllm.quantization='fp8' is not one of [None, 'fp8_per_block']"),
     # Qwen3-30B-A3B's 768 expert rows over vLLM TP8: 96 per rank cut a 128-row FP8 block
-    (["vllm.quantization=fp8_per_block", "vllm.tp=8"], "mlp.experts.0.gate_proj.weight: vllm rank 0 holds rows [0, 96)"),
+    (["vllm.quantization=fp8_per_block", "vllm.tp=8", "vllm.replicas=2"],
+     "mlp.experts.0.gate_proj.weight: vllm rank 0 holds rows [0, 96)"),
 ]
 
 REFIT_CASES = [
