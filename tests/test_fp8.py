@@ -187,6 +187,7 @@ def test_fp8_plan_is_at_the_fp8_minimum_and_ends_as_vllm_quantizes(moe, mpar, vp
     assert checked == sum(1 for p in dst.params if p.dtype == FP8) > 0
 
 
+@pytest.mark.slow  # starts nothing, but vLLM's deep_gemm module imports ~3 s more of vLLM than the fast tier does
 @pytest.mark.parametrize("shape", [(256, 256), (384, 200), (1000, 130), (2, 3, 300, 260)])
 def test_sender_quantizer_is_vllms_bit_for_bit(shape):
     """``per_block_fp8`` against vLLM's own ``per_block_cast_to_fp8`` (what an online
