@@ -72,10 +72,10 @@ class DataPlane:
     # -- ops -------------------------------------------------------------------------------
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> dist.Work:
-        return self.pg.send([tensor], dst, tag)
+        return self.pg.send([_bytes_if_fp8(tensor)], dst, tag)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int) -> dist.Work:
-        return self.pg.recv([tensor], src, tag)
+        return self.pg.recv([_bytes_if_fp8(tensor)], src, tag)
 
     def broadcast(self, tensor: torch.Tensor, root: int, timeout_s: float | None = None) -> torch.Tensor:
         opts = dist.BroadcastOptions()
@@ -125,3 +125,13 @@ def _nccl_group(store: dist.Store, rank: int, world: int, timeout: timedelta, de
     opts = ProcessGroupNCCL.Options()
     opts._timeout = timeout
     return ProcessGroupNCCL(store, rank, world, opts)
+
+
+#: 1-byte float dtypes: moved as their bytes (``uint8``), which every backend carries (NCCL
+#: builds before 2.24 have no FP8 type; the bytes are the same either way).
+_FP8_DTYPES = frozenset(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+                        if hasattr(torch, n))
+
+
+def _bytes_if_fp8(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype in _FP8_DTYPES else t
