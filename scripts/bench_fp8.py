@@ -94,11 +94,9 @@ def trainer_job(ctx: Any, ckpt: str, par: Any, layouts: list, rounds: int, outbo
         report = ep.refit(request)
         out.append((k, time.perf_counter() - t0, report.to_wire()))
     ep.leave()
-    reports = [plan_report(p) for p in plans]
-    return {"refits": out, "bytes_min": [p.bytes_min for p in plans],
-            "quantized_bytes": reports[1].quantized_bytes,
-            "quantized_bytes_unquantized": reports[1].quantized_bytes_unquantized,
-            "quantized_tensors": len(reports[1].quantized)}
+    fp8 = plan_report(plans[1])
+    return {"refits": out, "bytes_min": [p.bytes_min for p in plans], "quantized_bytes": fp8.quantized_bytes,
+            "quantized_bytes_unquantized": fp8.quantized_bytes_unquantized, "quantized_tensors": len(fp8.quantized)}
 
 
 def destination_main(rank: int, inbox: Any, results: Any, layouts: list, spec: Any) -> None:

@@ -92,7 +92,7 @@ def test_a_split_that_cuts_a_block_is_refused_in_one_line():
     assert "vllm rank 0" in msg
     # the training side likewise (megatron TP4), when asked to quantize it all
     with pytest.raises(LayoutError, match=r"training rank \d.*cuts a 128x128 FP8 block"):
-        quantize_side(megatron_layout(spec, MegatronParallel(tp=4)), Q, "training", at_sender=True)
+        quantize_side(megatron_layout(spec, MegatronParallel(tp=4)), Q, "training")
 
 
 def test_blocks_the_training_layout_cuts_go_unquantized_and_the_receiver_quantizes_them():

@@ -23,6 +23,7 @@ __all__ = [
     "LocalParam",
     "SideLayout",
     "contiguous_strides",
+    "unravel",
     "LayoutError",
 ]
 
@@ -50,6 +51,15 @@ def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
         strides.append(acc)
         acc *= size
     return tuple(reversed(strides))
+
+
+def unravel(offset: int, shape: Sequence[int]) -> list[int]:
+    """Coordinates of flat element ``offset`` of a contiguous tensor of ``shape``."""
+    coords = []
+    for stride in contiguous_strides(shape):
+        coords.append(offset // stride)
+        offset %= stride
+    return coords
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,13 +19,12 @@ layout that cuts a block is refused in one line naming the tensor: no silent re-
 from __future__ import annotations
 
 import fnmatch
-import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from .descriptor import Box, LayoutError, LocalParam, Piece, SideLayout, View, contiguous_strides
+from .descriptor import Box, LayoutError, LocalParam, Piece, SideLayout, View, contiguous_strides, unravel
 
-__all__ = ["FP8", "BLOCK", "SCALE_SUFFIX", "BlockFp8", "scale_name", "quantized_tensors", "quantize_side", "fp8_sides", "fp8_bytes"]
+__all__ = ["FP8", "BLOCK", "SCALE_SUFFIX", "BlockFp8", "scale_name", "quantized_tensors", "quantize_side", "fp8_sides"]
 
 FP8 = "float8_e4m3fn"
 #: vLLM's ``fp8_per_block``: ``weight_block_size = [128, 128]``.
@@ -84,16 +83,15 @@ def _blocks(n: int, b: int) -> int:
     return -(-n // b)
 
 
-def quantize_side(side: SideLayout, quant: BlockFp8, what: str, *, at_sender: bool = False) -> SideLayout:
-    """``side`` as an FP8 engine holds it (or, ``at_sender``, as a sender quantizing its
-    shards sends them: recorded in ``SideLayout.quantize``): every
+def quantize_side(side: SideLayout, quant: BlockFp8, what: str) -> SideLayout:
+    """``side`` as an FP8 engine holds it: every
     local tensor of quantized canonical tensors becomes FP8 codes of the same shape plus a
     ``<local>_scale_inv`` tensor [..., ceil(rows/128), ceil(cols/128)] of fp32 scales, whose
     pieces are the weight pieces divided by 128. ``what`` names the side in errors."""
     names = set(quantized_tensors(side.tensors, quant))
     if not names or all(side.tensors[n][1] == quant.dtype and scale_name(n) in side.tensors for n in names):
         return side  # nothing to quantize, or described in FP8 already (an engine's own description)
-    return _quantize(side, names, quant.block, quant.dtype, what, at_sender)
+    return _quantize(side, names, quant.block, quant.dtype, what, at_sender=False)
 
 
 def fp8_sides(src: SideLayout, dst: SideLayout) -> tuple[SideLayout, SideLayout, tuple[tuple[str, str, str], ...]]:
@@ -124,15 +122,15 @@ def fp8_sides(src: SideLayout, dst: SideLayout) -> tuple[SideLayout, SideLayout,
     changed = bool(why)
     while changed:  # a local tensor is FP8 or not as a whole, on both sides
         changed = False
-        for side, held in ((src.params, names), (dst.params, names)):
-            for p in side:
-                mine = {q.canonical for q in p.pieces if q.canonical in held}
+        for params in (src.params, dst.params):
+            for p in params:
+                mine = {q.canonical for q in p.pieces if q.canonical in names}
                 bad = next((c for c in mine if c in why), None)
                 for c in mine - set(why) if bad else ():
                     why[c] = f"shares {p.name} with {bad}"
                     changed = True
     good = names - set(why)
-    sent = _quantize(src, good, b, FP8, "training", True) if good else src
+    sent = _quantize(src, good, b, FP8, "training", at_sender=True) if good else src
     received = _unquantize(dst, {n: src.tensors[n][1] for n in why}) if why else dst
     return sent, received, tuple((n, src.tensors[n][1], why[n]) for n in dst.tensors if n in why)
 
@@ -161,7 +159,9 @@ def _block_of(side: SideLayout, name: str) -> int:
     return BLOCK
 
 
-def _quantize(side: SideLayout, names: set[str], b: int, dtype: str, what: str, at_sender: bool) -> SideLayout:
+def _quantize(side: SideLayout, names: set[str], b: int, dtype: str, what: str, *, at_sender: bool) -> SideLayout:
+    """``side`` with ``names`` in ``dtype`` plus their scales (``at_sender``: recorded in
+    ``SideLayout.quantize`` as what this side quantizes before sending)."""
     tensors: dict[str, tuple[tuple[int, ...], str]] = {}
     for name, (shape, d) in side.tensors.items():
         if name in names:
@@ -189,14 +189,6 @@ def _quantize(side: SideLayout, names: set[str], b: int, dtype: str, what: str, 
     return SideLayout(side.name, side.world_size, tuple(params), tensors, side.notes, held)
 
 
-def _local_coords(p: LocalParam, offset: int) -> list[int]:
-    coords, rem = [], offset
-    for s in contiguous_strides(p.shape):
-        coords.append(rem // s)
-        rem %= s
-    return coords
-
-
 def _cut(p: LocalParam, q: Piece, shape: Sequence[int], b: int, what: str) -> str:
     """Why piece ``q`` of local tensor ``p`` (canonical ``shape``) does not hold whole
     ``b``x``b`` blocks at aligned coordinates of both tensors (one line), or "" when it does."""
@@ -207,7 +199,7 @@ def _cut(p: LocalParam, q: Piece, shape: Sequence[int], b: int, what: str) -> st
                                                       enumerate(zip(v.shape, v.stride))):
         return (f"{where} at strides {v.stride}: FP8 blocks need the rows and columns of a "
                 f"{len(p.shape)}-D tensor's last two dims")
-    local = _local_coords(p, v.offset)[-2:]
+    local = unravel(v.offset, p.shape)[-2:]
     for d in range(2):
         start, size, full = box.offsets[d], box.sizes[d], shape[d]
         ends_here = start + size == full and local[d] + size == p.shape[d - 2]
@@ -224,7 +216,7 @@ def _scale_piece(p: LocalParam, q: Piece, shape: Sequence[int], sshape: tuple[in
     if cut:
         raise LayoutError(cut)
     v, box = q.view, q.box
-    coords = _local_coords(p, v.offset)
+    coords = unravel(v.offset, p.shape)
     local = coords[-2:]
     sbox = Box((box.offsets[0] // b, box.offsets[1] // b), (_blocks(box.sizes[0], b), _blocks(box.sizes[1], b)))
     sstrides = contiguous_strides(sshape)
@@ -236,8 +228,3 @@ def _scale_piece(p: LocalParam, q: Piece, shape: Sequence[int], sshape: tuple[in
 
 def _span(box: Box, d: int) -> str:
     return f"[{box.offsets[d]}, {box.offsets[d] + box.sizes[d]})"
-
-
-def fp8_bytes(shape: Sequence[int], b: int = BLOCK) -> int:
-    """Bytes of a quantized [N, K] weight: codes plus fp32 scales."""
-    return math.prod(shape) + 4 * _blocks(shape[0], b) * _blocks(shape[1], b)

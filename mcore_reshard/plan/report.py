@@ -144,7 +144,8 @@ def _quantized(plan: TransferPlan) -> dict:
         return {}
     held = dict(plan.quantized)
     scales = {scale_name(n) for n in held}
-    moved = unquantized = 0
+    late = {n: d for n, d, _ in plan.quantized_at_receiver}
+    moved = unquantized = over = 0
     relay_of = plan.relay_of or (-1,) * len(plan.transfers)
     for t, group in zip(plan.transfers, relay_of):
         copies = len(plan.relay_groups[group]) if group >= 0 else 1  # every destination rank that holds it
@@ -153,13 +154,8 @@ def _quantized(plan: TransferPlan) -> dict:
             unquantized += t.box.numel * DTYPE_BYTES[held[t.canonical]] * copies
         elif t.canonical in scales:
             moved += t.nbytes * copies
-    late = {n: d for n, d, _ in plan.quantized_at_receiver}
-    over = 0
-    for t, group in zip(plan.transfers, relay_of):
-        d = late.get(t.canonical)
-        if d is not None:  # moved unquantized: one byte per element as FP8 codes (scales left out)
-            copies = len(plan.relay_groups[group]) if group >= 0 else 1
-            over += (t.nbytes - t.nbytes // DTYPE_BYTES[d]) * copies
+        elif t.canonical in late:  # moved unquantized: one byte per element as FP8 codes (scales left out)
+            over += (t.nbytes - t.nbytes // DTYPE_BYTES[late[t.canonical]]) * copies
     return {"quantized": [{"tensor": n, "from": d, "to": FP8} for n, d in plan.quantized],
             "quantized_bytes": moved, "quantized_bytes_unquantized": unquantized,
             "quantized_at_receiver": [{"tensor": n, "why": w} for n, _, w in plan.quantized_at_receiver],

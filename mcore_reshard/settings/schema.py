@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..adapters.megatron.rules import MegatronParallel
-from ..adapters.vllm.rules import VllmParallel
+from ..adapters.vllm.rules import QUANTIZATIONS, VllmParallel
 from ..errors import ConfigError
 from ..layout import DTYPE_BYTES, ModelSpec
 from ..protocol import DELTA_MODES, VerifyMode
@@ -318,7 +318,7 @@ _TRAINING = Section("training", MegatronParallel,
                                  make_vocab_size_divisible_by=1, vocab_padded=1),
                     choices=dict(layer_spec=("local", "te"), experts=("sequential", "grouped")))
 _VLLM = Section("vllm", VllmParallel, minimum=dict(tp=1, pp=1, dp=1, replicas=1, num_redundant_experts=0),
-                choices=dict(expert_placement=("linear", "round_robin"), quantization=(None, "fp8_per_block")))
+                choices=dict(expert_placement=("linear", "round_robin"), quantization=QUANTIZATIONS))
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from ...layout.descriptor import Box, LayoutError, LocalParam, Piece, View, contiguous_strides
+from ...layout.descriptor import Box, LayoutError, LocalParam, Piece, View, contiguous_strides, unravel
 from ...transport.views import TORCH_DTYPES
 
 __all__ = ["record_local_params", "pieces_from_copy", "chain_geometry"]
@@ -94,11 +94,7 @@ def pieces_from_copy(canonical_shape: Sequence[int], src: Geometry, dst: Geometr
                 break
         else:
             raise LayoutError(f"{what}: source stride {st} walks no canonical dim of {cshape}")
-    offsets = []
-    rem = soff
-    for d in range(len(cshape)):
-        offsets.append(rem // cstride[d])
-        rem %= cstride[d]
+    offsets = unravel(soff, cshape)
     sizes: list[int] = [1] * len(cshape)
     lstrides: list[int | None] = [None] * len(cshape)
     for d, items in groups.items():

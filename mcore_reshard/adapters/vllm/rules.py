@@ -33,10 +33,13 @@ from ...layout import Box, LayoutError, LocalParam, ModelSpec, Piece, SideLayout
 from ...layout.quant import BlockFp8, quantize_side
 from ...layout.spec import ROUTER_BIAS_DTYPE
 
-__all__ = ["VllmParallel", "vllm_layout", "vllm_rank_params"]
+__all__ = ["QUANTIZATIONS", "VllmParallel", "vllm_layout", "vllm_rank_params"]
 
 #: ``vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE``.
 VOCAB_PAD = 64
+
+#: vLLM ``quantization`` values the rules describe (``VllmParallel.quantization``).
+QUANTIZATIONS = (None, "fp8_per_block")
 
 _MOE_W13 = "mlp.experts.routed_experts.w13_weight"
 _MOE_W2 = "mlp.experts.routed_experts.w2_weight"
@@ -63,7 +66,8 @@ class VllmParallel:
     physical_to_logical: tuple[tuple[int, tuple[int, ...]], ...] | None = None
     #: VLLM_PP_LAYER_PARTITION equivalent; None: vLLM's default split.
     pp_partition: tuple[int, ...] | None = None
-    #: vLLM's ``quantization``: None (the model dtype) or ``fp8_per_block`` (online block FP8:
+    #: vLLM's ``quantization``, one of ``QUANTIZATIONS``: None (the model dtype) or
+    #: ``fp8_per_block`` (online block FP8:
     #: linears and experts held as FP8 codes + fp32 block scales, the router kept in the model
     #: dtype, ``layout.quant``); a refit into it quantizes at the sender.
     quantization: str | None = None
@@ -77,8 +81,8 @@ class VllmParallel:
         """What the engine holds in block FP8 (None: nothing)."""
         if self.quantization is None:
             return None
-        if self.quantization != "fp8_per_block":
-            raise LayoutError(f"vllm.quantization={self.quantization!r} is not one of [None, 'fp8_per_block'] "
+        if self.quantization not in QUANTIZATIONS:
+            raise LayoutError(f"vllm.quantization={self.quantization!r} is not one of {list(QUANTIZATIONS)} "
                               f"(block FP8 quantized at the sender)")
         return BlockFp8()
 
