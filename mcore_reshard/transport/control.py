@@ -209,6 +209,13 @@ class ControlPlane(SignedStore):
                   if self.rank == 0 and self.epoch else [])
         self._next_epoch(epoch, shared)
         self._posted_abort, self._abort, self._hint_seen, self._abort_seen = False, None, 0, None
+        if self.rank == 0 and not self.store_dead:
+            # The hint exists from the start (a poll's ``add(0)`` would create it only where a
+            # rank happened to poll): every refit leaves the same keys behind.
+            try:
+                self._store("add", self._slot("hint", self.epoch, 0, -1), 0)
+            except StoreGone:
+                pass  # the refit learns it at its first exchange
 
     def post_abort(self, message: str) -> None:
         """Tell every rank to stop: this rank's own abort key, then a hint counter pollers watch."""
