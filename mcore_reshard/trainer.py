@@ -18,6 +18,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
+from . import procs
 from .adapters.megatron.rules import MegatronParallel
 from .checkpoint import load_canonical
 from .errors import TrainerError
@@ -284,7 +285,9 @@ class TrainerPool(RankGroup):
         self.setup = setup
         self.world_size = setup.par.world_size
         self.timeout_s = setup.timeout_s
-        ctx = mp.get_context("spawn")
+        # Spawned (or, with MCORE_RESHARD_FAST_START=1, forked by the fork server that
+        # imported torch and megatron-core once: procs.py).
+        ctx = procs.context() if procs.enabled() else mp.get_context("spawn")
         self._replies = ctx.Queue()
         self._commands = [ctx.Queue() for _ in range(self.world_size)]
         self.procs = [ctx.Process(target=_rank_main, args=(r, setup, self._commands[r], self._replies), daemon=True)

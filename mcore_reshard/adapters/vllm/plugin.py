@@ -19,3 +19,6 @@ def register() -> None:
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(
             BACKEND, "mcore_reshard.adapters.vllm.weight_transfer", "ReshardWeightTransferEngine")
+    from .fast_start import install
+
+    install()
