@@ -19,18 +19,19 @@ how a process begins differs.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
-from multiprocessing.context import ForkServerContext, ForkServerProcess
+from multiprocessing.context import BaseContext, ForkServerContext, ForkServerProcess
 from typing import Any
 
-__all__ = ["ENV", "PRELOAD", "enabled", "in_child", "context"]
+__all__ = ["ENV", "PRELOAD", "enabled", "in_child", "context", "process_context"]
 
 ENV = "MCORE_RESHARD_FAST_START"
 
 #: What the fork server imports once: the modules a training rank and a vLLM engine core and
-#: its CPU workers import. One list for both, because a process has one fork server (the first
-#: start launches it); a module missing from this install is skipped (multiprocessing ignores
-#: an ``ImportError`` there).
+#: its CPU workers import. One list for both, because a process has one fork server (its first
+#: start launches it, whichever kind that start is); a module missing from this install is
+#: skipped (multiprocessing ignores an ``ImportError`` there).
 PRELOAD = (
     "torch",
     "megatron.core",
@@ -81,3 +82,9 @@ def context() -> ForkServerContext:
         ctx = _STATE["ctx"] = _Context()
         ctx.set_forkserver_preload(list(PRELOAD))
     return ctx
+
+
+def process_context(fallback: str = "spawn") -> BaseContext:
+    """Where a process this library starts comes from: the fork server when the fast start is
+    on, else ``fallback``."""
+    return context() if enabled() else multiprocessing.get_context(fallback)

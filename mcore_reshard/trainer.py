@@ -280,14 +280,14 @@ class TrainerPool(RankGroup):
     control plane is separate and authenticated)."""
 
     def __init__(self, setup: TrainerSetup) -> None:
-        import torch.multiprocessing as mp
+        import torch.multiprocessing  # noqa: F401 - torch's tensor reductions on the queues
 
         self.setup = setup
         self.world_size = setup.par.world_size
         self.timeout_s = setup.timeout_s
         # Spawned (or, with MCORE_RESHARD_FAST_START=1, forked by the fork server that
         # imported torch and megatron-core once: procs.py).
-        ctx = procs.context() if procs.enabled() else mp.get_context("spawn")
+        ctx = procs.process_context("spawn")
         self._replies = ctx.Queue()
         self._commands = [ctx.Queue() for _ in range(self.world_size)]
         self.procs = [ctx.Process(target=_rank_main, args=(r, setup, self._commands[r], self._replies), daemon=True)

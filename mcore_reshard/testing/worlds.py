@@ -1,5 +1,5 @@
 """A small multi-process harness for tests and scripts: ``run_world`` spawns one process per
-rank (torch.multiprocessing, spawn), runs ``fn(WorldCtx, *args)`` on each and returns the
+rank (spawned, or forked by ``procs``' fork server with ``MCORE_RESHARD_FAST_START=1``), runs ``fn(WorldCtx, *args)`` on each and returns the
 results by rank. Production code never imports ``mcore_reshard.testing`` (import-linter)."""
 
 from __future__ import annotations
@@ -55,9 +55,10 @@ def run_world(fn: Callable[..., Any], world: int, args: Sequence[Any] = (), *, t
     """
     import queue as queue_mod
 
-    import torch.multiprocessing as mp
+    import torch.multiprocessing  # noqa: F401 - torch's tensor reductions on the queues
+    from ..procs import process_context
 
-    ctx = mp.get_context("spawn")
+    ctx = process_context("spawn")  # the fork server with MCORE_RESHARD_FAST_START=1
     q = ctx.Queue()
     port = free_port()
     procs = [

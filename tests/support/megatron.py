@@ -81,9 +81,10 @@ def _rank_loop(rank: int, commands: Any, replies: Any, log: str) -> None:
 
 class _WarmWorld:
     def __init__(self, world: int) -> None:
-        import torch.multiprocessing as mp
+        import torch.multiprocessing  # noqa: F401 - torch's tensor reductions on the queues
+        from mcore_reshard.procs import process_context
 
-        ctx = mp.get_context("spawn")
+        ctx = process_context("spawn")  # the fork server with MCORE_RESHARD_FAST_START=1
         self.world = world
         self.replies = ctx.Queue()
         self.commands = [ctx.Queue() for _ in range(world)]

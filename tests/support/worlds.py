@@ -102,9 +102,10 @@ def ship(q: Any, rank: int, out: dict) -> None:
 def spawn_ranks(target, world: int, *args, wait_s: float = 90.0) -> dict[int, dict]:
     """Run ``target(rank, world, *args, q)`` in ``world`` spawned processes; every rank's dict
     by rank. Fails naming the ranks that never reported, or a rank's ``crash`` traceback."""
-    import torch.multiprocessing as mp
+    import torch.multiprocessing  # noqa: F401 - torch's tensor reductions on the queues
+    from mcore_reshard.procs import process_context
 
-    ctx = mp.get_context("spawn")
+    ctx = process_context("spawn")  # the fork server with MCORE_RESHARD_FAST_START=1
     q = ctx.Queue()
     procs = [ctx.Process(target=target, args=(r, world, *args, q), daemon=True) for r in range(world)]
     for p in procs:
