@@ -72,6 +72,7 @@ LIVE_ORDER: list[tuple[str, frozenset[str]]] = [
     ("test_deepseek_refit", frozenset({"engines"})),
     ("test_deepseek_vllm", frozenset({"engines"})),
     # own engines and pools only (nothing of the above is reused)
+    ("test_process_starts", frozenset()),
     ("test_http_server", frozenset()),
     ("test_grpo_ray", frozenset()),
 ]

@@ -50,10 +50,9 @@ def _in_ray_actor() -> bool:
 
 
 def install() -> None:
-    """Route vLLM's ``get_mp_context`` through ``_get_mp_context``: idempotent, and a no-op
-    unless ``MCORE_RESHARD_FAST_START=1`` on a CPU platform."""
-    if not procs.enabled():
-        return
+    """Route vLLM's ``get_mp_context`` through ``_get_mp_context`` on a CPU platform
+    (idempotent). The variable is read at each start, not here: a process may turn the fast
+    start on or off between engines."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():

@@ -1,0 +1,83 @@
+"""How the local job's processes begin: spawned (the default), or forked by the fork server of
+``MCORE_RESHARD_FAST_START=1`` (``mcore_reshard/procs.py``, which this test session turns on).
+The same refit runs either way, to the same served weights; each test checks where every
+training rank, engine core and vLLM worker came from, so neither path is taken by accident."""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+
+from mcore_reshard.adapters.megatron.rules import MegatronParallel
+from mcore_reshard.adapters.vllm.engine import prompt_logprobs
+from mcore_reshard.adapters.vllm.rules import VllmParallel
+from mcore_reshard.jobs.refit import local_cluster
+from mcore_reshard.layout import load_model_spec
+from mcore_reshard.procs import ENV
+from mcore_reshard.settings.policy import RefitConfig
+
+pytestmark = pytest.mark.slow
+
+TOKENS = [11, 42, 7, 99, 123, 5, 77, 300]
+_SERVED: dict[str, list] = {}
+
+
+def _cmdline(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def _refit_and_list_processes(ckpt_cache) -> tuple[list, dict[int, tuple[str, int]], set[int]]:
+    """One verified refit of a TP1 trainer into a TP2 engine; (served logprobs, {pid: (its
+    command line, its parent's pid)} of every process started meanwhile, this process's fork
+    servers)."""
+    ckpt = ckpt_cache.get(seed=21)
+    spec = load_model_spec(ckpt, dtype="float32")
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    with local_cluster(spec, ckpt, MegatronParallel(), VllmParallel(tp=2), RefitConfig(timeout_s=60.0)) as c:
+        m = c.refit_once()
+        assert m.verified and m.bytes_moved == m.bytes_min
+        served = prompt_logprobs(c.engines[0], TOKENS)
+        new, servers = {}, set()
+        for p in me.children(recursive=True):
+            try:
+                cmd, ppid = _cmdline(p), p.ppid()
+            except psutil.Error:
+                continue
+            if ppid == me.pid and "forkserver" in cmd:
+                servers.add(p.pid)
+            elif p.pid not in before:
+                new[p.pid] = (cmd, ppid)
+    return served, new, servers
+
+
+def test_default_starts_spawn_every_process(ckpt_cache, monkeypatch):
+    monkeypatch.setenv(ENV, "0")
+    served, procs, servers = _refit_and_list_processes(ckpt_cache)
+    me = psutil.Process().pid
+    # the training rank and the engine core are this process's own children (vLLM retitles its
+    # processes, so the command line shows spawn only for the rank), the 2 workers the core's
+    direct = {pid for pid, (cmd, ppid) in procs.items() if ppid == me and "resource_tracker" not in cmd}
+    assert len(direct) >= 2 and any("spawn_main" in procs[pid][0] for pid in direct), procs
+    assert len({pid for pid, (_, ppid) in procs.items() if ppid in direct}) >= 2, procs
+    assert not any(ppid in servers for _, ppid in procs.values()), procs
+    _SERVED["spawn"] = served
+
+
+def test_fast_start_forks_from_one_server_and_serves_the_same(ckpt_cache, monkeypatch):
+    monkeypatch.setenv(ENV, "1")
+    served, procs, servers = _refit_and_list_processes(ckpt_cache)
+    me = psutil.Process().pid
+    assert len(servers) == 1, servers  # one fork server per process, whatever it started
+    from_server = {pid for pid, (_, ppid) in procs.items() if ppid in servers}
+    # the training rank and the engine core come from the fork server, the 2 workers are
+    # forked by the core: no process started an interpreter of its own
+    assert len(from_server) >= 2, procs
+    assert len({pid for pid, (_, ppid) in procs.items() if ppid in from_server}) >= 2, procs
+    assert not any(ppid == me and "resource_tracker" not in cmd for cmd, ppid in procs.values()), procs
+    assert not any("spawn_main" in cmd for cmd, _ in procs.values()), procs
+    if "spawn" in _SERVED:
+        assert served == _SERVED["spawn"]  # fp32, the same checkpoint refit into TP2: bit for bit
