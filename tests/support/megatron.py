@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import pickle
 import tempfile
+import threading
 import queue as queue_mod
 import time
 import traceback
@@ -147,20 +148,25 @@ LOG = os.environ.get("MR_TEST_WARM_LOG") or os.path.join(tempfile.gettempdir(), 
 _STATS = {"jobs": 0, "worlds": 0}
 
 
+_LOCK = threading.Lock()
+
+
 def _world(world: int) -> _WarmWorld:
-    w = _WORLDS.get(world)
-    if w is None or not all(p.is_alive() for p in w.procs):
-        if w is not None:
-            w.kill()
-        w = _WORLDS[world] = _WarmWorld(world)
-        _STATS["worlds"] += 1
-    return w
+    with _LOCK:
+        w = _WORLDS.get(world)
+        if w is None or not all(p.is_alive() for p in w.procs):
+            if w is not None:
+                w.kill()
+            w = _WORLDS[world] = _WarmWorld(world)
+            _STATS["worlds"] += 1
+        return w
 
 
 def prestart(sizes: Sequence[int]) -> None:
-    """Start warm worlds of these sizes now (their ranks import megatron in the background)."""
-    for n in sizes:
-        _world(n)
+    """Start warm worlds of these sizes now, on a daemon thread (their ranks import megatron
+    in the background; with the fast start, the first one waits for the fork server to import
+    torch, megatron-core and vLLM, which must not hold up the tests)."""
+    threading.Thread(target=lambda: [_world(n) for n in sizes], name="warm-megatron-worlds", daemon=True).start()
 
 
 def run_world(fn: Callable[..., Any], world: int, args: Sequence[Any] = (), *, timeout_s: float = 300.0,
@@ -189,6 +195,7 @@ def stats() -> dict[str, int]:
 
 
 def close_all() -> None:
-    while _WORLDS:
-        _, w = _WORLDS.popitem()
-        w.close()
+    with _LOCK:
+        while _WORLDS:
+            _, w = _WORLDS.popitem()
+            w.close()
