@@ -19,7 +19,6 @@ from mcore_reshard.settings.policy import RefitConfig
 pytestmark = pytest.mark.slow
 
 TOKENS = [11, 42, 7, 99, 123, 5, 77, 300]
-_SERVED: dict[str, list] = {}
 
 
 def _cmdline(p: psutil.Process) -> str:
@@ -54,9 +53,16 @@ def _refit_and_list_processes(ckpt_cache) -> tuple[list, dict[int, tuple[str, in
     return served, new, servers
 
 
-def test_default_starts_spawn_every_process(ckpt_cache, monkeypatch):
-    monkeypatch.setenv(ENV, "0")
-    served, procs, servers = _refit_and_list_processes(ckpt_cache)
+@pytest.fixture(scope="module")
+def spawned(ckpt_cache):
+    """The refit with the fast start off (the default): what both tests compare against."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(ENV, "0")
+        return _refit_and_list_processes(ckpt_cache)
+
+
+def test_default_starts_spawn_every_process(spawned):
+    _, procs, servers = spawned
     me = psutil.Process().pid
     # the training rank and the engine core are this process's own children (vLLM retitles its
     # processes, so the command line shows spawn only for the rank), the 2 workers the core's
@@ -64,10 +70,9 @@ def test_default_starts_spawn_every_process(ckpt_cache, monkeypatch):
     assert len(direct) >= 2 and any("spawn_main" in procs[pid][0] for pid in direct), procs
     assert len({pid for pid, (_, ppid) in procs.items() if ppid in direct}) >= 2, procs
     assert not any(ppid in servers for _, ppid in procs.values()), procs
-    _SERVED["spawn"] = served
 
 
-def test_fast_start_forks_from_one_server_and_serves_the_same(ckpt_cache, monkeypatch):
+def test_fast_start_forks_from_one_server_and_serves_the_same(ckpt_cache, monkeypatch, spawned):
     monkeypatch.setenv(ENV, "1")
     served, procs, servers = _refit_and_list_processes(ckpt_cache)
     me = psutil.Process().pid
@@ -79,5 +84,4 @@ def test_fast_start_forks_from_one_server_and_serves_the_same(ckpt_cache, monkey
     assert len({pid for pid, (_, ppid) in procs.items() if ppid in from_server}) >= 2, procs
     assert not any(ppid == me and "resource_tracker" not in cmd for cmd, ppid in procs.values()), procs
     assert not any("spawn_main" in cmd for cmd, _ in procs.values()), procs
-    if "spawn" in _SERVED:
-        assert served == _SERVED["spawn"]  # fp32, the same checkpoint refit into TP2: bit for bit
+    assert served == spawned[0]  # fp32, the same checkpoint refit into TP2: bit for bit

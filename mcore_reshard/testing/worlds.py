@@ -1,6 +1,7 @@
-"""A small multi-process harness for tests and scripts: ``run_world`` spawns one process per
-rank (spawned, or forked by ``procs``' fork server with ``MCORE_RESHARD_FAST_START=1``), runs ``fn(WorldCtx, *args)`` on each and returns the
-results by rank. Production code never imports ``mcore_reshard.testing`` (import-linter)."""
+"""A small multi-process harness for tests and scripts: ``run_world`` starts one process per
+rank (spawned, or forked by ``procs``' fork server with ``MCORE_RESHARD_FAST_START=1``), runs
+``fn(WorldCtx, *args)`` on each and returns the results by rank. Production code never
+imports ``mcore_reshard.testing`` (import-linter)."""
 
 from __future__ import annotations
 
