@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 
 from mcore_reshard.cli import main
-from mcore_reshard.settings.config import plan_from_recipe
-from mcore_reshard.settings.config import load_plan
+from mcore_reshard.settings.config import load_plan, side_layouts
 from mcore_reshard.plan.cache import clear_plan_cache
 from mcore_reshard.plan.topology import placement_report, plan_for_placement
 
@@ -78,7 +77,7 @@ def test_doc_plan_command_plans(args, capsys, monkeypatch, _fresh_plans):
 def _plan(overrides: list[str]):
     """The CLI's plan for ``overrides``: layouts, the placement's plan and its report."""
     recipe = load_plan(overrides)
-    src, dst, _ = plan_from_recipe(recipe)
+    src, dst = side_layouts(recipe.spec, recipe.training, recipe.vllm, recipe.refit, recipe.vllm_spec)
     where = recipe.topology.place(src.world_size, dst.world_size)
     plan = plan_for_placement(src, dst, where, recipe.topology.links, bucket_bytes=recipe.refit.bucket_bytes,
                               allow_cast=recipe.refit.allow_cast)

@@ -385,7 +385,7 @@ def dtensor_form(side: SideLayout, canonical: str) -> Form:
 
 def dtensor_forms(side: SideLayout) -> dict[str, Form]:
     """Every canonical tensor's form, in ``side.tensors`` order (one pass over the pieces)."""
-    held = _holdings(side)
+    held, values = _box_ids_held(side)
     # A form depends on the holdings and the shape only: the layers of a model repeat a few of
     # them thousands of times (experts x layers), so each distinct one is worked out once.
     seen: dict[tuple, Form] = {}
@@ -395,14 +395,48 @@ def dtensor_forms(side: SideLayout) -> dict[str, Form]:
         key = (tuple(shape), frozenset((r, frozenset(boxes)) for r, boxes in h.items()))
         form = seen.get(key)
         if form is None:
-            form = seen[key] = _form_from_holdings(h, tuple(shape))
+            boxes = {r: {values[i] for i in ids} for r, ids in h.items()}
+            form = seen[key] = _form_from_holdings(boxes, tuple(shape))
         out[name] = form
     return out
 
 
+def _box_ids_held(side: SideLayout) -> tuple[dict[str, dict[int, dict[int, None]]], list[Box]]:
+    """``_holdings`` with each box as the index of its value in the list returned: the rules
+    share Box objects between ranks (a full-size vLLM side: ~300k pieces, ~1k boxes), so a
+    value is hashed once per object, not once per piece (a Python-level ``__hash__``), and
+    ``dtensor_forms`` keys holdings by ints."""
+    index: dict[int, int] = {}  # id(box) -> its value's index (the boxes outlive the call)
+    by_value: dict[Box, int] = {}
+    values: list[Box] = []
+    held: dict[str, dict[int, dict[int, None]]] = {}
+    for piece in side.pieces():
+        box = piece.box
+        i = index.get(id(box))
+        if i is None:
+            i = index[id(box)] = by_value.setdefault(box, len(values))
+            if i == len(values):
+                values.append(box)
+        ranks = held.get(piece.canonical)
+        if ranks is None:
+            ranks = held[piece.canonical] = {}
+        boxes = ranks.get(piece.rank)
+        if boxes is None:
+            boxes = ranks[piece.rank] = {}
+        boxes[i] = None
+    return held, values
+
+
 def dtensor_report(side: SideLayout) -> dict[str, str]:
     """canonical -> ``mesh (2, 4) [Replicate(), Shard(0)]`` or ``not expressible: <reason>``."""
-    return {name: str(form) for name, form in dtensor_forms(side).items()}
+    text: dict[int, str] = {}  # by form: the layers share a few forms (``dtensor_forms``)
+    out = {}
+    for name, form in dtensor_forms(side).items():
+        s = text.get(id(form))
+        if s is None:
+            s = text[id(form)] = str(form)
+        out[name] = s
+    return out
 
 
 def dtensor_summary(report: Mapping[str, str]) -> str:

@@ -22,7 +22,7 @@ import fnmatch
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from .descriptor import Box, LayoutError, LocalParam, Piece, SideLayout, View, contiguous_strides, unravel
+from .descriptor import Box, LayoutError, LocalParam, Piece, SideLayout, View, contiguous_strides
 
 __all__ = ["FP8", "BLOCK", "SCALE_SUFFIX", "BlockFp8", "scale_name", "quantized_tensors", "quantize_side", "fp8_sides"]
 
@@ -114,9 +114,11 @@ def fp8_sides(src: SideLayout, dst: SideLayout) -> tuple[SideLayout, SideLayout,
     b = _block_of(dst, next(iter(sorted(names))))
     why: dict[str, str] = {}
     for p in src.params:
+        strides = None  # the local tensor's, once it has a piece to check
         for q in p.pieces:
             if q.canonical in names and q.canonical not in why:
-                cut = _cut(p, q, src.tensors[q.canonical][0], b, "training")
+                strides = strides or contiguous_strides(p.shape)
+                cut = _cut(p, q, src.tensors[q.canonical][0], b, "training", strides)
                 if cut:
                     why[q.canonical] = cut
     changed = bool(why)
@@ -130,9 +132,33 @@ def fp8_sides(src: SideLayout, dst: SideLayout) -> tuple[SideLayout, SideLayout,
                     why[c] = f"shares {p.name} with {bad}"
                     changed = True
     good = names - set(why)
-    sent = _quantize(src, good, b, FP8, "training", at_sender=True) if good else src
+    sent = _sent(src, good, b) if good else src
     received = _unquantize(dst, {n: src.tensors[n][1] for n in why}) if why else dst
     return sent, received, tuple((n, src.tensors[n][1], why[n]) for n in dst.tensors if n in why)
+
+
+#: ``fp8_sides``' sending sides by (training layout identity, tensors, block): it is asked
+#: once per plan from one training layout (the settings' check, the direct plan, each relayed
+#: one). Holds the layouts so their ids stay theirs.
+_SENT: dict[tuple, tuple[SideLayout, SideLayout]] = {}
+
+
+def _sent(src: SideLayout, good: set[str], b: int) -> SideLayout:
+    """``src`` as it sends with ``good`` quantized (cached)."""
+    key = (id(src), frozenset(good), b)
+    hit = _SENT.get(key)
+    if hit is not None and hit[0] is src:
+        return hit[1]
+    sent = _quantize(src, good, b, FP8, "training", at_sender=True)
+    if len(_SENT) >= 2:
+        _SENT.pop(next(iter(_SENT)))
+    _SENT[key] = (src, sent)
+    return sent
+
+
+def clear_quant_cache() -> None:
+    """Forget the cached sending sides (``plan.cache.clear_plan_cache`` calls it)."""
+    _SENT.clear()
 
 
 def _unquantize(side: SideLayout, held: dict[str, str]) -> SideLayout:
@@ -170,6 +196,7 @@ def _quantize(side: SideLayout, names: set[str], b: int, dtype: str, what: str, 
         else:
             tensors[name] = (tuple(shape), d)
     params: list[LocalParam] = []
+    shared: _Shared = ({}, {}, {})
     for p in side.params:
         inside = [q.canonical in names for q in p.pieces]
         if not any(inside):
@@ -182,48 +209,90 @@ def _quantize(side: SideLayout, names: set[str], b: int, dtype: str, what: str, 
         if len(p.shape) < 2:
             raise LayoutError(f"{p.name} ({what} rank {p.rank}): a 1-D local tensor cannot hold 128x128 blocks")
         sshape = (*p.shape[:-2], _blocks(p.shape[-2], b), _blocks(p.shape[-1], b))
-        pieces = tuple(_scale_piece(p, q, side.tensors[q.canonical][0], sshape, b, what) for q in p.pieces)
+        pieces = _scale_pieces(p, side.tensors, sshape, b, what, shared)
         params.append(LocalParam(p.rank, p.name, p.shape, dtype, p.pieces))
         params.append(LocalParam(p.rank, scale_name(p.name), sshape, "float32", pieces))
     held = tuple((n, side.tensors[n][1]) for n in side.tensors if n in names) if at_sender else ()
     return SideLayout(side.name, side.world_size, tuple(params), tensors, side.notes, held)
 
 
-def _cut(p: LocalParam, q: Piece, shape: Sequence[int], b: int, what: str) -> str:
+def _cut(p: LocalParam, q: Piece, shape: Sequence[int], b: int, what: str,
+         strides: tuple[int, ...] | None = None) -> str:
     """Why piece ``q`` of local tensor ``p`` (canonical ``shape``) does not hold whole
-    ``b``x``b`` blocks at aligned coordinates of both tensors (one line), or "" when it does."""
+    ``b``x``b`` blocks at aligned coordinates of both tensors (one line), or "" when it does.
+    ``strides``: ``p``'s contiguous strides, when the caller has them."""
     v, box = q.view, q.box
-    strides = contiguous_strides(p.shape)
-    where = f"{q.canonical}: {what} rank {p.rank} holds rows {_span(box, 0)} x cols {_span(box, 1)} in {p.name}"
+    if strides is None:
+        strides = contiguous_strides(p.shape)
     if len(box.sizes) != 2 or len(p.shape) < 2 or any(n != 1 and s != strides[d - 2] for d, (n, s) in
                                                       enumerate(zip(v.shape, v.stride))):
-        return (f"{where} at strides {v.stride}: FP8 blocks need the rows and columns of a "
+        return (f"{_where(p, q, what)} at strides {v.stride}: FP8 blocks need the rows and columns of a "
                 f"{len(p.shape)}-D tensor's last two dims")
-    local = unravel(v.offset, p.shape)[-2:]
+    local = _unravel(v.offset, strides)[-2:]
     for d in range(2):
         start, size, full = box.offsets[d], box.sizes[d], shape[d]
         ends_here = start + size == full and local[d] + size == p.shape[d - 2]
         if start % b or local[d] % b or (size % b and not ends_here):
-            return (f"{where}: it cuts a {b}x{b} FP8 block (its {('rows', 'columns')[d]} are not whole "
-                    f"blocks of {b} there); FP8 needs every shard a whole number of blocks")
+            return (f"{_where(p, q, what)}: it cuts a {b}x{b} FP8 block (its {('rows', 'columns')[d]} are not "
+                    f"whole blocks of {b} there); FP8 needs every shard a whole number of blocks")
     return ""
 
 
-def _scale_piece(p: LocalParam, q: Piece, shape: Sequence[int], sshape: tuple[int, ...], b: int,
-                 what: str) -> Piece:
-    """The scale piece of weight piece ``q`` of local tensor ``p`` (canonical ``shape``)."""
-    cut = _cut(p, q, shape, b, what)
-    if cut:
-        raise LayoutError(cut)
-    v, box = q.view, q.box
-    coords = unravel(v.offset, p.shape)
-    local = coords[-2:]
-    sbox = Box((box.offsets[0] // b, box.offsets[1] // b), (_blocks(box.sizes[0], b), _blocks(box.sizes[1], b)))
-    sstrides = contiguous_strides(sshape)
-    scoords = (*coords[:-2], local[0] // b, local[1] // b)
-    offset = sum(c * s for c, s in zip(scoords, sstrides))
-    return Piece(p.rank, scale_name(p.name), scale_name(q.canonical), sbox,
-                 View(offset, sbox.sizes, (sstrides[-2], 1)))
+def _where(p: LocalParam, q: Piece, what: str) -> str:
+    """Where piece ``q`` lies, for ``_cut``'s message (formatted only when there is one: it
+    is asked of every weight piece of a full-size side)."""
+    return f"{q.canonical}: {what} rank {p.rank} holds rows {_span(q.box, 0)} x cols {_span(q.box, 1)} in {p.name}"
+
+
+def _unravel(offset: int, strides: Sequence[int]) -> list[int]:
+    """``descriptor.unravel`` with the shape's strides at hand."""
+    coords = []
+    for stride in strides:
+        coords.append(offset // stride)
+        offset %= stride
+    return coords
+
+
+#: One ``_quantize`` call's scale boxes by weight box (by identity), scale views by (offset,
+#: scale box identity, row stride), and both by what decides them -- (local shape, weight box
+#: and view identities, canonical shape) -- once ``_cut`` passed them: the rules share Box and
+#: View objects between ranks (a full-size side: ~300k pieces, ~1k boxes), so each distinct
+#: piece is checked and scaled once, and the scale pieces share their objects likewise (what
+#: reads the side next -- digests, relays, reports -- meets ~1k objects, not one per piece).
+_Shared = tuple[dict[int, Box], dict[tuple[int, int, int], View], dict[tuple, tuple[Box, View]]]
+
+
+def _scale_pieces(p: LocalParam, tensors: Mapping[str, tuple[tuple[int, ...], str]], sshape: tuple[int, ...],
+                  b: int, what: str, shared: _Shared) -> tuple[Piece, ...]:
+    """The scale pieces of the weight pieces of local tensor ``p`` (in ``sshape``), in order."""
+    boxes, views, done = shared
+    local_shape, strides, sstrides = tuple(p.shape), None, None
+    name = scale_name(p.name)
+    out = []
+    for q in p.pieces:
+        box, shape = q.box, tensors[q.canonical][0]
+        key = (local_shape, id(box), id(q.view), tuple(shape))
+        hit = done.get(key)
+        if hit is None:
+            if strides is None:
+                strides, sstrides = contiguous_strides(p.shape), contiguous_strides(sshape)
+            cut = _cut(p, q, shape, b, what, strides)
+            if cut:
+                raise LayoutError(cut)
+            sbox = boxes.get(id(box))
+            if sbox is None:
+                sbox = boxes[id(box)] = Box((box.offsets[0] // b, box.offsets[1] // b),
+                                            (_blocks(box.sizes[0], b), _blocks(box.sizes[1], b)))
+            coords = _unravel(q.view.offset, strides)
+            scoords = (*coords[:-2], coords[-2] // b, coords[-1] // b)
+            offset = sum(c * s for c, s in zip(scoords, sstrides))
+            vkey = (offset, id(sbox), sstrides[-2])
+            view = views.get(vkey)
+            if view is None:
+                view = views[vkey] = View(offset, sbox.sizes, (sstrides[-2], 1))
+            hit = done[key] = (sbox, view)
+        out.append(Piece(p.rank, name, scale_name(q.canonical), *hit))
+    return tuple(out)
 
 
 def _span(box: Box, d: int) -> str:

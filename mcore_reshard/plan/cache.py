@@ -11,10 +11,12 @@ from collections import OrderedDict
 from typing import Callable
 
 from ..layout.descriptor import SideLayout
+from ..layout.quant import clear_quant_cache
 from .placement import LINK_CLASSES, RankPlacement
 from .planner import build_plan
 from .report import clear_report_caches
 from .types import TransferPlan
+from .validate import clear_reinterpreted_cache
 
 __all__ = ["layout_digest", "get_plan", "clear_plan_cache"]
 
@@ -46,10 +48,24 @@ def _digest(side: SideLayout) -> str:
         h.update(f"{name}{tuple(shape)}{dtype}".encode())
     if side.quantize:  # layouts without it keep their digests
         h.update(f"quantize{side.quantize}".encode())
+    # Per piece ``canonical + box + view`` as text. The rules share Box and View objects
+    # between ranks (a full-size vLLM side: ~300k pieces, ~1k boxes), so each one's text is
+    # formatted once, by identity (they all stay alive for the call). Hashing one string per
+    # local tensor instead of one per piece gives the same digest (sha256 of the concatenation).
+    boxes: dict[int, str] = {}
+    views: dict[int, str] = {}
     for p in sorted(side.params, key=lambda p: (p.rank, p.name)):
-        h.update(f"{p.rank}|{p.name}|{p.shape}|{p.dtype}".encode())
+        parts = [f"{p.rank}|{p.name}|{p.shape}|{p.dtype}"]
         for q in p.pieces:
-            h.update(f"{q.canonical}{q.box.offsets}{q.box.sizes}{q.view.offset}{q.view.stride}".encode())
+            box, view = q.box, q.view
+            b = boxes.get(id(box))
+            if b is None:
+                b = boxes[id(box)] = f"{box.offsets}{box.sizes}"
+            v = views.get(id(view))
+            if v is None:
+                v = views[id(view)] = f"{view.offset}{view.stride}"
+            parts.append(q.canonical + b + v)
+        h.update("".join(parts).encode())
     return h.hexdigest()[:16]
 
 
@@ -100,9 +116,32 @@ def get_placed_plan(src: SideLayout, dst: SideLayout, params: tuple, build: Call
     return _cached(_PLACED, _MAX_PLACED, (layout_digest(src), layout_digest(dst), params), build)
 
 
+#: Layouts by the settings that describe them (``settings.config.side_layouts``): a command
+#: and tests that plan one model twice (the plan, then the CLI; a plan, then a dry run) would
+#: rebuild ~300k pieces and digest them again, and miss every cache keyed by their identity.
+_LAYOUTS: "OrderedDict[tuple, tuple[SideLayout, SideLayout]]" = OrderedDict()
+_MAX_LAYOUTS = 2  # full-size pairs hold hundreds of MB
+
+
+def get_layouts(key: tuple, build: Callable[[], tuple[SideLayout, SideLayout]]) -> tuple[SideLayout, SideLayout]:
+    """``build()`` once per ``key`` (hashable settings the rules read, nothing else), least
+    recently used pairs beyond the last two dropped; a ``build`` that raises caches nothing."""
+    pair = _LAYOUTS.get(key)
+    if pair is None:
+        pair = _LAYOUTS[key] = build()
+        while len(_LAYOUTS) > _MAX_LAYOUTS:
+            _LAYOUTS.popitem(last=False)
+    else:
+        _LAYOUTS.move_to_end(key)
+    return pair
+
+
 def clear_plan_cache() -> None:
-    """Forget every cached plan, digest and report (full-size plans hold hundreds of MB)."""
+    """Forget every cached plan, layout, digest and report (full-size plans hold hundreds of MB)."""
     _CACHE.clear()
     _PLACED.clear()
     _DIGESTS.clear()
+    _LAYOUTS.clear()
     clear_report_caches()
+    clear_quant_cache()
+    clear_reinterpreted_cache()

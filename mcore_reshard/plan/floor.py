@@ -46,47 +46,72 @@ def _sweep(boxes: set[_Span], minus: set[_Span]) -> int:
     return total
 
 
-def _boxes_by_node(side: SideLayout, locs: Sequence[Location]) -> dict[int, dict[str, list[Box]]]:
-    out: dict[int, dict[str, list[Box]]] = {}
+def _spans_by_node(side: SideLayout, locs: Sequence[Location]) -> dict[int, dict[str, set[_Span]]]:
+    """node -> tensor -> the distinct boxes its ranks hold, as spans. The rules share Box
+    objects between ranks (a full-size vLLM side: ~300k pieces, ~1k boxes): pieces are
+    gathered by box identity first, one dict store each, and turned into spans once."""
+    by_id: dict[int, dict[str, dict[int, Box]]] = {}
     for p in side.params:
-        node = locs[p.rank].node
+        tensors = by_id.setdefault(locs[p.rank].node, {})
         for q in p.pieces:
-            out.setdefault(node, {}).setdefault(q.canonical, []).append(q.box)
-    return out
+            boxes = tensors.get(q.canonical)
+            if boxes is None:
+                boxes = tensors[q.canonical] = {}
+            boxes[id(q.box)] = q.box
+    return {node: {name: {(b.offsets, b.sizes) for b in boxes.values()} for name, boxes in tensors.items()}
+            for node, tensors in by_id.items()}
 
 
-#: inter_node_minimum by (layouts, placement): one plan's report asks for it several times
-#: (direct vs relayed, then the CLI). Holds the layouts so their ids stay theirs.
-_MIN_CACHE: dict[tuple, tuple[SideLayout, SideLayout, int]] = {}
+#: node_floors by (layouts, placement, itemsize): one plan's report asks for them several
+#: times (direct vs relayed, then the CLI), the relay choice once more (``over_floor``).
+#: Holds the layouts so their ids stay theirs.
+_FLOOR_CACHE: dict[tuple, tuple[SideLayout, SideLayout, dict[tuple[int, str], int]]] = {}
 
 
 def inter_node_minimum(src: SideLayout, dst: SideLayout, placement: RankPlacement, itemsize: int) -> int:
     """Bytes that must cross into destination nodes: per node, the distinct elements its
     inference ranks hold (padding excluded: it is never sent) that no training rank on the
     same node holds."""
-    key = (id(src), id(dst), placement, itemsize)
-    hit = _MIN_CACHE.get(key)
-    if hit is not None and hit[0] is src and hit[1] is dst:
-        return hit[2]
-    total = sum(node_floors(src, dst, placement, itemsize).values())
-    if len(_MIN_CACHE) >= 8:
-        _MIN_CACHE.pop(next(iter(_MIN_CACHE)))
-    _MIN_CACHE[key] = (src, dst, total)
-    return total
+    return sum(_node_floors(src, dst, placement, itemsize).values())
 
 
 def clear_floor_cache() -> None:
-    _MIN_CACHE.clear()
+    _FLOOR_CACHE.clear()
 
 
 def node_floors(src: SideLayout, dst: SideLayout, placement: RankPlacement,
                 itemsize: int) -> dict[tuple[int, str], int]:
     """(destination node, tensor) -> bytes of it that must cross into that node."""
-    held = _boxes_by_node(dst, placement.dst)
-    local = _boxes_by_node(src, placement.src)
+    return dict(_node_floors(src, dst, placement, itemsize))
+
+
+def _node_floors(src: SideLayout, dst: SideLayout, placement: RankPlacement,
+                 itemsize: int) -> dict[tuple[int, str], int]:
+    """:func:`node_floors`, cached (callers here only read it)."""
+    key = (id(src), id(dst), placement, itemsize)
+    hit = _FLOOR_CACHE.get(key)
+    if hit is not None and hit[0] is src and hit[1] is dst:
+        return hit[2]
+    held = _spans_by_node(dst, placement.dst)
+    local = _spans_by_node(src, placement.src)
     size = _element_bytes(dst, itemsize)
-    return {(node, name): _covered(boxes, local.get(node, {}).get(name, ())) * size.get(name, itemsize)
-            for node, tensors in held.items() for name, boxes in tensors.items()}
+    # the layers repeat a few box patterns thousands of times (experts x layers x nodes):
+    # each distinct (held, minus) pair is swept once
+    covered: dict[tuple[frozenset, frozenset], int] = {}
+    floors = {}
+    for node, tensors in held.items():
+        here = local.get(node, {})
+        for name, spans in tensors.items():
+            minus = here.get(name, set())
+            k = (frozenset(spans), frozenset(minus))
+            n = covered.get(k)
+            if n is None:
+                n = covered[k] = _sweep(spans, minus)
+            floors[(node, name)] = n * size.get(name, itemsize)
+    if len(_FLOOR_CACHE) >= 8:
+        _FLOOR_CACHE.pop(next(iter(_FLOOR_CACHE)))
+    _FLOOR_CACHE[key] = (src, dst, floors)
+    return floors
 
 
 def _element_bytes(dst: SideLayout, itemsize: int) -> dict[str, int]:
@@ -118,7 +143,7 @@ def over_floor(plan: TransferPlan, src: SideLayout, dst: SideLayout,
         if placement.link(t.src, t.dst) == "inter_node":
             key = (placement.dst[t.dst].node, t.canonical)
             moved[key] = moved.get(key, 0) + t.nbytes
-    floors = node_floors(src, dst, placement, plan.itemsize)
+    floors = _node_floors(src, dst, placement, plan.itemsize)
     return [(node, name, nb, floors.get((node, name), 0)) for (node, name), nb in sorted(moved.items())
             if nb > floors.get((node, name), 0)]
 

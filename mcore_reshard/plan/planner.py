@@ -40,7 +40,7 @@ from .types import PlanError, TransferPlan
 from .validate import (check_dest, check_sides, check_whole_elements, first_uncovered, index_sources, param_kinds,
                        reinterpreted, wire_dtype)
 
-__all__ = ["build_plan", "check_sides", "index_sources", "check_dest", "param_kinds"]
+__all__ = ["build_plan", "check_sides", "index_sources", "check_dest", "param_kinds", "gc_paused"]
 
 
 def build_plan(
@@ -62,7 +62,7 @@ def build_plan(
     tensor receives also counts against those ranks' bucket budgets (fan-out relays: their
     members receive it too, forwarded)."""
     t0 = time.perf_counter()
-    with _gc_paused():
+    with gc_paused():
         plan = _build_plan(src, dst, bucket_bytes, allow_cast, not_direct, link_cost,
                            {(r, n): tuple(o) for r, n, o in charges})
     object.__setattr__(plan, "plan_seconds", time.perf_counter() - t0)
@@ -70,9 +70,11 @@ def build_plan(
 
 
 @contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
+def gc_paused() -> Iterator[None]:
     """Planning allocates a few objects per transfer and frees none of them: the cycle
-    collector would rescan them all again and again (about 40% of a full-size plan).
+    collector would rescan them all again and again (about 40% of a full-size plan). What
+    walks a plan's transfers after it is made (relays, reports) allocates as much: the
+    placement's plan and the CLI's commands pause it too; nested pauses do nothing.
 
     On the way out the survivors -- the plan, one object per transfer, kept for every refit --
     go straight to the oldest generation (``freeze`` + ``unfreeze``, no scan): the next young

@@ -8,11 +8,13 @@ ranks (``TransferPlan.relay_groups``); a transfer's relay group is its index the
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, replace
-from typing import Sequence
+from itertools import repeat
+from typing import Iterable, Sequence
 
 from ..layout import Box, SideLayout, View
-from ..layout.descriptor import DTYPE_BYTES, LocalParam, Piece
+from ..layout.descriptor import DTYPE_BYTES, LocalParam
 from .placement import RankPlacement
 from .types import Transfer, TransferPlan, member_site
 
@@ -20,25 +22,67 @@ __all__ = ["Relays", "Site", "relay_groups", "piece_relays", "spread", "misdeliv
 
 #: A member's place for a relayed box: (rank, local tensor, canonical, box, view).
 Site = tuple[int, str, str, Box, View]
-#: A destination piece as another rank would hold it identically: see ``_piece_key``.
-_PieceKey = tuple[str, tuple[int, ...], str, str, Box, View]
+_SRC, _DST = operator.attrgetter("src"), operator.attrgetter("dst")
+#: A destination piece as another rank would hold it identically: see ``_piece_keys``.
+_PieceKey = tuple[str, tuple[int, ...], str, str, int, int]
 
 
-def _signature(params: Sequence[LocalParam]) -> tuple:
+class _Ids:
+    """Box and View values as small ints (``ids(x)``; ``ids.values[i]``: the value). A full-size
+    side has ~300k pieces but ~1k distinct Box and View objects (the rules share them between
+    ranks): each object's value is looked up once, by identity, and pieces are then hashed
+    and compared as ints -- not by the dataclasses' Python-level ``__hash__`` and ``__eq__``
+    once per piece and dict. The objects must outlive it (they are the layout's)."""
+
+    __slots__ = ("by_id", "by_value", "values")
+
+    def __init__(self) -> None:
+        self.by_id: dict[int, int] = {}
+        self.by_value: dict[Box | View, int] = {}
+        self.values: list[Box | View] = []
+
+    def __call__(self, x: Box | View) -> int:
+        i = self.by_id.get(id(x))
+        if i is None:
+            i = self.by_value.get(x)
+            if i is None:
+                i = self.by_value[x] = len(self.values)
+                self.values.append(x)
+            self.by_id[id(x)] = i
+        return i
+
+    def many(self, xs: Iterable[Box | View]) -> list[int]:
+        """``[ids(x) for x in xs]``, C-level where every object was seen before (the bulk)."""
+        xs = list(xs)
+        out = list(map(self.by_id.get, map(id, xs)))
+        if None in out:
+            out = [self(x) if i is None else i for i, x in zip(out, xs)]
+        return out
+
+
+_LOCAL_NAME, _CANONICAL, _BOX, _VIEW = (operator.attrgetter(a) for a in ("local_name", "canonical", "box", "view"))
+
+
+def _signature(params: Sequence[LocalParam], ids: _Ids) -> tuple:
     """What a destination rank holds, independent of its rank number."""
-    return tuple(sorted((p.name, tuple(p.shape), p.dtype, tuple((q.local_name, q.canonical, q.box, q.view)
-                                                                  for q in p.pieces)) for p in params))
+    return tuple(sorted((p.name, tuple(p.shape), p.dtype,
+                         tuple(zip(map(_LOCAL_NAME, p.pieces), map(_CANONICAL, p.pieces), ids.many(map(_BOX, p.pieces)),
+                                   ids.many(map(_VIEW, p.pieces))))) for p in params))
 
 
 def relay_groups(dst: SideLayout, placement: RankPlacement) -> tuple[tuple[int, ...], ...]:
     """Destination ranks on one node that hold exactly the same pieces (rank r of several
     engines of one layout on that node), as sorted groups of two or more."""
+    return _relay_groups(dst, placement, _Ids())
+
+
+def _relay_groups(dst: SideLayout, placement: RankPlacement, ids: _Ids) -> tuple[tuple[int, ...], ...]:
     by_rank: dict[int, list] = {}
     for p in dst.params:
         by_rank.setdefault(p.rank, []).append(p)
     groups: dict[tuple, list[int]] = {}
     for r in sorted(by_rank):
-        groups.setdefault((placement.dst[r].node, _signature(by_rank[r])), []).append(r)
+        groups.setdefault((placement.dst[r].node, _signature(by_rank[r], ids)), []).append(r)
     return tuple(sorted(tuple(members) for members in groups.values() if len(members) > 1))
 
 
@@ -51,31 +95,35 @@ def spread(plan: TransferPlan, groups: tuple[tuple[int, ...], ...], relay_of: li
     budget holds. ``sites``: boxes the members hold at different places (``relay_sites``):
     a transfer handed to another member lands at that member's place."""
     load = {m: 0 for members in groups for m in members}
+    # members in rank order: ``min`` by load then keeps the first, the lower rank, on a tie
+    ranked = [tuple(sorted(members)) for members in groups]
     index: dict = {}
     out = []
     for t, group in zip(plan.transfers, relay_of):
         if group >= 0:
-            a = min(groups[group], key=lambda m: (load[m], m))
+            a = min(ranked[group], key=load.__getitem__)
             load[a] += t.nbytes
-            if a != t.dst:
-                if sites:
-                    name, view = member_site(sites, index, t, a)
-                    t = replace(t, dst=a, dst_name=name, dst_view=view)
-                else:
-                    t = replace(t, dst=a)
+            if a != t.dst:  # (the constructor: ``dataclasses.replace`` costs ~10x, per transfer)
+                name, view = member_site(sites, index, t, a) if sites else (t.dst_name, t.dst_view)
+                t = Transfer(t.src, a, t.canonical, t.box, t.src_name, t.src_view, name, view, t.nbytes, t.bucket)
         out.append(t)
-    # stable: wire order inside each message kept
-    keys = [(t.bucket, t.src, t.dst) for t in out]
+    # stable: wire order inside each message kept; (bucket, src, dst) as one int key
+    num_src = max(plan.num_src, 1 + max(map(_SRC, out), default=0))
+    num_dst = max(plan.num_dst, 1 + max(map(_DST, out), default=0))
+    keys = [(t.bucket * num_src + t.src) * num_dst + t.dst for t in out]
     order = sorted(range(len(out)), key=keys.__getitem__)
-    return replace(plan, transfers=tuple(out[i] for i in order), relay_groups=groups,
+    return replace(plan, transfers=tuple([out[i] for i in order]), relay_groups=groups,
                    relay_of=tuple(relay_of[i] for i in order), relay_sites=sites,
                    _by_src={}, _by_dst={}, _by_group={}, _sites={})
 
 
-def _piece_key(p: LocalParam, q: Piece) -> _PieceKey:
-    """A destination piece as another rank would hold it identically (same local tensor,
-    same place in it): a box one member receives, unpacked the same way by every member."""
-    return (p.name, tuple(p.shape), p.dtype, q.canonical, q.box, q.view)
+def _piece_keys(p: LocalParam, ids: _Ids) -> list[_PieceKey]:
+    """Each destination piece of ``p`` as another rank would hold it identically (same local
+    tensor, same place in it): a box one member receives, unpacked the same way by every
+    member. Box and view as ``ids``."""
+    n, ps = len(p.pieces), p.pieces
+    return list(zip(repeat(p.name, n), repeat(tuple(p.shape), n), repeat(p.dtype, n), map(_CANONICAL, ps),
+                    ids.many(map(_BOX, ps)), ids.many(map(_VIEW, ps))))
 
 
 @dataclass(frozen=True)
@@ -145,10 +193,11 @@ def piece_relays(dst: SideLayout, placement: RankPlacement,
     slot of another rank; each member then unpacks it at its own place, ``relay_sites``). A
     rank holding one box twice gets it once relayed and once more directly. ``direct``:
     (node, tensor) whose pieces keep the direct path on that node. None: no relays."""
-    whole = relay_groups(dst, placement)
+    ids = _Ids()
+    whole = _relay_groups(dst, placement, ids)
     ident = {m: members for members in whole for m in members}
     nodes = tuple(loc.node for loc in placement.dst)
-    keyed = _keyed_pieces(dst, {m for members in whole for m in members[1:]}, nodes, direct)
+    keyed = _keyed_pieces(dst, {m for members in whole for m in members[1:]}, nodes, direct, ids)
     holders, multi = _holders(keyed, nodes, direct)
     if not whole and not multi:
         return None
@@ -163,20 +212,21 @@ def piece_relays(dst: SideLayout, placement: RankPlacement,
     for k, reps in multi.items():
         owner, okey = reps[0]
         name, _, _, canonical, box, view = okey
+        box, view = ids.values[box], ids.values[view]
         alike = len(holders[k]) == len(reps) and all(key == okey for _, key in reps[1:])
         shared.setdefault((owner, name, canonical), []).append((box, index[members_of[k]], None if alike else view))
         charged.setdefault((owner, name), set()).update(r for r, _ in reps[1:])
         dropped.update(reps[1:])
         if not alike:
-            sites.append(tuple(sorted(((m, key[0], canonical, box, key[5]) for r, key in reps
+            sites.append(tuple(sorted(((m, key[0], canonical, box, ids.values[key[5]]) for r, key in reps
                                        for m in ident.get(r, (r,))), key=lambda s: s[0])))
     reduced = SideLayout(dst.name, dst.world_size, _without(keyed, dropped), dst.tensors, dst.notes)
     charges = tuple(sorted((r, n, tuple(sorted(o))) for (r, n), o in charged.items()))
     return Relays(reduced, groups, default, shared, charges, tuple(sites), frozenset(direct), nodes)
 
 
-def _keyed_pieces(dst: SideLayout, others: set[int], nodes: tuple[int, ...],
-                  direct: frozenset[tuple[int, str]]) -> list[tuple[LocalParam, list[_PieceKey]]]:
+def _keyed_pieces(dst: SideLayout, others: set[int], nodes: tuple[int, ...], direct: frozenset[tuple[int, str]],
+                  ids: _Ids) -> list[tuple[LocalParam, list[_PieceKey]]]:
     """Every destination local tensor that may be held for others, with its pieces' keys:
     the members after the first of a whole-rank relay group (``others``) hold what the first
     holds, so only their pieces kept direct stay."""
@@ -190,7 +240,7 @@ def _keyed_pieces(dst: SideLayout, others: set[int], nodes: tuple[int, ...],
                 continue
             if len(kept) != len(p.pieces):
                 p = replace(p, pieces=kept)
-        keyed.append((p, [_piece_key(p, q) for q in p.pieces]))
+        keyed.append((p, _piece_keys(p, ids)))
     return keyed
 
 

@@ -4,6 +4,7 @@ own (:func:`plan_report`) and its bytes on the links of a placement (:func:`plac
 
 from __future__ import annotations
 
+import operator
 import re
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
@@ -12,6 +13,7 @@ from ..layout import DTYPE_BYTES, SideLayout
 from ..layout.quant import FP8, scale_name
 from .floor import clear_floor_cache, hf_ipc_bytes, inter_node_minimum
 from .placement import LINK_CLASSES, Links, RankPlacement
+from .planner import gc_paused
 from .types import TransferPlan
 
 __all__ = ["PlanReport", "plan_report", "PlacementReport", "placement_report", "format_bytes"]
@@ -112,14 +114,14 @@ class PlanReport:
 
 def plan_report(plan: TransferPlan) -> PlanReport:
     send = plan.send_bytes()
-    senders = [b for b in send if b]
+    recv = plan.recv_bytes()  # once: ``plan.bytes_planned`` is its sum
     return PlanReport(
         bytes_min=plan.bytes_min,
-        bytes_planned=plan.bytes_planned,
+        bytes_planned=sum(recv),
         bytes_hf_broadcast=plan.bytes_hf_broadcast,
         max_send_bytes=max(send, default=0),
         mean_send_bytes=(sum(send) / len(send)) if send else 0.0,
-        max_recv_bytes=max(plan.recv_bytes(), default=0),
+        max_recv_bytes=max(recv, default=0),
         num_transfers=len(plan.transfers),
         num_buckets=plan.num_buckets,
         plan_seconds=round(plan.plan_seconds, 4),
@@ -241,6 +243,8 @@ class PlacementReport:
         }
 
 
+_SRC, _DST, _NBYTES = (operator.attrgetter(a) for a in ("src", "dst", "nbytes"))
+
 #: placement_report by what it reads, the plan's transfers by identity: the relay choice
 #: reports each candidate, then the CLI reports the chosen one again (the same transfers, other
 #: notes). Holds what it keys by id, so the ids stay theirs.
@@ -260,7 +264,8 @@ def placement_report(plan: TransferPlan, src: SideLayout, dst: SideLayout, place
     hit = _REPORTS.get(key)
     if hit is not None and all(a is b for a, b in zip(hit[0], held)):
         return hit[1]
-    report = _placement_report(plan, src, dst, placement, links)
+    with gc_paused():  # a set and tuples per destination piece (the floor): nothing to collect
+        report = _placement_report(plan, src, dst, placement, links)
     _REPORTS[key] = (held, report)
     while len(_REPORTS) > 4:
         _REPORTS.popitem(last=False)
@@ -277,22 +282,36 @@ def _placement_report(plan: TransferPlan, src: SideLayout, dst: SideLayout, plac
     totals = dict.fromkeys(LINK_CLASSES, 0)
     sent = {c: [0] * plan.num_src for c in LINK_CLASSES}
     recv = {c: [0] * plan.num_dst for c in LINK_CLASSES}
-    for t in plan.transfers:
-        c = placement.link(t.src, t.dst)
-        totals[c] += t.nbytes
-        sent[c][t.src] += t.nbytes
-        recv[c][t.dst] += t.nbytes
-    # Relays: a group member forwards what it receives from the sources to the other members.
+    # ~300k transfers between a few thousand (source, destination) pairs: bytes are summed
+    # per pair (one int key) first, and each pair's link class is asked once
+    ts = plan.transfers
+    dsts, nbytes = list(map(_DST, ts)), list(map(_NBYTES, ts))
+    width = max(plan.num_dst, 1 + max(dsts, default=0))  # (a rank out of range still fails below)
+    pairs: dict[int, int] = {}
+    get = pairs.get
+    for s, d, n in zip(map(_SRC, ts), dsts, nbytes):
+        k = s * width + d
+        pairs[k] = get(k, 0) + n
+    for k, n in pairs.items():
+        s, d = divmod(k, width)
+        c = placement.link(s, d)
+        totals[c] += n
+        sent[c][s] += n
+        recv[c][d] += n
+    # Relays: a group member forwards what it receives from the sources to the other members
+    # (summed per (receiver, relay group) first, likewise).
     forwarded = {c: [0] * plan.num_dst for c in LINK_CLASSES}
-    for t, group in zip(plan.transfers, plan.relay_of):
-        if group < 0:
-            continue
+    relayed: dict[tuple[int, int], int] = {}
+    for group, d, n in zip(plan.relay_of, dsts, nbytes):
+        if group >= 0:
+            relayed[(d, group)] = relayed.get((d, group), 0) + n
+    for (d, group), n in relayed.items():
         for m in plan.relay_groups[group]:
-            if m != t.dst:
-                c = placement.dst_link(t.dst, m)
-                totals[c] += t.nbytes
-                recv[c][m] += t.nbytes
-                forwarded[c][t.dst] += t.nbytes
+            if m != d:
+                c = placement.dst_link(d, m)
+                totals[c] += n
+                recv[c][m] += n
+                forwarded[c][d] += n
     busiest = {c: max(max(sent[c], default=0), max(recv[c], default=0), max(forwarded[c], default=0))
                for c in LINK_CLASSES}
     seconds = 0.0

@@ -15,6 +15,7 @@ from ..layout import SideLayout
 from .cache import get_placed_plan, get_plan
 from .floor import hf_ipc_bytes, inter_node_minimum, over_floor, why_over
 from .placement import LINK_CLASSES, Links, Location, RankPlacement, same_device_pairs
+from .planner import gc_paused
 from .relays import Relays, misdelivered, piece_relays, relay_groups, spread
 from .report import PlacementReport, placement_report
 from .tags import relayed_tags_fit
@@ -71,7 +72,8 @@ def plan_for_placement(src: SideLayout, dst: SideLayout, placement: RankPlacemen
     refuses a layout. Bytes delivered other than the destinations hold are a ``PlanError``.
     Cached (``plan.cache``): the same inputs give the same plan object."""
     req = _Request(src, dst, placement, links, bucket_bytes, allow_cast, not_direct)
-    return get_placed_plan(src, dst, (placement, links, bucket_bytes, allow_cast, not_direct), lambda: _placed(req))
+    with gc_paused():  # relays and reports walk every transfer of every candidate, as planning does
+        return get_placed_plan(src, dst, (placement, links, bucket_bytes, allow_cast, not_direct), lambda: _placed(req))
 
 
 def _placed(req: _Request) -> TransferPlan:

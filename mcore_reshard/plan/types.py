@@ -323,11 +323,29 @@ def plan_digest(
     *, relays: object = None, same_device: object = None, reinterpret: object = None, quantize: object = None,
 ) -> str:
     h = hashlib.sha256(f"{num_buckets}|{dtype}".encode())
+    # Boxes and views as text, each object formatted once (by identity: a plan's ~300k
+    # transfers share ~10k of them, and they outlive the call); lines hashed a few thousand
+    # at a time (the same digest: sha256 of the concatenation).
+    text: dict[int, str] = {}
+    lines: list[str] = []
+    if not isinstance(transfers, (tuple, list)):
+        transfers = list(transfers)  # every object alive until the end (ids stay theirs)
     for t in transfers:
-        h.update(
-            f"{t.bucket}|{t.src}|{t.dst}|{t.canonical}|{t.box.offsets}{t.box.sizes}|{t.nbytes}|{t.src_name}|"
-            f"{t.src_view.offset}{t.src_view.stride}|{t.dst_name}|{t.dst_view.offset}{t.dst_view.stride}\n".encode()
-        )
+        box, sv, dv = t.box, t.src_view, t.dst_view
+        b = text.get(id(box))
+        if b is None:
+            b = text[id(box)] = f"{box.offsets}{box.sizes}"
+        s = text.get(id(sv))
+        if s is None:
+            s = text[id(sv)] = f"{sv.offset}{sv.stride}"
+        d = text.get(id(dv))
+        if d is None:
+            d = text[id(dv)] = f"{dv.offset}{dv.stride}"
+        lines.append(f"{t.bucket}|{t.src}|{t.dst}|{t.canonical}|{b}|{t.nbytes}|{t.src_name}|{s}|{t.dst_name}|{d}\n")
+        if len(lines) >= 4096:
+            h.update("".join(lines).encode())
+            lines.clear()
+    h.update("".join(lines).encode())
     for name, s_dtype, d_dtype in casts:  # nothing hashed without casts: older digests stay valid
         h.update(f"cast|{name}|{s_dtype}|{d_dtype}\n".encode())
     if relays is not None:  # likewise: plans without relays keep their digests

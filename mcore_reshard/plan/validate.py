@@ -308,11 +308,32 @@ def wire_dtype(dst: SideLayout, casts: Sequence[tuple[str, str, str]] = ()) -> t
     return wire, tuple(reinterpret)
 
 
+#: ``reinterpreted`` by (side identity, real, wire, what), least recently used last: a placed
+#: plan asks for the same training side twice (the direct plan, then the relayed one) between
+#: two destination sides. Holds the sides so their ids stay theirs.
+_REINTERPRETED: dict[tuple, tuple[SideLayout, SideLayout]] = {}
+
+
 def reinterpreted(side: SideLayout, real: dict[str, str], wire: str, what: str) -> SideLayout:
     """``side`` with the tensors of ``real`` (name -> real dtype) described in ``wire`` units:
     one real element is ``r`` wire elements along the last dim (shape[-1], box offsets/sizes[-1]
     and view offset and outer strides x r, last stride 1). Other local tensors are kept as they
-    are (same objects)."""
+    are (same objects). Cached (the last two)."""
+    key = (id(side), tuple(real.items()), wire, what)
+    hit = _REINTERPRETED.pop(key, None)
+    if hit is None or hit[0] is not side:
+        hit = (side, _reinterpreted(side, real, wire, what))
+        while len(_REINTERPRETED) >= 2:
+            _REINTERPRETED.pop(next(iter(_REINTERPRETED)))
+    _REINTERPRETED[key] = hit
+    return hit[1]
+
+
+def clear_reinterpreted_cache() -> None:
+    _REINTERPRETED.clear()
+
+
+def _reinterpreted(side: SideLayout, real: dict[str, str], wire: str, what: str) -> SideLayout:
     w = DTYPE_BYTES[wire]
     tensors = {}
     for name, (shape, d) in side.tensors.items():
@@ -324,6 +345,10 @@ def reinterpreted(side: SideLayout, real: dict[str, str], wire: str, what: str) 
             d = wire
         tensors[name] = (shape, d)
     params = []
+    # new boxes and views by the old ones' identity: the rules share them between ranks (a
+    # full-size side: ~300k pieces, ~1k boxes), so the copy shares them likewise
+    boxes: dict[tuple[int, int], Box] = {}
+    views: dict[tuple[int, int], View] = {}
     for p in side.params:
         pieces = p.pieces
         if (pieces[0].canonical not in real) if len(pieces) == 1 else not any(q.canonical in real for q in pieces):
@@ -341,8 +366,12 @@ def reinterpreted(side: SideLayout, real: dict[str, str], wire: str, what: str) 
             if v.stride[-1] != 1 and v.shape[-1] != 1:
                 raise PlanError(f"{p.name} ({what} rank {p.rank}): {q.canonical} is strided along its last dim "
                                 f"(stride {v.stride[-1]}): its {p.dtype} elements cannot be carried as {wire} bits")
-            box = Box((*b.offsets[:-1], b.offsets[-1] * r), (*b.sizes[:-1], b.sizes[-1] * r))
-            view = View(v.offset * r, box.sizes, (*(s * r for s in v.stride[:-1]), 1))
+            box = boxes.get((id(b), r))
+            if box is None:
+                box = boxes[(id(b), r)] = Box((*b.offsets[:-1], b.offsets[-1] * r), (*b.sizes[:-1], b.sizes[-1] * r))
+            view = views.get((id(v), id(box)))
+            if view is None:
+                view = views[(id(v), id(box))] = View(v.offset * r, box.sizes, (*(s * r for s in v.stride[:-1]), 1))
             pieces.append(Piece(q.rank, q.local_name, q.canonical, box, view))
         params.append(LocalParam(p.rank, p.name, (*p.shape[:-1], p.shape[-1] * r), wire, tuple(pieces)))
     return SideLayout(side.name, side.world_size, tuple(params), tensors, side.notes, side.quantize)

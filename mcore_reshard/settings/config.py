@@ -25,6 +25,8 @@ from ..adapters.vllm.rules import VllmParallel, vllm_layout
 from ..layout import DTYPE_BYTES, LayoutError, ModelSpec, SideLayout, dtensor_report, dtensor_summary
 from ..layout.quant import fp8_sides
 from ..plan import check_sides, get_plan, plan_report
+from ..plan.cache import get_layouts
+from ..plan.planner import gc_paused
 from ..plan.report import PlanReport
 from ..plan.topology import PlacementReport, placement_report, plan_for_placement
 from ..protocol import one_line
@@ -96,15 +98,17 @@ def side_layouts(spec: ModelSpec, training: MegatronParallel, vllm: VllmParallel
     """(training layout, vLLM layout) from metadata alone, checked as plannable: what the rules
     or the planner reject raises here (``LayoutError`` prefixed with the side, ``PlanError``,
     ``ConfigError``), before a placement is checked or a plan is made."""
+    with gc_paused():  # the rules make an object or three per piece, ~300k of them, and free none
+        return _side_layouts(spec, training, vllm, refit, vllm_spec)
+
+
+def _side_layouts(spec: ModelSpec, training: MegatronParallel, vllm: VllmParallel, refit: RefitConfig,
+                  vllm_spec: ModelSpec | None) -> tuple[SideLayout, SideLayout]:
     check_world(training.world_size, vllm.world_size)
-    try:
-        src = megatron_layout(spec, training)
-    except LayoutError as exc:
-        raise LayoutError(f"training layout: {one_line(exc)}") from None
-    try:
-        dst = vllm_layout(vllm_spec or spec, vllm)
-    except LayoutError as exc:
-        raise LayoutError(f"vllm layout: {one_line(exc)}") from None
+    # the rules are pure: the same settings give the same layouts (and a plan or report cached
+    # by their identity is found again without re-digesting ~300k pieces)
+    src, dst = get_layouts((spec, training, vllm_spec or spec, vllm), lambda: _rule_layouts(spec, training, vllm,
+                                                                                             vllm_spec))
     n = _min_transfers(dst, refit.bucket_bytes)
     if n > MAX_PLAN_TRANSFERS:
         raise ConfigError(
@@ -116,6 +120,19 @@ def side_layouts(spec: ModelSpec, training: MegatronParallel, vllm: VllmParallel
     except LayoutError as exc:
         raise LayoutError(f"training layout: {one_line(exc)}") from None
     check_sides(sent, dst_in, allow_cast=refit.allow_cast)  # the planner's first check, named before the placement's
+    return src, dst
+
+
+def _rule_layouts(spec: ModelSpec, training: MegatronParallel, vllm: VllmParallel,
+                  vllm_spec: ModelSpec | None) -> tuple[SideLayout, SideLayout]:
+    try:
+        src = megatron_layout(spec, training)
+    except LayoutError as exc:
+        raise LayoutError(f"training layout: {one_line(exc)}") from None
+    try:
+        dst = vllm_layout(vllm_spec or spec, vllm)
+    except LayoutError as exc:
+        raise LayoutError(f"vllm layout: {one_line(exc)}") from None
     return src, dst
 
 
@@ -167,6 +184,11 @@ class PlannedRecipe:
 
 def plan_recipe(recipe: RecipeLayout) -> PlannedRecipe:
     """Plan ``recipe`` once (``mcore-reshard plan``)."""
+    with gc_paused():  # layouts, plan, reports and DTensor forms: nothing of it to collect
+        return _plan_recipe(recipe)
+
+
+def _plan_recipe(recipe: RecipeLayout) -> PlannedRecipe:
     src, dst = side_layouts(recipe.spec, recipe.training, recipe.vllm, recipe.refit, recipe.vllm_spec)
     forms = {"training": dtensor_report(src), "vllm": dtensor_report(dst)}
     r, topology, placed = recipe.refit, recipe.topology, None

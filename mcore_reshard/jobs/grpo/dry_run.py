@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field, replace
 from ...settings.config import side_layouts
 from ...errors import ConfigError
 from ...layout import ModelSpec
+from ...plan.planner import gc_paused
 from ...plan.report import PlanReport, format_bytes, plan_report
 from ...plan.topology import Links, placement_report, plan_for_placement
 from ...settings import resolve_model
@@ -239,6 +240,11 @@ def dry_run(recipe: GrpoRecipe, *, intra_node_gbps: float = 450.0, inter_node_gb
     node, over the intra-node one. Raises ``ConfigError`` / ``LayoutError`` / ``PlanError``
     (one line) where the layouts cannot be planned.
     """
+    with gc_paused():  # layouts, plan and reports: ~300k objects each, nothing of it to collect
+        return _dry_run(recipe, intra_node_gbps, inter_node_gbps)
+
+
+def _dry_run(recipe: GrpoRecipe, intra_node_gbps: float, inter_node_gbps: float) -> DryRunReport:
     for g in (intra_node_gbps, inter_node_gbps):  # both checked, whichever the placement uses
         modelled_refit_seconds(0, g)
     place = placement(recipe)
