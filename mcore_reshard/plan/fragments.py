@@ -248,9 +248,14 @@ def choose_senders(hits: list[Hit], cut: set[int], num_src: int, itemsize: int,
     merge, as blocks, and the moves that might (cut fragments).
     """
     load = [0] * num_src
-    #: (id of a replica-rank list, destination rank) -> indices of the replicas on the cheapest
-    #: link (the lists are shared by every hit of a source box and live while planning)
-    cheapest: dict[tuple[int, int], list[int]] = {}
+    #: (replica ranks as an int, destination rank) as one int -> the indices and ranks of the
+    #: replicas on the cheapest link. Keyed by the ranks' values: expert tensors each have
+    #: their own replica lists, alike on every layer (one key per list would be one per
+    #: fragment); a list's int is looked up by identity (they live while planning).
+    cheapest: dict[int, tuple[list[int], list[int]]] = {}
+    ranks_ids: dict[int, int] = {}
+    distinct: dict[tuple[int, ...], int] = {}
+    width = len(costs) if costs is not None else 0
     by_size: dict[tuple[int, int], list[Hit]] = defaultdict(list)  # (size desc, tensor) -> its hits
     for hit in hits:
         by_size[(-hit.box.numel, hit.order)].append(hit)
@@ -276,15 +281,21 @@ def choose_senders(hits: list[Hit], cut: set[int], num_src: int, itemsize: int,
                 best = loads.index(min(loads))  # ranks ascend: the least-loaded, then lowest rank
             else:  # the replicas on the cheapest link to this destination, then as above
                 d = h.sites[i].rank
-                cand = cheapest.get((id(ranks), d))
-                if cand is None:
+                k = ranks_ids.get(id(ranks))
+                if k is None:
+                    k = ranks_ids[id(ranks)] = distinct.setdefault(tuple(ranks), len(distinct))
+                k = k * width + d
+                entry = cheapest.get(k)
+                if entry is None:
                     row = costs[d]
                     low = min(row[r] for r in ranks)
-                    cand = cheapest[(id(ranks), d)] = [j for j, r in enumerate(ranks) if row[r] == low]
+                    cand = [j for j, r in enumerate(ranks) if row[r] == low]
+                    entry = cheapest[k] = (cand, [ranks[j] for j in cand])
+                cand, cand_ranks = entry
                 if len(cand) == 1:
                     best = cand[0]
                 else:
-                    loads = [load[ranks[j]] for j in cand]
+                    loads = list(map(load.__getitem__, cand_ranks))
                     best = cand[loads.index(min(loads))]
             h.senders[i] = best
             load[ranks[best]] += nbytes

@@ -9,6 +9,7 @@ transport maps both into its own process group.
 from __future__ import annotations
 
 import hashlib
+import operator
 from collections import deque
 from dataclasses import dataclass, field, replace
 from itertools import repeat
@@ -41,6 +42,7 @@ class Transfer:
     bucket: int = 0
 
 
+_SRC, _DST, _NBYTES = (operator.attrgetter(a) for a in ("src", "dst", "nbytes"))
 #: Slot setters of ``Transfer`` in field order (what its generated ``__init__`` sets).
 _TRANSFER_SETTERS = tuple(getattr(Transfer, name).__set__ for name in Transfer.__slots__)
 
@@ -197,19 +199,21 @@ class TransferPlan:
     def send_bytes(self) -> list[int]:
         """Per source rank (relays are destination ranks: not counted here)."""
         out = [0] * self.num_src
-        for t in self.transfers:
-            out[t.src] += t.nbytes
+        for s, n in zip(map(_SRC, self.transfers), map(_NBYTES, self.transfers)):  # (C-level field reads)
+            out[s] += n
         return out
 
     def recv_bytes(self) -> list[int]:
         out = [0] * self.num_dst
-        for t in self.transfers:
-            out[t.dst] += t.nbytes
-        for t, group in zip(self.transfers, self.relay_of):
-            if group >= 0:
-                for m in self.relay_groups[group]:
-                    if m != t.dst:
-                        out[m] += t.nbytes
+        ts = self.transfers
+        for d, n in zip(map(_DST, ts), map(_NBYTES, ts)):
+            out[d] += n
+        if self.relay_of:
+            for group, d, n in zip(self.relay_of, map(_DST, ts), map(_NBYTES, ts)):
+                if group >= 0:
+                    for m in self.relay_groups[group]:
+                        if m != d:
+                            out[m] += n
         return out
 
     def for_rank(self, side: str, rank: int) -> RankPlan:
