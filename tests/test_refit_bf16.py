@@ -92,6 +92,10 @@ def test_bf16_moe_refit_after_a_distributed_optimizer_step(moe, training):
     assert none.delta and none.verified and any("full verification" in n for n in none.notes)
     assert none.delta_fraction == 0.0 and none.delta_boxes["sparse"] == none.delta_boxes["dense"] == 0
     assert none.bytes_moved == none.bytes_headers == 8 * none.delta_boxes["unchanged"] > 0
+    # ... and the engine copied and reprocessed nothing: no shadow opened, no layer repacked
+    # (each phase adds its seconds only when it runs)
+    assert none.phases["dst_apply_open"] == none.phases["dst_apply_process"] == 0.0, none.phases
+    assert small.phases["dst_apply_process"] > 0.0  # the layers the small step changed were
 
 
 def test_bf16_dense_tp2_refit(tmp_path_factory):

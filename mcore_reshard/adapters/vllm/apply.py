@@ -180,6 +180,8 @@ class VllmApplier:
         #: run eagerly (no CUDA graphs, no compiled graph holding the weights).
         self.rebind = rebind
         self.params = {p.name: p for p in params}
+        #: Each parameter's owning module and attribute (looked up once: several calls per box).
+        self._owners = {n: _owner(model, n) for n in self.params}
         self.modes = dict(modes) if modes is not None else select_modes(model, params)
         self.atomic = atomic
         self.device = torch.device(device)
@@ -200,7 +202,7 @@ class VllmApplier:
         # server's /resume): a model step on torn weights raises instead of computing. On
         # every module that owns a parameter written here, not the top model: vLLM's
         # compile decorator calls the top model's ``forward`` directly, skipping its hooks.
-        owners = {id(m): m for m in (_owner(model, n)[0] for n in self.params)}
+        owners = {id(m): m for m, _ in self._owners.values()}
         self._gate = [m.register_forward_pre_hook(self._refuse_if_torn) for m in owners.values()]
 
     def _refuse_if_torn(self, module: torch.nn.Module, args: Any) -> None:
@@ -226,6 +228,15 @@ class VllmApplier:
         self._layers: dict[int, _LayerState] = {}
         self._staged: dict[str, torch.Tensor] = {}  # atomic direct writes
         self._pending_baselines = {}
+        #: Delta refits. ``_kept``: boxes left unchanged whose parameter has no staged copy or
+        #: shadow yet -- none is made for them (a module a delta left alone is neither copied
+        #: nor reprocessed); should another box of the parameter (direct) or of its module
+        #: (reload) need one, they are copied in then. ``_patches``: the changes written into a
+        #: reload parameter's shadow, replayed onto its model-format copy at the commit instead
+        #: of cloning the whole shadow (``_dense``: parameters written whole, cloned as before).
+        self._kept: dict[str, list[View]] = {}
+        self._patches: dict[str, list[tuple[View, torch.Tensor, torch.Tensor]]] = {}
+        self._dense: set[str] = set()
         self._live_changed = False
         self._prepared = False
 
@@ -248,6 +259,7 @@ class VllmApplier:
         lp = self._check(local_name, view, tuple(tensor.shape))
         dst = local_view(self._target(local_name, lp), view)
         dst.copy_(tensor.to(self.device))
+        self._dense.add(local_name)
         return self._landed(local_name, lp, dst, hash_fn)
 
     def target(self, local_name: str, view: View) -> torch.Tensor:
@@ -262,7 +274,7 @@ class VllmApplier:
         reload-mode one."""
         self._check(local_name, view, tuple(view.shape))
         if self.modes[local_name] == DIRECT:
-            layer, pname = _owner(self.model, local_name)
+            layer, pname = self._owners[local_name]
             return local_view(getattr(layer, pname).data, view)
         base = self._baselines.get(local_name)
         if base is None:
@@ -270,9 +282,15 @@ class VllmApplier:
         return local_view(base, view)
 
     def keep(self, local_name: str, view: View, hash_fn: Callable[[torch.Tensor], Any] | None) -> Any:
-        """A delta left this box unchanged: the staged copy or shadow takes the current values
-        (nothing to do where writes go to the live tensor), counted and hashed as a write."""
-        return self.patch(local_name, view, None, None, hash_fn)
+        """A delta left this box unchanged: counted as a write, and ``hash_fn`` of the current
+        values. Where the parameter already has a staged copy or shadow, they are copied into
+        it; else none is made for this box (``_kept``)."""
+        lp = self._check(local_name, view, tuple(view.shape))
+        if self._has_target(local_name):
+            return self.patch(local_name, view, None, None, hash_fn)
+        self._count(local_name, lp, math.prod(view.shape))
+        self._kept.setdefault(local_name, []).append(view)
+        return hash_fn(self.current(local_name, view)) if hash_fn is not None else None
 
     def patch(self, local_name: str, view: View, positions: torch.Tensor | None, values: torch.Tensor | None,
               hash_fn: Callable[[torch.Tensor], Any] | None) -> Any:
@@ -284,8 +302,28 @@ class VllmApplier:
         if dst.data_ptr() != cur.data_ptr() or dst.stride() != cur.stride():
             dst.copy_(cur)
         if positions is not None:
-            scatter_flat(dst, positions.to(dst.device), values.to(dst.device))
+            positions, values = positions.to(dst.device), values.to(dst.device)
+            scatter_flat(dst, positions, values)
+            if self.keep_baselines and self.modes[local_name] == RELOAD:
+                # ``values`` is a slice of the receive buffer, reused by the next bucket.
+                self._patches.setdefault(local_name, []).append((view, positions, values.clone()))
         return self._landed(local_name, lp, dst, hash_fn)
+
+    def _has_target(self, local_name: str) -> bool:
+        """Whether writes to ``local_name`` already have their tensor: the live one (direct,
+        streaming), its staged copy (direct, atomic) or its module's shadow (reload)."""
+        if self.modes[local_name] == DIRECT:
+            return not self.atomic or local_name in self._staged
+        return id(self._owners[local_name][0]) in self._layers
+
+    def _copy_kept(self, names: Sequence[str]) -> None:
+        """The kept boxes of ``names`` into their staged copy or shadow, just made."""
+        for name in names:
+            views = self._kept.pop(name, ())
+            if views:
+                target = self._target(name, self.params[name])
+                for view in views:
+                    local_view(target, view).copy_(self.current(name, view))
 
     def delta_ready(self) -> bool:
         """Whether every parameter can rebuild a box from what it holds (``current``): the
@@ -316,6 +354,7 @@ class VllmApplier:
         """The bytes of a box received into ``target(local_name, view)`` are there: count them,
         hash them, and (streaming) process a layer they complete."""
         lp = self.params[local_name]
+        self._dense.add(local_name)
         return self._landed(local_name, lp, local_view(self._target(local_name, lp), view), hash_fn)
 
     def _check(self, local_name: str, view: View, shape: tuple[int, ...]) -> LocalParam:
@@ -330,16 +369,19 @@ class VllmApplier:
             raise LayoutError(f"{local_name}: view {view} leaves the local tensor of {lp.numel} elements")
         return lp
 
-    def _landed(self, local_name: str, lp: LocalParam, dst: torch.Tensor,
-                hash_fn: Callable[[torch.Tensor], Any] | None) -> Any:
-        done = self._written.get(local_name, 0) + dst.numel()
+    def _count(self, local_name: str, lp: LocalParam, n: int) -> None:
+        done = self._written.get(local_name, 0) + n
         expected = lp.numel - lp.padding
         if done > expected:
             raise LayoutError(f"{local_name}: {done} elements written, only {expected} expected (overlapping writes?)")
         self._written[local_name] = done
+
+    def _landed(self, local_name: str, lp: LocalParam, dst: torch.Tensor,
+                hash_fn: Callable[[torch.Tensor], Any] | None) -> Any:
+        self._count(local_name, lp, dst.numel())
         out = hash_fn(dst) if hash_fn is not None else None
         if self.modes[local_name] == RELOAD:
-            st = self._layers[id(_owner(self.model, local_name)[0])]
+            st = self._layers[id(self._owners[local_name][0])]
             if self._layer_complete(st):
                 # Processed as soon as it is complete, while later buckets are on the wire;
                 # atomic mode commits only after the vote (nothing live changes here).
@@ -359,7 +401,7 @@ class VllmApplier:
         try:
             self._check_complete()
             for name in self._written:
-                if self.modes[name] == DIRECT and self.params[name].padding:
+                if self.modes[name] == DIRECT and self.params[name].padding and self._has_target(name):
                     zero_padding(self._target(name, self.params[name]), self.params[name])
             if self.atomic:
                 for st in self._layers.values():
@@ -378,7 +420,7 @@ class VllmApplier:
         try:
             if self.atomic:
                 for name, staged in self._staged.items():
-                    layer, pname = _owner(self.model, name)
+                    layer, pname = self._owners[name]
                     self._live_changed = True
                     _swap_into(getattr(layer, pname), staged, self.rebind and not _aliased(layer, pname))
                 for st in self._layers.values():
@@ -388,10 +430,14 @@ class VllmApplier:
             raise
         self._staged.clear()
         if self.keep_baselines:
+            for name, patches in self._patches.items():
+                if name not in self._pending_baselines:  # the delta's changes, not a clone
+                    for view, positions, values in patches:
+                        scatter_flat(local_view(self._baselines[name], view), positions, values)
             self._baselines.update(self._pending_baselines)
         else:
             self._baselines.clear()
-        self._pending_baselines = {}
+        self._pending_baselines, self._patches, self._kept = {}, {}, {}
         self.state = "serving"
 
     def abort(self, reason: str = "aborted") -> None:
@@ -429,7 +475,7 @@ class VllmApplier:
         # Uncommitted layers changed only their shadows: dropping them is the whole undo.
         self._layers = {k: st for k, st in self._layers.items() if st.committed}
         self._staged.clear()
-        self._pending_baselines = {}
+        self._pending_baselines, self._patches, self._kept = {}, {}, {}
         if self._live_changed:  # committed layers changed without their copies: start over
             self._baselines.clear()
         if self._live_changed:
@@ -445,7 +491,7 @@ class VllmApplier:
 
     def _target(self, local_name: str, lp: LocalParam) -> torch.Tensor:
         """The model-format tensor that receives writes for ``local_name``."""
-        layer, pname = _owner(self.model, local_name)
+        layer, pname = self._owners[local_name]
         if self.modes[local_name] == DIRECT:
             live = getattr(layer, pname).data
             if not self.atomic:
@@ -455,10 +501,12 @@ class VllmApplier:
                 # Every element is written before the commit (``_check_complete``; padding is
                 # zeroed in ``prepare``), so the staged copy starts empty, not as a clone.
                 self._staged[local_name] = torch.empty_like(live)
+                self._copy_kept([local_name])
             return self._staged[local_name]
         st = self._layers.get(id(layer))
         if st is None:
             st = self._open_layer(layer)
+            self._copy_kept(list(st.names.values()))
         return getattr(st.shadow, pname).data
 
     @_timed("open")
@@ -505,17 +553,22 @@ class VllmApplier:
                    for n in st.names.values())
 
     def _check_complete(self) -> None:
-        missing = [(n, self._written.get(n, 0), self.params[n].numel - self.params[n].padding)
-                   for st in self._layers.values() for n in st.names.values()
-                   if self._written.get(n, 0) != self.params[n].numel - self.params[n].padding]
-        missing += [(n, self._written[n], self.params[n].numel - self.params[n].padding)
-                    for n in self._staged if self._written[n] != self.params[n].numel - self.params[n].padding]
+        want = {n: lp.numel - lp.padding for n, lp in self.params.items()}
+        touched = dict.fromkeys(n for st in self._layers.values() for n in st.names.values())
+        touched.update(dict.fromkeys(self._staged))
         if not self.atomic:
-            missing += [(n, w, self.params[n].numel - self.params[n].padding) for n, w in self._written.items()
-                        if self.modes[n] == DIRECT and w != self.params[n].numel - self.params[n].padding]
+            touched.update(dict.fromkeys(n for n in self._written if self.modes[n] == DIRECT))
+        for n in self._kept:  # kept boxes only: the whole module (reload) or parameter was sent
+            touched.update(dict.fromkeys(self._module_params(n) if self.modes[n] == RELOAD else (n,)))
+        missing = [(n, self._written.get(n, 0), want[n]) for n in touched if self._written.get(n, 0) != want[n]]
         if missing:
             desc = ", ".join(f"{n} ({w}/{e} elements)" for n, w, e in missing[:5])
             raise LayoutError(f"refit incomplete: touched parameters not fully written: {desc}")
+
+    def _module_params(self, local_name: str) -> list[str]:
+        """The reload-mode parameters of ``local_name``'s module (one shadow, one processing)."""
+        layer = self._owners[local_name][0]
+        return [n for n, (m, _) in self._owners.items() if m is layer and self.modes[n] == RELOAD]
 
     @_timed("process")
     def _process(self, st: _LayerState) -> None:
@@ -526,7 +579,8 @@ class VllmApplier:
         st.processed = True
         if self.keep_baselines:  # the model-format values, before vLLM repacks them
             for attr, local in st.names.items():
-                self._pending_baselines[local] = getattr(layer, attr).data.clone()
+                if local in self._dense or local not in self._baselines:
+                    self._pending_baselines[local] = getattr(layer, attr).data.clone()
         if hasattr(layer, "_already_called_process_weights_after_loading"):
             delattr(layer, "_already_called_process_weights_after_loading")
         qm = getattr(layer, "quant_method", None)

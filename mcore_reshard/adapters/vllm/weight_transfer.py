@@ -464,7 +464,8 @@ class _Tee:
         return self.applier.current(local_name, view)
 
     def keep(self, local_name: str, view: Any, hash_fn: Any) -> Any:
-        return self.patch(local_name, view, None, None, hash_fn)
+        local_view(self.copies[local_name], view).copy_(self.applier.current(local_name, view))
+        return self.applier.keep(local_name, view, hash_fn)
 
     def patch(self, local_name: str, view: Any, positions: Any, values: Any, hash_fn: Any) -> Any:
         copy = local_view(self.copies[local_name], view)
@@ -503,7 +504,12 @@ class _ExitAfter:
         return self.sink.current(local_name, view)
 
     def keep(self, local_name: str, view: Any, hash_fn: Any) -> Any:
-        return self.patch(local_name, view, None, None, hash_fn)
+        import os
+
+        if self._left <= 0:
+            os._exit(19)
+        self._left -= 1
+        return self.sink.keep(local_name, view, hash_fn)
 
     def patch(self, local_name: str, view: Any, positions: Any, values: Any, hash_fn: Any) -> Any:
         import os
