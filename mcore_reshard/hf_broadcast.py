@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 
-from .adapters.vllm.apply import reprepack_cpu_moe
+from .adapters.vllm.layers import reprepack_cpu_moe
 from .adapters.vllm.worker import ReshardWorkerExtension
 from .driver import RefitDriver, RefitMetrics
 from .errors import RefitFailed

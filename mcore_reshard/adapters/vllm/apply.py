@@ -44,96 +44,13 @@ import torch
 
 from ...errors import RefitIncomplete
 from ...layout.descriptor import LayoutError, LocalParam, View
-from ...transport.views import TORCH_DTYPES, local_view, scatter_flat, zero_padding
+from ...transport.views import local_view, scatter_flat, zero_padding
+from .baselines import ModelFormatCopies
+from .layers import (DIRECT, MLA_NOTE, RELOAD, aliased, commit_shadow, mla_absorbers, open_shadow, owner,
+                     plain_linear_enabled, process_shadow, reabsorb, reprepack_cpu_moe, select_modes, swap_into)
 
 __all__ = ["VllmApplier", "RefitIncomplete", "select_modes", "plain_linear_enabled", "mla_absorbers", "DIRECT",
            "RELOAD", "MLA_NOTE", "reprepack_cpu_moe"]
-
-#: Why MLA's kv_b_proj is never written in place (the plan report lists it with this reason).
-MLA_NOTE = ("MLA kv_b_proj: vLLM absorbs it into W_UK/W_UV after loading (kernel format != model format); "
-            "written through the layerwise reload, then the attention's W_UK/W_UV are rebuilt")
-
-DIRECT = "direct"
-RELOAD = "reload"
-
-
-def _owner(model: torch.nn.Module, local_name: str) -> tuple[torch.nn.Module, str]:
-    mname, _, pname = local_name.rpartition(".")
-    return (model.get_submodule(mname) if mname else model), pname
-
-
-def plain_linear_enabled(layer: torch.nn.Module) -> bool:
-    """True when a CPU linear computes with plain ``F.linear`` on ``layer.weight``."""
-    return getattr(layer, "cpu_linear", None) is torch.nn.functional.linear
-
-
-def _kernel_is_model_format(layer: torch.nn.Module) -> bool:
-    """Whether ``process_weights_after_loading`` leaves this module's weights as loaded."""
-    qm = getattr(layer, "quant_method", None)
-    if qm is None:
-        return True  # norms, plain parameters: used as loaded
-    cls = type(qm).__name__
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu():
-        # Linear / embedding methods repack unless the plain-linear mode is active;
-        # the CPU MoE always prepacks w13/w2 in place.
-        return cls in ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod") and plain_linear_enabled(layer)
-    if current_platform.is_cuda():
-        if cls in ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"):
-            return True
-        if cls == "UnquantizedFusedMoEMethod":
-            backend = str(getattr(qm, "unquantized_backend", ""))
-            return backend.endswith("TRITON")
-    return False
-
-
-def mla_absorbers(model: torch.nn.Module) -> dict[int, list[torch.nn.Module]]:
-    """``id(kv_b_proj module) -> [MLA attention layers]`` that absorb its weight after loading."""
-    try:
-        from vllm.model_executor.layers.attention.mla_attention import MLAAttention
-    except ImportError:  # a vLLM without MLA
-        return {}
-    out: dict[int, list[torch.nn.Module]] = {}
-    for m in model.modules():
-        kv_b = getattr(m, "kv_b_proj", None) if isinstance(m, MLAAttention) else None
-        if kv_b is not None:
-            out.setdefault(id(kv_b), []).append(m)
-    return out
-
-
-def _reabsorb(attn: torch.nn.Module) -> None:
-    """Rebuild W_UK / W_UV from the (new) kv_b_proj. Unquantized models compute in the
-    weight's dtype, which is the ``act_dtype`` vLLM passes at load."""
-    attn.process_weights_after_loading(attn.kv_b_proj.weight.dtype)
-
-
-def select_modes(model: torch.nn.Module, params: Sequence[LocalParam]) -> dict[str, str]:
-    """``{local_name: "direct" | "reload"}``: direct only where the live tensor is the
-    model-format tensor (same shape/dtype, contiguous) and the kernel uses it as such."""
-    from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS
-
-    absorbed = mla_absorbers(model)
-    modes = {}
-    for lp in params:
-        layer, pname = _owner(model, lp.name)
-        if pname in SKIP_TENSORS:  # vLLM's reload never repacks these: used as loaded
-            modes[lp.name] = DIRECT
-            continue
-        if id(layer) in absorbed:  # MLA_NOTE
-            modes[lp.name] = RELOAD
-            continue
-        live = getattr(layer, pname, None)
-        same = (
-            isinstance(live, torch.Tensor)
-            and tuple(live.shape) == tuple(lp.shape)
-            and live.dtype == TORCH_DTYPES.get(lp.dtype)
-            and live.is_contiguous()
-            and not live.is_meta
-        )
-        modes[lp.name] = DIRECT if same and _kernel_is_model_format(layer) else RELOAD
-    return modes
-
 
 @dataclass
 class _LayerState:
@@ -181,7 +98,7 @@ class VllmApplier:
         self.rebind = rebind
         self.params = {p.name: p for p in params}
         #: Each parameter's owning module and attribute (looked up once: several calls per box).
-        self._owners = {n: _owner(model, n) for n in self.params}
+        self._owners = {n: owner(model, n) for n in self.params}
         self.modes = dict(modes) if modes is not None else select_modes(model, params)
         self.atomic = atomic
         self.device = torch.device(device)
@@ -190,12 +107,9 @@ class VllmApplier:
         self._torn = False
         self._absorbers = mla_absorbers(model)
         #: Delta refits: the model-format values of every reload-mode parameter as last
-        #: committed (its live tensor is kernel format, so a delta cannot start from it),
-        #: and the copies taken in the refit under way (promoted at its commit). Kept only
-        #: while refits ask for deltas (``keep_baselines``).
-        self.keep_baselines = False
-        self._baselines: dict[str, torch.Tensor] = {}
-        self._pending_baselines: dict[str, torch.Tensor] = {}
+        #: committed (its live tensor is kernel format, so a delta cannot start from it). Kept
+        #: only while refits ask for deltas (``copies.keep``).
+        self.copies = ModelFormatCopies()
         self._reset()
         # The engine-level gate (a paused scheduler) keeps requests from reaching a torn
         # model; this is its backstop in the worker, for a caller that resumes by hand (a
@@ -218,7 +132,7 @@ class VllmApplier:
         """Take over ``old``'s model: torn weights stay torn until a whole refit commits."""
         if old.state == "not_serving":
             self.state, self.reason = old.state, old.reason
-        self.keep_baselines, self._baselines = old.keep_baselines, old._baselines
+        self.copies = old.copies
         old.close()
 
     def _reset(self) -> None:
@@ -227,16 +141,12 @@ class VllmApplier:
         self._written: dict[str, int] = {}
         self._layers: dict[int, _LayerState] = {}
         self._staged: dict[str, torch.Tensor] = {}  # atomic direct writes
-        self._pending_baselines = {}
-        #: Delta refits. ``_kept``: boxes left unchanged whose parameter has no staged copy or
-        #: shadow yet -- none is made for them (a module a delta left alone is neither copied
-        #: nor reprocessed); should another box of the parameter (direct) or of its module
-        #: (reload) need one, they are copied in then. ``_patches``: the changes written into a
-        #: reload parameter's shadow, replayed onto its model-format copy at the commit instead
-        #: of cloning the whole shadow (``_dense``: parameters written whole, cloned as before).
+        #: Delta refits: boxes left unchanged whose parameter has no staged copy or shadow yet
+        #: -- none is made for them (a module a delta left alone is neither copied nor
+        #: reprocessed); should another box of the parameter (direct) or of its module (reload)
+        #: need one, they are copied in then.
         self._kept: dict[str, list[View]] = {}
-        self._patches: dict[str, list[tuple[View, torch.Tensor, torch.Tensor]]] = {}
-        self._dense: set[str] = set()
+        self.copies.begin()
         self._live_changed = False
         self._prepared = False
 
@@ -259,7 +169,7 @@ class VllmApplier:
         lp = self._check(local_name, view, tuple(tensor.shape))
         dst = local_view(self._target(local_name, lp), view)
         dst.copy_(tensor.to(self.device))
-        self._dense.add(local_name)
+        self.copies.wrote_whole(local_name)
         return self._landed(local_name, lp, dst, hash_fn)
 
     def target(self, local_name: str, view: View) -> torch.Tensor:
@@ -276,7 +186,7 @@ class VllmApplier:
         if self.modes[local_name] == DIRECT:
             layer, pname = self._owners[local_name]
             return local_view(getattr(layer, pname).data, view)
-        base = self._baselines.get(local_name)
+        base = self.copies.committed.get(local_name)
         if base is None:
             raise RefitIncomplete(f"{local_name}: no model-format baseline for a delta refit")
         return local_view(base, view)
@@ -304,9 +214,8 @@ class VllmApplier:
         if positions is not None:
             positions, values = positions.to(dst.device), values.to(dst.device)
             scatter_flat(dst, positions, values)
-            if self.keep_baselines and self.modes[local_name] == RELOAD:
-                # ``values`` is a slice of the receive buffer, reused by the next bucket.
-                self._patches.setdefault(local_name, []).append((view, positions, values.clone()))
+            if self.modes[local_name] == RELOAD:
+                self.copies.patched(local_name, view, positions, values)
         return self._landed(local_name, lp, dst, hash_fn)
 
     def _has_target(self, local_name: str) -> bool:
@@ -328,8 +237,8 @@ class VllmApplier:
     def delta_ready(self) -> bool:
         """Whether every parameter can rebuild a box from what it holds (``current``): the
         reload-mode ones need a model-format copy from a committed refit."""
-        return self.keep_baselines and not self._torn and self.state != "not_serving" and all(
-            n in self._baselines for n, m in self.modes.items() if m == RELOAD)
+        return self.copies.keep and not self._torn and self.state != "not_serving" and all(
+            n in self.copies.committed for n, m in self.modes.items() if m == RELOAD)
 
     def alter_baseline(self, local_name: str) -> None:
         """Fault injection (tests): add 1 to the first element a delta of ``local_name``
@@ -337,24 +246,24 @@ class VllmApplier:
         if local_name not in self.modes:
             raise LayoutError(f"alter_baseline: {local_name} is not a parameter of this worker")
         if self.modes[local_name] == DIRECT:
-            layer, pname = _owner(self.model, local_name)
+            layer, pname = owner(self.model, local_name)
             getattr(layer, pname).data.view(-1)[0] += 1
-        elif local_name in self._baselines:
-            self._baselines[local_name].view(-1)[0] += 1
+        elif local_name in self.copies.committed:
+            self.copies.committed[local_name].view(-1)[0] += 1
 
     def forget_baselines(self) -> None:
         """The weights changed outside a refit: no model-format copy is current any more."""
-        self._baselines.clear()
+        self.copies.committed.clear()
 
     def baseline_bytes(self) -> int:
         """Bytes of model-format copies kept for delta refits (``delta_state_bytes``)."""
-        return sum(t.numel() * t.element_size() for t in self._baselines.values())
+        return self.copies.nbytes
 
     def landed(self, local_name: str, view: View, hash_fn: Callable[[torch.Tensor], Any] | None) -> Any:
         """The bytes of a box received into ``target(local_name, view)`` are there: count them,
         hash them, and (streaming) process a layer they complete."""
         lp = self.params[local_name]
-        self._dense.add(local_name)
+        self.copies.wrote_whole(local_name)
         return self._landed(local_name, lp, local_view(self._target(local_name, lp), view), hash_fn)
 
     def _check(self, local_name: str, view: View, shape: tuple[int, ...]) -> LocalParam:
@@ -422,22 +331,15 @@ class VllmApplier:
                 for name, staged in self._staged.items():
                     layer, pname = self._owners[name]
                     self._live_changed = True
-                    _swap_into(getattr(layer, pname), staged, self.rebind and not _aliased(layer, pname))
+                    swap_into(getattr(layer, pname), staged, self.rebind and not aliased(layer, pname))
                 for st in self._layers.values():
                     self._commit(st)
         except BaseException as exc:
             self._fail(f"finish() failed: {exc}")
             raise
         self._staged.clear()
-        if self.keep_baselines:
-            for name, patches in self._patches.items():
-                if name not in self._pending_baselines:  # the delta's changes, not a clone
-                    for view, positions, values in patches:
-                        scatter_flat(local_view(self._baselines[name], view), positions, values)
-            self._baselines.update(self._pending_baselines)
-        else:
-            self._baselines.clear()
-        self._pending_baselines, self._patches, self._kept = {}, {}, {}
+        self.copies.commit()
+        self._kept = {}
         self.state = "serving"
 
     def abort(self, reason: str = "aborted") -> None:
@@ -475,9 +377,8 @@ class VllmApplier:
         # Uncommitted layers changed only their shadows: dropping them is the whole undo.
         self._layers = {k: st for k, st in self._layers.items() if st.committed}
         self._staged.clear()
-        self._pending_baselines, self._patches, self._kept = {}, {}, {}
-        if self._live_changed:  # committed layers changed without their copies: start over
-            self._baselines.clear()
+        self._kept = {}
+        self.copies.drop(self._live_changed)  # committed layers changed without their copies: start over
         if self._live_changed:
             self.state = "not_serving"
             self.reason = (f"refit {reason} after live weights were partly replaced; "
@@ -512,39 +413,10 @@ class VllmApplier:
     @_timed("open")
     def _open_layer(self, layer: torch.nn.Module) -> _LayerState:
         """A shadow of ``layer`` in (zeroed) model format; the live layer is not touched."""
-        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
-        from vllm.model_executor.model_loader.reload.meta import (
-            SKIP_TENSORS, materialize_layer, restore_layer_on_meta,
-        )
-        from vllm.model_executor.model_loader.reload.types import LayerReloadingInfo
-        from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
-
         prefix = next(n for n, m in self.model.named_modules() if m is layer)
         names = {p.name.rpartition(".")[2]: p.name for p in self.params.values()
                  if p.name.rpartition(".")[0] == prefix}
-        for attr, local in list(names.items()):
-            if self.modes[local] == RELOAD:
-                continue
-            if attr not in SKIP_TENSORS:  # the reload would overwrite a direct write
-                raise LayoutError(f"{local}: module {prefix or '<root>'} mixes direct and reload parameters")
-            del names[attr]  # left live by the reload (e.g. e_score_correction_bias): written directly
-        live_info = get_layerwise_info(layer)
-        if live_info.can_load() or live_info.kernel_tensors is not None:
-            raise RuntimeError(f"{prefix}: a vLLM layerwise reload is already in progress on this layer")
-        shadow = _shadow_module(layer)
-        # The shadow's own reload bookkeeping, from the metadata vLLM recorded at load (the
-        # live layer's entry in vLLM's LAYERWISE_INFO is never touched).
-        info = LayerReloadingInfo(restore_metadata=live_info.restore_metadata, restore_device=live_info.restore_device)
-        with self.device:
-            restore_layer_on_meta(shadow, info)
-            materialize_layer(shadow, info)
-        # Padding elements are zero, never uninitialised memory. A described parameter
-        # without padding is written whole by the plan (finish() checks the count), so
-        # zeroing it first would only be one more pass over the layer's bytes.
-        written_whole = {attr for attr, local in names.items() if self.params[local].padding == 0}
-        for name, t in get_layer_tensors(shadow).items():
-            if name not in SKIP_TENSORS and t.is_floating_point() and name not in written_whole:
-                t.data.zero_()
+        shadow, names = open_shadow(layer, prefix, names, self.params, self.modes, self.device)
         st = self._layers[id(layer)] = _LayerState(layer, shadow, names)
         return st
 
@@ -573,95 +445,18 @@ class VllmApplier:
     @_timed("process")
     def _process(self, st: _LayerState) -> None:
         """vLLM's per-layer processing, on the shadow's model-format tensors."""
-        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
-
-        layer = st.shadow
         st.processed = True
-        if self.keep_baselines:  # the model-format values, before vLLM repacks them
-            for attr, local in st.names.items():
-                if local in self._dense or local not in self._baselines:
-                    self._pending_baselines[local] = getattr(layer, attr).data.clone()
-        if hasattr(layer, "_already_called_process_weights_after_loading"):
-            delattr(layer, "_already_called_process_weights_after_loading")
-        qm = getattr(layer, "quant_method", None)
-        with self.device:
-            if isinstance(qm, QuantizeMethodBase):
-                qm.process_weights_after_loading(layer)
-                if hasattr(layer, "update_param_tp_status"):
-                    layer.update_param_tp_status()
-            reprepack_cpu_moe(layer)
+        self.copies.before_processing({local: getattr(st.shadow, attr).data for attr, local in st.names.items()})
+        process_shadow(st.shadow, self.device)
 
     @_timed("commit")
     def _commit(self, st: _LayerState) -> None:
-        """The shadow's processed tensors into the live kernel tensors (copied in place, as
-        vLLM's ``_copy_and_restore_kernel_tensors``; ``rebind``: the live tensors take the
-        shadow's storages), then what processing set on the module (kernel handles such as
-        the CPU ``cpu_linear``), then MLA's absorbed weights rebuilt from the new ``kv_b_proj``."""
-        live, shadow = st.layer, st.shadow
+        """The shadow's processed tensors into the live layer (``commit_shadow``), then MLA's
+        absorbed weights rebuilt from the new ``kv_b_proj``."""
         self._live_changed = True
-        for name, param in live._parameters.items():
-            new = shadow._parameters.get(name)
-            if param is not None and new is not None and new is not param:
-                _swap_into(param, new, self.rebind and not _aliased(live, name))
-        written = set(st.names)
-        for name, buf in live._buffers.items():
-            new = shadow._buffers.get(name)
-            if buf is None or new is None or new is buf:
-                continue
-            if name in live._non_persistent_buffers_set and name not in written:
-                continue  # vLLM's reload keeps such buffers (e.g. rotary caches) as they are
-            _swap_into(buf, new, False)
-        for k, v in shadow.__dict__.items():
-            if not k.startswith("_") and live.__dict__.get(k, _MISSING) is not v:
-                live.__dict__[k] = v
+        commit_shadow(st.layer, st.shadow, set(st.names), self.rebind)
         st.committed = True
-        st.shadow = live  # the shadow's tensors are released with it
+        st.shadow = st.layer  # the shadow's tensors are released with it
         with self.device:
-            for attn in self._absorbers.get(id(live), ()):
-                _reabsorb(attn)
-
-
-_MISSING = object()
-
-
-def _aliased(layer: torch.nn.Module, pname: str) -> bool:
-    """Whether a buffer of ``layer`` shares parameter ``pname``'s storage (it would keep the
-    old storage after a rebind)."""
-    ptr = getattr(layer, pname).untyped_storage().data_ptr()
-    return any(b is not None and b.untyped_storage().data_ptr() == ptr for b in layer._buffers.values())
-
-
-def _swap_into(live: torch.Tensor, new: torch.Tensor, rebind: bool) -> None:
-    """Processed values into a live kernel tensor: ``rebind`` (or a kernel that changed the
-    shape or dtype): the live tensor object takes the shadow's storage, O(1); else an
-    in-place copy (storage addresses kept, as CUDA graphs need)."""
-    if rebind or live.shape != new.shape or live.dtype != new.dtype:
-        live.data = new.data
-    else:
-        live.data.copy_(new)
-
-
-def _shadow_module(layer: torch.nn.Module) -> torch.nn.Module:
-    """A shallow copy of ``layer`` with its own parameter/buffer dicts and attributes: vLLM's
-    reload functions rebind tensors and set attributes on it, never on ``layer``. Hooks and
-    submodules are shared (a shadow never runs a forward)."""
-    shadow = object.__new__(type(layer))
-    shadow.__dict__.update(layer.__dict__)
-    shadow.__dict__["_parameters"] = dict(layer._parameters)
-    shadow.__dict__["_buffers"] = dict(layer._buffers)
-    shadow.__dict__["_non_persistent_buffers_set"] = set(layer._non_persistent_buffers_set)
-    return shadow
-
-
-def reprepack_cpu_moe(layer: torch.nn.Module) -> None:
-    """vLLM 0.32 CPU: ``_setup_kernel`` pads and prepacks MoE weights only on the first
-    load, so a reload would copy model-format bytes (of the unpadded shape) into the
-    kernel tensors. Run the kernel's pad + prepack on the materialised layer, before the
-    copy into the kernel tensors, as the first load does."""
-    if not hasattr(layer, "w13_weight"):
-        return
-    from vllm.platforms import current_platform
-
-    kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
-    if current_platform.is_cpu() and kernel is not None:
-        kernel.fused_experts.process_weights_after_loading(layer)
+            for attn in self._absorbers.get(id(st.layer), ()):
+                reabsorb(attn)

@@ -290,7 +290,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
             if altered is not None:
                 applier.alter_baseline(str(altered))
             ready = applier.delta_ready()
-            applier.keep_baselines = request.delta != "off"
+            applier.copies.keep = request.delta != "off"
             stats = self.endpoint.run(request, {}, sink, baseline=ready)
             t0 = time.perf_counter()
             if request.atomic:

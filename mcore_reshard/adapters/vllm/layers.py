@@ -1,0 +1,229 @@
+"""What vLLM does to a layer after loading, and how a refit writes around it.
+
+``select_modes`` says, per local parameter, whether the live tensor is the model-format tensor
+that a refit may write in place (``direct``) or a kernel-format one that vLLM's
+``process_weights_after_loading`` repacked (``reload``: written into a shadow of its layer,
+processed there, then swapped in). The shadow helpers below are that swap's parts: a shallow
+copy of a layer that vLLM's reload functions may rebind freely (``shadow_module``), the live
+tensor taking the processed values (``swap_into``), and the CPU MoE prepack vLLM 0.32 forgets
+on reload (``reprepack_cpu_moe``). ``VllmApplier`` (``apply.py``) drives them.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+
+from ...layout.descriptor import LayoutError, LocalParam
+from ...transport.views import TORCH_DTYPES
+
+__all__ = ["DIRECT", "RELOAD", "MLA_NOTE", "owner", "plain_linear_enabled", "kernel_is_model_format",
+           "mla_absorbers", "reabsorb", "select_modes", "aliased", "swap_into", "shadow_module",
+           "reprepack_cpu_moe", "MISSING", "open_shadow", "process_shadow", "commit_shadow"]
+
+#: Why MLA's kv_b_proj is never written in place (the plan report lists it with this reason).
+MLA_NOTE = ("MLA kv_b_proj: vLLM absorbs it into W_UK/W_UV after loading (kernel format != model format); "
+            "written through the layerwise reload, then the attention's W_UK/W_UV are rebuilt")
+
+DIRECT = "direct"
+RELOAD = "reload"
+
+
+def owner(model: torch.nn.Module, local_name: str) -> tuple[torch.nn.Module, str]:
+    mname, _, pname = local_name.rpartition(".")
+    return (model.get_submodule(mname) if mname else model), pname
+
+
+def plain_linear_enabled(layer: torch.nn.Module) -> bool:
+    """True when a CPU linear computes with plain ``F.linear`` on ``layer.weight``."""
+    return getattr(layer, "cpu_linear", None) is torch.nn.functional.linear
+
+
+def kernel_is_model_format(layer: torch.nn.Module) -> bool:
+    """Whether ``process_weights_after_loading`` leaves this module's weights as loaded."""
+    qm = getattr(layer, "quant_method", None)
+    if qm is None:
+        return True  # norms, plain parameters: used as loaded
+    cls = type(qm).__name__
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        # Linear / embedding methods repack unless the plain-linear mode is active;
+        # the CPU MoE always prepacks w13/w2 in place.
+        return cls in ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod") and plain_linear_enabled(layer)
+    if current_platform.is_cuda():
+        if cls in ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"):
+            return True
+        if cls == "UnquantizedFusedMoEMethod":
+            backend = str(getattr(qm, "unquantized_backend", ""))
+            return backend.endswith("TRITON")
+    return False
+
+
+def mla_absorbers(model: torch.nn.Module) -> dict[int, list[torch.nn.Module]]:
+    """``id(kv_b_proj module) -> [MLA attention layers]`` that absorb its weight after loading."""
+    try:
+        from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+    except ImportError:  # a vLLM without MLA
+        return {}
+    out: dict[int, list[torch.nn.Module]] = {}
+    for m in model.modules():
+        kv_b = getattr(m, "kv_b_proj", None) if isinstance(m, MLAAttention) else None
+        if kv_b is not None:
+            out.setdefault(id(kv_b), []).append(m)
+    return out
+
+
+def reabsorb(attn: torch.nn.Module) -> None:
+    """Rebuild W_UK / W_UV from the (new) kv_b_proj. Unquantized models compute in the
+    weight's dtype, which is the ``act_dtype`` vLLM passes at load."""
+    attn.process_weights_after_loading(attn.kv_b_proj.weight.dtype)
+
+
+def select_modes(model: torch.nn.Module, params: Sequence[LocalParam]) -> dict[str, str]:
+    """``{local_name: "direct" | "reload"}``: direct only where the live tensor is the
+    model-format tensor (same shape/dtype, contiguous) and the kernel uses it as such."""
+    from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS
+
+    absorbed = mla_absorbers(model)
+    modes = {}
+    for lp in params:
+        layer, pname = owner(model, lp.name)
+        if pname in SKIP_TENSORS:  # vLLM's reload never repacks these: used as loaded
+            modes[lp.name] = DIRECT
+            continue
+        if id(layer) in absorbed:  # MLA_NOTE
+            modes[lp.name] = RELOAD
+            continue
+        live = getattr(layer, pname, None)
+        same = (
+            isinstance(live, torch.Tensor)
+            and tuple(live.shape) == tuple(lp.shape)
+            and live.dtype == TORCH_DTYPES.get(lp.dtype)
+            and live.is_contiguous()
+            and not live.is_meta
+        )
+        modes[lp.name] = DIRECT if same and kernel_is_model_format(layer) else RELOAD
+    return modes
+
+
+
+MISSING = object()
+
+
+def aliased(layer: torch.nn.Module, pname: str) -> bool:
+    """Whether a buffer of ``layer`` shares parameter ``pname``'s storage (it would keep the
+    old storage after a rebind)."""
+    ptr = getattr(layer, pname).untyped_storage().data_ptr()
+    return any(b is not None and b.untyped_storage().data_ptr() == ptr for b in layer._buffers.values())
+
+
+def swap_into(live: torch.Tensor, new: torch.Tensor, rebind: bool) -> None:
+    """Processed values into a live kernel tensor: ``rebind`` (or a kernel that changed the
+    shape or dtype): the live tensor object takes the shadow's storage, O(1); else an
+    in-place copy (storage addresses kept, as CUDA graphs need)."""
+    if rebind or live.shape != new.shape or live.dtype != new.dtype:
+        live.data = new.data
+    else:
+        live.data.copy_(new)
+
+
+def shadow_module(layer: torch.nn.Module) -> torch.nn.Module:
+    """A shallow copy of ``layer`` with its own parameter/buffer dicts and attributes: vLLM's
+    reload functions rebind tensors and set attributes on it, never on ``layer``. Hooks and
+    submodules are shared (a shadow never runs a forward)."""
+    shadow = object.__new__(type(layer))
+    shadow.__dict__.update(layer.__dict__)
+    shadow.__dict__["_parameters"] = dict(layer._parameters)
+    shadow.__dict__["_buffers"] = dict(layer._buffers)
+    shadow.__dict__["_non_persistent_buffers_set"] = set(layer._non_persistent_buffers_set)
+    return shadow
+
+
+def reprepack_cpu_moe(layer: torch.nn.Module) -> None:
+    """vLLM 0.32 CPU: ``_setup_kernel`` pads and prepacks MoE weights only on the first
+    load, so a reload would copy model-format bytes (of the unpadded shape) into the
+    kernel tensors. Run the kernel's pad + prepack on the materialised layer, before the
+    copy into the kernel tensors, as the first load does."""
+    if not hasattr(layer, "w13_weight"):
+        return
+    from vllm.platforms import current_platform
+
+    kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+    if current_platform.is_cpu() and kernel is not None:
+        kernel.fused_experts.process_weights_after_loading(layer)
+
+
+def open_shadow(layer: torch.nn.Module, prefix: str, names: dict[str, str], params: Mapping[str, LocalParam],
+                modes: Mapping[str, str], device: torch.device) -> tuple[torch.nn.Module, dict[str, str]]:
+    """A shadow of ``layer`` (module ``prefix``) in model format, and the attributes it takes
+    writes for (``names``: attribute -> local name, less the direct ones vLLM's reload leaves
+    live). vLLM's layerwise reload (``restore_layer_on_meta`` + ``materialize_layer``) runs on
+    the shadow with its own bookkeeping; the live layer is not touched."""
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+    from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS, materialize_layer, restore_layer_on_meta
+    from vllm.model_executor.model_loader.reload.types import LayerReloadingInfo
+    from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
+
+    names = dict(names)
+    for attr, local in list(names.items()):
+        if modes[local] == RELOAD:
+            continue
+        if attr not in SKIP_TENSORS:  # the reload would overwrite a direct write
+            raise LayoutError(f"{local}: module {prefix or '<root>'} mixes direct and reload parameters")
+        del names[attr]  # left live by the reload (e.g. e_score_correction_bias): written directly
+    live_info = get_layerwise_info(layer)
+    if live_info.can_load() or live_info.kernel_tensors is not None:
+        raise RuntimeError(f"{prefix}: a vLLM layerwise reload is already in progress on this layer")
+    shadow = shadow_module(layer)
+    # The shadow's own reload bookkeeping, from the metadata vLLM recorded at load (the live
+    # layer's entry in vLLM's LAYERWISE_INFO is never touched).
+    info = LayerReloadingInfo(restore_metadata=live_info.restore_metadata, restore_device=live_info.restore_device)
+    with device:
+        restore_layer_on_meta(shadow, info)
+        materialize_layer(shadow, info)
+    # Padding elements are zero, never uninitialised memory. A described parameter without
+    # padding is written whole by the plan (the applier checks the count), so zeroing it first
+    # would only be one more pass over the layer's bytes.
+    written_whole = {attr for attr, local in names.items() if params[local].padding == 0}
+    for name, t in get_layer_tensors(shadow).items():
+        if name not in SKIP_TENSORS and t.is_floating_point() and name not in written_whole:
+            t.data.zero_()
+    return shadow, names
+
+
+def process_shadow(shadow: torch.nn.Module, device: torch.device) -> None:
+    """vLLM's per-layer processing (``process_weights_after_loading``) on a complete shadow."""
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    if hasattr(shadow, "_already_called_process_weights_after_loading"):
+        delattr(shadow, "_already_called_process_weights_after_loading")
+    qm = getattr(shadow, "quant_method", None)
+    with device:
+        if isinstance(qm, QuantizeMethodBase):
+            qm.process_weights_after_loading(shadow)
+            if hasattr(shadow, "update_param_tp_status"):
+                shadow.update_param_tp_status()
+        reprepack_cpu_moe(shadow)
+
+
+def commit_shadow(live: torch.nn.Module, shadow: torch.nn.Module, written: set[str], rebind: bool) -> None:
+    """A processed shadow's tensors into the live kernel tensors (copied in place, as vLLM's
+    ``_copy_and_restore_kernel_tensors``; ``rebind``: the live tensors take the shadow's
+    storages), then what processing set on the module (kernel handles such as the CPU
+    ``cpu_linear``). ``written``: the attributes the refit wrote."""
+    for name, param in live._parameters.items():
+        new = shadow._parameters.get(name)
+        if param is not None and new is not None and new is not param:
+            swap_into(param, new, rebind and not aliased(live, name))
+    for name, buf in live._buffers.items():
+        new = shadow._buffers.get(name)
+        if buf is None or new is None or new is buf:
+            continue
+        if name in live._non_persistent_buffers_set and name not in written:
+            continue  # vLLM's reload keeps such buffers (e.g. rotary caches) as they are
+        swap_into(buf, new, False)
+    for k, v in shadow.__dict__.items():
+        if not k.startswith("_") and live.__dict__.get(k, MISSING) is not v:
+            live.__dict__[k] = v
