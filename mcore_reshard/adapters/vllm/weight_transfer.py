@@ -46,9 +46,9 @@ from ...protocol import EngineInitInfo, RankReport, RefitRequest, VerifyMode, Wo
 from ...slice_store import fetch_slice
 from ...transport.endpoint import Outcome, RefitEndpoint
 from ...transport.faults import Fault
-from ...transport.views import TORCH_DTYPES, local_view, scatter_flat
 from .apply import VllmApplier
 from .record import record_local_params
+from .sinks import ExitAfter, FullCopy
 
 __all__ = ["ReshardInitInfo", "ReshardUpdateInfo", "ReshardWeightTransferEngine", "canonical_tensors",
            "engine_rank", "rebind_commits"]
@@ -272,11 +272,11 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         sink: Any = applier
         self.received = None
         if request.verify is VerifyMode.FULL:
-            sink = _Tee(applier)
+            sink = FullCopy(applier)
             self.received = sink.copies
         exit_after = _engine_fault(update_info, self.endpoint.rank, "exit_after_writes")
         if exit_after is not None:
-            sink = _ExitAfter(sink, int(exit_after))
+            sink = ExitAfter(sink, int(exit_after))
         report, error = None, None
         if applier.state == "updating":  # a refit that never reached its end on this worker
             applier.abort("superseded by a new refit")
@@ -439,90 +439,3 @@ def _fault_for(spec: dict | None, rank: int) -> Fault | None:
 
 def _apply_phases(timings: dict[str, float], finish_s: float) -> dict[str, float]:
     return {f"apply_{k}": v for k, v in timings.items()} | {"apply_finish": finish_s}
-
-
-class _Tee:
-    """Sink that applies every write and keeps a model-format copy of it (``verify=full``)."""
-
-    def __init__(self, applier: VllmApplier) -> None:
-        self.applier = applier
-        self.params = applier.params  # the executor reads the wire dtype from here
-        self.copies = {p.name: torch.zeros(p.shape, dtype=TORCH_DTYPES[p.dtype]) for p in applier.params.values()}
-
-    def write(self, local_name: str, view: Any, tensor: torch.Tensor) -> None:
-        self.write_hashed(local_name, view, tensor, None)
-
-    def write_hashed(self, local_name: str, view: Any, tensor: torch.Tensor, hash_fn: Any) -> Any:
-        out = self.applier.write_hashed(local_name, view, tensor, hash_fn)
-        local_view(self.copies[local_name], view).copy_(tensor)
-        return out
-
-    def target(self, local_name: str, view: Any) -> torch.Tensor:
-        return self.applier.target(local_name, view)
-
-    def current(self, local_name: str, view: Any) -> torch.Tensor:
-        return self.applier.current(local_name, view)
-
-    def keep(self, local_name: str, view: Any, hash_fn: Any) -> Any:
-        local_view(self.copies[local_name], view).copy_(self.applier.current(local_name, view))
-        return self.applier.keep(local_name, view, hash_fn)
-
-    def patch(self, local_name: str, view: Any, positions: Any, values: Any, hash_fn: Any) -> Any:
-        copy = local_view(self.copies[local_name], view)
-        copy.copy_(self.applier.current(local_name, view))  # before a layer this completes is processed
-        if positions is not None:
-            scatter_flat(copy, positions, values)
-        return self.applier.patch(local_name, view, positions, values, hash_fn)
-
-    def landed(self, local_name: str, view: Any, hash_fn: Any) -> Any:
-        # Copy before the applier may process (repack) a layer this box completes.
-        local_view(self.copies[local_name], view).copy_(self.applier.target(local_name, view))
-        return self.applier.landed(local_name, view, hash_fn)
-
-
-class _ExitAfter:
-    """Fault injection: a sink whose worker process exits abruptly after ``n`` writes."""
-
-    def __init__(self, sink: Any, n: int) -> None:
-        self.sink, self.params, self._left = sink, sink.params, n
-
-    def write(self, local_name: str, view: Any, tensor: torch.Tensor) -> None:
-        self.write_hashed(local_name, view, tensor, None)
-
-    def write_hashed(self, local_name: str, view: Any, tensor: torch.Tensor, hash_fn: Any) -> Any:
-        import os
-
-        if self._left <= 0:
-            os._exit(19)
-        self._left -= 1
-        return self.sink.write_hashed(local_name, view, tensor, hash_fn)
-
-    def target(self, local_name: str, view: Any) -> torch.Tensor:
-        return self.sink.target(local_name, view)
-
-    def current(self, local_name: str, view: Any) -> torch.Tensor:
-        return self.sink.current(local_name, view)
-
-    def keep(self, local_name: str, view: Any, hash_fn: Any) -> Any:
-        import os
-
-        if self._left <= 0:
-            os._exit(19)
-        self._left -= 1
-        return self.sink.keep(local_name, view, hash_fn)
-
-    def patch(self, local_name: str, view: Any, positions: Any, values: Any, hash_fn: Any) -> Any:
-        import os
-
-        if self._left <= 0:
-            os._exit(19)
-        self._left -= 1
-        return self.sink.patch(local_name, view, positions, values, hash_fn)
-
-    def landed(self, local_name: str, view: Any, hash_fn: Any) -> Any:
-        import os
-
-        if self._left <= 0:
-            os._exit(19)
-        self._left -= 1
-        return self.sink.landed(local_name, view, hash_fn)
