@@ -25,13 +25,15 @@ import logging
 import secrets
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
-from .adapters.vllm.rules import vllm_layout
+from .engines import (ENGINE_GRACE_S, EngineCalls, dst_layout_of, engine_dtype, engine_is_dead, engine_world,
+                      finish_overlapped, finish_quietly)
 from .errors import ConfigError, RefitFailed
 from .faults import Faults
-from .layout import LocalParam, ModelSpec, Piece, SideLayout
+from .layout import ModelSpec, SideLayout
+from .metrics import RefitMetrics, bytes_at_minimum, reshard_metrics
 from .plan import get_plan
 from .plan.topology import Links, plan_for_placement
 from .plan.types import TransferPlan
@@ -50,148 +52,6 @@ __all__ = ["RefitDriver", "RefitMetrics", "bytes_at_minimum", "PendingRefit", "T
 _log = logging.getLogger("mcore_reshard.driver")
 
 
-@dataclass(frozen=True)
-class RefitMetrics:
-    """One refit, as reported (``refit --json`` prints these keys)."""
-
-    transport: str
-    bytes_moved: int  # over the wire, all ranks
-    bytes_min: int  # theoretical minimum for the destination layout
-    seconds: float  # wall time at the driver, start to every rank done
-    transfer_seconds: float  # slowest rank's data-plane time
-    peak_extra_bytes: int  # largest buffer footprint of any rank
-    verified: bool  # checksum verification ran and passed on every destination rank
-    token_mult_prob_error: float | None = None
-    plan_digest: str = ""
-    plan_cached: bool = False
-    notes: tuple[str, ...] = ()
-    #: Slowest rank's seconds per phase (src_/dst_ pack, wire, unpack, verify; dst_apply_open:
-    #: layers back to model format, dst_apply_process: vLLM's processing, dst_apply_commit: copy
-    #: into kernel tensors, dst_apply_finish; hf_broadcast: gather, root, receive_and_reload).
-    phases: dict[str, float] = field(default_factory=dict)
-    #: The part of ``bytes_moved`` that went through shared memory (same-device pairs).
-    bytes_same_device: int = 0
-    #: The part of ``bytes_moved`` received zero-copy (large contiguous boxes, no buffers).
-    bytes_zero_copy: int = 0
-    #: Seconds the engines served nothing, the longest over engines (pause call to resume
-    #: returning): the whole refit when it blocks; overlapped (``refit.overlap``), the swap.
-    pause_seconds: float = 0.0
-    #: Whether the engines kept generating while the weights moved (``refit.overlap``).
-    overlapped: bool = False
-    #: Delta refits (``refit.delta``): what a full refit would have moved (``bytes_moved`` is
-    #: what did); whether this one sent deltas, and why not; changed elements / elements (1.0
-    #: for a full refit); boxes sent unchanged (nothing), sparse, dense; the most bytes one
-    #: rank keeps as its baseline.
-    bytes_full: int = 0
-    #: The part of ``bytes_moved`` that was delta headers (8 bytes per box).
-    bytes_headers: int = 0
-    delta: bool = False
-    delta_fraction: float = 1.0
-    delta_reason: str = ""
-    delta_boxes: dict[str, int] = field(default_factory=dict)
-    delta_state_bytes: int = 0
-
-    @property
-    def at_minimum(self) -> bool:
-        """``bytes_at_minimum`` of this refit."""
-        return bytes_at_minimum(self.bytes_moved, self.bytes_min, self.bytes_full, self.bytes_headers, self.delta)
-
-
-def bytes_at_minimum(moved: int, minimum: int, full: int, headers: int, delta: bool) -> bool:
-    """Whether a refit moved what the plan promises: a full refit exactly the minimum, a delta
-    refit the changes of a refit of the minimum (its boxes' encodings are never larger than the
-    boxes) plus its headers."""
-    if not delta:
-        return moved == minimum
-    return full == minimum and moved - headers <= full
-
-
-def engine_world(llm: Any) -> int:
-    """Workers of one engine (tp * pp * dp)."""
-    from .adapters.vllm.engine import engine_info
-
-    return engine_info(llm).world_size
-
-
-def engine_dtype(llm: Any) -> str:
-    """The element type an engine serves (``torch.bfloat16`` -> ``"bfloat16"``)."""
-    from .adapters.vllm.engine import engine_info
-
-    return engine_info(llm).dtype
-
-
-def _restamp(params: Sequence[LocalParam], offset: int) -> list[LocalParam]:
-    """The same pieces on destination rank ``offset + local rank`` (engine ``e`` of several)."""
-    if not offset:
-        return list(params)
-    out = []
-    for p in params:
-        r = p.rank + offset
-        out.append(replace(p, rank=r, pieces=tuple(Piece(r, q.local_name, q.canonical, q.box, q.view) for q in p.pieces)))
-    return out
-
-
-def dst_layout_of(engines: Sequence[Any], spec: ModelSpec, name: str = "vllm") -> SideLayout:
-    """Every engine's destination pieces, ranks offset per engine: what its workers recorded
-    (diagnostics extension), else the rules' layout for its parallel sizes (a plain engine,
-    which refuses at init a slice that does not match what it holds). ``spec`` is in the
-    engines' dtype."""
-    from .adapters.vllm.engine import describe, engine_info
-
-    params: list[LocalParam] = []
-    offset = 0
-    for llm in engines:
-        info = engine_info(llm)
-        if info.diagnostics:
-            per_worker = describe(llm)
-        else:
-            rules = vllm_layout(spec, replace(info.parallel, replicas=1))
-            per_worker = [rules.for_rank(r) for r in range(rules.world_size)]
-        for worker_params in per_worker:
-            params.extend(_restamp(worker_params, offset))
-        offset += len(per_worker)
-    return SideLayout(name, offset, tuple(params), spec.tensor_table())
-
-
-#: Seconds an engine may take to answer ``update_weights`` after every trainer is done.
-ENGINE_GRACE_S = 10.0
-
-
-def _finish_quietly(llm: Any) -> None:
-    """Close the weight-update session after a failed update (one left open wedges the next
-    refit); its own error adds nothing to the update's."""
-    try:
-        llm.finish_weight_update()
-    except Exception:  # noqa: BLE001
-        pass
-
-
-def _finish_overlapped(llm: Any) -> None:
-    """``finish_weight_update`` of an overlapped refit (the swap). When it did not commit it
-    raises on the engine's last worker, whose session vLLM then leaves open (it closes a
-    session only when the engine's finish returns); the others closed theirs. To close that
-    one without an error from any other worker (which would poison vLLM's next call):
-    ``start_weight_update`` opens a session on every worker but the last (which refuses:
-    the error comes from the last worker only), then ``finish_weight_update`` closes all."""
-    try:
-        llm.finish_weight_update()
-    except BaseException as exc:
-        if not _engine_is_dead(exc):
-            try:
-                llm.start_weight_update()
-            except Exception:  # noqa: BLE001 - the last worker's "already active": expected
-                pass
-            _finish_quietly(llm)
-        raise
-
-
-def _engine_is_dead(exc: BaseException) -> bool:
-    """vLLM's words for an engine that will never answer again (a worker or the core died)."""
-    text = f"{type(exc).__name__}: {exc}"
-    return any(w in text for w in ("EngineDeadError", "Executor failed", "EngineCore encountered an issue",
-                                   "engine core process died", "died during"))
-
-
 class Transport(Protocol):
     """One way of moving a refit's weights from the trainers into the engines: the driver hands
     it the request and itself (trainers, engines, layouts, plan, and ``on_engines`` to call every
@@ -207,16 +67,6 @@ class Transport(Protocol):
 
     def close(self, driver: "RefitDriver") -> None:
         """Release what it set up on either side (the driver closes every transport it ran)."""
-
-
-@dataclass
-class EngineCalls:
-    """One call started on some engines (``RefitDriver.start_on_engines``)."""
-
-    what: str
-    threads: dict[int, threading.Thread]
-    results: dict[int, BaseException | None]
-    asked: list[int]
 
 
 class RefitDriver:
@@ -389,7 +239,7 @@ class RefitDriver:
                 errors.append(f"engine {e} is dead ({self.dead[e]}): replace it")
             elif results.get(e) is not None:
                 exc = results[e]
-                if _engine_is_dead(exc):
+                if engine_is_dead(exc):
                     self.dead[e] = f"its engine core or a worker died: {first_error_line(exc)}"
                     errors.append(f"engine {e} is dead ({self.dead[e]}): replace it")
                 else:
@@ -513,8 +363,8 @@ class ReshardTransport:
             try:
                 llm.update_weights({"update_info": update_info})
             except BaseException as exc:
-                if not _engine_is_dead(exc):  # a dead engine never answers again: do not wait on it
-                    _finish_quietly(llm)
+                if not engine_is_dead(exc):  # a dead engine never answers again: do not wait on it
+                    finish_quietly(llm)
                 raise
             llm.finish_weight_update()
 
@@ -559,7 +409,7 @@ class ReshardTransport:
             raise RefitFailed("; ".join(([trainer_error] if trainer_error else []) + errors))
         reports = [r for r in replies[0].reports if r is not None]
         driver.last_reports = reports
-        m = _metrics(driver, reports, seconds, cached, request)
+        m = reshard_metrics(reports, seconds, cached, request, driver.plan, driver.dst.world_size)
         notes, driver.notes = tuple(driver.notes), []
         return replace(m, pause_seconds=pause_s, overlapped=request.overlap, notes=m.notes + notes)
 
@@ -656,7 +506,7 @@ class PendingRefit:
         t_pause = time.perf_counter()
         errors = list(self._errors)
         errors += driver.on_engines(lambda llm, _: llm.sleep(level=0, mode="keep"), what="pause", deadline_s=60.0)
-        errors += driver.on_engines(lambda llm, _: _finish_overlapped(llm), what="finish_weight_update (swap)",
+        errors += driver.on_engines(lambda llm, _: finish_overlapped(llm), what="finish_weight_update (swap)",
                                     deadline_s=ENGINE_GRACE_S + 30.0)
         trusted = trainer_error is None and not errors
         errors += self.transport._settle(driver, request.version_at(request.epoch), trusted)
@@ -668,47 +518,3 @@ def _update_info(request: RefitRequest, faults: Faults) -> dict:
     return {"request": request.to_wire(), "fault": faults.engine.to_wire() if faults.engine else {}}
 
 
-def _metrics(driver: RefitDriver, reports: list[RankReport], seconds: float, cached: bool,
-             request: RefitRequest) -> RefitMetrics:
-    src = [r for r in reports if r.side == "src"]
-    dst = [r for r in reports if r.side == "dst"]
-    phases: dict[str, float] = {}
-    for side, rs in (("src", src), ("dst", dst)):
-        for r in rs:
-            for k, v in r.phases.items():
-                key = f"{side}_{k}"
-                phases[key] = round(max(phases.get(key, 0.0), v), 6)
-    # Verified: checksums were asked of the ranks in this very request, and every destination
-    # rank reported a pass (not the driver's default config, which a caller may override).
-    checked = request.verify.checksums and len(dst) == driver.dst.world_size and all(r.verified for r in dst)
-    return RefitMetrics(
-        transport="reshard",
-        bytes_moved=sum(r.bytes_received for r in dst),
-        bytes_min=driver.plan.bytes_min,
-        seconds=seconds,
-        transfer_seconds=max((r.seconds for r in reports), default=0.0),
-        peak_extra_bytes=max((r.peak_extra_bytes for r in reports), default=0),
-        verified=checked,
-        plan_digest=driver.plan.digest(),
-        plan_cached=cached,
-        phases=phases,
-        bytes_same_device=sum(r.bytes_same_device for r in dst),
-        bytes_zero_copy=sum(r.bytes_zero_copy for r in dst),
-        **_delta_metrics(src, dst, reports),
-    )
-
-
-def _delta_metrics(src: list[RankReport], dst: list[RankReport], reports: list[RankReport]) -> dict[str, Any]:
-    """The delta part of ``RefitMetrics`` from every rank's report."""
-    on = bool(reports) and all(r.delta.on for r in reports)
-    elements = sum(r.delta.elements for r in src)
-    boxes = [sum(r.delta.boxes[i] for r in src) for i in range(3)]
-    return {
-        "bytes_full": sum(r.bytes_full for r in dst),
-        "bytes_headers": sum(r.bytes_headers for r in dst),
-        "delta": on,
-        "delta_fraction": sum(r.delta.changed for r in src) / elements if on and elements else 1.0,
-        "delta_reason": next((r.delta.reason for r in reports if r.delta.reason), ""),
-        "delta_boxes": dict(zip(("unchanged", "sparse", "dense"), boxes)) if on else {},
-        "delta_state_bytes": max((r.delta.state_bytes for r in reports), default=0),
-    }

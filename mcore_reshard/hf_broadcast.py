@@ -34,10 +34,11 @@ import torch
 
 from .adapters.vllm.layers import reprepack_cpu_moe
 from .adapters.vllm.worker import ReshardWorkerExtension
-from .driver import RefitDriver, RefitMetrics
+from .driver import RefitDriver
 from .errors import RefitFailed
 from .faults import Faults
 from .layout.descriptor import DTYPE_BYTES, Box, LocalParam, Piece, SideLayout, View, contiguous_strides
+from .metrics import RefitMetrics
 from .transport.views import TORCH_DTYPES
 from .plan import get_plan
 from .plan.types import TransferPlan

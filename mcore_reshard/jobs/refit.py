@@ -20,9 +20,11 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 from ..adapters.vllm.plugin import BACKEND
 from ..checkpoint import make_tiny_checkpoint
-from ..driver import RefitDriver, RefitMetrics, ReshardTransport, Transport, engine_world
+from ..driver import RefitDriver, ReshardTransport, Transport
+from ..engines import engine_world
 from ..errors import RefitFailed
 from ..layout import ModelSpec, load_model_spec
+from ..metrics import RefitMetrics
 from ..plan import plan_report
 from ..plan.report import format_bytes
 from ..plan.topology import RankPlacement
