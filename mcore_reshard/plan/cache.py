@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from typing import Callable
+from typing import Any, Callable
 
 from ..layout.descriptor import SideLayout
 from ..layout.quant import clear_quant_cache
 from .placement import LINK_CLASSES, RankPlacement
 from .planner import build_plan
 from .report import clear_report_caches
-from .types import TransferPlan
+from .types import TransferPlan, digest_text
 from .validate import clear_reinterpreted_cache
 
 __all__ = ["layout_digest", "get_plan", "clear_plan_cache"]
@@ -52,19 +52,11 @@ def _digest(side: SideLayout) -> str:
     # between ranks (a full-size vLLM side: ~300k pieces, ~1k boxes), so each one's text is
     # formatted once, by identity (they all stay alive for the call). Hashing one string per
     # local tensor instead of one per piece gives the same digest (sha256 of the concatenation).
-    boxes: dict[int, str] = {}
-    views: dict[int, str] = {}
+    text: dict[int, str] = {}
     for p in sorted(side.params, key=lambda p: (p.rank, p.name)):
         parts = [f"{p.rank}|{p.name}|{p.shape}|{p.dtype}"]
         for q in p.pieces:
-            box, view = q.box, q.view
-            b = boxes.get(id(box))
-            if b is None:
-                b = boxes[id(box)] = f"{box.offsets}{box.sizes}"
-            v = views.get(id(view))
-            if v is None:
-                v = views[id(view)] = f"{view.offset}{view.stride}"
-            parts.append(q.canonical + b + v)
+            parts.append(q.canonical + digest_text(text, q.box) + digest_text(text, q.view))
         h.update("".join(parts).encode())
     return h.hexdigest()[:16]
 
@@ -85,9 +77,9 @@ def get_plan(src: SideLayout, dst: SideLayout, *, bucket_bytes: int, allow_cast:
         link_cost=None if placement is None else _link_cost(placement), charges=charges))
 
 
-def _cached(cache: "OrderedDict[tuple, TransferPlan]", most: int, key: tuple,
-            build: Callable[[], TransferPlan]) -> TransferPlan:
-    """``cache[key]``, built on a miss; least recently used entries beyond ``most`` dropped."""
+def _cached(cache: "OrderedDict[tuple, Any]", most: int, key: tuple, build: Callable[[], Any]) -> Any:
+    """``cache[key]``, built on a miss (a ``build`` that raises caches nothing); least recently
+    used entries beyond ``most`` dropped."""
     plan = cache.get(key)
     if plan is None:
         plan = cache[key] = build()
@@ -126,14 +118,7 @@ _MAX_LAYOUTS = 2  # full-size pairs hold hundreds of MB
 def get_layouts(key: tuple, build: Callable[[], tuple[SideLayout, SideLayout]]) -> tuple[SideLayout, SideLayout]:
     """``build()`` once per ``key`` (hashable settings the rules read, nothing else), least
     recently used pairs beyond the last two dropped; a ``build`` that raises caches nothing."""
-    pair = _LAYOUTS.get(key)
-    if pair is None:
-        pair = _LAYOUTS[key] = build()
-        while len(_LAYOUTS) > _MAX_LAYOUTS:
-            _LAYOUTS.popitem(last=False)
-    else:
-        _LAYOUTS.move_to_end(key)
-    return pair
+    return _cached(_LAYOUTS, _MAX_LAYOUTS, key, build)
 
 
 def clear_plan_cache() -> None:

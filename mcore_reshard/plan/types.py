@@ -18,7 +18,7 @@ from typing import Iterable, Sequence
 from ..layout.descriptor import Box, View
 from ..layout.quant import SCALE_SUFFIX, scale_name
 
-__all__ = ["PlanError", "Transfer", "RankPlan", "TransferPlan", "member_site", "quantized_locals"]
+__all__ = ["PlanError", "Transfer", "RankPlan", "TransferPlan", "digest_text", "member_site", "quantized_locals"]
 
 
 class PlanError(ValueError):
@@ -322,6 +322,16 @@ def member_site(sites: Sequence[tuple[tuple[int, str, str, Box, View], ...]], in
     return t.dst_name, t.dst_view
 
 
+def digest_text(memo: dict[int, str], x: Box | View) -> str:
+    """``x`` as text in the plan and layout digests, formatted once per object (by identity:
+    the rules share a few thousand boxes and views among ~300k pieces or transfers, which the
+    caller keeps alive while ``memo`` lives)."""
+    t = memo.get(id(x))
+    if t is None:
+        t = memo[id(x)] = f"{x.offsets}{x.sizes}" if isinstance(x, Box) else f"{x.offset}{x.stride}"
+    return t
+
+
 def plan_digest(
     transfers: Iterable[Transfer], num_buckets: int, dtype: str, casts: Iterable[tuple[str, str, str]] = (),
     *, relays: object = None, same_device: object = None, reinterpret: object = None, quantize: object = None,
@@ -335,16 +345,7 @@ def plan_digest(
     if not isinstance(transfers, (tuple, list)):
         transfers = list(transfers)  # every object alive until the end (ids stay theirs)
     for t in transfers:
-        box, sv, dv = t.box, t.src_view, t.dst_view
-        b = text.get(id(box))
-        if b is None:
-            b = text[id(box)] = f"{box.offsets}{box.sizes}"
-        s = text.get(id(sv))
-        if s is None:
-            s = text[id(sv)] = f"{sv.offset}{sv.stride}"
-        d = text.get(id(dv))
-        if d is None:
-            d = text[id(dv)] = f"{dv.offset}{dv.stride}"
+        b, s, d = digest_text(text, t.box), digest_text(text, t.src_view), digest_text(text, t.dst_view)
         lines.append(f"{t.bucket}|{t.src}|{t.dst}|{t.canonical}|{b}|{t.nbytes}|{t.src_name}|{s}|{t.dst_name}|{d}\n")
         if len(lines) >= 4096:
             h.update("".join(lines).encode())
