@@ -94,6 +94,8 @@ class RankPlan:
     #: (``TransferPlan.quantized``); the plan reads their codes under the same name and their
     #: scales as ``<name>_scale_inv``.
     quantize: tuple[str, ...] = ()
+    #: ``digest()``, once (not an init field: ``replace`` never carries it to another slice).
+    _digest: list = field(default_factory=list, init=False, repr=False, compare=False)
 
     def channels(self) -> list[dict[tuple[int, int, int], list[Transfer]]]:
         """Destination side, per bucket: (source rank, via, relay group) -> transfers in wire
@@ -129,10 +131,13 @@ class RankPlan:
 
     def digest(self) -> str:
         """Hash of this slice: a rank checks the slice it was given is the one it runs."""
+        if self._digest:
+            return self._digest[0]
         relays = (self.relay_groups, self.relay_of, self.via) if self.relay_groups else None
-        return plan_digest(self.transfers, self.num_buckets, self.dtype, relays=relays,
-                           same_device=self.same_device or None, reinterpret=self.reinterpret or None,
-                           quantize=self.quantize or None)
+        self._digest.append(plan_digest(self.transfers, self.num_buckets, self.dtype, relays=relays,
+                                        same_device=self.same_device or None, reinterpret=self.reinterpret or None,
+                                        quantize=self.quantize or None))
+        return self._digest[0]
 
 
 @dataclass(frozen=True)
@@ -190,6 +195,9 @@ class TransferPlan:
     _by_dst: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
     _by_group: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
     _sites: dict = field(default_factory=dict, repr=False, compare=False)  # member_site's index
+    #: ``digest()``, once: the driver and the metrics ask for it on every refit, and a full-size
+    #: plan's takes seconds. Not an init field, so ``replace`` never carries it to another plan.
+    _digest: list = field(default_factory=list, init=False, repr=False, compare=False)
 
     @property
     def bytes_planned(self) -> int:
@@ -279,6 +287,11 @@ class TransferPlan:
     def digest(self) -> str:
         """Stable hash of everything that moves; checked on every rank before the first byte.
         Casts are hashed only when there are any, so plans without casts keep their digests."""
+        if not self._digest:
+            self._digest.append(self._compute_digest())
+        return self._digest[0]
+
+    def _compute_digest(self) -> str:
         relays = None
         if self.relay_groups:  # members' own places only when some differ: older digests stay
             relays = (self.relay_groups, self.relay_of) + ((self.relay_sites,) if self.relay_sites else ())
