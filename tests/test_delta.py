@@ -236,3 +236,44 @@ def test_relays_forward_the_delta_and_every_member_ends_bit_for_bit_right():
     # a member's altered baseline: its checksum names the tensor; every rank's refit fails
     err = res[NUM_SRC + 3]["corrupt"]["err"]
     assert err is not None and "checksum mismatch" in err and "local.a" in err, err
+
+
+# -- what a vLLM worker keeps between delta refits --------------------------------------------
+
+def test_a_patched_copy_takes_the_changes_at_the_commit_and_a_whole_one_is_cloned():
+    """``ModelFormatCopies``: a parameter a delta only patched is not cloned; its committed copy
+    takes the same changes at the commit, and not before (an abort leaves it as it was); a
+    parameter written whole is cloned from its shadow; a failure after live weights changed
+    drops every copy."""
+    from mcore_reshard.adapters.vllm.baselines import ModelFormatCopies
+    from mcore_reshard.layout.descriptor import View
+
+    copies = ModelFormatCopies(keep=True)
+    copies.committed = {"a": torch.arange(6.0), "b": torch.zeros(4)}
+    held_a = copies.committed["a"]
+    box = View(2, (3,), (1,))  # elements 2..4 of "a"
+    shadow_a, shadow_b = held_a.clone(), torch.full((4,), 7.0)
+
+    def refit(commit: bool) -> None:
+        copies.begin()
+        shadow_a[2 + 1] = 40.0  # box-flat position 1 of the box
+        copies.patched("a", box, torch.tensor([1]), torch.tensor([40.0]))
+        copies.wrote_whole("b")
+        copies.before_processing({"a": shadow_a, "b": shadow_b})
+        shadow_b.fill_(-1.0)  # vLLM repacks the shadow in place: the clone keeps the model format
+        if commit:
+            copies.commit()
+        else:
+            copies.drop(live_changed=False)
+
+    refit(commit=False)
+    assert torch.equal(copies.committed["a"], torch.arange(6.0)) and torch.equal(copies.committed["b"], torch.zeros(4))
+    shadow_b.fill_(7.0)
+    refit(commit=True)
+    assert copies.committed["a"] is held_a  # patched where it lies, not replaced by a clone
+    assert torch.equal(held_a, torch.tensor([0.0, 1.0, 2.0, 40.0, 4.0, 5.0]))
+    assert torch.equal(copies.committed["b"], torch.full((4,), 7.0))
+    assert copies.nbytes == 10 * 4
+    copies.begin()
+    copies.drop(live_changed=True)
+    assert copies.committed == {}

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence, Union
 
 from .descriptor import Box, LayoutError, SideLayout
+from .memo import ValueIds
 
 __all__ = [
     "DTensorForm",
@@ -402,21 +403,13 @@ def dtensor_forms(side: SideLayout) -> dict[str, Form]:
 
 
 def _box_ids_held(side: SideLayout) -> tuple[dict[str, dict[int, dict[int, None]]], list[Box]]:
-    """``_holdings`` with each box as the index of its value in the list returned: the rules
-    share Box objects between ranks (a full-size vLLM side: ~300k pieces, ~1k boxes), so a
-    value is hashed once per object, not once per piece (a Python-level ``__hash__``), and
+    """``_holdings`` with each box as the index of its value in the list returned
+    (``memo.ValueIds``: a value is hashed once per Box object, not once per piece), so
     ``dtensor_forms`` keys holdings by ints."""
-    index: dict[int, int] = {}  # id(box) -> its value's index (the boxes outlive the call)
-    by_value: dict[Box, int] = {}
-    values: list[Box] = []
+    ids = ValueIds()
+    pieces = list(side.pieces())
     held: dict[str, dict[int, dict[int, None]]] = {}
-    for piece in side.pieces():
-        box = piece.box
-        i = index.get(id(box))
-        if i is None:
-            i = index[id(box)] = by_value.setdefault(box, len(values))
-            if i == len(values):
-                values.append(box)
+    for piece, i in zip(pieces, ids.many(p.box for p in pieces)):
         ranks = held.get(piece.canonical)
         if ranks is None:
             ranks = held[piece.canonical] = {}
@@ -424,7 +417,7 @@ def _box_ids_held(side: SideLayout) -> tuple[dict[str, dict[int, dict[int, None]
         if boxes is None:
             boxes = ranks[piece.rank] = {}
         boxes[i] = None
-    return held, values
+    return held, ids.values
 
 
 def dtensor_report(side: SideLayout) -> dict[str, str]:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from .descriptor import Box, LayoutError, LocalParam, Piece, SideLayout, View, contiguous_strides
+from .memo import IdentityCache
 
 __all__ = ["FP8", "BLOCK", "SCALE_SUFFIX", "BlockFp8", "scale_name", "quantized_tensors", "quantize_side", "fp8_sides"]
 
@@ -139,21 +140,13 @@ def fp8_sides(src: SideLayout, dst: SideLayout) -> tuple[SideLayout, SideLayout,
 
 #: ``fp8_sides``' sending sides by (training layout identity, tensors, block): it is asked
 #: once per plan from one training layout (the settings' check, the direct plan, each relayed
-#: one). Holds the layouts so their ids stay theirs.
-_SENT: dict[tuple, tuple[SideLayout, SideLayout]] = {}
+#: one).
+_SENT = IdentityCache(2)
 
 
 def _sent(src: SideLayout, good: set[str], b: int) -> SideLayout:
     """``src`` as it sends with ``good`` quantized (cached)."""
-    key = (id(src), frozenset(good), b)
-    hit = _SENT.get(key)
-    if hit is not None and hit[0] is src:
-        return hit[1]
-    sent = _quantize(src, good, b, FP8, "training", at_sender=True)
-    if len(_SENT) >= 2:
-        _SENT.pop(next(iter(_SENT)))
-    _SENT[key] = (src, sent)
-    return sent
+    return _SENT.get((src,), (frozenset(good), b), lambda: _quantize(src, good, b, FP8, "training", at_sender=True))
 
 
 def clear_quant_cache() -> None:

@@ -11,6 +11,7 @@ from collections import OrderedDict
 from typing import Any, Callable
 
 from ..layout.descriptor import SideLayout
+from ..layout.memo import IdentityCache
 from ..layout.quant import clear_quant_cache
 from .placement import LINK_CLASSES, RankPlacement
 from .planner import build_plan
@@ -25,21 +26,13 @@ _MAX = 8
 
 
 #: Digests of the last few layouts by identity (a CLI run asks for each side's digest once per
-#: plan it builds: the plain one and the relays' charged one). Holds the layouts so their ids
-#: stay theirs.
-_DIGESTS: "OrderedDict[int, tuple[SideLayout, str]]" = OrderedDict()
+#: plan it builds: the plain one and the relays' charged one).
+_DIGESTS = IdentityCache(4)
 
 
 def layout_digest(side: SideLayout) -> str:
     """Stable hash of every piece of a side (order-independent across ranks' params)."""
-    hit = _DIGESTS.get(id(side))
-    if hit is not None and hit[0] is side:
-        return hit[1]
-    digest = _digest(side)
-    _DIGESTS[id(side)] = (side, digest)
-    while len(_DIGESTS) > 4:
-        _DIGESTS.popitem(last=False)
-    return digest
+    return _DIGESTS.get((side,), None, lambda: _digest(side))
 
 
 def _digest(side: SideLayout) -> str:

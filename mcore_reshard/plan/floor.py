@@ -13,6 +13,7 @@ from typing import Iterable, Sequence
 
 from ..layout import Box, SideLayout
 from ..layout.descriptor import DTYPE_BYTES
+from ..layout.memo import IdentityCache
 from .placement import Location, RankPlacement
 from .types import TransferPlan
 
@@ -64,8 +65,7 @@ def _spans_by_node(side: SideLayout, locs: Sequence[Location]) -> dict[int, dict
 
 #: node_floors by (layouts, placement, itemsize): one plan's report asks for them several
 #: times (direct vs relayed, then the CLI), the relay choice once more (``over_floor``).
-#: Holds the layouts so their ids stay theirs.
-_FLOOR_CACHE: dict[tuple, tuple[SideLayout, SideLayout, dict[tuple[int, str], int]]] = {}
+_FLOOR_CACHE = IdentityCache(8)
 
 
 def inter_node_minimum(src: SideLayout, dst: SideLayout, placement: RankPlacement, itemsize: int) -> int:
@@ -88,10 +88,10 @@ def node_floors(src: SideLayout, dst: SideLayout, placement: RankPlacement,
 def _node_floors(src: SideLayout, dst: SideLayout, placement: RankPlacement,
                  itemsize: int) -> dict[tuple[int, str], int]:
     """:func:`node_floors`, cached (callers here only read it)."""
-    key = (id(src), id(dst), placement, itemsize)
-    hit = _FLOOR_CACHE.get(key)
-    if hit is not None and hit[0] is src and hit[1] is dst:
-        return hit[2]
+    return _FLOOR_CACHE.get((src, dst), (placement, itemsize), lambda: _floors(src, dst, placement, itemsize))
+
+
+def _floors(src: SideLayout, dst: SideLayout, placement: RankPlacement, itemsize: int) -> dict[tuple[int, str], int]:
     held = _spans_by_node(dst, placement.dst)
     local = _spans_by_node(src, placement.src)
     size = _element_bytes(dst, itemsize)
@@ -108,9 +108,6 @@ def _node_floors(src: SideLayout, dst: SideLayout, placement: RankPlacement,
             if n is None:
                 n = covered[k] = _sweep(spans, minus)
             floors[(node, name)] = n * size.get(name, itemsize)
-    if len(_FLOOR_CACHE) >= 8:
-        _FLOOR_CACHE.pop(next(iter(_FLOOR_CACHE)))
-    _FLOOR_CACHE[key] = (src, dst, floors)
     return floors
 
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass, replace
 from itertools import repeat
-from typing import Iterable, Sequence
+from typing import Sequence
 
 from ..layout import Box, SideLayout, View
 from ..layout.descriptor import DTYPE_BYTES, LocalParam
+from ..layout.memo import ValueIds
 from .placement import RankPlacement
 from .types import Transfer, TransferPlan, member_site
 
@@ -27,43 +28,10 @@ _SRC, _DST = operator.attrgetter("src"), operator.attrgetter("dst")
 _PieceKey = tuple[str, tuple[int, ...], str, str, int, int]
 
 
-class _Ids:
-    """Box and View values as small ints (``ids(x)``; ``ids.values[i]``: the value). A full-size
-    side has ~300k pieces but ~1k distinct Box and View objects (the rules share them between
-    ranks): each object's value is looked up once, by identity, and pieces are then hashed
-    and compared as ints -- not by the dataclasses' Python-level ``__hash__`` and ``__eq__``
-    once per piece and dict. The objects must outlive it (they are the layout's)."""
-
-    __slots__ = ("by_id", "by_value", "values")
-
-    def __init__(self) -> None:
-        self.by_id: dict[int, int] = {}
-        self.by_value: dict[Box | View, int] = {}
-        self.values: list[Box | View] = []
-
-    def __call__(self, x: Box | View) -> int:
-        i = self.by_id.get(id(x))
-        if i is None:
-            i = self.by_value.get(x)
-            if i is None:
-                i = self.by_value[x] = len(self.values)
-                self.values.append(x)
-            self.by_id[id(x)] = i
-        return i
-
-    def many(self, xs: Iterable[Box | View]) -> list[int]:
-        """``[ids(x) for x in xs]``, C-level where every object was seen before (the bulk)."""
-        xs = list(xs)
-        out = list(map(self.by_id.get, map(id, xs)))
-        if None in out:
-            out = [self(x) if i is None else i for i, x in zip(out, xs)]
-        return out
-
-
 _LOCAL_NAME, _CANONICAL, _BOX, _VIEW = (operator.attrgetter(a) for a in ("local_name", "canonical", "box", "view"))
 
 
-def _signature(params: Sequence[LocalParam], ids: _Ids) -> tuple:
+def _signature(params: Sequence[LocalParam], ids: ValueIds) -> tuple:
     """What a destination rank holds, independent of its rank number."""
     return tuple(sorted((p.name, tuple(p.shape), p.dtype,
                          tuple(zip(map(_LOCAL_NAME, p.pieces), map(_CANONICAL, p.pieces), ids.many(map(_BOX, p.pieces)),
@@ -73,10 +41,10 @@ def _signature(params: Sequence[LocalParam], ids: _Ids) -> tuple:
 def relay_groups(dst: SideLayout, placement: RankPlacement) -> tuple[tuple[int, ...], ...]:
     """Destination ranks on one node that hold exactly the same pieces (rank r of several
     engines of one layout on that node), as sorted groups of two or more."""
-    return _relay_groups(dst, placement, _Ids())
+    return _relay_groups(dst, placement, ValueIds())
 
 
-def _relay_groups(dst: SideLayout, placement: RankPlacement, ids: _Ids) -> tuple[tuple[int, ...], ...]:
+def _relay_groups(dst: SideLayout, placement: RankPlacement, ids: ValueIds) -> tuple[tuple[int, ...], ...]:
     by_rank: dict[int, list] = {}
     for p in dst.params:
         by_rank.setdefault(p.rank, []).append(p)
@@ -117,7 +85,7 @@ def spread(plan: TransferPlan, groups: tuple[tuple[int, ...], ...], relay_of: li
                    _by_src={}, _by_dst={}, _by_group={}, _sites={})
 
 
-def _piece_keys(p: LocalParam, ids: _Ids) -> list[_PieceKey]:
+def _piece_keys(p: LocalParam, ids: ValueIds) -> list[_PieceKey]:
     """Each destination piece of ``p`` as another rank would hold it identically (same local
     tensor, same place in it): a box one member receives, unpacked the same way by every
     member. Box and view as ``ids``."""
@@ -193,7 +161,7 @@ def piece_relays(dst: SideLayout, placement: RankPlacement,
     slot of another rank; each member then unpacks it at its own place, ``relay_sites``). A
     rank holding one box twice gets it once relayed and once more directly. ``direct``:
     (node, tensor) whose pieces keep the direct path on that node. None: no relays."""
-    ids = _Ids()
+    ids = ValueIds()
     whole = _relay_groups(dst, placement, ids)
     ident = {m: members for members in whole for m in members}
     nodes = tuple(loc.node for loc in placement.dst)
@@ -226,7 +194,7 @@ def piece_relays(dst: SideLayout, placement: RankPlacement,
 
 
 def _keyed_pieces(dst: SideLayout, others: set[int], nodes: tuple[int, ...], direct: frozenset[tuple[int, str]],
-                  ids: _Ids) -> list[tuple[LocalParam, list[_PieceKey]]]:
+                  ids: ValueIds) -> list[tuple[LocalParam, list[_PieceKey]]]:
     """Every destination local tensor that may be held for others, with its pieces' keys:
     the members after the first of a whole-rank relay group (``others``) hold what the first
     holds, so only their pieces kept direct stay."""

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import operator
 import re
-from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 
 from ..layout import DTYPE_BYTES, SideLayout
+from ..layout.memo import IdentityCache
 from ..layout.quant import FP8, scale_name
 from .floor import clear_floor_cache, hf_ipc_bytes, inter_node_minimum
 from .placement import LINK_CLASSES, Links, RankPlacement
@@ -247,8 +247,8 @@ _SRC, _DST, _NBYTES = (operator.attrgetter(a) for a in ("src", "dst", "nbytes"))
 
 #: placement_report by what it reads, the plan's transfers by identity: the relay choice
 #: reports each candidate, then the CLI reports the chosen one again (the same transfers, other
-#: notes). Holds what it keys by id, so the ids stay theirs.
-_REPORTS: "OrderedDict[tuple, tuple[tuple, PlacementReport]]" = OrderedDict()
+#: notes).
+_REPORTS = IdentityCache(4)
 
 
 def placement_report(plan: TransferPlan, src: SideLayout, dst: SideLayout, placement: RankPlacement,
@@ -259,17 +259,12 @@ def placement_report(plan: TransferPlan, src: SideLayout, dst: SideLayout, place
     if len(placement.src) != plan.num_src or len(placement.dst) != plan.num_dst:
         raise ValueError(f"placement has {len(placement.src)} + {len(placement.dst)} ranks, the plan "
                          f"{plan.num_src} + {plan.num_dst}")
-    held = (plan.transfers, plan.relay_of, plan.relay_groups, src, dst)
-    key = (*map(id, held), plan.itemsize, placement, links)
-    hit = _REPORTS.get(key)
-    if hit is not None and all(a is b for a, b in zip(hit[0], held)):
-        return hit[1]
-    with gc_paused():  # a set and tuples per destination piece (the floor): nothing to collect
-        report = _placement_report(plan, src, dst, placement, links)
-    _REPORTS[key] = (held, report)
-    while len(_REPORTS) > 4:
-        _REPORTS.popitem(last=False)
-    return report
+    def build() -> PlacementReport:
+        with gc_paused():  # a set and tuples per destination piece (the floor): nothing to collect
+            return _placement_report(plan, src, dst, placement, links)
+
+    return _REPORTS.get((plan.transfers, plan.relay_of, plan.relay_groups, src, dst),
+                        (plan.itemsize, placement, links), build)
 
 
 def clear_report_caches() -> None:

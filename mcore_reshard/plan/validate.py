@@ -24,6 +24,7 @@ from collections import defaultdict
 from typing import NamedTuple, Sequence
 
 from ..layout.descriptor import DTYPE_BYTES, Box, LocalParam, Piece, SideLayout, View
+from ..layout.memo import IdentityCache
 from .types import PlanError, Transfer, TransferPlan
 
 __all__ = ["Replica", "check_sides", "index_sources", "check_dest", "param_kinds", "wire_dtype", "reinterpreted",
@@ -308,10 +309,10 @@ def wire_dtype(dst: SideLayout, casts: Sequence[tuple[str, str, str]] = ()) -> t
     return wire, tuple(reinterpret)
 
 
-#: ``reinterpreted`` by (side identity, real, wire, what), least recently used last: a placed
+#: ``reinterpreted`` by (side identity, real, wire, what), the last two used: a placed
 #: plan asks for the same training side twice (the direct plan, then the relayed one) between
-#: two destination sides. Holds the sides so their ids stay theirs.
-_REINTERPRETED: dict[tuple, tuple[SideLayout, SideLayout]] = {}
+#: two destination sides.
+_REINTERPRETED = IdentityCache(2)
 
 
 def reinterpreted(side: SideLayout, real: dict[str, str], wire: str, what: str) -> SideLayout:
@@ -319,14 +320,8 @@ def reinterpreted(side: SideLayout, real: dict[str, str], wire: str, what: str) 
     one real element is ``r`` wire elements along the last dim (shape[-1], box offsets/sizes[-1]
     and view offset and outer strides x r, last stride 1). Other local tensors are kept as they
     are (same objects). Cached (the last two)."""
-    key = (id(side), tuple(real.items()), wire, what)
-    hit = _REINTERPRETED.pop(key, None)
-    if hit is None or hit[0] is not side:
-        hit = (side, _reinterpreted(side, real, wire, what))
-        while len(_REINTERPRETED) >= 2:
-            _REINTERPRETED.pop(next(iter(_REINTERPRETED)))
-    _REINTERPRETED[key] = hit
-    return hit[1]
+    return _REINTERPRETED.get((side,), (tuple(real.items()), wire, what),
+                              lambda: _reinterpreted(side, real, wire, what))
 
 
 def clear_reinterpreted_cache() -> None:

@@ -100,6 +100,13 @@ class VllmApplier(DeltaApply):
         self.params = {p.name: p for p in params}
         #: Each parameter's owning module and attribute (looked up once: several calls per box).
         self._owners = {n: owner(model, n) for n in self.params}
+        #: Each module's name (its first, as ``named_modules`` gives it), and the parameters
+        #: named under each module name: attribute -> local name (one shadow takes them).
+        self._prefix = {id(m): name for name, m in model.named_modules()}
+        self._names_under: dict[str, dict[str, str]] = {}
+        for n in self.params:
+            prefix, _, attr = n.rpartition(".")
+            self._names_under.setdefault(prefix, {})[attr] = n
         self.modes = dict(modes) if modes is not None else select_modes(model, params)
         self.atomic = atomic
         self.device = torch.device(device)
@@ -333,10 +340,9 @@ class VllmApplier(DeltaApply):
     @_timed("open")
     def _open_layer(self, layer: torch.nn.Module) -> _LayerState:
         """A shadow of ``layer`` in (zeroed) model format; the live layer is not touched."""
-        prefix = next(n for n, m in self.model.named_modules() if m is layer)
-        names = {p.name.rpartition(".")[2]: p.name for p in self.params.values()
-                 if p.name.rpartition(".")[0] == prefix}
-        shadow, names = open_shadow(layer, prefix, names, self.params, self.modes, self.device)
+        prefix = self._prefix[id(layer)]
+        shadow, names = open_shadow(layer, prefix, self._names_under.get(prefix, {}), self.params, self.modes,
+                                    self.device)
         st = self._layers[id(layer)] = _LayerState(layer, shadow, names)
         return st
 
@@ -351,7 +357,7 @@ class VllmApplier(DeltaApply):
         if not self.atomic:
             touched.update(dict.fromkeys(n for n in self._written if self.modes[n] == DIRECT))
         for n in self._kept:  # kept boxes only: the whole module (reload) or parameter was sent
-            touched.update(dict.fromkeys(self._module_params(n) if self.modes[n] == RELOAD else (n,)))
+            touched.update(dict.fromkeys((n, *(self._module_params(n) if self.modes[n] == RELOAD else ()))))
         missing = [(n, self._written.get(n, 0), want[n]) for n in touched if self._written.get(n, 0) != want[n]]
         if missing:
             desc = ", ".join(f"{n} ({w}/{e} elements)" for n, w, e in missing[:5])
@@ -359,8 +365,8 @@ class VllmApplier(DeltaApply):
 
     def _module_params(self, local_name: str) -> list[str]:
         """The reload-mode parameters of ``local_name``'s module (one shadow, one processing)."""
-        layer = self._owners[local_name][0]
-        return [n for n, (m, _) in self._owners.items() if m is layer and self.modes[n] == RELOAD]
+        names = self._names_under.get(self._prefix[id(self._owners[local_name][0])], {})
+        return [n for n in names.values() if self.modes[n] == RELOAD]
 
     @_timed("process")
     def _process(self, st: _LayerState) -> None:

@@ -19,7 +19,7 @@ import torch
 from ...errors import RefitIncomplete
 from ...layout.descriptor import LayoutError, View
 from ...transport.views import local_view, scatter_flat
-from .layers import DIRECT, RELOAD, owner
+from .layers import DIRECT, RELOAD
 
 __all__ = ["DeltaApply"]
 
@@ -96,7 +96,7 @@ class DeltaApply:
         if local_name not in self.modes:
             raise LayoutError(f"alter_baseline: {local_name} is not a parameter of this worker")
         if self.modes[local_name] == DIRECT:
-            layer, pname = owner(self.model, local_name)
+            layer, pname = self._owners[local_name]
             getattr(layer, pname).data.view(-1)[0] += 1
         elif local_name in self.copies.committed:
             self.copies.committed[local_name].view(-1)[0] += 1
