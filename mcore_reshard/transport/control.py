@@ -24,10 +24,17 @@ host, an attacker on the network) can list every key (``TCPStore`` has no access
   still to come, so no one can pre-plant a value a rank would then fail to overwrite. Each rank
   posts its abort to its own key (``set``, never ``compare_set``); the only write-once key is
   the refit's decision, whose name is unknown until its first writer creates it.
-* **Availability does not.** A writer on the store can delete or overwrite keys after they
-  appear: the refit then fails (a rank rejects the value and waits until its deadline, or the
-  decision cannot be read) and no engine commits on it -- an attacker can stop refits, never
-  make one commit wrong weights. Keep the store's address off untrusted networks.
+* **Availability, bounded.** A writer on the store can delete or overwrite keys after they
+  appear. That gives it exactly one power: failing a refit within its deadline. No read
+  blocks (``_read`` is one ``compare_set`` that returns at once, present or not), no value is
+  parsed as anything but signed JSON (the abort hint is a presence flag, never ``add``-ed: a
+  non-integer there makes ``TCPStore`` drop the caller's connection), a rank re-posts its own
+  vote or exchange value when it finds it deleted, and every wait ends at the refit's
+  deadline with a line naming what was found (a value that does not verify, or none). The
+  outcome is then the old weights, or -- where some worker committed and another could not
+  learn the decision -- an ``unsure`` worker, whose engine the driver keeps gated until a
+  refit commits on all of its workers. Never a hang, never a mix. Keep the store's address
+  off untrusted networks.
 
 The decision
 ------------
@@ -37,6 +44,18 @@ peer known dead, or its own deadline -> abort) writes the signed decision with
 ``compare_set`` (first writer wins); every rank commits only on reading a commit decision. A
 rank that cannot read the decision (the store's host died) gets ``known=False`` and must not
 serve what it staged.
+
+Every rank that learns the decision posts a signed copy under its own key (``decided``)
+*before* it acts on it. The shared key can be overwritten or deleted once it exists; the
+copies make that harmless: a rank that finds the shared key holding a value that does not
+verify, or about to propose because it found none, first looks for any rank's signed copy
+and adopts it. The rule every rank applies: the first authentic decision it reads -- the
+shared key, else any rank's copy -- is the decision; an unauthentic value is counted and
+never waited on past ``_ECHO_WAIT_S`` (no valid decision can appear under a shared key that
+holds one: ``compare_set`` writes only an empty slot) or the refit's deadline plus
+``_DECISION_GRACE_S``. Why copies rather than per-rank votes on the outcome: a decision needs
+one writer (a commit seen by one rank and a timeout seen by another must not both stand); the
+copies keep that single writer and only add places to read its words from.
 """
 
 from __future__ import annotations
@@ -60,6 +79,17 @@ __all__ = ["ControlPlane", "Decision", "SignedStore", "StoreGone"]
 _log = logging.getLogger("mcore_reshard.transport")
 _POLL_S = 0.005
 _VOTE_AFTER_ABORT_S = 0.5  # how long a decider waits for the aborting rank's own "no" vote
+#: After the shared decision key is found holding a value that does not verify: how long a rank
+#: waits for another rank's signed copy of the decision before it reports the decision unknown.
+_ECHO_WAIT_S = 2.0
+#: Past the vote's deadline: how long a rank may still take to write or read the decision.
+_DECISION_GRACE_S = 2.0
+#: How often a waiting rank checks that its own vote or exchange value is still there.
+_REPOST_EVERY_S = 0.1
+#: With the abort hint present but no authentic abort found: how often to look again.
+_RESCAN_S = 0.1
+#: What ``_read``'s ``compare_set`` expects and writes: no real value is ever this.
+_ABSENT = b"\x00absent"
 
 
 class StoreGone(RefitAborted):
@@ -89,6 +119,8 @@ class SignedStore:
         self.epoch = 0
         #: Rejected (unauthenticated, replayed or misplaced) values, by message kind.
         self.rejected: Counter[str] = Counter()
+        #: What the last rejected value of each kind was (garbage, or whose signed value).
+        self.last_rejected: dict[str, str] = {}
         self._logged: set[str] = set()
         self.store_dead = False
         self._last_ctl: str | None = None  # this rank's last exchange key (``ControlPlane.exchange``)
@@ -111,21 +143,28 @@ class SignedStore:
                            "m": self._mac(kind, self.epoch, seq, rank, body)})
 
     def _open(self, slot: str, raw: bytes, kind: str, seq: int, rank: int | None) -> tuple[bool, Any, int]:
-        """(authentic, value, sender rank). ``rank`` None: any rank may have sent it."""
+        """(authentic, value, sender rank). ``rank`` None: any rank may have sent it. A value
+        that is not authentic is counted (``rejected``) and its kind remembered
+        (``last_rejected``: garbage, or a signed value of another refit, step, slot or rank)."""
+        what = "garbage (not a message signed with this job's secret)"
         try:
             msg = json.loads(raw)
             r = int(msg["r"])
-            good = (msg["k"] == kind and msg["e"] == self.epoch and msg["s"] == seq and (rank is None or r == rank)
-                    and 0 <= r < self.world_size
-                    and hmac.compare_digest(str(msg["m"]), self._mac(kind, self.epoch, seq, r, msg["b"])))
-            if good:
+            mac_ok = 0 <= r < self.world_size and hmac.compare_digest(
+                str(msg["m"]), self._mac(str(msg["k"]), int(msg["e"]), int(msg["s"]), r, msg["b"]))
+            if mac_ok and msg["k"] == kind and msg["e"] == self.epoch and msg["s"] == seq and rank in (None, r):
                 return True, json.loads(msg["b"]), r
+            if mac_ok:
+                what = (f"a replayed signed {msg['k']} (refit {msg['e']}, step {msg['s']}, rank {r}), "
+                        f"not this refit's {kind}")
         except (ValueError, KeyError, TypeError):
             pass
         self.rejected[kind] += 1
+        self.last_rejected[kind] = what
         if slot not in self._logged:
             self._logged.add(slot)
-            _log.warning("refit control plane: rejected a %s value that is not this refit's own (%s)", kind, slot)
+            _log.warning("refit control plane: rejected a %s value that is not this refit's own (%s): %s",
+                         kind, slot, what)
         return False, None, -1
 
     # -- store access: any error means the store's host is gone ------------------------------
@@ -144,7 +183,16 @@ class SignedStore:
         self._epoch_keys.append(slot)
 
     def _read(self, slot: str) -> bytes | None:
-        return self._store("get", slot) if self._store("check", [slot]) else None
+        """The value at ``slot`` or None, in one round trip that never blocks: ``compare_set``
+        with an expected value no writer uses returns the current value, or that value when the
+        key is absent (``get`` would wait for a key deleted after a ``check``)."""
+        raw = self._store("compare_set", slot, _ABSENT, _ABSENT)
+        return None if raw == _ABSENT else raw
+
+    def _repost(self, slot: str, value: str) -> None:
+        """Write this rank's own ``value`` again if an outside writer deleted or replaced it."""
+        if self._read(slot) != value.encode():
+            self._store("set", slot, value)
 
     def _read_msg(self, kind: str, seq: int, rank: int) -> tuple[bool, Any]:
         """(there and authentic, value) of ``rank``'s ``kind`` message #``seq`` of this refit."""
@@ -195,7 +243,7 @@ class ControlPlane(SignedStore):
         self._posted_abort = False
         self._abort: str | None = None
         self._abort_seen: float | None = None
-        self._hint_seen = 0
+        self._rescan_at = 0.0  # the abort hint is present: when to look at the aborts again
         #: Called by every poll: peers known dead (rank -> reason); set by the data plane.
         self.dead_peers: Callable[[], dict[int, str]] = dict
 
@@ -208,27 +256,24 @@ class ControlPlane(SignedStore):
         shared = ([self._slot("decision", self.epoch, 0, -1), self._slot("hint", self.epoch, 0, -1)]
                   if self.rank == 0 and self.epoch else [])
         self._next_epoch(epoch, shared)
-        self._posted_abort, self._abort, self._hint_seen, self._abort_seen = False, None, 0, None
-        if self.rank == 0 and not self.store_dead:
-            # The hint exists from the start (a poll's ``add(0)`` would create it only where a
-            # rank happened to poll): every refit leaves the same keys behind.
-            try:
-                self._store("add", self._slot("hint", self.epoch, 0, -1), 0)
-            except StoreGone:
-                pass  # the refit learns it at its first exchange
+        self._posted_abort, self._abort, self._abort_seen, self._rescan_at = False, None, None, 0.0
 
     def post_abort(self, message: str) -> None:
-        """Tell every rank to stop: this rank's own abort key, then a hint counter pollers watch."""
+        """Tell every rank to stop: this rank's own abort key, then the hint pollers watch."""
         self._posted_abort = True
         try:
             self._put(self._slot("abort", self.epoch, 0, self.rank), self._sign("abort", 0, message))
-            self._store("add", self._slot("hint", self.epoch, 0, -1), 1)
+            self._store("set", self._slot("hint", self.epoch, 0, -1), self._sign("hint", 0, self.rank))
         except StoreGone:
             pass  # nobody can read it; every rank learns from the store's death instead
 
     def abort_message(self) -> str | None:
         """Why this refit is being aborted by someone else (another rank's abort, a peer known
-        dead, the store gone), or None. Raises nothing: a dead store is a message too."""
+        dead, the store gone), or None. Raises nothing: a dead store is a message too.
+
+        One store call per poll while nothing happens: the hint's presence. Present, the
+        aborts are read (every ``_RESCAN_S`` while none is authentic: an outside writer's
+        hint costs a little polling, never a stall)."""
         if self._abort is not None:
             return self._abort
         dead = self.dead_peers()
@@ -243,10 +288,15 @@ class ControlPlane(SignedStore):
         if self._posted_abort:
             return None
         try:
-            n = int(self._store("add", self._slot("hint", self.epoch, 0, -1), 0))
-            if n == self._hint_seen:
+            hint_slot = self._slot("hint", self.epoch, 0, -1)
+            now = time.monotonic()
+            if now < self._rescan_at:
                 return None
-            self._hint_seen = n
+            raw = self._read(hint_slot)
+            if raw is None:
+                return None
+            self._open(hint_slot, raw, "hint", 0, None)  # counted when it is not a rank's own
+            self._rescan_at = now + _RESCAN_S
             for r in range(self.world_size):
                 ok, value = self._read_msg("abort", 0, r) if r != self.rank else (False, None)
                 if ok:
@@ -271,25 +321,34 @@ class ControlPlane(SignedStore):
     # -- all-gather --------------------------------------------------------------------------
     def exchange(self, obj: Any, timeout_s: float | None = None) -> list[Any]:
         """All-gather a small JSON-able value among all ranks (no tensors, no backend).
-        Raises ``RefitTimeout`` naming the ranks that never contributed, ``RefitAborted`` at
-        another rank's abort."""
+        Raises ``RefitTimeout`` naming the ranks that never contributed (and what their slots
+        held), ``RefitAborted`` at another rank's abort."""
         timeout_s = timeout_s or self.timeout_s
         seq = self._seq
         self._seq += 1
         slots = [self._slot("ctl", self.epoch, seq, r) for r in range(self.world_size)]
-        self._store("set", slots[self.rank], self._sign("ctl", seq, obj))
+        mine = self._sign("ctl", seq, obj)
+        self._store("set", slots[self.rank], mine)
         values: dict[int, Any] = {}
-        deadline = time.monotonic() + timeout_s
+        rejected_before = self.rejected["ctl"]
+        start = time.monotonic()
+        deadline, repost_at = start + timeout_s, start + _REPOST_EVERY_S
         while True:
             for r in range(self.world_size):
                 ok, value = self._read_msg("ctl", seq, r) if r not in values else (False, None)
                 if ok:
                     values[r] = value
             if len(values) == self.world_size:
+                self._repost(slots[self.rank], mine)  # still there for the ranks yet to read it
                 break
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 who = ", ".join(self.rank_map.describe_group_rank(r) for r in range(self.world_size) if r not in values)
-                raise RefitTimeout(f"control exchange #{seq}: no answer from {who} within {timeout_s}s")
+                found = self._found("ctl", rejected_before)
+                raise RefitTimeout(f"control exchange #{seq}: no answer from {who} within {timeout_s}s{found}")
+            if now > repost_at:
+                self._repost(slots[self.rank], mine)
+                repost_at = now + _REPOST_EVERY_S
             self.raise_if_aborted()
             time.sleep(_POLL_S)
         # Every rank posts exchange n only after reading all of n-1: this rank's previous key
@@ -299,45 +358,113 @@ class ControlPlane(SignedStore):
         self._last_ctl = slots[self.rank]
         return [values[r] for r in range(self.world_size)]
 
+    def _found(self, kind: str, rejected_before: int) -> str:
+        """What a wait on ``kind`` values found besides silence (for its error line)."""
+        n = self.rejected[kind] - rejected_before
+        return f" (rejected {n} {kind} value(s) that do not verify: {self.last_rejected[kind]})" if n else ""
+
     # -- the decision ------------------------------------------------------------------------
     def decide(self, ok: bool, payload: Any, error: str = "", timeout_s: float | None = None,
                after_vote: Callable[[], None] | None = None) -> Decision:
         """Vote, then learn the refit's one decision (see the module docstring).
 
-        Never raises: a store that dies (before or after the decision was written) gives
-        ``Decision(commit=False, known=False)``."""
+        Never raises, and returns by the vote's deadline plus ``_DECISION_GRACE_S``: a store
+        that dies, a decision that cannot be read or only as values that do not verify, give
+        ``Decision(commit=False, known=False)`` with a line saying what was found."""
         timeout_s = timeout_s or self.timeout_s
         votes: dict[int, Any] = {}
         try:
-            self._put(self._slot("vote", self.epoch, 0, self.rank),
-                      self._sign("vote", 0, {"ok": ok, "payload": payload, "error": error}))
+            vote_slot = self._slot("vote", self.epoch, 0, self.rank)
+            vote = self._sign("vote", 0, {"ok": ok, "payload": payload, "error": error})
+            self._put(vote_slot, vote)
             if after_vote is not None:
                 after_vote()  # fault injection: stop or die with the vote written, the decision unread
-            decision_slot = self._slot("decision", self.epoch, 0, -1)
-            deadline = time.monotonic() + timeout_s
-            while True:
-                decided = self._read_decision(decision_slot)
+            decided = self._await_decision(votes, vote_slot, vote, timeout_s)
+            if isinstance(decided, str):
+                return Decision(False, (f"{self.rank_map.describe_group_rank(self.rank)}: {decided}",), False,
+                                tuple(votes.get(r, {}).get("payload") for r in range(self.world_size)))
+            # Posted before acting on it: a rank that finds the shared key overwritten reads this.
+            self._put(self._slot("decided", self.epoch, 0, self.rank), self._sign("decided", 0, decided))
+            errors = list(decided["errors"])
+            if decided["commit"]:
+                self._read_votes(votes)  # every vote is there: the committer read them all
+            else:
+                errors += self._other_refusals(votes, errors)
+            return Decision(bool(decided["commit"]), tuple(errors), True,
+                            tuple(votes.get(r, {}).get("payload") for r in range(self.world_size)))
+        except StoreGone as exc:
+            errors = [f"{self.rank_map.describe_group_rank(self.rank)}: could not learn the refit's decision: {exc}"]
+            return Decision(False, tuple(errors), False,
+                            tuple(votes.get(r, {}).get("payload") for r in range(self.world_size)))
+
+    def _await_decision(self, votes: dict[int, Any], vote_slot: str, vote: str, timeout_s: float) -> dict | str:
+        """The decision (a dict), or why this rank cannot learn it (a line) by the deadline."""
+        decision_slot = self._slot("decision", self.epoch, 0, -1)
+        rejected_before = self.rejected["decision"] + self.rejected["decided"]
+        start = time.monotonic()
+        deadline, repost_at = start + timeout_s, start + _REPOST_EVERY_S
+        hard = deadline + _DECISION_GRACE_S
+        spoiled_at: float | None = None  # when the shared key was first found holding a bad value
+        while True:
+            raw = self._read(decision_slot)
+            if raw is not None:
+                decided = self._open_decision(decision_slot, raw)
                 if decided is not None:
-                    break
+                    return decided
+                spoiled_at = spoiled_at or time.monotonic()
+                decided = self._read_copies()
+                if decided is not None:
+                    return decided
+            else:
                 self._read_votes(votes)
                 proposal = self._proposal(votes, deadline, timeout_s)
                 if proposal is not None:
+                    decided = self._read_copies()  # the shared key was deleted after some rank read it
+                    if decided is not None:
+                        return decided
                     if not proposal["commit"] and not self._posted_abort:
                         # ranks still inside their transfer watch the abort hint, not the decision
                         self.post_abort("; ".join(proposal["errors"])[:500])
                     raw = self._store("compare_set", decision_slot, "", self._sign("decision", 0, proposal))
                     decided = self._open_decision(decision_slot, raw)
                     if decided is not None:
-                        break
-                time.sleep(_POLL_S)
-            if decided["commit"]:
-                self._read_votes(votes)  # every vote is there: the committer read them all
-            return Decision(bool(decided["commit"]), tuple(decided["errors"]), True,
-                            tuple(votes.get(r, {}).get("payload") for r in range(self.world_size)))
-        except StoreGone as exc:
-            errors = [f"{self.rank_map.describe_group_rank(self.rank)}: could not learn the refit's decision: {exc}"]
-            return Decision(False, tuple(errors), False,
-                            tuple(votes.get(r, {}).get("payload") for r in range(self.world_size)))
+                        return decided
+                    spoiled_at = spoiled_at or time.monotonic()
+            now = time.monotonic()
+            if now > hard or (spoiled_at is not None and now - spoiled_at > _ECHO_WAIT_S):
+                n = self.rejected["decision"] + self.rejected["decided"] - rejected_before
+                if n:
+                    what = self.last_rejected.get("decision") or self.last_rejected.get("decided")
+                    return (f"could not learn the refit's decision: its key holds a value that does not verify "
+                            f"({n} rejected; {what}) and no rank's signed copy of it arrived within "
+                            f"{now - (spoiled_at or start):.1f}s")
+                return (f"could not learn the refit's decision within {now - start:.1f}s: it was never written "
+                        f"where this rank could read it (deleted, or no rank could write it)")
+            if now > repost_at:
+                self._repost(vote_slot, vote)
+                repost_at = now + _REPOST_EVERY_S
+            time.sleep(_POLL_S)
+
+    def _read_copies(self) -> dict | None:
+        """The first authentic signed copy of the decision that any rank posted, or None."""
+        for r in range(self.world_size):
+            ok, value = self._read_msg("decided", 0, r)
+            if ok:
+                return value
+        return None
+
+    def _other_refusals(self, votes: dict[int, Any], named: list[str]) -> list[str]:
+        """After an abort: every other rank's refusal too, where its "no" arrives within
+        ``_VOTE_AFTER_ABORT_S`` (every refusing rank is named, not only the first)."""
+        dead = self.dead_peers()
+        end = time.monotonic() + _VOTE_AFTER_ABORT_S
+        while True:
+            self._read_votes(votes)
+            if len(votes) + len([r for r in dead if r not in votes]) >= self.world_size or time.monotonic() > end:
+                break
+            time.sleep(_POLL_S * 4)
+        return [v["error"] for _, v in sorted(votes.items())
+                if not v["ok"] and v["error"] and not any(v["error"] in e for e in named)]
 
     def _read_decision(self, slot: str) -> dict | None:
         raw = self._read(slot)
