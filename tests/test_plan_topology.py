@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -341,3 +342,69 @@ def test_bucket_rounds_skip_rounds_without_room_at_once():
     for src, dst, nbytes, extra in cases:
         want = scan(src, dst, nbytes, budget, 3, 5, extra)
         assert buckets.assign_buckets(src, dst, nbytes, budget, 3, 5, extra) == want
+
+
+# --------------------------------------------------------------------------- what bytes_min counts
+
+
+def _qwen3_moe_ep_rank_bytes(*, hidden: int, layers: int, vocab: int, heads: int, kv_heads: int, head_dim: int,
+                             experts: int, moe_intermediate: int, pp: int, dp: int, redundant: int,
+                             itemsize: int) -> list[int]:
+    """Independent of the rules and the planner: the bytes each rank of ONE vLLM engine of
+    Qwen3-MoE (untied) holds at tp=1, ``pp`` stages, ``dp`` DP ranks, ``enable_ep`` with
+    ``redundant`` EPLB slots, as vLLM 0.32 lays it out -- the EP group of a stage is its dp*tp
+    ranks, each holding (experts + redundant) / ep physical expert slots of every MoE layer;
+    attention, norms and the router are replicated on every DP rank; ``qwen3_moe.py`` builds
+    embed_tokens, norm and lm_head on every PP stage. Padded vocab rows are zero-filled by the
+    receiver, not received: the real ``vocab`` rows count. Every rank of an engine holds the
+    same number of bytes (even stages)."""
+    ep = dp  # dp * tp
+    assert (experts + redundant) % ep == 0
+    slots = (experts + redundant) // ep
+    attention = (heads + 2 * kv_heads) * head_dim * hidden + hidden * heads * head_dim + 2 * head_dim
+    layer = 2 * hidden + attention + experts * hidden + slots * 3 * moe_intermediate * hidden
+    everywhere = 2 * vocab * hidden + hidden  # embed_tokens, lm_head, final norm
+    assert layers % pp == 0  # even stages: no question of where vLLM puts a remainder
+    return [(everywhere + layers // pp * layer) * itemsize for _ in range(dp) for _ in range(pp)]
+
+
+def test_bytes_min_sums_every_rank_of_every_engine():
+    """tp=1 pp=2 dp=4 enable_ep + redundant experts, 2 engines (replicas): bytes_min is what
+    every destination rank holds, summed over both engines' 16 ranks (a copy per engine), each
+    rank's share as computed by hand from the model's sizes."""
+    spec = tiny_spec(vocab=250, dtype="bfloat16")  # hidden 16, 4 layers, 8 q / 2 kv heads of 4, 8 experts of 8
+    vllm = VllmParallel(tp=1, pp=2, dp=4, replicas=2, enable_ep=True, num_redundant_experts=4)
+    src = megatron_layout(spec, MegatronParallel(tp=1, pp=2, ep=2, dp=2))
+    dst = vllm_layout(spec, vllm)
+    plan = build_plan(src, dst, bucket_bytes=1 << 16)
+    one_engine = _qwen3_moe_ep_rank_bytes(hidden=16, layers=4, vocab=250, heads=8, kv_heads=2, head_dim=4,
+                                          experts=8, moe_intermediate=8, pp=2, dp=4, redundant=4, itemsize=2)
+    assert dst.world_size == plan.num_dst == 2 * 8
+    assert plan.recv_bytes() == one_engine * 2
+    assert plan.bytes_min == plan.bytes_planned == 2 * sum(one_engine)
+
+
+@pytest.mark.heavy  # one full-size plan (Qwen3-235B-A22B onto 64 vLLM ranks, ~15 s)
+def test_plan_cli_bytes_min_of_a_dp_ep_engine_counts_every_replica(capsys):
+    """The reviewer's command: vllm.dp=4 is vLLM's data_parallel_size inside one engine, and
+    configs/plan.yaml's vllm.replicas=8 still applies, so the plan is 8 engines x 8 ranks and
+    bytes_min (summed over destination ranks) is 8x one engine's; the report says so."""
+    cfg = json.loads((Path(__file__).resolve().parents[1] / "configs/models/qwen3-235b-a22b.json").read_text())
+    one_engine = _qwen3_moe_ep_rank_bytes(
+        hidden=cfg["hidden_size"], layers=cfg["num_hidden_layers"], vocab=cfg["vocab_size"],
+        heads=cfg["num_attention_heads"], kv_heads=cfg["num_key_value_heads"], head_dim=cfg["head_dim"],
+        experts=cfg["num_experts"], moe_intermediate=cfg["moe_intermediate_size"], pp=2, dp=4, redundant=8,
+        itemsize=2)
+    assert sum(one_engine) == 556_515_061_760
+    assert main(["plan", "--json", "model=qwen3-235b-a22b", "training.tp=1", "training.pp=4",
+                 "training.first_stage_layers=1", "training.last_stage_layers=3", "training.ep=2", "training.dp=2",
+                 "training.experts=grouped", "vllm.tp=1", "vllm.pp=2", "vllm.dp=4", "vllm.enable_ep=true",
+                 "vllm.num_redundant_experts=8"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["num_dst_ranks"] == 64
+    assert out["bytes_min"] == out["bytes_planned"] == 8 * sum(one_engine) == 4_452_120_494_080
+    assert out["max_recv_bytes"] == max(one_engine)
+    assert out["destination"] == {
+        "engines": 8, "ranks_per_engine": 8, "ranks": 64, "bytes_min_per_engine": sum(one_engine),
+        "bytes_min_counts": "every destination rank of every engine, summed "
+                            "(vllm.replicas x vllm.dp x vllm.pp x vllm.tp ranks)"}

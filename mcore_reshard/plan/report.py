@@ -21,6 +21,8 @@ __all__ = ["PlanReport", "plan_report", "PlacementReport", "placement_report", "
 
 @dataclass(frozen=True)
 class PlanReport:
+    #: What every destination rank must receive, summed over all ``num_dst_ranks`` of them
+    #: (every rank of every engine: a vLLM layout has ``replicas x dp x pp x tp`` ranks).
     bytes_min: int
     bytes_planned: int
     bytes_hf_broadcast: int
@@ -66,7 +68,8 @@ class PlanReport:
         ratio = self.bytes_hf_broadcast / self.bytes_planned if self.bytes_planned else float("nan")
         rows = [
             ("source ranks -> destination ranks", f"{self.num_src_ranks} -> {self.num_dst_ranks}"),
-            ("theoretical minimum bytes", format_bytes(self.bytes_min)),
+            ("theoretical minimum bytes", f"{format_bytes(self.bytes_min)}  (summed over all {self.num_dst_ranks} "
+                                          f"destination ranks)"),
             ("planned bytes", format_bytes(self.bytes_planned) + ("  (= minimum)" if self.bytes_planned == self.bytes_min else "  (!= minimum)")),
             ("HF-broadcast baseline bytes", f"{format_bytes(self.bytes_hf_broadcast)}  ({ratio:.1f}x planned)"),
             ("max bytes sent by a rank", f"{format_bytes(self.max_send_bytes)}  (max/mean {self.max_send_bytes / self.mean_send_bytes:.2f})" if self.mean_send_bytes else "0"),

@@ -150,6 +150,7 @@ class TransferPlan:
     num_dst: int
     itemsize: int
     dtype: str  # destination element type, what the wire carries
+    #: What the destination ranks hold (padding excluded), summed over all ``num_dst`` ranks.
     bytes_min: int
     bytes_hf_broadcast: int
     bucket_bytes: int

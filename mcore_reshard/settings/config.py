@@ -27,7 +27,7 @@ from ..layout.quant import fp8_sides
 from ..plan import check_sides, get_plan, plan_report
 from ..plan.cache import get_layouts
 from ..plan.planner import gc_paused
-from ..plan.report import PlanReport
+from ..plan.report import PlanReport, format_bytes
 from ..plan.topology import PlacementReport, placement_report, plan_for_placement
 from ..protocol import one_line
 from . import (CONFIG_DIR, LOCAL_DTYPES, MAX_LOCAL_PROCESSES, MAX_PLAN_TRANSFERS, MAX_WORLD, PLAN_CONFIG,
@@ -162,8 +162,21 @@ class PlannedRecipe:
     #: side -> {tensor: its DTensor form}
     forms: dict[str, dict[str, Any]]
 
+    def destination(self) -> dict[str, Any]:
+        """What ``bytes_min`` counts: every rank of every engine. ``vllm.replicas`` independent
+        engines (default 8 in ``configs/plan.yaml``, kept when ``vllm.dp``/``pp``/``tp`` are
+        overridden), each of ``dp x pp x tp`` ranks (``vllm.dp`` is vLLM's data_parallel_size
+        inside one engine, not a count of engines); the engines hold the same layout, so one
+        engine's minimum is ``bytes_min / replicas``."""
+        v = self.recipe.vllm
+        return {"engines": v.replicas, "ranks_per_engine": v.dp * v.pp * v.tp, "ranks": self.dst.world_size,
+                "bytes_min_per_engine": self.report.bytes_min // v.replicas,
+                "bytes_min_counts": "every destination rank of every engine, summed "
+                                    "(vllm.replicas x vllm.dp x vllm.pp x vllm.tp ranks)"}
+
     def to_json(self, dtensor_forms: bool = False) -> dict:
         out = self.report.to_json()
+        out["destination"] = self.destination()
         if self.placed is not None:
             out.update(self.placed.to_json())
         out["dtensor"] = {side: dtensor_summary(r) for side, r in self.forms.items()}
@@ -174,7 +187,12 @@ class PlannedRecipe:
     def table(self, dtensor_forms: bool = False) -> str:
         spec = self.recipe.spec
         title = f"refit plan: {spec.name} ({spec.dtype}), training {self.src.name} -> vLLM {self.dst.name}"
-        lines = [self.report.table(title), *(self.placed.lines() if self.placed is not None else ())]
+        d, v = self.destination(), self.recipe.vllm
+        lines = [self.report.table(title),
+                 f"vLLM ranks: {d['engines']} engine(s) (vllm.replicas) x {d['ranks_per_engine']} rank(s) each "
+                 f"(dp={v.dp} x pp={v.pp} x tp={v.tp}); theoretical minimum per engine "
+                 f"{format_bytes(d['bytes_min_per_engine'])}",
+                 *(self.placed.lines() if self.placed is not None else ())]
         for side, r in self.forms.items():
             lines.append(f"{side} {dtensor_summary(r)}")
             if dtensor_forms:
