@@ -39,7 +39,8 @@ from .plan.topology import Links, plan_for_placement
 from .plan.types import TransferPlan
 from .plan.wire import slice_to_wire
 from .ports import free_port
-from .protocol import EngineInitInfo, JoinInfo, RankMap, RankReport, RefitRequest, WorkerStatus, first_error_line
+from .protocol import (EngineInitInfo, JoinInfo, RankMap, RankReport, RefitRequest, WorkerStatus, first_error_line,
+                       refit_id)
 from .ranks import RefitRanks
 from .settings.policy import RefitConfig
 
@@ -50,6 +51,9 @@ __all__ = ["RefitDriver", "RefitMetrics", "bytes_at_minimum", "PendingRefit", "T
            "engine_dtype", "dst_layout_of", "ENGINE_GRACE_S"]
 
 _log = logging.getLogger("mcore_reshard.driver")
+
+#: Seconds each side may take to leave the refit group when a driver closes.
+CLOSE_DEADLINE_S = 30.0
 
 
 class Transport(Protocol):
@@ -101,8 +105,13 @@ class RefitDriver:
         self._ran: list[Transport] = []  # every transport that ran: closed with the driver
         self.secret = secrets.token_hex(16)  # per job: every control message is authenticated with it
         self._epoch = 0  # refits so far: every request carries its number (signed messages are bound to it)
-        #: Engines that missed a deadline (index -> why): refused until replaced.
+        self._nonce = ""  # the current refit group's (fresh at every join): part of every refit's identity
+        #: Engines that missed a deadline or died (index -> why): refused until replaced, or,
+        #: for one that only missed a deadline (``_waiting``), until it answers again.
         self.dead: dict[int, str] = {}
+        self._waiting: set[int] = set()
+        #: Seconds an engine may take to answer ``update_weights`` once every trainer is done.
+        self.engine_grace_s = ENGINE_GRACE_S
         #: Engines kept paused after a refit they could not confirm (index -> why).
         self.gated: dict[int, str] = {}
 
@@ -143,8 +152,12 @@ class RefitDriver:
         not_direct: tuple = (("*", "unknown: the engine has no mcore_reshard diagnostics extension to ask"),)
         if self.engine_infos[0].diagnostics:
             try:
+                from .adapters.vllm.engine import STATUS_DEADLINE_S, engine_call
+
                 self.modes = {}
-                for rank_modes in self.engines[0].collective_rpc("mr_modes"):
+                llm = self.engines[0]
+                for rank_modes in engine_call(llm, "mr_modes", lambda: llm.collective_rpc("mr_modes"),
+                                              STATUS_DEADLINE_S):
                     self.modes.update(rank_modes)
                 not_direct = tuple(sorted(
                     (name, "kernel format differs from model format: written through vLLM's layerwise reload")
@@ -169,6 +182,7 @@ class RefitDriver:
         rank_map = RankMap.disaggregated(self.src.world_size, self.dst.world_size)
         info = JoinInfo(self.host, self._port(), rank_map.world_size, rank_map, self.refit_config.timeout_s,
                         secret=self.secret, nonce=secrets.token_hex(16))
+        self._nonce = info.nonce
         joining = self.trainers.join(info)
         inits = []
         for lo, eng in zip(self.engine_offsets, self.engine_infos):
@@ -210,9 +224,16 @@ class RefitDriver:
     def start_on_engines(self, fn: Callable[[Any, Any], Any], args: Sequence[Any] | None = None, *,
                          what: str = "call", only: int | None = None) -> EngineCalls:
         """Start ``fn(llm, arg)`` on the engines (daemon threads); ``wait_on_engines`` collects them."""
+        from .adapters.vllm.engine import unanswered
+
         idx = [only] if only is not None else list(range(len(self.engines)))
         args = list(args) if args is not None else [None] * len(self.engines)
         results: dict[int, BaseException | None] = {}
+        for e in idx:
+            busy = None if e in self.dead else unanswered(self.engines[e])
+            if busy is not None:  # an earlier call (a helper's) still waits: a new one would queue behind it
+                self.dead[e] = f"unresponsive: {busy}"
+                self._waiting.add(e)
 
         def run(e: int) -> None:
             try:
@@ -225,26 +246,69 @@ class RefitDriver:
                    if e not in self.dead}
         for t in threads.values():
             t.start()
-        return EngineCalls(what, threads, results, idx)
+        return EngineCalls(what, threads, results, idx, time.monotonic())
 
     def wait_on_engines(self, calls: EngineCalls, deadline_s: float) -> list[str]:
         """One error line per engine that failed or missed ``deadline_s`` (then dead)."""
+        from .adapters.vllm.engine import left_waiting
+
         idx, threads, results, what = calls.asked, calls.threads, calls.results, calls.what
         deadline = time.monotonic() + deadline_s
-        errors = [f"engine {e} is dead ({self.dead[e]}): replace it" for e in idx if e in self.dead and e not in threads]
+        errors = [self.dead_line(e) for e in idx if e in self.dead and e not in threads]
         for e, t in threads.items():
             t.join(max(0.0, deadline - time.monotonic()))
             if t.is_alive():
                 self.dead[e] = f"no answer to {what} within {deadline_s:.0f}s (a dead, stopped or hung worker)"
-                errors.append(f"engine {e} is dead ({self.dead[e]}): replace it")
+                self._waiting.add(e)
+                left_waiting(self.engines[e], t, what, calls.started)  # nothing more is sent until it returns
+                errors.append(self.dead_line(e))
             elif results.get(e) is not None:
                 exc = results[e]
                 if engine_is_dead(exc):
                     self.dead[e] = f"its engine core or a worker died: {first_error_line(exc)}"
-                    errors.append(f"engine {e} is dead ({self.dead[e]}): replace it")
+                    self._waiting.discard(e)
+                    errors.append(self.dead_line(e))
                 else:
                     errors.append(f"engine {e}: {first_error_line(exc)}")
         return errors
+
+    def dead_line(self, e: int) -> str:
+        """One line for an engine this driver refuses."""
+        if e in self._waiting:
+            return (f"engine {e} is unresponsive ({self.dead[e]}): refused until it answers again (then readmitted, "
+                    f"gated until a refit commits), or replace it")
+        return f"engine {e} is dead ({self.dead[e]}): replace it"
+
+    def readmit(self) -> list[int]:
+        """Engines that only missed a deadline and now answer a status probe are taken back
+        (a stopped worker that was resumed): their abandoned call has returned, so vLLM's
+        replies are in step again. Each stays gated -- paused -- until a refit commits on all
+        of its workers. Returns the engines readmitted."""
+        from .adapters.vllm.engine import unanswered, worker_status
+
+        back = []
+        for e in sorted(self._waiting):
+            llm = self.engines[e]
+            if unanswered(llm) is not None:
+                continue
+            try:
+                if self.engine_infos[e].diagnostics:
+                    worker_status(llm)
+            except Exception:  # noqa: BLE001 - not back yet
+                continue
+            why = self.dead.pop(e)
+            self._waiting.discard(e)
+            self.gated[e] = f"readmitted after it was unresponsive ({why}); the refit it missed may have left a mix"
+            _log.warning("engine %d answers again: readmitted, gated until a refit commits", e)
+            back.append(e)
+        return back
+
+    def refuse_dead(self) -> None:
+        """Raise ``RefitFailed`` naming every engine this driver refuses (after readmitting any
+        that answer again)."""
+        self.readmit()
+        if self.dead:
+            raise RefitFailed("; ".join(self.dead_line(e) for e in sorted(self.dead)))
 
     # -- refits -------------------------------------------------------------------------------
     def request(self) -> RefitRequest:
@@ -257,6 +321,13 @@ class RefitDriver:
         self._epoch += 1
         return self._epoch
 
+    def refit_id(self, request: RefitRequest) -> str:
+        """The identity of refit ``request`` (its epoch set) on the current group: what every
+        worker that commits it holds (``WorkerStatus.refit``). Unique per job: the group's
+        nonce is fresh at every join, so no other driver's refit, nor this driver's on another
+        group, has it."""
+        return refit_id(request.plan_digest, self._nonce, request.epoch)
+
     def refit(self, request: RefitRequest | None = None, *, transport: Transport | None = None,
               faults: Faults | None = None) -> RefitMetrics:
         """One refit through ``transport`` (default: this driver's, shard to shard), with
@@ -265,8 +336,7 @@ class RefitDriver:
 
         ``faults``: fault injection (tests and soak runs only): a fault on one training rank or
         one vLLM worker (``faults.Faults``)."""
-        if self.dead:
-            raise RefitFailed("; ".join(f"engine {e} is dead ({why}): replace it" for e, why in sorted(self.dead.items())))
+        self.refuse_dead()
         transport = transport or self.transport
         if not any(t is transport for t in self._ran):
             self._ran.append(transport)
@@ -282,8 +352,7 @@ class RefitDriver:
         weights meanwhile (a caller on this thread may ``generate``). ``PendingRefit.finish``
         waits for the decision, then pauses each engine only to swap. ``request`` (default:
         :meth:`request`) is sent with ``overlap=True``."""
-        if self.dead:
-            raise RefitFailed("; ".join(f"engine {e} is dead ({why}): replace it" for e, why in sorted(self.dead.items())))
+        self.refuse_dead()
         if not isinstance(self.transport, ReshardTransport):
             raise ConfigError(f"refit.overlap needs the reshard transport, not {self.transport.name}")
         cap = self.refit_config.max_shadow_bytes
@@ -300,6 +369,7 @@ class RefitDriver:
         """Every worker's serving state, version and last outcome (diagnostics extension)."""
         from .adapters.vllm.engine import worker_status
 
+        self.readmit()
         got: list[list[WorkerStatus]] = [[] for _ in self.engines]
         errors = [f"engine {e}: no diagnostics extension (worker_extension_cls) to ask its workers"
                   for e, info in enumerate(self.engine_infos) if not info.diagnostics]
@@ -310,20 +380,21 @@ class RefitDriver:
         return [st for per in got for st in per]
 
     def close(self) -> None:
+        """Leave both sides, every call with a deadline (an engine that does not answer is
+        left behind, named in the log: closing never hangs on a stopped worker)."""
         for transport in reversed(self._ran):
             try:
                 transport.close(self)
             except Exception:  # noqa: BLE001 - best effort on the way out
                 pass
         try:
-            self.trainers.leave().wait()
-        except Exception:  # noqa: BLE001 - best effort on the way out
-            pass
-        for llm in self.engines:
-            try:
-                llm.shutdown_weight_transfer_engine()
-            except Exception:  # noqa: BLE001
-                pass
+            self.trainers.leave().wait(CLOSE_DEADLINE_S)
+        except Exception as exc:  # noqa: BLE001 - best effort on the way out
+            _log.warning("closing the refit driver: the trainers did not leave: %s", first_error_line(exc))
+        errors = self.on_engines(lambda llm, _: llm.shutdown_weight_transfer_engine(),
+                                 what="shutdown_weight_transfer_engine", deadline_s=CLOSE_DEADLINE_S)
+        if errors:
+            _log.warning("closing the refit driver: %s", "; ".join(errors))
 
 
 class ReshardTransport:
@@ -351,7 +422,7 @@ class ReshardTransport:
         cached = driver.ensure_connected()
         epoch = driver.next_epoch()
         request = replace(request, epoch=epoch)
-        version = request.version_at(epoch)
+        refit = driver.refit_id(request)
         faults = faults or Faults()
         t0 = time.perf_counter()
         errors = driver.on_engines(lambda llm, _: llm.sleep(level=0, mode="keep"), what="pause", deadline_s=60.0)
@@ -377,10 +448,10 @@ class ReshardTransport:
         # Every trainer has read the decision (or died): a worker that read it too answers
         # within moments. One that does not within the grace is dead or stuck, and so is its
         # engine (vLLM's core waits on that worker's reply without a deadline).
-        errors += driver.wait_on_engines(updating, ENGINE_GRACE_S)
+        errors += driver.wait_on_engines(updating, driver.engine_grace_s)
         seconds = time.perf_counter() - t0
         trusted = trainer_error is None and not errors
-        errors += self._settle(driver, version, trusted)
+        errors += self._settle(driver, request, refit, trusted)
         return self._done(driver, request, replies, trainer_error, errors, seconds,
                           time.perf_counter() - t0, cached)
 
@@ -416,17 +487,25 @@ class ReshardTransport:
     def close(self, driver: RefitDriver) -> None:
         """Nothing beyond the refit group, which the driver leaves itself."""
 
-    def _settle(self, driver: RefitDriver, version: str, trusted: bool) -> list[str]:
+    def _settle(self, driver: RefitDriver, request: RefitRequest, refit: str, trusted: bool) -> list[str]:
         """After the vote: confirm each engine's workers, then resume the whole ones and keep
-        the others gated (paused). Returns one line per engine gated or dead."""
+        the others gated (paused). Returns one line per engine gated or dead.
+
+        A gated engine resumes only on "new": a refit of this driver that committed on all of
+        its workers. What makes an engine unsafe stays with its workers (an ``unsure`` or torn
+        worker, workers holding different refits) until such a refit, so a new driver reaches
+        the same verdict as the one that gated it."""
         out: list[str] = []
+        version = request.label(refit)
         for e, llm in enumerate(driver.engines):
             if e in driver.dead:
                 continue
-            verdict = self._confirm(driver, e, version, trusted)
+            verdict = self._confirm(driver, e, refit, trusted)
             if e in driver.dead:  # it died during the refit: nothing to resume
                 out.append(f"engine {e} is dead ({driver.dead[e]}): replace it")
                 continue
+            if verdict == "old" and e in driver.gated:
+                verdict = driver.gated[e]  # gated earlier: only "new" resumes it
             if verdict in ("new", "old"):
                 driver.gated.pop(e, None)
                 steps = [lambda: self._reset_prefix_cache(driver, e, llm), lambda: llm.update_weight_version(version)] \
@@ -451,8 +530,9 @@ class ReshardTransport:
                                 f"blocks computed with the old weights; refit.recompute_kv_cache_after_weight_updates"
                                 f"=false keeps them)")
 
-    def _confirm(self, driver: RefitDriver, e: int, version: str, trusted: bool) -> str:
-        """"new" / "old" when every worker holds that version whole, else why not (one line)."""
+    def _confirm(self, driver: RefitDriver, e: int, refit: str, trusted: bool) -> str:
+        """"new" when every worker holds refit ``refit`` whole, "old" when (the refit failed
+        and) every worker holds one same earlier refit whole, else why not (one line)."""
         from .adapters.vllm.engine import worker_status
 
         got: list[list[WorkerStatus]] = []
@@ -467,14 +547,14 @@ class ReshardTransport:
         bad = [f"worker {w}: {st.state} ({st.reason[:200]})" for w, st in enumerate(states) if st.state != "serving"]
         if bad:
             return "; ".join(bad)
-        versions = {st.version for st in states}
-        if len(versions) != 1:
-            return "its workers hold different versions: " + ", ".join(
-                f"worker {w}: {st.version or 'as loaded'}" for w, st in enumerate(states))
-        held = versions.pop()
-        if held == version:
+        held = {st.refit for st in states}
+        if len(held) != 1:
+            return "its workers hold the weights of different refits: " + ", ".join(
+                f"worker {w}: {st.version or 'as loaded'} (refit {st.refit or 'none'})" for w, st in enumerate(states))
+        got = held.pop()
+        if got == refit:
             return "new"
-        return "old" if not trusted else f"its workers hold {held or 'the weights as loaded'}, not {version}"
+        return "old" if not trusted else f"its workers hold refit {got or 'none (as loaded)'}, not {refit}"
 
 
 class PendingRefit:
@@ -507,9 +587,9 @@ class PendingRefit:
         errors = list(self._errors)
         errors += driver.on_engines(lambda llm, _: llm.sleep(level=0, mode="keep"), what="pause", deadline_s=60.0)
         errors += driver.on_engines(lambda llm, _: finish_overlapped(llm), what="finish_weight_update (swap)",
-                                    deadline_s=ENGINE_GRACE_S + 30.0)
+                                    deadline_s=driver.engine_grace_s + 30.0)
         trusted = trainer_error is None and not errors
-        errors += self.transport._settle(driver, request.version_at(request.epoch), trusted)
+        errors += self.transport._settle(driver, request, driver.refit_id(request), trusted)
         return self.transport._done(driver, request, replies, trainer_error, errors, seconds,
                                     time.perf_counter() - t_pause, self._cached)
 

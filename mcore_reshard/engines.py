@@ -113,3 +113,4 @@ class EngineCalls:
     threads: dict[int, threading.Thread]
     results: dict[int, BaseException | None]
     asked: list[int]
+    started: float = 0.0  # time.monotonic() when the calls began

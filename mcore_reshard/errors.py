@@ -18,6 +18,7 @@ __all__ = [
     "RefitFailed",
     "RefitIncomplete",
     "TrainerError",
+    "EngineUnresponsive",
 ]
 
 
@@ -43,6 +44,11 @@ class RefitFailed(RefitError):
 
 class RefitIncomplete(RefitError):
     """A refit stopped after live weights were partly replaced: the engine must not serve."""
+
+
+class EngineUnresponsive(RefitError):
+    """An engine did not answer a call within its deadline (a worker stopped, hung or dead):
+    no further call is sent to it until that one returns (``adapters.vllm.engine.engine_call``)."""
 
 
 class TrainerError(RefitError):

@@ -29,20 +29,20 @@ class TrainerFault:
 
 @dataclass(frozen=True)
 class EngineFault:
-    """On destination rank ``rank`` (a vLLM worker): ``fault`` (``exit`` / ``sleep`` at a
+    """On destination rank ``rank`` (a vLLM worker; a tuple: each of those): ``fault`` (``exit`` / ``sleep`` at a
     protocol step), and/or its process exits abruptly after ``exit_after_writes`` writes,
     and/or before receiving it adds 1 to the first element of the baseline a delta would
     start from for local parameter ``alter_baseline`` (its live weight, or the model-format
     copy of a repacked one): what the trainers last sent is then not what it holds."""
 
-    rank: int
+    rank: int | tuple[int, ...]
     fault: "Fault | None" = None
     exit_after_writes: int | None = None
     alter_baseline: str | None = None
 
     def to_wire(self) -> dict[str, Any]:
         """``ReshardUpdateInfo.fault``: what the weight-transfer engine reads."""
-        out: dict[str, Any] = {"rank": self.rank}
+        out: dict[str, Any] = {"rank": list(self.rank) if isinstance(self.rank, tuple) else self.rank}
         if self.fault is not None:
             out.update(self.fault.to_wire())
         if self.exit_after_writes is not None:

@@ -20,6 +20,7 @@ messages; they move over the refit group (``transport``).
 from __future__ import annotations
 
 import enum
+import hashlib
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
@@ -33,6 +34,7 @@ __all__ = [
     "RankMap",
     "JoinInfo",
     "RefitRequest",
+    "refit_id",
     "RankReport",
     "EngineInitInfo",
     "WorkerStatus",
@@ -166,14 +168,22 @@ class JoinInfo:
         return JoinInfo(**d)
 
 
+def refit_id(plan_digest: str, nonce: str, epoch: int) -> str:
+    """The id every rank of a refit records when it commits: unique per (plan, group, refit),
+    so a restarted process, a new group or a new plan never matches an old one."""
+    h = hashlib.sha256(f"{plan_digest}\0{nonce}\0{epoch}".encode()).hexdigest()[:16]
+    return f"{plan_digest[:16]}:{h}"
+
+
 @dataclass(frozen=True)
 class RefitRequest:
     """One refit: which plan (every rank holds its slice already), how to verify, how long
     to wait for a silent peer, and whether the engine commits all-or-nothing.
 
     ``epoch`` numbers the refits of one group (every signed message of this refit carries it;
-    0: each rank counts itself). ``version`` is what every worker records when it commits
-    (the driver reads it back to confirm an engine is whole; default ``"<digest[:12]>@<epoch>"``).
+    0: each rank counts itself). ``version`` is the label every worker records when it commits
+    (vLLM's ``update_weight_version``; default: the refit's identity, ``Outcome.refit``). The
+    driver confirms an engine by that identity, never by the label, which a caller may repeat.
     """
 
     plan_digest: str
@@ -209,8 +219,9 @@ class RefitRequest:
             raise ConfigError("overlap=True needs atomic=True: a streaming refit writes live weights as buckets "
                               "arrive, which a model step running meanwhile would read")
 
-    def version_at(self, epoch: int) -> str:
-        return self.version or f"{self.plan_digest[:12]}@{epoch}"
+    def label(self, refit: str) -> str:
+        """The version label of this refit, whose identity is ``refit``."""
+        return self.version or refit
 
     def to_wire(self) -> dict:
         return {"plan_digest": self.plan_digest, "verify": self.verify.value, "timeout_s": self.timeout_s,
@@ -319,8 +330,13 @@ class WorkerStatus:
 
     ``state``: ``serving`` (whole weights of ``version``; "" = as loaded), ``not_serving`` (a
     streaming refit committed part of the weights and then failed), ``unsure`` (this worker
-    could not learn the last refit's decision). ``committed`` / ``known``: None before any
-    refit."""
+    could not learn the decision of a refit; it stays unsure until a refit commits on it, so
+    a later driver sees it too). ``committed`` / ``known``: None before any refit.
+
+    ``refit``: the identity of the refit whose weights it holds (``transport.delta.refit_id``:
+    plan digest, the refit group's nonce -- fresh at every join -- and the epoch; "" = as
+    loaded). Unlike ``version``, a label the caller may choose and repeat (``"refit-1"`` from
+    every new driver), it names one refit of one job: the driver confirms an engine by it."""
 
     state: str = "serving"
     reason: str = ""
@@ -329,16 +345,17 @@ class WorkerStatus:
     known: bool | None = None
     errors: tuple[str, ...] = ()
     init_error: str = ""
+    refit: str = ""
 
     def to_wire(self) -> dict:
         return {"state": self.state, "reason": self.reason, "version": self.version, "committed": self.committed,
-                "known": self.known, "errors": list(self.errors), "init_error": self.init_error}
+                "known": self.known, "errors": list(self.errors), "init_error": self.init_error, "refit": self.refit}
 
     @staticmethod
     def from_wire(d: Mapping[str, Any]) -> "WorkerStatus":
         return WorkerStatus(str(d.get("state", "")), str(d.get("reason", "")), str(d.get("version", "")),
                             d.get("committed"), d.get("known"), tuple(str(e) for e in d.get("errors", ())),
-                            str(d.get("init_error", "")))
+                            str(d.get("init_error", "")), str(d.get("refit", "")))
 
 
 @dataclass(frozen=True)

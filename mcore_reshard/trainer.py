@@ -265,7 +265,11 @@ def _rank_main(rank: int, setup: TrainerSetup, commands: Any, replies: Any) -> N
         if cmd.call is None:
             state.close()
             replies.put(_Reply(rank, cmd.seq, True))
-            return
+            # Leave now, without the interpreter's teardown: there megatron's default gloo
+            # group waits out its whole timeout (minutes) for a peer that died.
+            replies.close()
+            replies.join_thread()
+            os._exit(0)
         try:
             replies.put(_Reply(rank, cmd.seq, True, cmd.call.run(state)))
         except BaseException:  # noqa: BLE001

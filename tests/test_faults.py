@@ -88,6 +88,13 @@ def test_trainer_dying_between_its_last_byte_and_its_vote_is_known_at_once(clust
     assert seconds < DEATH_S, (seconds, msg)  # not the 10 s timeout
     assert "training rank 1 died" in msg
     assert _served(cluster.engines[0]) == old  # atomic: every worker kept the old weights
+    # the surviving training ranks leave in seconds, on their own (megatron's default gloo group
+    # would wait out its timeout at interpreter exit for the dead peer)
+    procs = cluster.pool.procs
+    t0 = time.monotonic()
+    cluster.pool.close()
+    assert time.monotonic() - t0 < 5.0
+    assert all(p.exitcode == 0 for r, p in enumerate(procs) if r != 1), [p.exitcode for p in procs]
     cluster.restart_trainers()
     _restored(cluster)
 
@@ -199,6 +206,8 @@ def test_after_a_failed_refit_the_next_one_on_the_same_engine_works_and_rpcs_are
     d = cluster.driver
     msg, seconds = _fault(cluster, request=replace(d.request(), plan_digest="0" * 16))
     assert "0" * 16 in msg and seconds < DEATH_S
+    # every refusing worker is named, not only the last one (which raises for its engine)
+    assert "vLLM destination rank 0" in msg and "vLLM destination rank 1" in msg, msg
     describe = cluster.engines[0].collective_rpc("mr_describe")
     assert len(describe) == 2 and all(WorkerLayout.from_wire(w).params for w in describe)  # not a stale reply
     _restored(cluster)
@@ -219,4 +228,140 @@ def test_trainer_dying_after_its_vote(cluster):
     served = _served(llm)
     assert served == old or token_mult_prob_error(served, new) < 1.02  # one model, whichever
     cluster.restart_trainers()
+    _restored(cluster)
+
+
+def _new_driver(cluster, engines):
+    """A new driver (as a restarted framework makes one) on the cluster's pool and ``engines``:
+    it numbers its refits from 1 again."""
+    from mcore_reshard.driver import RefitDriver
+
+    cluster.driver.close()
+    cluster.driver = RefitDriver(cluster.pool, engines, cluster.refit, cluster.spec,
+                                 transport=cluster.transports[cluster.refit.transport])
+    cluster.driver.__enter__()
+    return cluster.driver
+
+
+def test_a_split_engine_stays_gated_across_new_drivers_that_reuse_versions(cluster, ckpt_cache):
+    """The probe's sequence, on an ``LLM`` and an ``AsyncLLM`` engine (TP2 each) at once:
+    driver A's refit 1 commits; driver B's refit 1 is split by the store host's death (worker 0
+    of each engine committed, worker 1 could not learn the decision); driver C's refit 1 fails
+    cleanly. Every driver numbers its refits from 1 and the caller labels each "refit-1", yet
+    no engine serves the mix: each stays gated -- ``generate``, ``enqueue`` and ``AsyncLLM``
+    clients get no model step -- until a refit of driver C commits on all of its workers."""
+    import concurrent.futures
+    from dataclasses import replace
+
+    from vllm import SamplingParams
+
+    from mcore_reshard.adapters.vllm.engine import start_async_engine, stop_engine
+    from mcore_reshard.adapters.vllm.plugin import BACKEND
+    from mcore_reshard.verify import token_mult_prob_error
+    from support.live import engine_extension
+    from test_overlap import _async_prompt_logprobs
+
+    llm = cluster.engines[0]
+    ckpt = ckpt_cache.get(moe=True, dtype="bfloat16", seed=13)
+    aeng = start_async_engine(str(ckpt), tp=2, dtype="bfloat16", worker_extension_cls=engine_extension(),
+                              weight_transfer_config={"backend": BACKEND})
+    both = [llm, aeng]
+
+    def labelled(d, **kw):
+        return replace(d.request(), version="refit-1", **kw)
+
+    try:
+        a = _new_driver(cluster, both)
+        a.refit(labelled(a))  # driver A, refit 1: W1 on every worker of both engines
+        cluster.step(TOKENS)
+        b = _new_driver(cluster, both)
+        with pytest.raises(RefitFailed) as err:  # driver B, refit 1: split by the store host's death
+            b.refit(labelled(b), faults=Faults(TrainerFault(0, Fault("exit", at="after_decision", seconds=0.5)),
+                                               EngineFault((1, 3), Fault("sleep", at="after_vote", seconds=2.0))))
+        assert "engine 0 is gated" in str(err.value) and "engine 1 is gated" in str(err.value), err.value
+        cluster.restart_trainers()
+        c = _new_driver(cluster, both)
+        with pytest.raises(RefitFailed) as err:  # driver C, refit 1: refused cleanly before a byte moves
+            c.refit(labelled(c, plan_digest="0" * 16))
+        msg = str(err.value)
+        assert "engine 0 is gated" in msg and "engine 1 is gated" in msg, msg
+        st = c.status()
+        assert [s.version for s in st] == ["refit-1"] * 4  # the labels alike...
+        assert len({s.refit for s in st[:2]}) == 2 and len({s.refit for s in st[2:]}) == 2, st  # ...the refits not
+        assert [s.state for s in st] == ["serving", "unsure", "serving", "unsure"], st
+        # every client path: nothing runs
+        assert llm.llm_engine.is_sleeping() and _served(llm) == "refused" and _served(aeng) == "refused"
+        llm.enqueue([{"prompt_token_ids": TOKENS}], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0),
+                    use_tqdm=False)
+        got: dict = {}
+        waiter = threading.Thread(target=lambda: got.update(out=llm.wait_for_completion(use_tqdm=False)), daemon=True)
+        waiter.start()
+        pending = aeng.submit(_async_prompt_logprobs(aeng.engine, TOKENS))
+        waiter.join(2.0)
+        assert waiter.is_alive() and "out" not in got
+        with pytest.raises(concurrent.futures.TimeoutError):
+            pending.result(timeout=1.0)
+        m = c.refit(labelled(c))  # the restoring refit: committed on every worker of both engines
+        waiter.join(30)
+        assert m.verified and m.at_minimum and not waiter.is_alive()
+        st = c.status()
+        assert all(s.state == "serving" for s in st) and len({s.refit for s in st}) == 1, st
+        train = cluster.pool.logprobs([TOKENS]).wait()[0][0]
+        queued = [float(lp[t].logprob) for t, lp in zip(TOKENS[1:], got["out"][0].prompt_logprobs[1:])]
+        for served in (queued, pending.result(timeout=60), prompt_logprobs(llm, TOKENS), prompt_logprobs(aeng, TOKENS)):
+            assert token_mult_prob_error(served, train) < 1.02  # driver C's weights only
+    finally:
+        _new_driver(cluster, [llm])
+        stop_engine(aeng)
+
+
+def test_a_stopped_worker_is_refused_at_once_everywhere_then_readmitted_when_it_answers(cluster):
+    """A worker that stops answering (stalled past the refit's timeout and the engine's grace)
+    makes its engine unresponsive: every later call on it -- the helpers' ``generate``, the
+    driver's status, a new driver's describe, closing a driver -- is refused or skipped at
+    once instead of queueing behind the stuck call and getting its reply. Once the worker
+    answers again the same driver readmits the engine, gated until its next refit commits."""
+    from dataclasses import replace
+
+    from mcore_reshard.errors import EngineUnresponsive
+
+    llm = cluster.engines[0]
+    _armed(cluster)
+    d = cluster.driver
+    d.refit_config, d.engine_grace_s = replace(cluster.refit, timeout_s=3.0), 2.0
+    stall = Faults(engine=EngineFault(1, Fault("sleep", at="before_vote", seconds=12.0)))
+    try:
+        t_stall = time.monotonic()
+        msg, seconds = _fault(cluster, faults=stall)
+        assert "engine 0 is unresponsive" in msg and "no answer to update_weights" in msg, msg
+        for call in (lambda: prompt_logprobs(llm, TOKENS), d.status):
+            t0 = time.monotonic()
+            with pytest.raises((EngineUnresponsive, RefitFailed), match="unresponsive|has not answered"):
+                call()
+            assert time.monotonic() - t0 < 1.0
+        with pytest.raises(RefitFailed, match="unresponsive"):  # refused at once, not queued behind it
+            d.refit()
+        while time.monotonic() - t_stall < 14.0:  # the worker answers again
+            time.sleep(0.5)
+        m = d.refit()  # the same driver: readmitted, gated, restored by this refit
+        assert m.verified and m.at_minimum and not d.dead and not d.gated
+        assert cluster.logprob_error(TOKENS) < 1.02
+        # stopped again: closing the driver and a new driver's describe end at once
+        cluster.step(TOKENS)
+        t_stall = time.monotonic()
+        _fault(cluster, faults=stall)
+        t0 = time.monotonic()
+        d.close()
+        assert time.monotonic() - t0 < 5.0
+        from mcore_reshard.driver import RefitDriver
+
+        t0 = time.monotonic()
+        with pytest.raises(EngineUnresponsive):
+            RefitDriver(cluster.pool, [llm], cluster.refit, cluster.spec).__enter__()
+        assert time.monotonic() - t0 < 5.0
+        while time.monotonic() - t_stall < 14.0:
+            time.sleep(0.5)
+    finally:
+        d.refit_config, d.engine_grace_s = cluster.refit, 10.0
+    _new_driver(cluster, [llm])
     _restored(cluster)

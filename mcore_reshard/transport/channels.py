@@ -31,7 +31,7 @@ from ..errors import RefitAborted
 from .views import local_view
 from ..plan.tags import ack_tag, direct_tag, message_tag
 from ..plan.types import PlanError, RankPlan, Transfer
-from .dataplane import error_class
+from .dataplane import backend_failure, error_class
 from .group import RankMap, RefitError, RefitGroup
 from .shm import ShmSegment, new_nonce, segment_path
 from .sink import Sink
@@ -214,9 +214,10 @@ class GroupChannel:
             raise
         except RuntimeError as e:
             send = op.side in ("dst", "shm_dst", "ddst") or (op.side == "ack" and isinstance(op.peer, tuple))
-            raise self.error(k, op.side, op.peer, send, e) from e
+            raise self.error(k, op.side, op.peer, send, e,
+                             waited=self.timeout_s - max(deadline - time.perf_counter(), 0.0)) from e
 
-    def error(self, k: int, side: str, peer: Any, send: bool, e: Exception) -> RefitError:
+    def error(self, k: int, side: str, peer: Any, send: bool, e: Exception, waited: float | None = None) -> RefitError:
         rm, route = self.route.rank_map, self.route
         what = "send to" if send else "receive from"
         bucket = f"bucket {k} of {route.num_buckets}" if k < route.num_buckets else "checksum message"
@@ -230,8 +231,7 @@ class GroupChannel:
             who = rm.describe("src", src) + ("" if via == route.dst_rank else f" relayed by {rm.describe('dst', via)}")
         else:
             who = rm.describe(side, peer)
-        return cls(f"{me}: {what} {who} failed in {bucket} "
-                   f"(timeout {self.timeout_s}s): {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+        return cls(f"{me}: {what} {who} failed in {bucket}: {backend_failure(e, self.timeout_s, waited)}")
 
 
 class LocalChannel:

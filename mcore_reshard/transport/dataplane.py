@@ -12,6 +12,8 @@ death, so after any ``RefitError`` the group is broken: ``close()`` it and creat
 
 from __future__ import annotations
 
+import re
+
 from datetime import timedelta
 from typing import Any, Iterable
 
@@ -28,7 +30,27 @@ __all__ = ["DataPlane", "backend", "error_class"]
 def error_class(e: BaseException) -> type[RefitError]:
     """``RefitTimeout`` when a backend error says a wait ran out, else ``RefitError``."""
     text = str(e).lower()
-    return RefitTimeout if "timed out" in text or "timeout" in text else RefitError
+    return RefitTimeout if not peer_closed(e) and ("timed out" in text or "timeout" in text) else RefitError
+
+
+def peer_closed(e: BaseException) -> bool:
+    """Whether a backend error says the peer's connection closed (its process died or left)."""
+    text = str(e).lower()
+    return "closed by peer" in text or "connection reset" in text or "broken pipe" in text
+
+
+def backend_failure(e: BaseException, timeout_s: float, waited: float | None = None) -> str:
+    """What a failed point-to-point op says happened, in words: a closed connection after the
+    seconds it was waited on (a dead peer, known at once), or a wait that ran out its timeout
+    (a silent peer), or the backend's first line -- without gloo's source path and sign-off."""
+    if peer_closed(e):
+        after = f" after {waited:.1f}s" if waited is not None else ""
+        return f"the peer's connection closed{after} (its process died or left the group)"
+    line = str(e).splitlines()[0] if str(e) else type(e).__name__
+    line = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", line)
+    if error_class(e) is RefitTimeout:
+        return f"no data within the timeout ({timeout_s}s): {line}"
+    return line
 
 
 def backend(store: dist.Store, rank: int, world_size: int, timeout_s: float, device: torch.device) -> Any:

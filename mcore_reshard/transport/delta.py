@@ -28,7 +28,6 @@ box (the sender hashes its new weights, not the delta), so a wrong baseline cann
 
 from __future__ import annotations
 
-import hashlib
 import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -38,6 +37,7 @@ import torch
 
 from ..plan.tags import header_tag
 from ..plan.types import RankPlan, Transfer
+from ..protocol import refit_id
 from .channels import ChannelKey, GroupChannel, MsgKey, Op, Route, Spec
 from .group import RefitError
 from .sink import Sink
@@ -46,13 +46,6 @@ from .views import BIT_VIEWS, local_view
 
 __all__ = ["DeltaDecision", "DeltaEncoder", "DeltaDecoder", "DeltaRun", "DeltaState", "HeaderExchange",
            "decide", "encoded_numel", "refit_id"]
-
-
-def refit_id(plan_digest: str, nonce: str, epoch: int) -> str:
-    """The id every rank of a refit records when it commits: unique per (plan, group, refit),
-    so a restarted process, a new group or a new plan never matches an old one."""
-    h = hashlib.sha256(f"{plan_digest}\0{nonce}\0{epoch}".encode()).hexdigest()[:16]
-    return f"{plan_digest[:16]}:{h}"
 
 
 def encoded_numel(h: int, n: int, itemsize: int) -> int:

@@ -37,6 +37,8 @@ class Outcome:
     errors: list[str]  # "<who>: <first error line>", one per failing or silent rank
     known: bool = True
     epoch: int = 0
+    #: This refit's identity (``delta.refit_id``: unique per plan, group and epoch); "" without a group.
+    refit: str = ""
 
     def raise_if_failed(self) -> None:
         if not self.commit:
@@ -110,8 +112,7 @@ class RefitEndpoint:
         exchanged = self.group.exchange([request.plan_digest, request.verify.value, offer], request.timeout_s)
         self.group.check_values([v[:2] for v in exchanged], "(plan digest, verify)")
         rm = self.group.rank_map
-        decision = decide([v[2] for v in exchanged], request.delta,
-                          refit_id(request.plan_digest, self.group.control.nonce, self.group.control.epoch),
+        decision = decide([v[2] for v in exchanged], request.delta, self.refit_id(request),
                           [rm.describe_group_rank(r) for r in range(len(exchanged))])
         delta = None if request.delta == "off" else DeltaRun(decision, self.delta, request.delta_state_limit_bytes)
         stats = execute_plan(src, dst, src_tensors, sink, self.group, timeout_s=request.timeout_s,
@@ -139,13 +140,18 @@ class RefitEndpoint:
         after_vote = (lambda: fault.hit("after_vote")) if fault is not None else None
         decision = self.group.decide(error is None, payload, line, timeout_s=request.timeout_s, after_vote=after_vote)
         reports = [RankReport.from_wire(p["report"]) if p and p.get("report") else None for p in decision.payloads]
-        outcome = Outcome(decision.commit, reports, list(decision.errors), decision.known, self.group.control.epoch)
+        outcome = Outcome(decision.commit, reports, list(decision.errors), decision.known, self.group.control.epoch,
+                          self.refit_id(request))
         self.delta.settle(outcome.commit and outcome.known)
         if fault is not None:
             fault.hit("after_decision")
         if not outcome.commit:
             self.leave()
         return outcome
+
+    def refit_id(self, request: RefitRequest) -> str:
+        """The current refit's identity on this group (``delta.refit_id``)."""
+        return refit_id(request.plan_digest, self.group.control.nonce, self.group.control.epoch)
 
     def report(self, stats: TransferStats, phases: Mapping[str, float] | None = None) -> RankReport:
         return RankReport(self.side, self.rank, stats.bytes_sent, stats.bytes_received, stats.messages,

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import importlib
 import os
+import threading
+import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
-from ...errors import RefitIncomplete
+from ...errors import EngineUnresponsive, RefitIncomplete
 from ...layout.descriptor import LocalParam
 from ...protocol import ReceivedWeights, WorkerLayout, WorkerStatus
 from .rules import VllmParallel
@@ -26,7 +28,64 @@ from .worker import REFIT_EXTENSION as EXTENSION
 
 __all__ = ["EXTENSION", "EngineInfo", "engine_info", "start_engine", "stop_engine", "greedy", "prompt_logprobs",
            "after_refit", "describe", "worker_status", "received_weights", "raw_bandwidth", "check_serving",
-           "AsyncEngine", "start_async_engine"]
+           "AsyncEngine", "start_async_engine", "engine_call", "unanswered", "left_waiting", "STATUS_DEADLINE_S",
+           "HELPER_DEADLINE_S"]
+
+T = TypeVar("T")
+
+#: Seconds a status read (``is_sleeping``, ``mr_status``) may take: an answer needs no model step.
+STATUS_DEADLINE_S = 10.0
+#: Seconds a helper's ``generate`` may take (tiny models on CPU answer in well under one).
+HELPER_DEADLINE_S = 120.0
+
+
+def unanswered(llm: Any) -> str | None:
+    """Why no call may be sent to ``llm`` now: an earlier call (by a helper or a driver) that
+    missed its deadline has not returned yet. None once it has: vLLM serves one call at a time
+    per engine, so the stream of replies is back in step when the abandoned call returns, and
+    the engine may be asked again (a stopped worker that was resumed, say)."""
+    left = llm.__dict__.get("_mr_unanswered")
+    if left is None:
+        return None
+    thread, what, since = left
+    if not thread.is_alive():
+        llm.__dict__.pop("_mr_unanswered", None)
+        return None
+    return f"it has not answered {what} for {time.monotonic() - since:.0f}s (a worker stopped, hung or dead)"
+
+
+def left_waiting(llm: Any, thread: threading.Thread, what: str, since: float) -> None:
+    """Record that ``thread``'s call ``what`` on ``llm`` missed its deadline and was left behind."""
+    llm.__dict__["_mr_unanswered"] = (thread, what, since)
+
+
+def engine_call(llm: Any, what: str, fn: Callable[[], T], timeout_s: float) -> T:
+    """``fn()`` (one call on ``llm``) with a deadline. Past it, raises ``EngineUnresponsive``
+    naming the call, and leaves the call running on its daemon thread: until it returns, every
+    ``engine_call`` on ``llm`` is refused at once (``unanswered``), so no later call's reply is
+    ever taken for this one's."""
+    busy = unanswered(llm)
+    if busy is not None:
+        raise EngineUnresponsive(f"engine refused {what}: {busy}")
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread
+            box["error"] = exc
+
+    since = time.monotonic()
+    t = threading.Thread(target=run, daemon=True, name=f"engine-call-{what}")
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        left_waiting(llm, t, what, since)
+        raise EngineUnresponsive(f"the engine did not answer {what} within {timeout_s:.0f}s (a worker stopped, "
+                                 f"hung or dead); no call is sent to it until that one returns")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 @dataclass(frozen=True)
@@ -258,25 +317,29 @@ def stop_engine(llm: Any) -> None:
         core.shutdown()
 
 
-def describe(llm: Any) -> list[list[LocalParam]]:
+def describe(llm: Any, timeout_s: float = 300.0) -> list[list[LocalParam]]:
     """Per worker (in rank order of ``collective_rpc``) its recorded ``LocalParam`` list
     (diagnostics extension)."""
-    return [list(WorkerLayout.from_wire(w).params) for w in llm.collective_rpc("mr_describe")]
+    wire = engine_call(llm, "mr_describe", lambda: llm.collective_rpc("mr_describe"), timeout_s)
+    return [list(WorkerLayout.from_wire(w).params) for w in wire]
 
 
-def worker_status(llm: Any) -> list[WorkerStatus]:
+def worker_status(llm: Any, timeout_s: float = STATUS_DEADLINE_S) -> list[WorkerStatus]:
     """Every worker's serving state, version and last outcome (diagnostics extension)."""
-    return [WorkerStatus.from_wire(w) for w in llm.collective_rpc("mr_status")]
+    wire = engine_call(llm, "mr_status", lambda: llm.collective_rpc("mr_status"), timeout_s)
+    return [WorkerStatus.from_wire(w) for w in wire]
 
 
 def received_weights(llm: Any) -> list[ReceivedWeights]:
     """Per worker, what the last ``verify=full`` refit left it holding (diagnostics extension)."""
-    return [ReceivedWeights.from_wire(w) for w in llm.collective_rpc("mr_received")]
+    wire = engine_call(llm, "mr_received", lambda: llm.collective_rpc("mr_received"), HELPER_DEADLINE_S)
+    return [ReceivedWeights.from_wire(w) for w in wire]
 
 
 def raw_bandwidth(llm: Any, pairs: Sequence[tuple[int, int]], nbytes: int, timeout_s: float) -> list[float | None]:
     """Per worker, the raw-bandwidth probe over the engine's refit group (diagnostics extension)."""
-    return list(llm.collective_rpc("mr_raw_bandwidth", args=([list(p) for p in pairs], nbytes, timeout_s)))
+    return list(engine_call(llm, "mr_raw_bandwidth", lambda: llm.collective_rpc(
+        "mr_raw_bandwidth", args=([list(p) for p in pairs], nbytes, timeout_s)), timeout_s + 60.0))
 
 
 def after_refit(llm: Any) -> None:
@@ -284,12 +347,13 @@ def after_refit(llm: Any) -> None:
     llm.reset_prefix_cache()
 
 
-def check_serving(llm: Any) -> None:
+def check_serving(llm: Any, timeout_s: float = STATUS_DEADLINE_S) -> None:
     """Raise ``RefitIncomplete`` when the engine is gated (its scheduler paused by a refit
     driver after a refit it could not confirm): vLLM would queue the request and never run
-    it, so a helper that waits for the answer says why instead of waiting."""
-    sleeping = llm.is_sleeping() if isinstance(llm, AsyncEngine) else llm.llm_engine.is_sleeping()
-    if sleeping:
+    it, so a helper that waits for the answer says why instead of waiting. Raises
+    ``EngineUnresponsive`` when the engine does not answer within ``timeout_s``."""
+    ask = llm.is_sleeping if isinstance(llm, AsyncEngine) else llm.llm_engine.is_sleeping
+    if engine_call(llm, "is_sleeping", ask, timeout_s):
         raise RefitIncomplete("this engine is not serving: it is gated (its scheduler paused) until a refit "
                               "succeeds -- the last refit did not commit on all of its workers")
 
@@ -300,7 +364,8 @@ def greedy(llm: Any, prompts_token_ids: Sequence[Sequence[int]], max_tokens: int
 
     check_serving(llm)
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts_token_ids], sp, use_tqdm=False)
+    outs = engine_call(llm, "generate", lambda: llm.generate([{"prompt_token_ids": list(p)} for p in prompts_token_ids],
+                                                             sp, use_tqdm=False), HELPER_DEADLINE_S)
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
@@ -310,7 +375,8 @@ def prompt_logprobs(llm: Any, token_ids: Sequence[int]) -> list[float]:
 
     check_serving(llm)
     sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-    out = llm.generate([{"prompt_token_ids": list(token_ids)}], sp, use_tqdm=False)[0]
+    out = engine_call(llm, "generate", lambda: llm.generate([{"prompt_token_ids": list(token_ids)}], sp,
+                                                            use_tqdm=False), HELPER_DEADLINE_S)[0]
     vals = []
     for tok, lp in zip(token_ids[1:], out.prompt_logprobs[1:]):
         vals.append(float(lp[tok].logprob))

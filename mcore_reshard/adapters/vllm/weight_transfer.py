@@ -120,8 +120,13 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         self.last_report: RankReport | None = None
         #: Model-format copy of what the last ``verify=full`` refit received, by local name.
         self.received: dict[str, torch.Tensor] | None = None
-        #: The version this worker's weights are (``RefitRequest.version``; "" = as loaded).
+        #: The version label of this worker's weights (``RefitRequest.label``; "" = as loaded).
         self.version = ""
+        #: The identity of the refit whose weights this worker holds (``Outcome.refit``; "" = as loaded).
+        self.refit = ""
+        #: Why this worker could not learn a refit's decision; kept until a refit commits here,
+        #: so every later refit and driver sees this worker ``unsure`` until then.
+        self.unsure = ""
         #: Why this worker refused its plan slice at init (its first refit votes no with it).
         self.init_error = ""
         #: An overlapped refit receiving on its own thread (``finish_weight_update`` joins it).
@@ -244,6 +249,8 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         if request is not None and applier is not None:
             outcome = self._settle(request, applier, outcome)
         self.last_outcome = outcome
+        if not outcome.known:
+            self.unsure = "; ".join(outcome.errors)[:500] or "the decision of a refit is unknown here"
         if (outcome.commit and outcome.known) or quiet:
             return
         if self._last_worker():
@@ -312,16 +319,15 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
     def _settle(self, request: RefitRequest, applier: VllmApplier, outcome: Outcome) -> Outcome:
         """Commit (atomic: the swap from staged and shadow tensors into the live ones) or roll
         back, as the decision says."""
-        version = request.version_at(outcome.epoch)
         if outcome.commit and request.atomic:
             try:
                 applier.finish()  # everyone staged and verified: commit together
-                self.version = version
+                self._held(request, outcome)
             except BaseException as exc:  # noqa: BLE001 - this engine no longer serves
                 self.endpoint.delta.reset()
                 outcome = replace(outcome, commit=False, errors=outcome.errors + [f"{self.endpoint.who}: commit failed: {exc}"])
         elif outcome.commit:
-            self.version = version
+            self._held(request, outcome)
         else:
             reason = f"aborted: {'; '.join(outcome.errors)[:500]}" if outcome.known else \
                 f"decision unknown: {'; '.join(outcome.errors)[:500]}"
@@ -333,6 +339,10 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
             else:
                 applier.invalidate(reason)  # streaming: finished here, failed elsewhere
         return outcome
+
+    def _held(self, request: RefitRequest, outcome: Outcome) -> None:
+        """This worker now holds the weights of the refit ``outcome`` committed: whole, and known."""
+        self.version, self.refit, self.unsure = request.label(outcome.refit), outcome.refit, ""
 
     def forget_baselines(self) -> None:
         """The weights change outside a refit (e.g. the HF baseline's reload): no delta may
@@ -361,11 +371,11 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         ap = self._applier
         state, reason = ("serving", "") if ap is None else (ap.state if ap.state != "updating" else "serving", ap.reason)
         out = self.last_outcome
-        if out is not None and not out.known and state == "serving":
-            state, reason = "unsure", "; ".join(out.errors)[:500]
+        if self.unsure and state == "serving":
+            state, reason = "unsure", self.unsure
         return WorkerStatus(state, reason, self.version, None if out is None else bool(out.commit and out.known),
                             None if out is None else out.known, () if out is None else tuple(out.errors),
-                            self.init_error)
+                            self.init_error, self.refit)
 
     def shutdown(self) -> None:
         if self.endpoint is not None:
@@ -427,12 +437,18 @@ def _timeout_of(update_info: ReshardUpdateInfo) -> float:
 def _engine_fault(update_info: ReshardUpdateInfo, rank: int, key: str) -> Any:
     """Fault injection: ``key`` of ``ReshardUpdateInfo.fault`` when it is for destination ``rank``."""
     spec = update_info.fault or {}
-    return spec.get(key) if spec.get("rank") == rank else None
+    return spec.get(key) if _strikes(spec, rank) else None
+
+
+def _strikes(spec: dict, rank: int) -> bool:
+    """Whether fault ``spec`` is for destination ``rank`` (its ``rank``: one, or a list)."""
+    r = spec.get("rank")
+    return rank in r if isinstance(r, list) else r == rank
 
 
 def _fault_for(spec: dict | None, rank: int) -> Fault | None:
     """Fault injection from ``ReshardUpdateInfo.fault`` (``{"rank", "kind", "at", "seconds"}``)."""
-    if not spec or spec.get("rank") != rank or "at" not in spec:
+    if not spec or not _strikes(spec, rank) or "at" not in spec:
         return None
     return Fault.from_wire(spec)
 
