@@ -14,8 +14,11 @@ it. Reported: refits ok, seconds per refit (median, p95, max, median of the firs
 output): a process killed or stalled at each protocol step -- mid-transfer, after its last byte,
 after its vote, the store's host between two workers reading the decision, a vLLM worker stalled
 past the timeout, a vLLM worker dying -- in both commit modes (``refit.atomic`` true and false),
-plus the control-plane attacks a second process on the store can make (a replayed vote,
-garbage at an abort key). Per row: the seconds until the driver's error (every rank had
+plus a vLLM worker stopped past the timeout and resumed (refused at once, then readmitted by the
+same driver), three new drivers that each label their refit 1 alike around a split commit, and
+the attacks a second process on the store can make (a replayed vote, garbage at an abort key,
+and ``testing.attacks``: garbage or a replayed decision over the decision key, each key kind
+deleted, garbage in the abort hint). Per row: the seconds until the driver's error (every rank had
 stopped by then), whether it names the failing rank, what ``generate`` and ``enqueue`` +
 ``wait_for_completion`` served afterwards (old, new, or refused -- never a mix), and whether
 the next refit restored the same engine (after restarting the trainer pool where a training
@@ -165,10 +168,12 @@ class FaultCase:
     once; only a stopped peer waits for the timeout), and what must be restarted after it."""
 
     name: str
-    provoke: Callable[[Any], Any]
+    provoke: Callable[[Any], Any]  # given the cluster
     names: Callable[[str], bool]
     max_seconds: Callable[[float], float]
-    restart: str = ""  # "trainers" (a training rank died) | "engine" (the engine died) | ""
+    #: "trainers" (a training rank died) | "engine" (the engine died) | "resume" (a stopped
+    #: worker: wait until the same driver readmits its engine) | ""
+    restart: str = ""
 
 
 def _cases() -> list[FaultCase]:
@@ -180,36 +185,105 @@ def _cases() -> list[FaultCase]:
     fast = lambda t: FAST_ERROR_S  # noqa: E731
     return [
         FaultCase("bit flipped in flight (training rank 0, bucket 1)",
-                  lambda d: d.refit(faults=Faults(TrainerFault(0, Fault("bitflip", bucket=1)))),
+                  lambda c: c.driver.refit(faults=Faults(TrainerFault(0, Fault("bitflip", bucket=1)))),
                   lambda m: "checksum mismatch" in m and "model." in m, fast),
         FaultCase("stale plan digest (refused before a byte moves)",
-                  lambda d: d.refit(request=replace(d.request(), plan_digest=wrong)),
-                  lambda m: wrong in m and "rank" in m, fast),
+                  lambda c: c.driver.refit(request=replace(c.driver.request(), plan_digest=wrong)),
+                  # every refusing worker is named, not only the engine's last one
+                  lambda m: wrong in m and "vLLM destination rank 0" in m and "vLLM destination rank 1" in m, fast),
         FaultCase("training rank 1 dies mid-transfer",
-                  lambda d: d.refit(faults=Faults(TrainerFault(1, die_after_reads=5))),
+                  lambda c: c.driver.refit(faults=Faults(TrainerFault(1, die_after_reads=5))),
                   lambda m: "training rank 1 died" in m, fast, "trainers"),
         FaultCase("training rank 1 dies after its last byte, before its vote",
-                  lambda d: d.refit(faults=Faults(TrainerFault(1, Fault("exit", at="before_vote")))),
+                  lambda c: c.driver.refit(faults=Faults(TrainerFault(1, Fault("exit", at="before_vote")))),
                   lambda m: "training rank 1 died" in m, fast, "trainers"),
         FaultCase("training rank 1 dies after its vote",
-                  lambda d: d.refit(faults=Faults(TrainerFault(1, Fault("exit", at="after_vote")))),
+                  lambda c: c.driver.refit(faults=Faults(TrainerFault(1, Fault("exit", at="after_vote")))),
                   lambda m: "training rank 1 died" in m, fast, "trainers"),
         FaultCase("store host (training rank 0) dies between two workers reading the decision",
-                  lambda d: d.refit(faults=Faults(TrainerFault(0, Fault("exit", at="after_decision", seconds=0.5)),
+                  lambda c: c.driver.refit(faults=Faults(TrainerFault(0, Fault("exit", at="after_decision", seconds=0.5)),
                                                   EngineFault(1, Fault("sleep", at="after_vote", seconds=2.0)))),
                   lambda m: "training rank 0 died" in m, fast, "trainers"),
         FaultCase("vLLM worker 1 stalled past the timeout before its vote (silent peer)",
-                  lambda d: d.refit(faults=Faults(engine=EngineFault(1, Fault(
-                      "sleep", at="before_vote", seconds=d.refit_config.timeout_s + 2)))),
+                  lambda c: c.driver.refit(faults=Faults(engine=EngineFault(1, Fault(
+                      "sleep", at="before_vote", seconds=c.driver.refit_config.timeout_s + 2)))),
                   lambda m: "no vote" in m and "destination rank 1" in m, lambda t: t + FAST_ERROR_S),
+        FaultCase("vLLM worker 1 stopped past the timeout and the engine's grace (unresponsive), then resumed",
+                  _stopped_worker, lambda m: "engine 0 is unresponsive" in m,
+                  lambda t: STOP_TIMEOUT_S + STOP_GRACE_S + FAST_ERROR_S, "resume"),
+        FaultCase("three new drivers each label their refit 1 'refit-1'; the second is split by the store host's death",
+                  _three_drivers, lambda m: "engine 0 is gated" in m, lambda t: 3 * FAST_ERROR_S + 2 * 60.0),
         # last: the engine is gone afterwards and is replaced
         FaultCase("vLLM worker 1 dies mid-transfer",
-                  lambda d: d.refit(faults=Faults(engine=EngineFault(1, exit_after_writes=3))),
+                  lambda c: c.driver.refit(faults=Faults(engine=EngineFault(1, exit_after_writes=3))),
                   # every rank of the refit knows at once; vLLM's core then waits on the dead
                   # worker's reply without a deadline, so the driver names the engine dead after
                   # its grace (driver.ENGINE_GRACE_S) once every trainer is done
                   lambda m: "engine 0 is dead" in m, lambda t: ENGINE_GRACE_S + 2 * FAST_ERROR_S, "engine"),
     ]
+
+
+#: The stopped-worker row: its refit's timeout and the engine's grace (short, so that the row
+#: does not wait the configured timeout twice), and how long the worker stays stopped.
+STOP_TIMEOUT_S, STOP_GRACE_S, STOP_S = 5.0, 2.0, 14.0
+
+
+def _stopped_worker(c: Any) -> None:
+    """Worker 1 stops answering before its vote, past the refit's timeout and the engine's
+    grace: the driver names the engine unresponsive and sends it nothing until its stuck call
+    returns (then readmits it, gated, without a new driver: ``restart="resume"``)."""
+    from mcore_reshard.driver import ENGINE_GRACE_S
+    from mcore_reshard.faults import EngineFault, Faults
+    from mcore_reshard.transport.executor import Fault
+
+    d = c.driver
+    d.engine_grace_s = STOP_GRACE_S
+    try:
+        d.refit(request=replace(d.request(), timeout_s=STOP_TIMEOUT_S),
+                faults=Faults(engine=EngineFault(1, Fault("sleep", at="before_vote", seconds=STOP_S))))
+    finally:
+        d.engine_grace_s = ENGINE_GRACE_S
+
+
+def _new_driver(c: Any) -> Any:
+    """A new driver on the same trainers and engines (a restarted framework): it numbers its
+    refits from 1 again."""
+    from mcore_reshard.driver import RefitDriver
+
+    config = c.driver.refit_config
+    c.driver.close()
+    c.driver = RefitDriver(c.pool, c.engines, config, c.spec, transport=c.transports[c.refit.transport])
+    c.driver.__enter__()
+    return c.driver
+
+
+def _three_drivers(c: Any) -> None:
+    """Driver A's refit 1 commits, driver B's refit 1 is split by the store host's death
+    (worker 0 commits, worker 1 cannot learn the decision), driver C (after the trainers are
+    restarted) fails its refit 1 cleanly. All three label their refit "refit-1": the engine
+    must stay gated, whatever the labels say. Raises C's error."""
+    from mcore_reshard.errors import RefitFailed
+    from mcore_reshard.faults import EngineFault, Faults, TrainerFault
+    from mcore_reshard.transport.executor import Fault
+
+    a = _new_driver(c)
+    a.refit(request=replace(a.request(), version="refit-1"))
+    c.step(_TOKENS)
+    b = _new_driver(c)
+    try:
+        b.refit(request=replace(b.request(), version="refit-1"),
+                faults=Faults(TrainerFault(0, Fault("exit", at="after_decision", seconds=0.5)),
+                              EngineFault(1, Fault("sleep", at="after_vote", seconds=2.0))))
+    except RefitFailed:
+        pass
+    c.restart_trainers()
+    c.driver.refit_config = b.refit_config
+    d = c.driver
+    d.refit(request=replace(d.request(), version="refit-1", plan_digest="0" * 16))
+
+
+#: The fault matrix's prompt (``_three_drivers`` takes an optimizer step on it).
+_TOKENS: list[int] = []
 
 
 def _classify(now: Any, old: list[float], new: list[float], bound: float) -> str:
@@ -246,7 +320,7 @@ def _through_enqueue(llm: Any, tokens: list[int]) -> tuple[Any, Any]:
 def fault_row(c: Any, tokens: list[int], case: FaultCase, atomic: bool, bound: float,
               log: Callable[..., None]) -> dict[str, Any]:
     from mcore_reshard.adapters.vllm.engine import check_serving, prompt_logprobs
-    from mcore_reshard.errors import RefitIncomplete
+    from mcore_reshard.errors import EngineUnresponsive, RefitIncomplete
 
     row: dict[str, Any] = {"fault": case.name, "atomic": atomic, "seconds": None, "error": "", "names_ok": False,
                            "generate": "", "enqueue": "", "restored": "no", "notes": []}
@@ -261,9 +335,10 @@ def fault_row(c: Any, tokens: list[int], case: FaultCase, atomic: bool, bound: f
         row["notes"].append(f"set-up failed: {type(exc).__name__}: {str(exc)[:300]}")
         row["behaved"] = False
         return row
+    _TOKENS[:] = tokens
     t0 = time.monotonic()
     try:
-        case.provoke(c.driver)
+        case.provoke(c)
         row["error"] = "(no error raised)"
     except Exception as exc:  # noqa: BLE001 - the expected outcome
         row["error"] = f"{type(exc).__name__}: {exc}"
@@ -277,6 +352,8 @@ def fault_row(c: Any, tokens: list[int], case: FaultCase, atomic: bool, bound: f
             now: Any = prompt_logprobs(llm, tokens)
         except RefitIncomplete:
             now = "refused (gated)"
+        except EngineUnresponsive:
+            now = "refused at once (unresponsive)"
         row["generate"] = _classify(now, old, new, bound)
         try:
             now, waiting = _through_enqueue(llm, tokens)
@@ -289,7 +366,12 @@ def fault_row(c: Any, tokens: list[int], case: FaultCase, atomic: bool, bound: f
         if case.restart == "engine":
             replace_engine(c)
         elif case.restart == "trainers":
+            row["survivors_exit_s"] = survivors_exit(c)
+            row["notes"].append(f"the surviving training ranks left in {row['survivors_exit_s']:.2f}s")
             c.restart_trainers()
+        elif case.restart == "resume":
+            row["readmitted_after_s"] = wait_readmitted(c, t0)
+            row["notes"].append(f"readmitted by the same driver {row['readmitted_after_s']:.1f}s after the fault")
         m = c.refit_once()
         err = c.logprob_error(tokens)
         row["restore"] = {"seconds": m.seconds, "verified": m.verified, "bytes_ok": m.at_minimum, "delta": m.delta,
@@ -310,8 +392,23 @@ def fault_row(c: Any, tokens: list[int], case: FaultCase, atomic: bool, bound: f
     row["in_time"] = row["seconds"] <= row["max_seconds"]
     served_ok = all(not v.startswith(("MIXED", "error")) and "OTHER" not in v for v in (row["generate"], row["enqueue"]))
     row["behaved"] = bool(row["error"] != "(no error raised)" and row["names_ok"] and row["in_time"] and served_ok
-                          and row["restored"] == "yes")
+                          and row["restored"] == "yes" and row.get("survivors_exit_s", 0.0) < FAST_ERROR_S)
     return row
+
+
+def survivors_exit(c: Any) -> float:
+    """Seconds the training ranks still alive after a rank died take to leave (pool close)."""
+    t0 = time.monotonic()
+    c.pool.close()
+    return time.monotonic() - t0
+
+
+def wait_readmitted(c: Any, since: float, limit_s: float = 60.0) -> float:
+    """Wait until the driver takes its unresponsive engine back; seconds since ``since``."""
+    while c.driver.dead and time.monotonic() - since < limit_s:
+        c.driver.readmit()
+        time.sleep(0.5)
+    return time.monotonic() - since
 
 
 def replace_engine(c: Any) -> None:
@@ -343,6 +440,7 @@ def control_plane_rows(log: Callable[..., None]) -> list[dict[str, Any]]:
 
     from mcore_reshard.errors import RefitAborted
     from mcore_reshard.ports import free_port
+    from mcore_reshard.testing.attacks import STORE_ATTACKS
     from mcore_reshard.transport.group import RankMap, RefitGroup
 
     def pair() -> dict[int, Any]:
@@ -399,9 +497,25 @@ def control_plane_rows(log: Callable[..., None]) -> list[dict[str, Any]]:
     finally:
         for x in g.values():
             x.close(barrier=False)
+    rows += [store_attack_row(attack) for attack in STORE_ATTACKS]
     for r in rows:
-        log(f"control plane: {r['fault']}: {r['error'][:200]} ({r['seconds']:.2f}s)")
+        secs = "hung" if r["seconds"] is None else f"{r['seconds']:.2f}s"
+        log(f"control plane: {r['fault']}: {r['error'][:200]} ({secs})")
     return rows
+
+
+def store_attack_row(attack: Callable[[], Any]) -> dict[str, Any]:
+    """One store writer's attack (``testing.attacks``) as a row: it behaved when every rank was
+    done in time (never hung) and no rank aborted where another committed (a rank that cannot
+    learn the decision is ``unknown``: its engine stays gated, never serves a mix)."""
+    a = attack()
+    outcomes = [o if isinstance(o, str) else "exchanged" for o in a.outcomes]
+    split = "commit" in outcomes and "abort" in outcomes
+    err = "; ".join(sorted({e for e in a.errors if e})) or "(none)"
+    return {"fault": f"store writer: {a.name}", "atomic": "n/a", "seconds": a.slowest, "error": err,
+            "names_ok": True, "generate": "n/a (no engine)", "enqueue": "n/a (no engine)", "restored": "n/a",
+            "notes": [f"ranks: {', '.join(outcomes)}", f"rejected: {a.rejected}"],
+            "behaved": a.slowest is not None and a.slowest < 2 * FAST_ERROR_S and not split and "hung" not in outcomes}
 
 
 def faults(c: Any, tokens: list[int], bound: float, log: Callable[..., None], only: str = "") -> list[dict[str, Any]]:

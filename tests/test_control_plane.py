@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from mcore_reshard.errors import RefitAborted
 from mcore_reshard.ports import free_port
+from mcore_reshard.testing import attacks
 from mcore_reshard.transport.group import RankMap, RefitGroup
 
 
@@ -252,178 +253,61 @@ def test_a_rank_that_dies_before_its_vote_is_known_to_every_rank_within_two_seco
 
 
 # -- an outside writer that can write or delete any key: one power, failing a refit in time ----
-
-def _world(n: int, timeout_s: float = 10.0):
-    """``n`` ranks of one group in this process (threads), every one in refit 1."""
-    import secrets
-
-    rm, port, groups, nonce = RankMap.disaggregated(1, n - 1), free_port(), {}, secrets.token_hex(8)
-    threads = [threading.Thread(target=lambda r=r: groups.update({r: RefitGroup.create(
-        "127.0.0.1", port, r, n, timeout_s, False, rank_map=rm, secret="s", nonce=nonce)})) for r in range(1, n)]
-    for t in threads:
-        t.start()
-    groups[0] = RefitGroup.create("127.0.0.1", port, 0, n, timeout_s, True, rank_map=rm, secret="s", nonce=nonce)
-    for t in threads:
-        t.join(20)
-    for g in groups.values():
-        g.begin_refit(1)
-    return groups
-
-
-def _decide_held(groups, tamper, timeout_s: float = 10.0):
-    """Rank 0 decides while every other rank has voted but is held before reading the decision
-    (the race the probe found, made certain); ``tamper(g0)`` runs then; the held ranks go on.
-    Returns each rank's (decision, seconds from its release)."""
-    release, out, n = threading.Event(), {}, len(groups)
-
-    def rank(r: int) -> None:
-        d = groups[r].decide(True, {"r": r}, timeout_s=timeout_s, after_vote=release.wait)
-        out[r] = (d, time.monotonic() - released[0])
-
-    released = [0.0]
-    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(1, n)]
-    for t in threads:
-        t.start()
-    while sum(groups[0].control._read(groups[0].control._slot("vote", 1, 0, r)) is not None for r in range(1, n)) < n - 1:
-        time.sleep(0.01)
-    out[0] = (groups[0].decide(True, {"r": 0}, timeout_s=timeout_s), 0.0)
-    tamper(groups[0])
-    released[0] = time.monotonic()
-    release.set()
-    for t in threads:
-        t.join(timeout_s + 10)
-        assert not t.is_alive(), "a rank never left decide"
-    return [out[r] for r in range(n)]
-
-
-def _decision_slot(g):
-    return g.control._slot("decision", g.control.epoch, 0, -1)
-
+# (the attacks themselves: ``mcore_reshard.testing.attacks``, also rows of ``scripts/soak.py --faults``)
 
 def test_garbage_over_the_decision_after_one_rank_committed_every_rank_commits():
     """The probe's race: rank 0 commits, then the decision key is overwritten. The others read
     rank 0's signed copy of the decision and commit too, at once; the garbage is counted."""
-    groups = _world(4)
-    try:
-        got = _decide_held(groups, lambda g0: g0.store.set(_decision_slot(g0), "garbage"))
-        assert all(d.commit and d.known for d, _ in got), got
-        assert all(s < 1.0 for _, s in got[1:]), got
-        assert all(groups[r].rejected["decision"] >= 1 for r in (1, 2, 3))
-    finally:
-        _close(groups)
+    a = attacks.garbage_over_the_decision(4)
+    assert a.outcomes == ["commit"] * 4, a
+    assert a.slowest < 1.0, a
+    assert a.rejected["decision"] >= 3, a
 
 
 def test_the_previous_refits_signed_decision_over_this_one_and_no_copy_ends_unknown_and_named():
     """Refit 1's authentic abort decision is replayed over refit 2's commit, and rank 0's
     signed copy is deleted: the held ranks cannot learn the decision. Each ends within the
-    echo wait (not the timeout, never a hang), unknown (so an engine worker reports
+    echo wait (not the 30 s timeout, never a hang), unknown (so an engine worker reports
     ``unsure`` and its engine stays gated), with a line naming the replayed value."""
-    groups = _world(3, timeout_s=30.0)
-    try:
-        release = threading.Event()
-        ts = [threading.Thread(target=lambda r=r: groups[r].decide(False, None, "no, on purpose",
-                                                                   after_vote=release.wait), daemon=True)
-              for r in (1, 2)]
-        for t in ts:
-            t.start()
-        assert not groups[0].decide(True, None).commit
-        release.set()
-        for t in ts:
-            t.join(10)
-        g0 = groups[0]
-        old = g0.control._read(_decision_slot(g0))
-        for g in groups.values():
-            g.begin_refit(2)
-
-        def tamper(g0):
-            g0.store.set(_decision_slot(g0), old)
-            g0.store.delete_key(g0.control._slot("decided", 2, 0, 0))
-
-        got = _decide_held(groups, tamper, timeout_s=30.0)
-        assert got[0][0].commit  # rank 0 decided and committed before the overwrite
-        for d, seconds in got[1:]:
-            assert not d.commit and not d.known, d
-            assert seconds < 5.0, seconds  # the echo wait, not the 30 s timeout
-            assert "does not verify" in d.errors[0] and "replayed signed decision (refit 1" in d.errors[0], d.errors
-    finally:
-        _close(groups)
+    a = attacks.replayed_decision_and_no_copy(3, timeout_s=30.0)
+    assert a.outcomes == ["commit", "unknown", "unknown"], a
+    assert a.slowest < 5.0, a
+    for e in a.errors[1:]:
+        assert "does not verify" in e and "replayed signed decision (refit 1" in e, a.errors
 
 
 def test_deleted_decision_vote_exchange_and_abort_keys_end_in_time():
-    groups = _world(3)
-    try:
-        # the decision deleted after rank 0 committed: the others find rank 0's copy
-        got = _decide_held(groups, lambda g0: g0.store.delete_key(_decision_slot(g0)))
-        assert all(d.commit for d, _ in got), got
-        for g in groups.values():
-            g.begin_refit(2)
-        # rank 1's vote deleted as soon as it is written: it posts it again and the refit commits
-        g1 = groups[1]
-        out = {}
-        t = threading.Thread(target=lambda: out.update(d=g1.decide(True, None, after_vote=lambda: g1.store.delete_key(
-            g1.control._slot("vote", 2, 0, 1)))), daemon=True)
-        t.start()
-        t2 = threading.Thread(target=lambda: out.update(d2=groups[2].decide(True, None)), daemon=True)
-        t2.start()
-        t0 = time.monotonic()
-        assert groups[0].decide(True, None).commit
-        t.join(10), t2.join(10)
-        assert out["d"].commit and out["d2"].commit and time.monotonic() - t0 < 2.0
-        # an exchange value deleted before the others read it: posted again
-        for g in groups.values():
-            g.begin_refit(3)
-        groups[0].store.set("x", "1")
-        res = {}
-        threads = [threading.Thread(target=lambda r=r: res.update({r: groups[r].exchange(r)}), daemon=True)
-                   for r in (1, 2)]
-        slot = groups[0].control._slot("ctl", 3, groups[0].control._seq, 0)
-        ctl0 = threading.Thread(target=lambda: res.update({0: groups[0].exchange(0)}), daemon=True)
-        ctl0.start()
-        while groups[0].control._read(slot) is None:
-            time.sleep(0.001)
-        groups[0].store.delete_key(slot)
-        for th in threads:
-            th.start()
-        for th in [ctl0, *threads]:
-            th.join(10)
-        assert res == {0: [0, 1, 2], 1: [0, 1, 2], 2: [0, 1, 2]}
-        # an abort deleted right after it was posted: rank 1's "no" vote still aborts at once
-        for g in groups.values():
-            g.begin_refit(4)
-        groups[1].post_abort("destination rank 0: failing on purpose")
-        groups[0].store.delete_key(groups[0].control._slot("abort", 4, 0, 1))
-        t = threading.Thread(target=lambda: out.update(n=groups[1].decide(False, None, "destination rank 0: no")),
-                             daemon=True)
-        t.start()
-        t0 = time.monotonic()
-        d = groups[0].decide(True, None)
-        t.join(10)
-        assert not d.commit and d.known and time.monotonic() - t0 < 2.0 and "failing" not in d.errors[0]
-    finally:
-        _close(groups)
+    decision = attacks.deleted_decision(3)  # the others find rank 0's signed copy
+    assert decision.outcomes == ["commit"] * 3 and decision.slowest < 1.0, decision
+    vote = attacks.deleted_vote(3)  # rank 1 posts its vote again
+    assert vote.outcomes == ["commit"] * 3 and vote.slowest < 2.0, vote
+    exchange = attacks.deleted_exchange_value(3)  # rank 0 posts its value again
+    assert exchange.outcomes == [[0, 1, 2]] * 3 and exchange.slowest < 2.0, exchange
+    abort = attacks.deleted_abort(3)  # rank 1's "no" still aborts at once
+    assert abort.outcomes == ["abort"] * 3 and abort.slowest < 2.0, abort
+    assert "rank 1: no" in abort.errors[0], abort.errors
 
 
 def test_garbage_in_the_abort_hint_is_counted_and_the_refit_still_commits():
     """A non-integer in the hint would make ``TCPStore.add`` drop the caller's connection (and
     every rank report the store's host dead): the hint is a signed presence flag, never added."""
-    groups = _world(2)
+    a = attacks.garbage_hint(2)
+    assert a.outcomes == ["commit", "commit"] and a.errors == ["", ""], a
+    assert a.rejected["hint"] >= 1, a
+    # and a real abort still stops the other rank at once, the garbage notwithstanding
+    groups = attacks.local_group(2)
     try:
         g0, g1 = groups[0], groups[1]
-        g0.store.set(g0.control._slot("hint", 1, 0, -1), "garbage")
+        g0.store.set(attacks.slot(g0, "hint"), "garbage")
         assert g0.abort_message() is None and g0.rejected["hint"] == 1
-        out = {}
-        t = threading.Thread(target=lambda: out.update(v=g1.exchange(1), d=g1.decide(True, None)), daemon=True)
-        t.start()
-        assert g0.exchange(0) == [0, 1]
-        assert g0.decide(True, None).commit
-        t.join(10)
-        assert out["d"].commit and not g0.control.store_dead and not g1.control.store_dead
-        # and a real abort still stops the other rank at once, the garbage notwithstanding
-        for g in groups.values():
-            g.begin_refit(2)
-        g0.store.set(g0.control._slot("hint", 2, 0, -1), "garbage")
         g1.post_abort("destination rank 0: injected")
-        time.sleep(0.15)
+        time.sleep(attacks_rescan())
         assert "injected" in g0.abort_message()
     finally:
-        _close(groups)
+        attacks.close_group(groups)
+
+
+def attacks_rescan() -> float:
+    from mcore_reshard.transport import control
+
+    return control._RESCAN_S + 0.05

@@ -5,6 +5,7 @@ say so -- a performance miss is never an error."""
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 from pathlib import Path
@@ -103,7 +104,7 @@ def test_redundant_expert_copies_meet_the_floor(_fresh_plans):
 
 
 @pytest.mark.heavy
-def test_redundant_expert_copies_with_the_default_buffer(_fresh_plans):
+def test_redundant_expert_copies_with_the_default_buffer(_fresh_plans, capsys):
     """With 512 MiB buckets the busiest trainer alone needs ~1700 rounds: relaying the EPLB
     copies too would need more message tags than gloo has, so those copies keep the direct
     path, every other box is relayed, and the notes say so."""
@@ -113,6 +114,28 @@ def test_redundant_expert_copies_with_the_default_buffer(_fresh_plans):
     assert rep.bytes_inter_node_min < rep.bytes_inter_node
     (note,) = [n for n in plan.notes if "keep the direct path" in n]
     assert "redundant expert copies" in note and "message tags" in note
+    # What bytes_min counts (a reviewer read 8x too much into it): vllm.dp=4 is vLLM's
+    # data_parallel_size inside one engine, and configs/plan.yaml's vllm.replicas=8 still
+    # applies, so the plan is 8 engines x 8 ranks, and bytes_min (summed over destination
+    # ranks) is 8x one engine's, checked against a computation by hand (the same plan, cached).
+    from test_plan_topology import _qwen3_moe_ep_rank_bytes
+
+    cfg = json.loads((Path(__file__).resolve().parents[1] / "configs/models/qwen3-235b-a22b.json").read_text())
+    one_engine = _qwen3_moe_ep_rank_bytes(
+        hidden=cfg["hidden_size"], layers=cfg["num_hidden_layers"], vocab=cfg["vocab_size"],
+        heads=cfg["num_attention_heads"], kv_heads=cfg["num_key_value_heads"], head_dim=cfg["head_dim"],
+        experts=cfg["num_experts"], moe_intermediate=cfg["moe_intermediate_size"], pp=2, dp=4, redundant=8,
+        itemsize=2)
+    assert sum(one_engine) == 556_515_061_760
+    assert main(["plan", "--json", *QWEN3_235B_EPLB]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["num_dst_ranks"] == 64
+    assert out["bytes_min"] == out["bytes_planned"] == 8 * sum(one_engine) == 4_452_120_494_080
+    assert out["max_recv_bytes"] == max(one_engine)
+    assert out["destination"] == {
+        "engines": 8, "ranks_per_engine": 8, "ranks": 64, "bytes_min_per_engine": sum(one_engine),
+        "bytes_min_counts": "every destination rank of every engine, summed "
+                            "(vllm.replicas x vllm.dp x vllm.pp x vllm.tp ranks)"}
 
 
 @pytest.mark.heavy

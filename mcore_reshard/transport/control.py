@@ -84,6 +84,8 @@ _VOTE_AFTER_ABORT_S = 0.5  # how long a decider waits for the aborting rank's ow
 _ECHO_WAIT_S = 2.0
 #: Past the vote's deadline: how long a rank may still take to write or read the decision.
 _DECISION_GRACE_S = 2.0
+#: After an abort with refusals: how long a rank waits for the other ranks' "no" votes to name them all.
+_REFUSALS_WAIT_S = 0.3
 #: How often a waiting rank checks that its own vote or exchange value is still there.
 _REPOST_EVERY_S = 0.1
 #: With the abort hint present but no authentic abort found: how often to look again.
@@ -454,13 +456,15 @@ class ControlPlane(SignedStore):
         return None
 
     def _other_refusals(self, votes: dict[int, Any], named: list[str]) -> list[str]:
-        """After an abort: every other rank's refusal too, where its "no" arrives within
-        ``_VOTE_AFTER_ABORT_S`` (every refusing rank is named, not only the first)."""
-        dead = self.dead_peers()
-        end = time.monotonic() + _VOTE_AFTER_ABORT_S
+        """After an abort with refusals: every other rank's refusal too, where its "no" arrives
+        within ``_REFUSALS_WAIT_S`` (every refusing rank is named, not only the first). Not
+        waited for when no rank refused (a death or a timeout decided it)."""
+        end = time.monotonic() + _REFUSALS_WAIT_S
         while True:
             self._read_votes(votes)
-            if len(votes) + len([r for r in dead if r not in votes]) >= self.world_size or time.monotonic() > end:
+            refused = any(not v["ok"] for v in votes.values())
+            waiting = len(votes) + len([r for r in self.dead_peers() if r not in votes]) < self.world_size
+            if not refused or not waiting or time.monotonic() > end:
                 break
             time.sleep(_POLL_S * 4)
         return [v["error"] for _, v in sorted(votes.items())
