@@ -110,6 +110,7 @@ class RefitDriver:
         #: for one that only missed a deadline (``_waiting``), until it answers again.
         self.dead: dict[int, str] = {}
         self._waiting: set[int] = set()
+        self._left: dict[int, EngineCalls] = {}  # the call each unresponsive engine left running
         #: Seconds an engine may take to answer ``update_weights`` once every trainer is done.
         self.engine_grace_s = ENGINE_GRACE_S
         #: Engines kept paused after a refit they could not confirm (index -> why).
@@ -260,6 +261,7 @@ class RefitDriver:
             if t.is_alive():
                 self.dead[e] = f"no answer to {what} within {deadline_s:.0f}s (a dead, stopped or hung worker)"
                 self._waiting.add(e)
+                self._left[e] = calls
                 left_waiting(self.engines[e], t, what, calls.started)  # nothing more is sent until it returns
                 errors.append(self.dead_line(e))
             elif results.get(e) is not None:
@@ -290,6 +292,12 @@ class RefitDriver:
         for e in sorted(self._waiting):
             llm = self.engines[e]
             if unanswered(llm) is not None:
+                continue
+            left = self._left.pop(e, None)
+            exc = left.results.get(e) if left is not None else None
+            if exc is not None and engine_is_dead(exc):  # the call it left ended: its engine died
+                self.dead[e] = f"its engine core or a worker died: {first_error_line(exc)}"
+                self._waiting.discard(e)
                 continue
             try:
                 if self.engine_infos[e].diagnostics:
@@ -442,7 +450,7 @@ class ReshardTransport:
         updating = driver.start_on_engines(update, what="update_weights")
         replies, trainer_error = None, None
         try:
-            replies = refitting.wait()
+            replies = refitting.wait(trainers_deadline(request))
         except Exception as exc:  # noqa: BLE001 - the trainers' error names every failing rank
             trainer_error = "; ".join(driver.trainers.dead() + [first_error_line(exc)])
         # Every trainer has read the decision (or died): a worker that read it too answers
@@ -579,7 +587,7 @@ class PendingRefit:
         driver, request = self.driver, self.request
         replies, trainer_error = None, None
         try:
-            replies = self._refitting.wait()
+            replies = self._refitting.wait(trainers_deadline(request))
         except Exception as exc:  # noqa: BLE001 - the trainers' error names every failing rank
             trainer_error = "; ".join(driver.trainers.dead() + [first_error_line(exc)])
         seconds = time.perf_counter() - self._t0
@@ -592,6 +600,14 @@ class PendingRefit:
         errors += self.transport._settle(driver, request, driver.refit_id(request), trusted)
         return self.transport._done(driver, request, replies, trainer_error, errors, seconds,
                                     time.perf_counter() - t_pause, self._cached)
+
+
+def trainers_deadline(request: RefitRequest) -> float:
+    """How long the driver waits for the trainers' refit replies: the refit's own timeout (a
+    silent peer's), the decision's grace past it, and a margin for the replies to arrive. The
+    trainers' own waits all end by then, so the driver's error is theirs, never its own
+    timeout racing them."""
+    return request.timeout_s + 30.0
 
 
 def _update_info(request: RefitRequest, faults: Faults) -> dict:

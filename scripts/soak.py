@@ -217,9 +217,11 @@ def _cases() -> list[FaultCase]:
         FaultCase("vLLM worker 1 dies mid-transfer",
                   lambda c: c.driver.refit(faults=Faults(engine=EngineFault(1, exit_after_writes=3))),
                   # every rank of the refit knows at once; vLLM's core then waits on the dead
-                  # worker's reply without a deadline, so the driver names the engine dead after
-                  # its grace (driver.ENGINE_GRACE_S) once every trainer is done
-                  lambda m: "engine 0 is dead" in m, lambda t: ENGINE_GRACE_S + 2 * FAST_ERROR_S, "engine"),
+                  # worker's reply without a deadline, so the driver names the engine
+                  # unresponsive after its grace (driver.ENGINE_GRACE_S) once every trainer is
+                  # done: refused until it answers, which a dead worker's engine never does
+                  lambda m: "engine 0 is dead" in m or "engine 0 is unresponsive" in m,
+                  lambda t: ENGINE_GRACE_S + 2 * FAST_ERROR_S, "engine"),
     ]
 
 
