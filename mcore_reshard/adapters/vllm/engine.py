@@ -344,7 +344,7 @@ def raw_bandwidth(llm: Any, pairs: Sequence[tuple[int, int]], nbytes: int, timeo
 
 def after_refit(llm: Any) -> None:
     """Drop KV blocks computed with the old weights (prefix cache)."""
-    llm.reset_prefix_cache()
+    engine_call(llm, "reset_prefix_cache", llm.reset_prefix_cache, HELPER_DEADLINE_S)
 
 
 def check_serving(llm: Any, timeout_s: float = STATUS_DEADLINE_S) -> None:
