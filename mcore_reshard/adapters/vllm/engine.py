@@ -175,9 +175,11 @@ class AsyncEngine:
 
     Prefix caching across refits: a request this wrapper submits carries ``cache_salt`` = the
     weight version the engine serves when it arrives (set by the driver's
-    ``update_weight_version``), so no new request reuses KV blocks cached under older weights,
-    even when requests still running kept vLLM from resetting its prefix cache after the swap
-    (``recompute_kv_cache_after_weight_updates=false``). A prompt with its own salt keeps it.
+    ``update_weight_version``) and how many times it was set, so no new request reuses KV
+    blocks cached under older weights, even when requests still running kept vLLM from
+    resetting its prefix cache after the swap (``recompute_kv_cache_after_weight_updates=false``)
+    and even when a new driver repeats an earlier version's label. A prompt with its own salt
+    keeps it.
     """
 
     def __init__(self, engine: Any, loop: Any, thread: Any) -> None:
@@ -185,10 +187,12 @@ class AsyncEngine:
         self.engine_info = info_of_config(engine.vllm_config)
         self.world_size, self.dtype = self.engine_info.world_size, self.engine_info.dtype
         self.weight_version: str | None = None  # the last version the driver set (None: as loaded)
+        self._swaps = 0  # versions set so far: labels may repeat, swaps do not
 
     def update_weight_version(self, version: str) -> None:
         self._call("update_weight_version", version)
         self.weight_version = version
+        self._swaps += 1
 
     def submit(self, coro: Any) -> Any:
         """Run a coroutine on the engine's loop; returns a ``concurrent.futures.Future``."""
@@ -221,7 +225,7 @@ class AsyncEngine:
         sp = copy(sampling_params)
         sp.output_kind = RequestOutputKind.FINAL_ONLY  # n > 1: one output with all n completions
 
-        salt = None if self.weight_version is None else f"weights:{self.weight_version}"
+        salt = None if self.weight_version is None else f"weights:{self.weight_version}#{self._swaps}"
 
         async def one(prompt: Any) -> Any:
             if salt is not None and isinstance(prompt, dict) and "cache_salt" not in prompt:
