@@ -124,6 +124,36 @@ def test_ep_placement_matches_vllm_determine_expert_map():
         assert _local_experts(spec, par, ep_rank) == expected and len(expected) == n
 
 
+#: sha256[:16] of vLLM 0.32.0's own sources of what ``adapters/vllm/stamps.py`` copies.
+VLLM_STAMP_SOURCES = {
+    "ShardedRDTWeightTransferEngine._install_recording_stamps": "1ee6d2c00df677d4",
+    "ShardedRDTWeightTransferEngine._restore_after_dry_run": "635a268f6da7dbf8",
+    "_get_original_loader": "451476e6c046a6b1",
+    "_place_kernel_tensors": "9a7d866d7e5dcac8",
+}
+
+
+@pytest.mark.heavy  # imports vLLM (~5 s)
+def test_the_recording_stamps_copy_still_matches_vllms_own():
+    """``stamps.py`` copies four private vLLM functions instead of calling them. When a vLLM
+    upgrade changes one, this names it: re-read the copy against it, then pin the new digest."""
+    import hashlib
+    import importlib
+    import inspect
+    import textwrap
+
+    from mcore_reshard.adapters.vllm.stamps import VLLM_SOURCES
+
+    got = {}
+    for module, qualname in VLLM_SOURCES:
+        obj = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+        got[qualname] = hashlib.sha256(textwrap.dedent(inspect.getsource(obj)).encode()).hexdigest()[:16]
+    drifted = sorted(q for q, d in got.items() if VLLM_STAMP_SOURCES.get(q) != d)
+    assert not drifted, f"vLLM changed {drifted}: re-check mcore_reshard/adapters/vllm/stamps.py against them"
+
+
 def test_explicit_physical_map_duplicates_are_separate_destinations():
     spec = _spec(TINY_MOE, num_hidden_layers=2)
     phys = (3, 3, 0, 1, 2, 4, 5, 6, 7, 3)  # logical 3 in three slots

@@ -19,6 +19,7 @@ import torch
 
 from ...layout.descriptor import Box, LayoutError, LocalParam, Piece, View, contiguous_strides, unravel
 from ...transport.views import TORCH_DTYPES
+from .stamps import install_recording_stamps, restore_after_recording
 
 __all__ = ["record_local_params", "pieces_from_copy", "chain_geometry"]
 
@@ -140,7 +141,6 @@ def record_local_params(
     ``tensors``: canonical (HF) name -> (shape, dtype name) of every checkpoint tensor.
     The model's parameters are put back untouched (kernel tensors restored).
     """
-    from vllm.distributed.weight_transfer.sharded_rdt_engine import ShardedRDTWeightTransferEngine as _Eng
     from vllm.distributed.weight_transfer.sharded_rdt_fake import BakeSink, FakeRDTTensor
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO, initialize_layerwise_reload
     from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
@@ -161,7 +161,7 @@ def record_local_params(
     with torch.device(device):
         initialize_layerwise_reload(model)
         try:
-            _Eng._install_recording_stamps(None, model, sink)  # self is unused there
+            install_recording_stamps(model, sink)
             for mname, module in model.named_modules():
                 for pname, p in module._parameters.items():
                     if p is None:
@@ -176,7 +176,7 @@ def record_local_params(
                     into[full] = (tuple(p.shape), dtype_names.get(p.dtype, str(p.dtype)))
             model.load_weights(fakes)
         finally:
-            _Eng._restore_after_dry_run(None, model)
+            restore_after_recording(model)
 
     pieces: dict[str, list[Piece]] = {n: [] for n in meta_shapes}
     for layer, scatters in sink.copies_by_layer.items():
