@@ -101,10 +101,8 @@ class EndpointRank:
         """This rank's report, plus every rank's (from the vote) on rank 0. ``fault``: fault
         injection (tests, ``scripts/soak.py``); only rank ``fault.rank`` acts on it."""
         mine = fault if fault is not None and fault.rank == self.rank else None
-        if mine is not None and mine.die_after_reads is not None:
-            tensors = _DieAfter(self.endpoint.local_tensors(), mine.die_after_reads, os._exit)
-            self.endpoint.local_tensors = lambda: tensors  # this rank's next read goes through it
-        report = self.endpoint.refit(request, fault=mine.fault if mine is not None else None)
+        report = self.endpoint.refit(request, fault=mine.fault if mine is not None else None,
+                                     die_after_reads=mine.die_after_reads if mine is not None else None)
         return RefitReply(report, tuple(self.endpoint.last_reports) if self.rank == 0 else ())
 
     def leave(self) -> None:
@@ -219,20 +217,6 @@ class MegatronRank(EndpointRank):
 
     def raw_bandwidth(self, pairs: Sequence[tuple[int, int]], nbytes: int, timeout_s: float) -> float | None:
         return self.endpoint.raw_bandwidth([tuple(p) for p in pairs], nbytes, timeout_s)
-
-
-class _DieAfter(dict):
-    """A tensor mapping whose owner process exits at the n-th lookup (fault injection)."""
-
-    def __init__(self, tensors, n: int, exit_fn) -> None:
-        super().__init__(tensors)
-        self._left, self._exit = n, exit_fn
-
-    def __getitem__(self, key):
-        self._left -= 1
-        if self._left < 0:
-            self._exit(17)
-        return super().__getitem__(key)
 
 
 @dataclass(frozen=True)

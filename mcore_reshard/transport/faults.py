@@ -15,7 +15,7 @@ import torch
 
 from .views import BIT_VIEWS
 
-__all__ = ["Fault"]
+__all__ = ["Fault", "ExitAfterReads"]
 
 
 
@@ -71,3 +71,18 @@ class Fault:
     def from_wire(d: Mapping[str, Any]) -> "Fault":
         return Fault(str(d.get("kind", "bitflip")), int(d.get("bucket", 0)), str(d.get("at", "")),
                      float(d.get("seconds", 0.0)))
+
+
+class ExitAfterReads(dict):
+    """A rank's local tensors, by name, whose process exits abruptly at the n-th lookup: a
+    trainer dying mid-refit (``TrainerFault.die_after_reads``)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], n: int) -> None:
+        super().__init__(tensors)
+        self._left = n
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        self._left -= 1
+        if self._left < 0:
+            os._exit(17)
+        return super().__getitem__(key)

@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping, Sequence
 from ...layout import LocalParam, ModelSpec
 from ...protocol import JoinInfo, RankReport, RefitRequest
 from ...transport.endpoint import Outcome, RefitEndpoint
-from ...transport.faults import Fault
+from ...transport.faults import ExitAfterReads, Fault
 from .live import describe, named_local_params
 
 __all__ = ["TrainerEndpoint", "sync_params_before_refit"]
@@ -72,14 +72,19 @@ class TrainerEndpoint:
         """The live local parameters by descriptor name (read, never copied)."""
         return {name: p.data for name, p in named_local_params(self.chunks).items()}
 
-    def refit(self, request: RefitRequest, progress: bool = False, fault: Fault | None = None) -> RankReport:
+    def refit(self, request: RefitRequest, progress: bool = False, fault: Fault | None = None,
+              die_after_reads: int | None = None) -> RankReport:
         """Send this rank's boxes, vote, and return this rank's report. Raises ``RefitFailed``
-        naming every failing rank of either side when the refit did not commit. ``fault``:
-        fault injection for tests (``transport.executor.Fault``)."""
+        naming every failing rank of either side when the refit did not commit. Fault
+        injection for tests: ``fault`` (``transport.faults.Fault``); ``die_after_reads``: this
+        rank's process exits abruptly at its n-th read of a local tensor (dying mid-refit)."""
         self._sync()
         report, error = None, None
+        tensors: Mapping[str, Any] = self.local_tensors()
+        if die_after_reads is not None:
+            tensors = ExitAfterReads(tensors, die_after_reads)
         try:
-            stats = self._endpoint.run(request, self.local_tensors(), None, progress=progress, fault=fault)
+            stats = self._endpoint.run(request, tensors, None, progress=progress, fault=fault)
             report = self._endpoint.report(stats)
         except BaseException as exc:  # noqa: BLE001 - voted on, then raised below
             error = exc
