@@ -102,9 +102,13 @@ def test_trainer_dying_between_its_last_byte_and_its_vote_is_known_at_once(clust
 def test_vllm_worker_stalled_before_its_vote_aborts_and_the_engine_keeps_the_old_weights(cluster):
     """A worker that does not vote in time is a silent peer: the timeout decides abort, the
     worker then reads that decision and rolls back; the engine serves the old weights."""
+    from dataclasses import replace
+
     old, _ = _armed(cluster)
-    msg, seconds = _fault(cluster, faults=Faults(engine=EngineFault(1, Fault("sleep", at="before_vote", seconds=12))))
-    assert "no vote" in msg and "destination rank 1" in msg, msg
+    request = replace(cluster.driver.request(), timeout_s=3.0)  # the worker stalls past it, within the grace
+    msg, seconds = _fault(cluster, request=request,
+                          faults=Faults(engine=EngineFault(1, Fault("sleep", at="before_vote", seconds=5))))
+    assert "no vote within 3.0s" in msg and "destination rank 1" in msg, msg
     assert _served(cluster.engines[0]) == old
     st = cluster.driver.status()
     assert all(s.state == "serving" and s.committed is False for s in st), st
