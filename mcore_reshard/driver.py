@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import logging
 import secrets
-import threading
 import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
-from .engines import (ENGINE_GRACE_S, EngineCalls, dst_layout_of, engine_dtype, engine_is_dead, engine_world,
-                      finish_overlapped, finish_quietly)
+from .engines import (ENGINE_GRACE_S, EngineCallers, EngineCalls, dst_layout_of, engine_dtype, engine_is_dead,
+                      engine_world, finish_overlapped, finish_quietly)
 from .errors import ConfigError, RefitFailed
 from .faults import Faults
 from .layout import ModelSpec, SideLayout
@@ -106,11 +105,8 @@ class RefitDriver:
         self.secret = secrets.token_hex(16)  # per job: every control message is authenticated with it
         self._epoch = 0  # refits so far: every request carries its number (signed messages are bound to it)
         self._nonce = ""  # the current refit group's (fresh at every join): part of every refit's identity
-        #: Engines that missed a deadline or died (index -> why): refused until replaced, or,
-        #: for one that only missed a deadline (``_waiting``), until it answers again.
-        self.dead: dict[int, str] = {}
-        self._waiting: set[int] = set()
-        self._left: dict[int, EngineCalls] = {}  # the call each unresponsive engine left running
+        #: Every call on the engines, with a deadline, and which engines are refused (``dead``).
+        self.calls = EngineCallers(self.engines)
         #: Seconds an engine may take to answer ``update_weights`` once every trainer is done.
         self.engine_grace_s = ENGINE_GRACE_S
         #: Engines kept paused after a refit they could not confirm (index -> why).
@@ -214,102 +210,42 @@ class RefitDriver:
         """The refit group is broken on every rank (a failed refit): rejoin at the next one."""
         self._shipped = ""
 
+    # -- calls on the engines (``engines.EngineCallers``: deadlines, dead and unresponsive ones) --
+    @property
+    def dead(self) -> dict[int, str]:
+        """Engines this driver refuses (index -> why): dead until replaced, or unresponsive
+        until the call they left running returns (then readmitted)."""
+        return self.calls.dead
+
     def on_engines(self, fn: Callable[[Any, Any], Any], args: Sequence[Any] | None = None, *, what: str = "call",
                    deadline_s: float = 300.0, only: int | None = None) -> list[str]:
-        """Run ``fn(llm, arg)`` on every engine (or engine ``only``) at once, each on its own
-        daemon thread with a deadline; returns one error line per failure. An engine that
-        misses its deadline is dead for this driver (``dead``): its call is left behind (a
-        stopped worker never answers) and later refits refuse it."""
-        return self.wait_on_engines(self.start_on_engines(fn, args, what=what, only=only), deadline_s)
+        """Run ``fn(llm, arg)`` on every engine (or engine ``only``) at once, each with a
+        deadline; one error line per failure (``EngineCallers.on``)."""
+        return self.calls.on(fn, args, what=what, deadline_s=deadline_s, only=only)
 
     def start_on_engines(self, fn: Callable[[Any, Any], Any], args: Sequence[Any] | None = None, *,
                          what: str = "call", only: int | None = None) -> EngineCalls:
-        """Start ``fn(llm, arg)`` on the engines (daemon threads); ``wait_on_engines`` collects them."""
-        from .adapters.vllm.engine import unanswered
-
-        idx = [only] if only is not None else list(range(len(self.engines)))
-        args = list(args) if args is not None else [None] * len(self.engines)
-        results: dict[int, BaseException | None] = {}
-        for e in idx:
-            busy = None if e in self.dead else unanswered(self.engines[e])
-            if busy is not None:  # an earlier call (a helper's) still waits: a new one would queue behind it
-                self.dead[e] = f"unresponsive: {busy}"
-                self._waiting.add(e)
-
-        def run(e: int) -> None:
-            try:
-                fn(self.engines[e], args[e])
-                results[e] = None
-            except BaseException as exc:  # noqa: BLE001 - collected, raised once by the caller
-                results[e] = exc
-
-        threads = {e: threading.Thread(target=run, args=(e,), daemon=True, name=f"engine-{e}-{what}") for e in idx
-                   if e not in self.dead}
-        for t in threads.values():
-            t.start()
-        return EngineCalls(what, threads, results, idx, time.monotonic())
+        return self.calls.start(fn, args, what=what, only=only)
 
     def wait_on_engines(self, calls: EngineCalls, deadline_s: float) -> list[str]:
-        """One error line per engine that failed or missed ``deadline_s`` (then dead)."""
-        from .adapters.vllm.engine import left_waiting
-
-        idx, threads, results, what = calls.asked, calls.threads, calls.results, calls.what
-        deadline = time.monotonic() + deadline_s
-        errors = [self.dead_line(e) for e in idx if e in self.dead and e not in threads]
-        for e, t in threads.items():
-            t.join(max(0.0, deadline - time.monotonic()))
-            if t.is_alive():
-                self.dead[e] = f"no answer to {what} within {deadline_s:.0f}s (a dead, stopped or hung worker)"
-                self._waiting.add(e)
-                self._left[e] = calls
-                left_waiting(self.engines[e], t, what, calls.started)  # nothing more is sent until it returns
-                errors.append(self.dead_line(e))
-            elif results.get(e) is not None:
-                exc = results[e]
-                if engine_is_dead(exc):
-                    self.dead[e] = f"its engine core or a worker died: {first_error_line(exc)}"
-                    self._waiting.discard(e)
-                    errors.append(self.dead_line(e))
-                else:
-                    errors.append(f"engine {e}: {first_error_line(exc)}")
-        return errors
+        return self.calls.wait(calls, deadline_s)
 
     def dead_line(self, e: int) -> str:
-        """One line for an engine this driver refuses."""
-        if e in self._waiting:
-            return (f"engine {e} is unresponsive ({self.dead[e]}): refused until it answers again (then readmitted, "
-                    f"gated until a refit commits), or replace it")
-        return f"engine {e} is dead ({self.dead[e]}): replace it"
+        return self.calls.line(e)
 
     def readmit(self) -> list[int]:
-        """Engines that only missed a deadline and now answer a status probe are taken back
-        (a stopped worker that was resumed): their abandoned call has returned, so vLLM's
-        replies are in step again. Each stays gated -- paused -- until a refit commits on all
-        of its workers. Returns the engines readmitted."""
-        from .adapters.vllm.engine import unanswered, worker_status
-
-        back = []
-        for e in sorted(self._waiting):
-            llm = self.engines[e]
-            if unanswered(llm) is not None:
-                continue
-            left = self._left.pop(e, None)
-            exc = left.results.get(e) if left is not None else None
-            if exc is not None and engine_is_dead(exc):  # the call it left ended: its engine died
-                self.dead[e] = f"its engine core or a worker died: {first_error_line(exc)}"
-                self._waiting.discard(e)
-                continue
-            try:
-                if self.engine_infos[e].diagnostics:
-                    worker_status(llm)
-            except Exception:  # noqa: BLE001 - not back yet
-                continue
-            why = self.dead.pop(e)
-            self._waiting.discard(e)
-            self.gated[e] = f"readmitted after it was unresponsive ({why}); the refit it missed may have left a mix"
-            _log.warning("engine %d answers again: readmitted, gated until a refit commits", e)
-            back.append(e)
+        """Unresponsive engines that answer again, taken back gated: each stays paused until a
+        refit commits on all of its workers (the refit it missed may have left a mix)."""
+        back = self.calls.readmit(lambda llm, e: self._probe(llm, e))
+        for e in back:
+            self.gated[e] = "readmitted after it was unresponsive; the refit it missed may have left a mix"
         return back
+
+    def _probe(self, llm: Any, e: int) -> None:
+        from .adapters.vllm.engine import worker_status
+
+        if self.engine_infos[e].diagnostics:
+            worker_status(llm)
 
     def refuse_dead(self) -> None:
         """Raise ``RefitFailed`` naming every engine this driver refuses (after readmitting any
@@ -509,8 +445,8 @@ class ReshardTransport:
             if e in driver.dead:
                 continue
             verdict = self._confirm(driver, e, refit, trusted)
-            if e in driver.dead:  # it died during the refit: nothing to resume
-                out.append(f"engine {e} is dead ({driver.dead[e]}): replace it")
+            if e in driver.dead:  # it died or stopped answering during the refit: nothing to resume
+                out.append(driver.dead_line(e))
                 continue
             if verdict == "old" and e in driver.gated:
                 verdict = driver.gated[e]  # gated earlier: only "new" resumes it
@@ -559,10 +495,10 @@ class ReshardTransport:
         if len(held) != 1:
             return "its workers hold the weights of different refits: " + ", ".join(
                 f"worker {w}: {st.version or 'as loaded'} (refit {st.refit or 'none'})" for w, st in enumerate(states))
-        got = held.pop()
-        if got == refit:
+        holds = held.pop()
+        if holds == refit:
             return "new"
-        return "old" if not trusted else f"its workers hold refit {got or 'none (as loaded)'}, not {refit}"
+        return "old" if not trusted else f"its workers hold refit {holds or 'none (as loaded)'}, not {refit}"
 
 
 class PendingRefit:

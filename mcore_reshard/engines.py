@@ -8,15 +8,20 @@ vLLM at load: it is imported inside the functions, never here.
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from .adapters.vllm.rules import vllm_layout
 from .layout import LocalParam, ModelSpec, Piece, SideLayout
+from .protocol import first_error_line
 
-__all__ = ["engine_world", "engine_dtype", "dst_layout_of", "ENGINE_GRACE_S", "EngineCalls", "engine_is_dead",
-           "finish_quietly", "finish_overlapped"]
+__all__ = ["engine_world", "engine_dtype", "dst_layout_of", "ENGINE_GRACE_S", "EngineCalls", "EngineCallers",
+           "engine_is_dead", "finish_quietly", "finish_overlapped"]
+
+_log = logging.getLogger("mcore_reshard.driver")
 
 
 def engine_world(llm: Any) -> int:
@@ -114,3 +119,111 @@ class EngineCalls:
     results: dict[int, BaseException | None]
     asked: list[int]
     started: float = 0.0  # time.monotonic() when the calls began
+
+
+class EngineCallers:
+    """Calls on a driver's engines, each on its own daemon thread with a deadline, and which
+    engines are refused (``dead``): one whose core or a worker died, until it is replaced; one
+    that missed a deadline (unresponsive), until the call it left running returns -- vLLM
+    answers one call at a time, so anything sent meanwhile would queue behind that call and
+    could take its reply -- and then a probe answers (``readmit``)."""
+
+    def __init__(self, engines: list[Any]) -> None:
+        self.engines = engines
+        self.dead: dict[int, str] = {}
+        self._waiting: set[int] = set()  # unresponsive, not dead: readmitted once it answers
+        self._left: dict[int, EngineCalls] = {}  # the call each unresponsive engine left running
+
+    def on(self, fn: Callable[[Any, Any], Any], args: Sequence[Any] | None = None, *, what: str = "call",
+           deadline_s: float = 300.0, only: int | None = None) -> list[str]:
+        """Run ``fn(llm, arg)`` on every engine (or engine ``only``) at once; one error line per
+        failure. An engine that misses ``deadline_s`` is unresponsive from then on."""
+        return self.wait(self.start(fn, args, what=what, only=only), deadline_s)
+
+    def start(self, fn: Callable[[Any, Any], Any], args: Sequence[Any] | None = None, *,
+              what: str = "call", only: int | None = None) -> EngineCalls:
+        """Start ``fn(llm, arg)`` on the engines not refused (daemon threads); ``wait`` collects them."""
+        from .adapters.vllm.engine import unanswered
+
+        idx = [only] if only is not None else list(range(len(self.engines)))
+        args = list(args) if args is not None else [None] * len(self.engines)
+        results: dict[int, BaseException | None] = {}
+        for e in idx:
+            busy = None if e in self.dead else unanswered(self.engines[e])
+            if busy is not None:  # an earlier call (a helper's) still waits: a new one would queue behind it
+                self.dead[e] = f"unresponsive: {busy}"
+                self._waiting.add(e)
+
+        def run(e: int) -> None:
+            try:
+                fn(self.engines[e], args[e])
+                results[e] = None
+            except BaseException as exc:  # noqa: BLE001 - collected, raised once by the caller
+                results[e] = exc
+
+        threads = {e: threading.Thread(target=run, args=(e,), daemon=True, name=f"engine-{e}-{what}") for e in idx
+                   if e not in self.dead}
+        for t in threads.values():
+            t.start()
+        return EngineCalls(what, threads, results, idx, time.monotonic())
+
+    def wait(self, calls: EngineCalls, deadline_s: float) -> list[str]:
+        """One error line per engine that failed or missed ``deadline_s`` (then unresponsive)."""
+        from .adapters.vllm.engine import left_waiting
+
+        idx, threads, results, what = calls.asked, calls.threads, calls.results, calls.what
+        deadline = time.monotonic() + deadline_s
+        errors = [self.line(e) for e in idx if e in self.dead and e not in threads]
+        for e, t in threads.items():
+            t.join(max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                self.dead[e] = f"no answer to {what} within {deadline_s:.0f}s (a dead, stopped or hung worker)"
+                self._waiting.add(e)
+                self._left[e] = calls
+                left_waiting(self.engines[e], t, what, calls.started)  # nothing more is sent until it returns
+                errors.append(self.line(e))
+            elif results.get(e) is not None:
+                exc = results[e]
+                if engine_is_dead(exc):
+                    self._died(e, exc)
+                    errors.append(self.line(e))
+                else:
+                    errors.append(f"engine {e}: {first_error_line(exc)}")
+        return errors
+
+    def _died(self, e: int, exc: BaseException) -> None:
+        self.dead[e] = f"its engine core or a worker died: {first_error_line(exc)}"
+        self._waiting.discard(e)
+
+    def line(self, e: int) -> str:
+        """One line for a refused engine."""
+        if e in self._waiting:
+            return (f"engine {e} is unresponsive ({self.dead[e]}): refused until it answers again (then readmitted, "
+                    f"gated until a refit commits), or replace it")
+        return f"engine {e} is dead ({self.dead[e]}): replace it"
+
+    def readmit(self, probe: Callable[[Any, int], None]) -> list[int]:
+        """Take back every unresponsive engine whose left call has returned and that answers
+        ``probe(llm, e)``; one whose left call ended with vLLM's dead-engine error is dead.
+        Returns the engines taken back."""
+        from .adapters.vllm.engine import unanswered
+
+        back = []
+        for e in sorted(self._waiting):
+            llm = self.engines[e]
+            if unanswered(llm) is not None:
+                continue
+            left = self._left.pop(e, None)
+            exc = left.results.get(e) if left is not None else None
+            if exc is not None and engine_is_dead(exc):
+                self._died(e, exc)
+                continue
+            try:
+                probe(llm, e)
+            except Exception:  # noqa: BLE001 - not back yet
+                continue
+            why = self.dead.pop(e)
+            self._waiting.discard(e)
+            _log.warning("engine %d answers again after %s: readmitted, gated until a refit commits", e, why)
+            back.append(e)
+        return back
