@@ -60,6 +60,6 @@ PORT ?= 8000
 .PHONY: serve-tiny
 serve-tiny: $(STAMP)
 	d=$$(mktemp -d) && \
-	$(BIN)/python -c 'import sys; from mcore_reshard.checkpoint import make_tiny_checkpoint; print(make_tiny_checkpoint(sys.argv[1], moe=True))' $$d/tiny-moe && \
+	$(BIN)/python -c 'import sys; from mcore_reshard.infra.checkpoint import make_tiny_checkpoint; print(make_tiny_checkpoint(sys.argv[1], moe=True))' $$d/tiny-moe && \
 	exec $(BIN)/python -m mcore_reshard.jobs.serve $$d/tiny-moe --host 127.0.0.1 --port $(PORT) \
 	    --skip-tokenizer-init --dtype float32 --enforce-eager --max-model-len 256 --max-num-seqs 4

@@ -23,7 +23,7 @@ from .jobs.grpo.loop import run_grpo
 from .jobs.grpo.recipe import load_grpo_recipe
 from .jobs.refit import run_refit_job
 from .layout import LayoutError
-from .protocol import one_line as _one_line
+from .wire.protocol import one_line as _one_line
 from .settings.config import load_plan, load_refit_job, plan_recipe
 from .settings.policy import load_recipe_file
 

@@ -59,7 +59,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def checkpoint(workdir: Path, overrides: dict[str, Any], dtype: str, seed: int) -> Path:
-    from mcore_reshard.checkpoint import make_tiny_checkpoint
+    from mcore_reshard.infra.checkpoint import make_tiny_checkpoint
 
     path = workdir / "bench-delta-moe"
     stamp = path / "bench_settings.json"

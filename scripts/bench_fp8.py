@@ -58,12 +58,12 @@ def trainer_job(ctx: Any, ckpt: str, par: Any, layouts: list, rounds: int, outbo
     from mcore_reshard.adapters.megatron.endpoint import TrainerEndpoint
     from mcore_reshard.adapters.megatron.train import TrainSettings, build_policy
     from mcore_reshard.adapters.vllm.rules import vllm_layout
-    from mcore_reshard.checkpoint import load_canonical
+    from mcore_reshard.infra.checkpoint import load_canonical
     from mcore_reshard.layout import SideLayout, load_model_spec
     from mcore_reshard.plan import build_plan, plan_report
     from mcore_reshard.plan.wire import slice_to_wire
-    from mcore_reshard.ports import free_port
-    from mcore_reshard.protocol import JoinInfo, RankMap, RefitRequest
+    from mcore_reshard.infra.ports import free_port
+    from mcore_reshard.wire.protocol import JoinInfo, RankMap, RefitRequest
 
     spec = load_model_spec(ckpt, dtype="bfloat16")
     init_megatron(par, ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)
@@ -104,7 +104,7 @@ def destination_main(rank: int, inbox: Any, results: Any, layouts: list, spec: A
     import torch
 
     from mcore_reshard.adapters.vllm.rules import vllm_layout
-    from mcore_reshard.protocol import JoinInfo, RefitRequest
+    from mcore_reshard.wire.protocol import JoinInfo, RefitRequest
     from mcore_reshard.transport.endpoint import RefitEndpoint
     from mcore_reshard.transport.executor import TensorSink
     from mcore_reshard.transport.views import TORCH_DTYPES
@@ -142,9 +142,9 @@ def run(args: argparse.Namespace, log: Any) -> dict[str, Any]:
 
     from mcore_reshard.adapters.megatron.rules import MegatronParallel
     from mcore_reshard.adapters.vllm.rules import VllmParallel
-    from mcore_reshard.checkpoint import make_tiny_checkpoint
+    from mcore_reshard.infra.checkpoint import make_tiny_checkpoint
     from mcore_reshard.layout import load_model_spec
-    from mcore_reshard.protocol import RankReport
+    from mcore_reshard.wire.protocol import RankReport
     from mcore_reshard.testing.worlds import run_world
 
     overrides = dict(FP8_BENCH_MODEL, num_hidden_layers=args.layers, num_experts=args.experts)
@@ -232,7 +232,7 @@ def fp8_logprob_error(ckpt: Path, tokens: list[int]) -> float:
 
     from mcore_reshard.layout.quant import BlockFp8
     from mcore_reshard.transport.quantize import per_block_fp8
-    from mcore_reshard.verify import token_mult_prob_error
+    from mcore_reshard.refit.verify import token_mult_prob_error
 
     model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).eval()
     ids = torch.tensor([tokens])

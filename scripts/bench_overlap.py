@@ -82,7 +82,7 @@ def run(args: argparse.Namespace, log: Callable[..., None]) -> dict[str, Any]:
     from mcore_reshard.adapters.vllm.engine import start_async_engine, stop_engine
     from mcore_reshard.adapters.vllm.plugin import BACKEND
     from mcore_reshard.adapters.vllm.worker import REFIT_EXTENSION
-    from mcore_reshard.checkpoint import make_tiny_checkpoint
+    from mcore_reshard.infra.checkpoint import make_tiny_checkpoint
     from mcore_reshard.jobs.refit import local_cluster
     from mcore_reshard.layout import load_model_spec
     from mcore_reshard.settings.config import load_refit_job

@@ -80,7 +80,7 @@ def model_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def checkpoint(workdir: Path, overrides: dict[str, Any], dtype: str, seed: int) -> Path:
     """Write the random checkpoint, or reuse one written with the same settings (saves ~30 s)."""
-    from mcore_reshard.checkpoint import make_tiny_checkpoint
+    from mcore_reshard.infra.checkpoint import make_tiny_checkpoint
 
     path = workdir / "bench-moe"
     stamp = path / "bench_settings.json"
@@ -180,7 +180,7 @@ def one_refit(c: Any, transport: str) -> tuple[Any, dict[str, float]]:
     """One refit, with its per-phase seconds (slowest rank per phase). ``reshard_unverified``:
     the same refit without checksums (what the verification costs is the difference)."""
     if transport == "reshard_unverified":
-        from mcore_reshard.protocol import VerifyMode
+        from mcore_reshard.wire.protocol import VerifyMode
 
         m = c.driver.refit(request=replace(c.driver.request(), verify=VerifyMode.OFF))
     else:
@@ -190,7 +190,7 @@ def one_refit(c: Any, transport: str) -> tuple[Any, dict[str, float]]:
 
 def timed_rounds(c: Any, args: argparse.Namespace, log: Callable[..., None]) -> dict[str, Any]:
     """Warm-up rounds, then timed rounds: reshard, hf_broadcast, and the raw floors each round."""
-    from mcore_reshard.protocol import RankMap
+    from mcore_reshard.wire.protocol import RankMap
 
     d = c.driver
     rank_map = RankMap.disaggregated(d.src.world_size, d.dst.world_size)

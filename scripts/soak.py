@@ -177,9 +177,9 @@ class FaultCase:
 
 
 def _cases() -> list[FaultCase]:
-    from mcore_reshard.driver import ENGINE_GRACE_S
-    from mcore_reshard.faults import EngineFault, Faults, TrainerFault
-    from mcore_reshard.transport.executor import Fault
+    from mcore_reshard.refit.driver import ENGINE_GRACE_S
+    from mcore_reshard.wire.faults import EngineFault, Faults, TrainerFault
+    from mcore_reshard.wire.faults import Fault
 
     wrong = "0" * 16
     fast = lambda t: FAST_ERROR_S  # noqa: E731
@@ -237,9 +237,9 @@ def _stopped_worker(c: Any) -> None:
     """Worker 1 stops answering before its vote, past the refit's timeout and the engine's
     grace: the driver names the engine unresponsive and sends it nothing until its stuck call
     returns (then readmits it, gated, without a new driver: ``restart="resume"``)."""
-    from mcore_reshard.driver import ENGINE_GRACE_S
-    from mcore_reshard.faults import EngineFault, Faults
-    from mcore_reshard.transport.executor import Fault
+    from mcore_reshard.refit.driver import ENGINE_GRACE_S
+    from mcore_reshard.wire.faults import EngineFault, Faults
+    from mcore_reshard.wire.faults import Fault
 
     d = c.driver
     d.engine_grace_s = STOP_GRACE_S
@@ -253,7 +253,7 @@ def _stopped_worker(c: Any) -> None:
 def _new_driver(c: Any) -> Any:
     """A new driver on the same trainers and engines (a restarted framework): it numbers its
     refits from 1 again."""
-    from mcore_reshard.driver import RefitDriver
+    from mcore_reshard.refit.driver import RefitDriver
 
     config = c.driver.refit_config
     c.driver.close()
@@ -268,8 +268,8 @@ def _three_drivers(c: Any) -> None:
     restarted) fails its refit 1 cleanly. All three label their refit "refit-1": the engine
     must stay gated, whatever the labels say. Raises C's error."""
     from mcore_reshard.errors import RefitFailed
-    from mcore_reshard.faults import EngineFault, Faults, TrainerFault
-    from mcore_reshard.transport.executor import Fault
+    from mcore_reshard.wire.faults import EngineFault, Faults, TrainerFault
+    from mcore_reshard.wire.faults import Fault
 
     a = _new_driver(c)
     a.refit(request=replace(a.request(), version="refit-1"))
@@ -292,7 +292,7 @@ _TOKENS: list[int] = []
 
 
 def _classify(now: Any, old: list[float], new: list[float], bound: float) -> str:
-    from mcore_reshard.verify import token_mult_prob_error
+    from mcore_reshard.refit.verify import token_mult_prob_error
 
     if isinstance(now, str):
         return now
@@ -444,7 +444,7 @@ def control_plane_rows(log: Callable[..., None]) -> list[dict[str, Any]]:
     import torch
 
     from mcore_reshard.errors import RefitAborted
-    from mcore_reshard.ports import free_port
+    from mcore_reshard.infra.ports import free_port
     from mcore_reshard.testing.attacks import STORE_ATTACKS
     from mcore_reshard.transport.group import RankMap, RefitGroup
 

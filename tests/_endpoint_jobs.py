@@ -13,12 +13,12 @@ from mcore_reshard.adapters.megatron.endpoint import TrainerEndpoint
 from mcore_reshard.adapters.megatron.rules import MegatronParallel
 from mcore_reshard.adapters.megatron.train import TrainSettings, build_policy
 from mcore_reshard.adapters.vllm.rules import VllmParallel, vllm_layout
-from mcore_reshard.checkpoint import load_canonical
+from mcore_reshard.infra.checkpoint import load_canonical
 from mcore_reshard.layout import SideLayout, load_model_spec
 from mcore_reshard.plan import build_plan
 from mcore_reshard.plan.wire import slice_to_wire
-from mcore_reshard.ports import free_port
-from mcore_reshard.protocol import JoinInfo, RankMap, RefitRequest
+from mcore_reshard.infra.ports import free_port
+from mcore_reshard.wire.protocol import JoinInfo, RankMap, RefitRequest
 
 
 def endpoint_refit_job(ctx: WorldCtx, ckpt: str, dtype: str, par: MegatronParallel, vllm: VllmParallel,

@@ -19,15 +19,15 @@ from mcore_reshard.adapters.megatron.endpoint import TrainerEndpoint
 from mcore_reshard.adapters.megatron.rules import MegatronParallel
 from mcore_reshard.adapters.megatron.train import TrainSettings, build_policy
 from mcore_reshard.adapters.vllm.rules import VllmParallel, vllm_layout
-from mcore_reshard.checkpoint import load_canonical
+from mcore_reshard.infra.checkpoint import load_canonical
 from mcore_reshard.errors import RefitError
 from mcore_reshard.layout import SideLayout, load_model_spec
 from mcore_reshard.plan import build_plan
 from mcore_reshard.plan.wire import slice_to_wire
-from mcore_reshard.ports import free_port
-from mcore_reshard.protocol import JoinInfo, RankMap, RefitRequest, first_error_line
-from mcore_reshard.slice_store import publish_slices, slice_digests
-from mcore_reshard.transport.executor import Fault
+from mcore_reshard.infra.ports import free_port
+from mcore_reshard.wire.protocol import JoinInfo, RankMap, RefitRequest, first_error_line
+from mcore_reshard.wire.slice_store import publish_slices, slice_digests
+from mcore_reshard.wire.faults import Fault
 
 
 def http_refit_job(ctx: WorldCtx, ckpt: str, dtype: str, par: MegatronParallel, vllm: VllmParallel,

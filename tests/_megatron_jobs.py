@@ -157,7 +157,7 @@ def layout_job(ctx: WorldCtx, par: MegatronParallel, cfg: dict[str, Any], ckpt: 
     if ckpt is None:
         return res
     from mcore_reshard.transport.views import write_pieces
-    from mcore_reshard.checkpoint import load_canonical
+    from mcore_reshard.infra.checkpoint import load_canonical
 
     tensors = load_canonical(ckpt)
     params = named_local_params(chunks)

@@ -34,12 +34,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from mcore_reshard.procs import ENV as _FAST_START  # noqa: E402
+from mcore_reshard.infra.procs import ENV as _FAST_START  # noqa: E402
 
 # The training ranks and vLLM engines this session starts (and the servers and CLI runs it
 # starts) come from a fork server that imported torch, megatron-core and vLLM once, and engines
 # fork their workers: an engine starts in 2-3 s instead of 17-20 s, a training rank without its
-# 5 s of imports (``mcore_reshard/procs.py``). ``MCORE_RESHARD_FAST_START=0`` turns it off.
+# 5 s of imports (``mcore_reshard/infra/procs.py``). ``MCORE_RESHARD_FAST_START=0`` turns it off.
 os.environ.setdefault(_FAST_START, "1")
 
 from support import live as _live  # noqa: E402

@@ -22,7 +22,7 @@ from mcore_reshard.settings.config import MAX_PLAN_TRANSFERS, RefitJob, load_ref
 from mcore_reshard.errors import ConfigError
 from mcore_reshard.layout import LayoutError
 from mcore_reshard.settings.policy import MAX_BUFFER_BYTES, MIN_BUFFER_BYTES, RefitConfig
-from mcore_reshard.protocol import VerifyMode
+from mcore_reshard.wire.protocol import VerifyMode
 
 try:
     import psutil
@@ -349,9 +349,9 @@ def test_tiny_specs_match_the_written_checkpoints(tmp_path):
     from mcore_reshard.layout import load_model_spec
 
     try:
-        from mcore_reshard.checkpoint import make_tiny_checkpoint
+        from mcore_reshard.infra.checkpoint import make_tiny_checkpoint
     except ImportError:
-        from mcore_reshard.checkpoint import make_tiny_checkpoint
+        from mcore_reshard.infra.checkpoint import make_tiny_checkpoint
     for name, family in TINY_MODELS.items():
         job = load_refit_job([f"model={name}", *([] if family == "qwen3_moe" else ["training.ep=1"])])
         ckpt = make_tiny_checkpoint(tmp_path / name, family=family, dtype=job.dtype)

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from mcore_reshard.plan.topology import RankPlacement, placement_report, plan_for_placement
-from mcore_reshard.ports import free_port
-from mcore_reshard.transport.executor import Fault, TensorSink, execute_plan, zero_fill_padding
+from mcore_reshard.infra.ports import free_port
+from mcore_reshard.wire.faults import Fault
+from mcore_reshard.transport.executor import TensorSink, execute_plan, zero_fill_padding
 from mcore_reshard.transport.group import RankMap, RefitError, RefitGroup
 from mcore_reshard.transport.shm import PREFIX, SHM_DIR
 from support.worlds import T, canonical, expected_equal, locals_of, ship, spawn_ranks

@@ -14,7 +14,7 @@ import pytest
 import torch.distributed as dist
 
 from mcore_reshard.errors import RefitAborted
-from mcore_reshard.ports import free_port
+from mcore_reshard.infra.ports import free_port
 from mcore_reshard.testing import attacks
 from mcore_reshard.transport.group import RankMap, RefitGroup
 

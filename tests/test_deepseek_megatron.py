@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mcore_reshard.adapters.megatron.rules import MegatronParallel, megatron_layout, megatron_rank_params
-from mcore_reshard.checkpoint import TINY_DEEPSEEK_V3, make_tiny_checkpoint
+from mcore_reshard.infra.checkpoint import TINY_DEEPSEEK_V3, make_tiny_checkpoint
 from mcore_reshard.settings.config import CONFIG_DIR
 from mcore_reshard.layout import Box, LayoutError, load_model_spec, spec_from_hf_config
 from support.megatron import run_world  # warm rank processes, one per world size (conftest.py)
@@ -51,7 +51,7 @@ def test_real_configs_give_the_published_sizes():
 
 @pytest.mark.heavy  # writes HF checkpoints (imports transformers)
 def test_tiny_spec_matches_the_hf_checkpoint(tmp_path):
-    from mcore_reshard.checkpoint import load_canonical
+    from mcore_reshard.infra.checkpoint import load_canonical
 
     for name, cfg in (("q_lora", TINY_DEEPSEEK_V3), ("plain_q", NO_Q_LORA)):
         ckpt = make_tiny_checkpoint(tmp_path / name, overrides=cfg, family="deepseek_v3")

@@ -15,10 +15,10 @@ import pytest
 from mcore_reshard.adapters.megatron.rules import MegatronParallel
 from mcore_reshard.adapters.vllm.engine import after_refit, prompt_logprobs
 from mcore_reshard.adapters.vllm.rules import VllmParallel
-from mcore_reshard.checkpoint import make_tiny_checkpoint
+from mcore_reshard.infra.checkpoint import make_tiny_checkpoint
 from mcore_reshard.layout import load_model_spec
 from mcore_reshard.settings.policy import RefitConfig
-from mcore_reshard.protocol import VerifyMode
+from mcore_reshard.wire.protocol import VerifyMode
 from mcore_reshard.jobs.refit import local_cluster
 
 pytestmark = pytest.mark.slow
@@ -71,7 +71,7 @@ def test_plain_q_expert_parallel_into_a_tp2_engine(tmp_path, shared_engine):
     """q_lora off (a plain ``q_proj``, Moonlight's form), megatron EP2 into a vLLM engine of TP2
     (``q_b``-less MLA split by heads, shared experts split, the router replicated): verified by
     checksums and ``verify=full``, at the minimum bytes, within the fp32 bound."""
-    from mcore_reshard.checkpoint import TINY_DEEPSEEK_V3
+    from mcore_reshard.infra.checkpoint import TINY_DEEPSEEK_V3
 
     ckpt = make_tiny_checkpoint(tmp_path / "plain_q", overrides=dict(TINY_DEEPSEEK_V3, q_lora_rank=None),
                                 family="deepseek_v3", seed=5)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from mcore_reshard.adapters.vllm.rules import VllmParallel, vllm_layout, vllm_rank_params
-from mcore_reshard.checkpoint import TINY_DEEPSEEK_V3, make_tiny_checkpoint
+from mcore_reshard.infra.checkpoint import TINY_DEEPSEEK_V3, make_tiny_checkpoint
 from mcore_reshard.settings.config import CONFIG_DIR
 from mcore_reshard.layout import Box, LayoutError, load_model_spec, spec_from_hf_config
 
@@ -106,7 +106,7 @@ DIFFERENT = 1.1
 
 def _gap(llm, seqs, lps) -> float:
     from mcore_reshard.adapters.vllm.engine import prompt_logprobs
-    from mcore_reshard.verify import token_mult_prob_error
+    from mcore_reshard.refit.verify import token_mult_prob_error
 
     return max(token_mult_prob_error(prompt_logprobs(llm, s), lp) for s, lp in zip(seqs, lps))
 

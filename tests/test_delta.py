@@ -18,8 +18,8 @@ from mcore_reshard.errors import ConfigError
 from mcore_reshard.plan import build_plan
 from mcore_reshard.plan.tags import direct_tag, header_tag
 from mcore_reshard.plan.topology import RankPlacement, plan_for_placement
-from mcore_reshard.ports import free_port
-from mcore_reshard.protocol import RefitRequest
+from mcore_reshard.infra.ports import free_port
+from mcore_reshard.wire.protocol import RefitRequest
 from mcore_reshard.transport.delta import DeltaRun, DeltaState, decide, encoded_numel, refit_id
 from mcore_reshard.transport.executor import execute_plan, zero_fill_padding
 from mcore_reshard.transport.group import RankMap, RefitError, RefitGroup
@@ -77,7 +77,7 @@ def test_a_baseline_is_offered_only_after_a_commit_under_the_same_plan():
 
 
 def test_a_refit_is_at_the_minimum_when_full_or_a_delta_no_larger_than_full():
-    from mcore_reshard.driver import bytes_at_minimum
+    from mcore_reshard.refit.driver import bytes_at_minimum
 
     assert bytes_at_minimum(1000, 1000, 1000, 0, delta=False)
     assert not bytes_at_minimum(999, 1000, 1000, 0, delta=False)  # a full refit moves exactly the minimum
@@ -88,7 +88,7 @@ def test_a_refit_is_at_the_minimum_when_full_or_a_delta_no_larger_than_full():
 
 
 def test_rank_reports_carry_their_delta_part_over_the_wire():
-    from mcore_reshard.protocol import DeltaStats, RankReport
+    from mcore_reshard.wire.protocol import DeltaStats, RankReport
 
     r = RankReport("src", 1, bytes_full=64, bytes_headers=8,
                    delta=DeltaStats(True, "", elements=10, changed=2, boxes=(1, 1, 0), state_bytes=20))

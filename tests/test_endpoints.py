@@ -15,9 +15,9 @@ import pytest
 from mcore_reshard.adapters.megatron.rules import MegatronParallel
 from mcore_reshard.adapters.vllm.engine import prompt_logprobs, stop_engine
 from mcore_reshard.adapters.vllm.rules import VllmParallel
-from mcore_reshard.checkpoint import make_tiny_checkpoint
-from mcore_reshard.protocol import RankReport
-from mcore_reshard.verify import token_mult_prob_error
+from mcore_reshard.infra.checkpoint import make_tiny_checkpoint
+from mcore_reshard.wire.protocol import RankReport
+from mcore_reshard.refit.verify import token_mult_prob_error
 from support.live import cluster
 from support.megatron import run_world
 

@@ -25,12 +25,12 @@ from mcore_reshard.adapters.megatron.rules import MegatronParallel
 from mcore_reshard.adapters.vllm.engine import prompt_logprobs
 from mcore_reshard.adapters.vllm.rules import VllmParallel
 from mcore_reshard.errors import RefitFailed, RefitIncomplete
-from mcore_reshard.faults import EngineFault, Faults, TrainerFault
+from mcore_reshard.wire.faults import EngineFault, Faults, TrainerFault
 from mcore_reshard.layout import load_model_spec
 from mcore_reshard.settings.policy import RefitConfig
-from mcore_reshard.protocol import WorkerLayout
+from mcore_reshard.wire.protocol import WorkerLayout
 from support.live import cluster as shared_cluster
-from mcore_reshard.transport.executor import Fault
+from mcore_reshard.wire.faults import Fault
 
 pytestmark = pytest.mark.slow
 
@@ -181,7 +181,7 @@ def test_after_a_failed_refit_the_next_one_on_the_same_engine_works_and_rpcs_are
 def test_trainer_dying_after_its_vote(cluster):
     """Every vote was ok: the decision may already be commit. Either way the engine is whole:
     all workers hold the new weights, or all still the old ones."""
-    from mcore_reshard.verify import token_mult_prob_error
+    from mcore_reshard.refit.verify import token_mult_prob_error
 
     llm = cluster.engines[0]
     old, new = _armed(cluster)
@@ -199,7 +199,7 @@ def test_trainer_dying_after_its_vote(cluster):
 def _new_driver(cluster, engines):
     """A new driver (as a restarted framework makes one) on the cluster's pool and ``engines``:
     it numbers its refits from 1 again."""
-    from mcore_reshard.driver import RefitDriver
+    from mcore_reshard.refit.driver import RefitDriver
 
     cluster.driver.close()
     cluster.driver = RefitDriver(cluster.pool, engines, cluster.refit, cluster.spec,
@@ -222,7 +222,7 @@ def test_a_split_engine_stays_gated_across_new_drivers_that_reuse_versions(clust
 
     from mcore_reshard.adapters.vllm.engine import start_async_engine, stop_engine
     from mcore_reshard.adapters.vllm.plugin import BACKEND
-    from mcore_reshard.verify import token_mult_prob_error
+    from mcore_reshard.refit.verify import token_mult_prob_error
     from support.live import engine_extension
     from test_overlap import _async_prompt_logprobs
 
@@ -296,7 +296,7 @@ def test_a_stopped_worker_is_refused_at_once_everywhere_then_readmitted_when_it_
     commits."""
     from dataclasses import replace
 
-    from mcore_reshard.driver import RefitDriver
+    from mcore_reshard.refit.driver import RefitDriver
     from mcore_reshard.errors import EngineUnresponsive
 
     llm = cluster.engines[0]

@@ -11,7 +11,7 @@ import torch
 
 from mcore_reshard.adapters.megatron.rules import MegatronParallel, megatron_layout
 from mcore_reshard.adapters.vllm.rules import VllmParallel, vllm_layout
-from mcore_reshard.checkpoint import TINY_DEEPSEEK_V3, TINY_DENSE_128, TINY_MOE_128
+from mcore_reshard.infra.checkpoint import TINY_DEEPSEEK_V3, TINY_DENSE_128, TINY_MOE_128
 from mcore_reshard.layout import LayoutError
 from mcore_reshard.layout.quant import FP8, BlockFp8, fp8_sides, quantize_side, quantized_tensors, scale_name
 from mcore_reshard.layout.spec import spec_from_hf_config
@@ -236,7 +236,7 @@ def test_trainers_quantize_at_the_sender_into_fp8_destinations(ckpt_cache):
     from _fp8_jobs import fp8_destination_main, fp8_trainer_job
     from mcore_reshard.adapters.megatron.rules import MegatronParallel
     from mcore_reshard.layout import LocalParam
-    from mcore_reshard.protocol import RankReport
+    from mcore_reshard.wire.protocol import RankReport
     from mcore_reshard.transport.views import box_slices, local_view
     from support.megatron import run_world
 
@@ -315,6 +315,6 @@ def test_trainers_quantize_at_the_sender_into_fp8_destinations(ckpt_cache):
 
 
 def load_canonical_bf16(ckpt) -> dict:
-    from mcore_reshard.checkpoint import load_canonical
+    from mcore_reshard.infra.checkpoint import load_canonical
 
     return {k: v.to(torch.bfloat16) for k, v in load_canonical(str(ckpt)).items()}

@@ -70,7 +70,7 @@ def _survivors(before: set[int], key: str, value: str, grace_s: float = 30.0) ->
 def _at_minimum(s: dict) -> bool:
     """A step's refit moved what the plan promises: a full refit the minimum; a delta (every
     refit after the first, ``refit.delta=auto``) at most the full refit's data, plus headers."""
-    from mcore_reshard.driver import bytes_at_minimum
+    from mcore_reshard.refit.driver import bytes_at_minimum
 
     return s["refit_bytes_min"] > 0 and bytes_at_minimum(s["refit_bytes_moved"], s["refit_bytes_min"],
                                                          s["refit_bytes_full"], s["refit_bytes_headers"],
@@ -359,10 +359,10 @@ def test_async_run_recovers_from_a_refit_that_fails_in_the_background(two_nodes,
     wire, after its checksum); the engine keeps its old weights, the run retries the refit once
     in a new group, and step 2 trains on samples whose every token matches the version that
     generated it."""
-    from mcore_reshard.faults import Faults, TrainerFault
+    from mcore_reshard.wire.faults import Faults, TrainerFault
     from mcore_reshard.jobs.grpo.loop import GrpoRun
     from mcore_reshard.jobs.grpo.recipe import load_grpo_recipe
-    from mcore_reshard.transport.executor import Fault
+    from mcore_reshard.wire.faults import Fault
 
     recipe = load_grpo_recipe(ASYNC_RECIPE, [f"logger.log_dir={tmp_path / 'logs'}", "grpo.max_num_steps=3",
                                              "grpo.verify_full_every_n_steps=0", "policy.generation.max_new_tokens=32"])

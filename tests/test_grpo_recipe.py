@@ -17,7 +17,7 @@ from mcore_reshard.errors import ConfigError
 from mcore_reshard.jobs.grpo.dry_run import dry_run, modelled_refit_seconds, placement
 from mcore_reshard.jobs.grpo.recipe import ClusterSettings, GrpoRecipe, load_grpo_recipe
 from mcore_reshard.plan.report import format_bytes
-from mcore_reshard.protocol import VerifyMode
+from mcore_reshard.wire.protocol import VerifyMode
 from mcore_reshard.settings import load_recipe
 from mcore_reshard.settings.policy import from_policy_config
 

@@ -1,4 +1,4 @@
-"""``mcore_reshard.http`` without vLLM: bad input in one line, and the order of calls a failed
+"""``mcore_reshard.refit.servers`` without vLLM: bad input in one line, and the order of calls a failed
 update leaves behind, against a real HTTP server (stdlib) that answers like vLLM's RL routes
 (the real server is ``test_http_server.py``, slow)."""
 
@@ -12,7 +12,7 @@ from typing import Iterator
 import pytest
 
 from mcore_reshard.errors import ConfigError, RefitFailed
-from mcore_reshard.http import ServerClient, Timeouts, refit_servers
+from mcore_reshard.refit.servers import ServerClient, Timeouts, refit_servers
 from mcore_reshard.jobs.serve import BACKEND_CONFIG, server_argv
 
 

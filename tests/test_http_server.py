@@ -1,5 +1,5 @@
 """A running vLLM OpenAI-compatible server as a refit destination, driven by JSON over HTTP
-only (``mcore_reshard.http``): megatron TP2xEP2 ranks refit it, then a refit the engine refuses
+only (``mcore_reshard.refit.servers``): megatron TP2xEP2 ranks refit it, then a refit the engine refuses
 (wrong plan digest) must leave it paused at the last committed version, then the controller's
 retry (a new refit group) commits; then the trainers' own faults, a flipped bit on the wire and
 a streaming refit with a flipped bit, and a killed trainer, are refused the same way, and after
@@ -29,12 +29,12 @@ import pytest
 from mcore_reshard.testing.worlds import run_world
 from mcore_reshard.adapters.megatron.rules import MegatronParallel
 from mcore_reshard.adapters.vllm.rules import VllmParallel
-from mcore_reshard.checkpoint import make_tiny_checkpoint
+from mcore_reshard.infra.checkpoint import make_tiny_checkpoint
 from mcore_reshard.errors import RefitFailed
-from mcore_reshard.http import ServerClient, Timeouts, prompt_logprobs, refit_servers, wait_healthy
-from mcore_reshard.ports import free_port
+from mcore_reshard.refit.servers import ServerClient, Timeouts, prompt_logprobs, refit_servers, wait_healthy
+from mcore_reshard.infra.ports import free_port
 from mcore_reshard.jobs.serve import server_env
-from mcore_reshard.verify import token_mult_prob_error
+from mcore_reshard.refit.verify import token_mult_prob_error
 
 from _http_jobs import http_refit_job, http_two_refits_job
 

@@ -13,7 +13,7 @@ import torch
 from mcore_reshard.adapters.megatron.rules import TIED_OUTPUT_NOTE, MegatronParallel, megatron_layout, \
     megatron_rank_params
 from mcore_reshard.layout import spec_from_hf_config
-from mcore_reshard.checkpoint import TINY_DENSE, TINY_MOE, make_tiny_checkpoint
+from mcore_reshard.infra.checkpoint import TINY_DENSE, TINY_MOE, make_tiny_checkpoint
 from support.megatron import run_world  # warm rank processes, one per world size (conftest.py)
 
 from _megatron_jobs import canonical_ids, layout_job

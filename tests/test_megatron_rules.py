@@ -16,7 +16,7 @@ from mcore_reshard.adapters.megatron.rules import (
     stage_layers,
 )
 from mcore_reshard.layout import Box, LayoutError, spec_from_hf_config
-from mcore_reshard.checkpoint import TINY_DENSE, TINY_MOE
+from mcore_reshard.infra.checkpoint import TINY_DENSE, TINY_MOE
 
 QWEN3_30B = dict(
     architectures=["Qwen3MoeForCausalLM"], hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,

@@ -18,7 +18,7 @@ from mcore_reshard.adapters.megatron.build import init_megatron
 from mcore_reshard.testing.worlds import WorldCtx
 from mcore_reshard.adapters.megatron.rules import MegatronParallel
 from mcore_reshard.layout.spec import load_model_spec
-from mcore_reshard.checkpoint import load_canonical, make_tiny_checkpoint
+from mcore_reshard.infra.checkpoint import load_canonical, make_tiny_checkpoint
 from support.megatron import run_world  # warm rank processes, one per world size (conftest.py)
 
 pytestmark = pytest.mark.slow

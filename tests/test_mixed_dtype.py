@@ -13,13 +13,13 @@ import torch
 
 from mcore_reshard.adapters.megatron.rules import MegatronParallel, megatron_layout
 from mcore_reshard.adapters.vllm.rules import VllmParallel, vllm_layout
-from mcore_reshard.checkpoint import TINY_DEEPSEEK_V3
+from mcore_reshard.infra.checkpoint import TINY_DEEPSEEK_V3
 from mcore_reshard.layout.descriptor import DTYPE_BYTES
 from mcore_reshard.layout.spec import spec_from_hf_config
 from mcore_reshard.transport.views import TORCH_DTYPES, local_view, materialize_local
 from mcore_reshard.plan import PlanError, build_plan, plan_report
 from mcore_reshard.plan.wire import slice_from_wire, slice_to_wire
-from mcore_reshard.ports import free_port
+from mcore_reshard.infra.ports import free_port
 from mcore_reshard.transport.executor import TensorSink, execute_plan
 from mcore_reshard.transport.group import RankMap, RefitGroup
 from mcore_reshard.testing.local_plan import run_plan_locally

@@ -25,11 +25,11 @@ from mcore_reshard.adapters.megatron.rules import MegatronParallel
 from mcore_reshard.adapters.vllm.engine import greedy, prompt_logprobs, worker_status
 from mcore_reshard.adapters.vllm.rules import VllmParallel
 from mcore_reshard.errors import ConfigError, RefitFailed
-from mcore_reshard.faults import Faults, TrainerFault
+from mcore_reshard.wire.faults import Faults, TrainerFault
 from mcore_reshard.layout import load_model_spec
-from mcore_reshard.protocol import VerifyMode
+from mcore_reshard.wire.protocol import VerifyMode
 from mcore_reshard.settings.policy import RefitConfig
-from mcore_reshard.transport.executor import Fault
+from mcore_reshard.wire.faults import Fault
 from support.live import cluster as shared_cluster
 
 pytestmark = pytest.mark.slow
@@ -236,7 +236,7 @@ def test_async_engine_clients_get_nothing_while_gated_and_the_restored_weights_a
     after the refit that restores it."""
     import concurrent.futures
 
-    from mcore_reshard.verify import token_mult_prob_error
+    from mcore_reshard.refit.verify import token_mult_prob_error
 
     c = async_cluster
     engine = c.engines[0]

@@ -13,7 +13,7 @@ import pytest
 
 from mcore_reshard.adapters.megatron.rules import MegatronParallel, megatron_layout
 from mcore_reshard.adapters.vllm.rules import VllmParallel, vllm_layout
-from mcore_reshard.checkpoint import tiny_config
+from mcore_reshard.infra.checkpoint import tiny_config
 from mcore_reshard.layout import SideLayout, spec_from_hf_config
 from mcore_reshard.plan import PlanError, build_plan, check_sides, get_plan, plan_report
 from toy_layouts import split_layout

@@ -277,7 +277,7 @@ def test_relays_of_a_tensor_carried_as_its_bits_reach_every_member():
     wide on the wire). Two engines of TP2 on one node share the bias: relayed once, it must
     still reach all four ranks (it reached its first holder only, and the plan was refused
     for delivering fewer bytes than the destinations hold)."""
-    from mcore_reshard.checkpoint import TINY_DEEPSEEK_V3
+    from mcore_reshard.infra.checkpoint import TINY_DEEPSEEK_V3
     from mcore_reshard.layout.spec import spec_from_hf_config
     from mcore_reshard.transport.executor import zero_fill_padding
     from mcore_reshard.testing.local_plan import run_plan_locally

@@ -1,5 +1,5 @@
 """How the local job's processes begin: spawned (the default), or forked by the fork server of
-``MCORE_RESHARD_FAST_START=1`` (``mcore_reshard/procs.py``, which this test session turns on).
+``MCORE_RESHARD_FAST_START=1`` (``mcore_reshard/infra/procs.py``, which this test session turns on).
 The same refit runs either way, to the same served weights; each test checks where every
 training rank, engine core and vLLM worker came from, so neither path is taken by accident."""
 
@@ -13,7 +13,7 @@ from mcore_reshard.adapters.vllm.engine import prompt_logprobs
 from mcore_reshard.adapters.vllm.rules import VllmParallel
 from mcore_reshard.jobs.refit import local_cluster
 from mcore_reshard.layout import load_model_spec
-from mcore_reshard.procs import ENV
+from mcore_reshard.infra.procs import ENV
 from mcore_reshard.settings.policy import RefitConfig
 
 pytestmark = pytest.mark.slow

@@ -15,11 +15,11 @@ from mcore_reshard.adapters.vllm.engine import start_engine, stop_engine
 from mcore_reshard.adapters.vllm.plugin import BACKEND
 from mcore_reshard.adapters.vllm.rules import VllmParallel
 from mcore_reshard.adapters.vllm.worker import REFIT_EXTENSION
-from mcore_reshard.checkpoint import make_tiny_checkpoint
+from mcore_reshard.infra.checkpoint import make_tiny_checkpoint
 from mcore_reshard.errors import RefitError
 from mcore_reshard.layout import load_model_spec
 from mcore_reshard.settings.policy import RefitConfig
-from mcore_reshard.protocol import VerifyMode
+from mcore_reshard.wire.protocol import VerifyMode
 from mcore_reshard.jobs.refit import TOKEN_MULT_PROB_BOUND, local_cluster
 from support.live import cluster
 

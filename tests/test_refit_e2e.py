@@ -19,10 +19,10 @@ from mcore_reshard.adapters.megatron.rules import MegatronParallel
 from mcore_reshard.adapters.vllm.engine import greedy, prompt_logprobs
 from mcore_reshard.adapters.vllm.rules import VllmParallel
 from mcore_reshard.errors import RefitFailed
-from mcore_reshard.faults import Faults, TrainerFault
+from mcore_reshard.wire.faults import Faults, TrainerFault
 from mcore_reshard.layout import load_model_spec
 from mcore_reshard.settings.policy import RefitConfig
-from mcore_reshard.protocol import VerifyMode
+from mcore_reshard.wire.protocol import VerifyMode
 from mcore_reshard.jobs.refit import local_cluster
 from support.live import cluster as shared_cluster
 
@@ -119,7 +119,7 @@ def test_hf_broadcast_baseline_gives_the_same_model(cluster):
 
 
 def test_bit_flipped_in_flight_aborts_every_rank_fast_and_the_old_model_keeps_serving(cluster):
-    from mcore_reshard.transport.executor import Fault
+    from mcore_reshard.wire.faults import Fault
 
     llm = cluster.engines[0]
     cluster.refit_once()
@@ -142,7 +142,7 @@ def test_failed_streaming_refit_refuses_generation_until_a_refit_succeeds(cluste
     """atomic=false commits layers as they complete, so a refit that fails at the end has
     already replaced part of the model: generate must refuse, not serve that mix."""
     from mcore_reshard.errors import RefitIncomplete
-    from mcore_reshard.transport.executor import Fault
+    from mcore_reshard.wire.faults import Fault
 
     llm = cluster.engines[0]
     cluster.refit_once()

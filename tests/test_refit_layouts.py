@@ -18,13 +18,13 @@ from mcore_reshard.adapters.vllm.engine import prompt_logprobs, start_engine, st
 from mcore_reshard.adapters.vllm.plugin import BACKEND
 from mcore_reshard.adapters.vllm.rules import VllmParallel
 from mcore_reshard.adapters.vllm.worker import REFIT_EXTENSION
-from mcore_reshard.checkpoint import make_tiny_checkpoint
+from mcore_reshard.infra.checkpoint import make_tiny_checkpoint
 from mcore_reshard.errors import RefitFailed
-from mcore_reshard.faults import EngineFault, Faults
+from mcore_reshard.wire.faults import EngineFault, Faults
 from mcore_reshard.layout import load_model_spec
 from mcore_reshard.plan.topology import Location, RankPlacement, placement_report
 from mcore_reshard.settings.policy import RefitConfig
-from mcore_reshard.protocol import VerifyMode
+from mcore_reshard.wire.protocol import VerifyMode
 from mcore_reshard.jobs.refit import local_cluster
 from support.live import cluster
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mcore_reshard.plan.topology import RankPlacement, placement_report, plan_for_placement, relay_groups
-from mcore_reshard.ports import free_port
+from mcore_reshard.infra.ports import free_port
 from mcore_reshard.transport.group import RankMap, RefitGroup
 from support.worlds import T, FlippingSink, refit_once, ship, spawn_ranks
 from toy_layouts import split_layout

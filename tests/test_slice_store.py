@@ -11,13 +11,13 @@ import torch.distributed as dist
 
 from mcore_reshard.adapters.megatron.rules import MegatronParallel, megatron_layout
 from mcore_reshard.adapters.vllm.rules import VllmParallel, vllm_layout
-from mcore_reshard.checkpoint import tiny_config
+from mcore_reshard.infra.checkpoint import tiny_config
 from mcore_reshard.errors import RefitError
 from mcore_reshard.layout import spec_from_hf_config
 from mcore_reshard.plan import build_plan
 from mcore_reshard.plan.wire import slice_from_wire, slice_to_wire
-from mcore_reshard.ports import free_port
-from mcore_reshard.slice_store import fetch_slice, publish_slices, slice_key
+from mcore_reshard.infra.ports import free_port
+from mcore_reshard.wire.slice_store import fetch_slice, publish_slices, slice_key
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from mcore_reshard.plan import build_plan
 from mcore_reshard.transport.checksum import checksum, checksums, digest
 from mcore_reshard.transport.executor import TensorSink, execute_plan, raw_send_bandwidth, zero_fill_padding
 from mcore_reshard.transport.group import RankMap, RefitError, RefitGroup, RefitTimeout
-from mcore_reshard.ports import free_port
+from mcore_reshard.infra.ports import free_port
 from support.worlds import (T, T16, FlippingSink, canonical, expected_equal, locals_of, refit_once, ship,
                             spawn_ranks)
 from toy_layouts import split_layout

@@ -20,7 +20,7 @@ from mcore_reshard.adapters.vllm.engine import after_refit, describe, greedy  # 
 from mcore_reshard.layout.descriptor import LocalParam  # noqa: E402
 from mcore_reshard.layout.spec import load_model_spec  # noqa: E402
 from mcore_reshard.transport.views import materialize_local  # noqa: E402
-from mcore_reshard.checkpoint import load_canonical, make_tiny_checkpoint  # noqa: E402
+from mcore_reshard.infra.checkpoint import load_canonical, make_tiny_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

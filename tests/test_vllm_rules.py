@@ -10,7 +10,7 @@ import torch
 from mcore_reshard.adapters.vllm.rules import VllmParallel, vllm_layout, vllm_rank_params
 from mcore_reshard.layout import LayoutError, spec_from_hf_config
 from mcore_reshard.transport.views import materialize_local
-from mcore_reshard.checkpoint import TINY_DENSE, TINY_MOE
+from mcore_reshard.infra.checkpoint import TINY_DENSE, TINY_MOE
 
 QWEN3_235B = dict(
     architectures=["Qwen3MoeForCausalLM"], hidden_size=4096, num_attention_heads=64, num_key_value_heads=4,

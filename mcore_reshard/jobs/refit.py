@@ -19,20 +19,20 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 from ..adapters.vllm.plugin import BACKEND
-from ..checkpoint import make_tiny_checkpoint
-from ..driver import RefitDriver, ReshardTransport, Transport
-from ..engines import engine_world
+from ..infra.checkpoint import make_tiny_checkpoint
+from ..refit.driver import RefitDriver, ReshardTransport, Transport
+from ..refit.engines import engine_world
 from ..errors import RefitFailed
 from ..layout import ModelSpec, load_model_spec
-from ..metrics import RefitMetrics
+from ..refit.metrics import RefitMetrics
 from ..plan import plan_report
 from ..plan.report import format_bytes
 from ..plan.topology import RankPlacement
-from ..ports import free_port
-from ..protocol import VerifyMode
+from ..infra.ports import free_port
+from ..wire.protocol import VerifyMode
 from ..settings import TINY_MODELS
-from ..trainer import TrainerPool, TrainerSetup
-from ..verify import full_verification, token_mult_prob_error
+from ..training.pool import TrainerPool, TrainerSetup
+from ..refit.verify import full_verification, token_mult_prob_error
 
 T = TypeVar("T")
 
@@ -128,7 +128,7 @@ class LocalCluster:
 
 def job_transports() -> dict[str, Transport]:
     """The local job's transports: shard to shard, and the HF baseline it is compared with."""
-    from ..hf_broadcast import HFBroadcastTransport
+    from ..refit.transports.hf_broadcast import HFBroadcastTransport
 
     return {"reshard": ReshardTransport(), "hf_broadcast": HFBroadcastTransport()}
 

@@ -29,7 +29,7 @@ from ..plan.cache import get_layouts
 from ..plan.planner import gc_paused
 from ..plan.report import PlanReport, format_bytes
 from ..plan.topology import PlacementReport, placement_report, plan_for_placement
-from ..protocol import one_line
+from ..wire.protocol import one_line
 from . import (CONFIG_DIR, LOCAL_DTYPES, MAX_LOCAL_PROCESSES, MAX_PLAN_TRANSFERS, MAX_WORLD, PLAN_CONFIG,
                        REFIT_CONFIG, TINY_MODELS, ConfigError, RecipeLayout, RefitConfig, build_dataclass, check_type,
                        check_world, compose, container, is_checkpoint_dir, load_config, load_spec, local_cpu_problem,

@@ -7,10 +7,10 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..checkpoint import tiny_config
+from ..infra.checkpoint import tiny_config
 from ..errors import ConfigError
 from ..layout import DTYPE_BYTES, LayoutError, ModelSpec, load_model_spec, spec_from_hf_config
-from ..protocol import one_line
+from ..wire.protocol import one_line
 from .reader import check_type
 
 __all__ = ["CONFIG_DIR", "TINY_MODELS", "LOCAL_DTYPES", "check_dtype", "resolve_model", "load_spec", "tiny_spec",
@@ -19,7 +19,7 @@ __all__ = ["CONFIG_DIR", "TINY_MODELS", "LOCAL_DTYPES", "check_dtype", "resolve_
 #: Top-level ``configs/`` of the repository (override with MCORE_RESHARD_CONFIG_DIR).
 CONFIG_DIR = Path(os.environ.get("MCORE_RESHARD_CONFIG_DIR", Path(__file__).resolve().parents[2] / "configs"))
 
-#: Built-in random-weight models of the local jobs -> their family in ``mcore_reshard.checkpoint``
+#: Built-in random-weight models of the local jobs -> their family in ``mcore_reshard.infra.checkpoint``
 #: (written by the job at run time; settings only build their spec, from the same config dict).
 TINY_MODELS: dict[str, str] = {"tiny-moe": "qwen3_moe", "tiny-dense": "qwen3", "tiny-llama": "llama",
                                "tiny-qwen2": "qwen2", "tiny-deepseek-v3": "deepseek_v3",

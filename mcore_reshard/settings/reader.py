@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 
 from ..errors import ConfigError
 from ..layout import LayoutError
-from ..protocol import one_line
+from ..wire.protocol import one_line
 
 __all__ = ["REQUIRED", "Field", "Section", "lookup", "read", "read_mapping", "read_section", "keys", "sections",
            "check_type", "build_dataclass", "container"]

@@ -19,7 +19,7 @@ from ..adapters.megatron.rules import MegatronParallel
 from ..adapters.vllm.rules import QUANTIZATIONS, VllmParallel
 from ..errors import ConfigError
 from ..layout import DTYPE_BYTES, ModelSpec
-from ..protocol import DELTA_MODES, VerifyMode
+from ..wire.protocol import DELTA_MODES, VerifyMode
 from .topology import TopologyConfig
 from .models import LOCAL_DTYPES
 from .reader import REQUIRED, Field, Section, keys
@@ -65,7 +65,7 @@ class RefitConfig:
 
     Every field is checked on construction (a wrong value raises ``ConfigError`` naming
     ``refit.<field>``); ``verify`` accepts the strings ``off | checksum | full`` and is
-    stored as a :class:`~mcore_reshard.protocol.VerifyMode`.
+    stored as a :class:`~mcore_reshard.wire.protocol.VerifyMode`.
     """
 
     enabled: bool = True

@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 import yaml
 
 from ..errors import ConfigError
-from ..protocol import one_line
+from ..wire.protocol import one_line
 from .models import CONFIG_DIR
 from .reader import container
 from .schema import KNOWN_KEYS

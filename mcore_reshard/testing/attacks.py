@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..ports import free_port
+from ..infra.ports import free_port
 from ..transport.control import Decision
 from ..transport.group import RankMap, RefitGroup
 

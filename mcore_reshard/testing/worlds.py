@@ -11,7 +11,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from ..ports import free_port
+from ..infra.ports import free_port
 
 __all__ = ["WorldCtx", "join_or_kill", "run_world"]
 
@@ -57,7 +57,7 @@ def run_world(fn: Callable[..., Any], world: int, args: Sequence[Any] = (), *, t
     import queue as queue_mod
 
     import torch.multiprocessing  # noqa: F401 - torch's tensor reductions on the queues
-    from ..procs import process_context
+    from ..infra.procs import process_context
 
     ctx = process_context("spawn")  # the fork server with MCORE_RESHARD_FAST_START=1
     q = ctx.Queue()

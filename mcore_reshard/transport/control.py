@@ -72,7 +72,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from ..errors import RefitAborted, RefitTimeout
-from ..protocol import RankMap
+from ..wire.protocol import RankMap
 
 __all__ = ["ControlPlane", "Decision", "SignedStore", "StoreGone"]
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ..errors import RefitError, RefitTimeout
 from ..plan.tags import CONNECT_TAG
-from ..protocol import RankMap
+from ..wire.protocol import RankMap
 
 __all__ = ["DataPlane", "backend", "error_class"]
 

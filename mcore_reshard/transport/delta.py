@@ -37,7 +37,7 @@ import torch
 
 from ..plan.tags import header_tag
 from ..plan.types import RankPlan, Transfer
-from ..protocol import refit_id
+from ..wire.protocol import refit_id
 from .channels import ChannelKey, GroupChannel, MsgKey, Op, Route, Spec
 from .group import RefitError
 from .sink import Sink

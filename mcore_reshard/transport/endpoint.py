@@ -16,10 +16,10 @@ import torch
 from ..errors import RefitError, RefitFailed
 from ..plan.types import RankPlan
 from ..plan.wire import slice_from_wire
-from ..protocol import JoinInfo, RankReport, RefitRequest, first_error_line
+from ..wire.protocol import JoinInfo, RankReport, RefitRequest, first_error_line
 from .delta import DeltaRun, DeltaState, decide, refit_id
 from .executor import TransferStats, execute_plan, raw_send_bandwidth
-from .faults import Fault
+from ..wire.faults import Fault
 from .group import RefitGroup
 
 __all__ = ["RefitEndpoint", "Outcome"]

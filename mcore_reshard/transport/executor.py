@@ -32,12 +32,13 @@ from ..errors import RefitAborted
 from ..layout.descriptor import LocalParam, View
 from .views import TORCH_DTYPES, local_view, zero_padding
 from ..plan.types import RankPlan
-from ..protocol import VerifyMode
+from ..wire.protocol import VerifyMode
 from .channels import BucketPosts, Channel, GroupChannel, LocalChannel, Op, Route, ShmChannel, ZeroCopyChannel
 from .dataplane import error_class
 from .deliver import Delivery
 from .delta import DeltaDecoder, DeltaEncoder, DeltaRun, HeaderExchange
-from .faults import Fault
+from ..wire.faults import Fault
+from .faults import corrupt
 from .group import RankMap, RefitGroup
 from .ledger import ChecksumLedger, box_hasher
 from .packing import message_numel, pack
@@ -312,7 +313,7 @@ class _Run:
             out[key] = msg
             pos += msg.numel()
         if self.fault is not None:
-            self.fault.corrupt(k, out, lambda: self._copy_first(k, peers))
+            corrupt(self.fault, k, out, lambda: self._copy_first(k, peers))
         return out
 
     def _copy_first(self, k: int, peers: Mapping[Any, list]) -> torch.Tensor:

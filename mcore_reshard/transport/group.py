@@ -27,8 +27,8 @@ import torch.distributed as dist
 
 from ..errors import RefitAborted, RefitError, RefitTimeout
 from ..plan.tags import live_tag
-from ..ports import bound_store
-from ..protocol import RankMap
+from ..infra.ports import bound_store
+from ..wire.protocol import RankMap
 from .control import ControlPlane, Decision
 from .dataplane import DataPlane, backend, error_class
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from ..protocol import DeltaStats
+from ..wire.protocol import DeltaStats
 
 __all__ = ["Tally", "TransferStats"]
 

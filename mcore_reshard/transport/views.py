@@ -7,14 +7,15 @@ planner tests. The one place descriptors meet torch: ``layout`` and ``plan`` nev
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from ..layout.descriptor import Box, LocalParam, Piece, View
 from ..layout.dtensor import DTensorForm
 
-__all__ = ["BIT_VIEWS", "box_slices", "local_view", "scatter_flat", "canonical_box", "materialize_local", "write_pieces", "zero_padding",
+__all__ = ["ReceivedWeights", "BIT_VIEWS", "box_slices", "local_view", "scatter_flat", "canonical_box", "materialize_local", "write_pieces", "zero_padding",
            "torch_placements", "TORCH_DTYPES"]
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -96,3 +97,31 @@ def torch_placements(form: DTensorForm) -> tuple:
         else:
             out.append(_StridedShard(p[1], split_factor=p[2]))
     return tuple(out)
+
+
+@dataclass(frozen=True)
+class ReceivedWeights:
+    """``verify=full``: one worker's model-format parameters after the last refit (torch
+    tensors by local name), each read ``live`` (the kernel keeps model format) or from the
+    copy the engine ``received``. On the wire a tensor is its dtype, shape and raw bytes."""
+
+    tensors: Mapping[str, Any]
+    where: Mapping[str, str]
+
+    def to_wire(self) -> dict:
+        def raw(t: Any) -> dict:
+            t = t.detach().contiguous().cpu()
+            return {"dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape),
+                    "data": t.view(-1).view(torch.uint8).numpy().tobytes()}
+
+        return {"tensors": {n: raw(t) for n, t in self.tensors.items()}, "where": dict(self.where)}
+
+    @staticmethod
+    def from_wire(d: Mapping[str, Any]) -> "ReceivedWeights":
+        def tensor(w: Mapping[str, Any]) -> Any:
+            dtype, shape = getattr(torch, str(w["dtype"])), tuple(int(n) for n in w["shape"])
+            if not w["data"]:
+                return torch.empty(shape, dtype=dtype)
+            return torch.frombuffer(bytearray(w["data"]), dtype=torch.uint8).view(dtype).reshape(shape)
+
+        return ReceivedWeights({n: tensor(w) for n, w in d["tensors"].items()}, dict(d["where"]))

@@ -47,7 +47,7 @@ class Checkpoints:
 
     def get(self, *, family: str | None = None, moe: bool = False, dtype: str = "float32", seed: int = 0,
             overrides: dict | None = None) -> Path:
-        from mcore_reshard.checkpoint import make_tiny_checkpoint
+        from mcore_reshard.infra.checkpoint import make_tiny_checkpoint
 
         family = family or ("qwen3_moe" if moe else "qwen3")
         blob = json.dumps(overrides or {}, sort_keys=True, default=repr)
@@ -324,7 +324,7 @@ POOLS = PoolCache()
 def cluster(*args: Any, **kwargs: Any) -> Iterator[Any]:
     """``mcore_reshard.jobs.refit.local_cluster(*args, **kwargs)`` with its trainer pool from
     ``POOLS``. Pass ``engines=`` (from ``EngineCache``) so that it starts no engine either."""
-    import mcore_reshard.trainer as trainer_mod
+    import mcore_reshard.training.pool as trainer_mod
     from mcore_reshard.jobs.refit import local_cluster
 
     real = trainer_mod.TrainerPool

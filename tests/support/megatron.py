@@ -27,7 +27,7 @@ import traceback
 from typing import Any, Callable, Sequence
 
 from mcore_reshard.testing.worlds import WorldCtx
-from mcore_reshard.ports import free_port
+from mcore_reshard.infra.ports import free_port
 
 __all__ = ["run_world", "prestart", "close_all", "stats"]
 
@@ -83,7 +83,7 @@ def _rank_loop(rank: int, commands: Any, replies: Any, log: str) -> None:
 class _WarmWorld:
     def __init__(self, world: int) -> None:
         import torch.multiprocessing  # noqa: F401 - torch's tensor reductions on the queues
-        from mcore_reshard.procs import process_context
+        from mcore_reshard.infra.procs import process_context
 
         ctx = process_context("spawn")  # the fork server with MCORE_RESHARD_FAST_START=1
         self.world = world

@@ -103,7 +103,7 @@ def spawn_ranks(target, world: int, *args, wait_s: float = 90.0) -> dict[int, di
     """Run ``target(rank, world, *args, q)`` in ``world`` spawned processes; every rank's dict
     by rank. Fails naming the ranks that never reported, or a rank's ``crash`` traceback."""
     import torch.multiprocessing  # noqa: F401 - torch's tensor reductions on the queues
-    from mcore_reshard.procs import process_context
+    from mcore_reshard.infra.procs import process_context
 
     ctx = process_context("spawn")  # the fork server with MCORE_RESHARD_FAST_START=1
     q = ctx.Queue()

@@ -14,7 +14,7 @@ import os
 from typing import Any
 
 from ...layout import ModelSpec
-from ...ports import bound_store
+from ...infra.ports import bound_store
 from .rules import MegatronParallel, padded_vocab
 
 __all__ = ["init_megatron", "build_gpt", "megatron_config"]

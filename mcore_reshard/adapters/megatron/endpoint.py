@@ -21,9 +21,10 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping, Sequence
 
 from ...layout import LocalParam, ModelSpec
-from ...protocol import JoinInfo, RankReport, RefitRequest
+from ...wire.protocol import JoinInfo, RankReport, RefitRequest
 from ...transport.endpoint import Outcome, RefitEndpoint
-from ...transport.faults import ExitAfterReads, Fault
+from ...transport.faults import ExitAfterReads
+from ...wire.faults import Fault
 from .live import describe, named_local_params
 
 __all__ = ["TrainerEndpoint", "sync_params_before_refit"]

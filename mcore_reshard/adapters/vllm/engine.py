@@ -21,7 +21,8 @@ from typing import Any, Callable, Sequence, TypeVar
 
 from ...errors import EngineUnresponsive, RefitIncomplete
 from ...layout.descriptor import LocalParam
-from ...protocol import ReceivedWeights, WorkerLayout, WorkerStatus
+from ...transport.views import ReceivedWeights
+from ...wire.protocol import WorkerLayout, WorkerStatus
 from .rules import VllmParallel
 from .worker import PLAIN_LINEAR_ENV, ReshardWorkerExtension
 from .worker import REFIT_EXTENSION as EXTENSION

@@ -1,4 +1,4 @@
-"""vLLM's side of ``MCORE_RESHARD_FAST_START=1`` (``mcore_reshard.procs``): engine starts
+"""vLLM's side of ``MCORE_RESHARD_FAST_START=1`` (``mcore_reshard.infra.procs``): engine starts
 that do not import vLLM again.
 
 vLLM's CPU platform starts every process with ``spawn`` (``platforms/cpu.py`` forces
@@ -7,7 +7,7 @@ process, then again in each worker, one after the other (17-20 s of a tiny model
 With the variable set, vLLM's ``get_mp_context`` gives:
 
 - in a process that starts engines (a job, a test session): the fork server of
-  ``mcore_reshard.procs``, which imported vLLM once;
+  ``mcore_reshard.infra.procs``, which imported vLLM once;
 - in an engine core that fork server started: ``fork``, for its workers (it has imported vLLM
   and run no model step or OpenMP region when vLLM's executor starts them).
 
@@ -23,7 +23,7 @@ import importlib
 import multiprocessing
 from typing import Any
 
-from ... import procs
+from ...infra import procs
 
 __all__ = ["install"]
 

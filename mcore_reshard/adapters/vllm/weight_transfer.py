@@ -42,10 +42,10 @@ from vllm.distributed.weight_transfer.base import (
 from ...errors import RefitError
 from ...layout.descriptor import DTYPE_BYTES, LocalParam
 from ...layout.spec import spec_from_hf_config
-from ...protocol import EngineInitInfo, RankReport, RefitRequest, VerifyMode, WorkerStatus, first_error_line
-from ...slice_store import fetch_slice
+from ...wire.protocol import EngineInitInfo, RankReport, RefitRequest, VerifyMode, WorkerStatus, first_error_line
+from ...wire.slice_store import fetch_slice
 from ...transport.endpoint import Outcome, RefitEndpoint
-from ...transport.faults import Fault
+from ...wire.faults import Fault
 from .apply import VllmApplier
 from .record import record_local_params
 from .sinks import ExitAfter, FullCopy
@@ -56,7 +56,7 @@ __all__ = ["ReshardInitInfo", "ReshardUpdateInfo", "ReshardWeightTransferEngine"
 
 @dataclass
 class ReshardInitInfo(WeightTransferInitInfo):
-    """vLLM's form of :class:`~mcore_reshard.protocol.EngineInitInfo` (its ``to_wire()``):
+    """vLLM's form of :class:`~mcore_reshard.wire.protocol.EngineInitInfo` (its ``to_wire()``):
     ``join``: ``JoinInfo.to_wire()``; ``plan_digest``; and each worker's plan slice, either
     inline in ``slices`` (destination rank as a string -> ``plan.wire.slice_to_wire``; every
     worker receives all of them) or by digest in ``slice_digests`` (destination rank -> slice

@@ -23,9 +23,10 @@ from typing import Any, Sequence
 
 import torch
 
-from ...checkpoint import load_canonical
+from ...infra.checkpoint import load_canonical
 from ...layout.descriptor import LocalParam
-from ...protocol import ReceivedWeights, WorkerLayout, WorkerStatus
+from ...transport.views import ReceivedWeights
+from ...wire.protocol import WorkerLayout, WorkerStatus
 from ...transport.views import box_slices
 from .apply import RefitIncomplete, VllmApplier, select_modes
 from .record import record_local_params

@@ -10,7 +10,7 @@ import random
 from dataclasses import dataclass
 from typing import Sequence
 
-from ...losses import GrpoBatch, clipped_pg_loss  # re-exported: the loss lives below the training ranks
+from ...training.losses import GrpoBatch, clipped_pg_loss  # re-exported: the loss lives below the training ranks
 
 __all__ = ["TargetTokensTask", "GrpoBatch", "group_advantages", "clipped_pg_loss", "completion_logprobs",
            "token_versions", "trajectory_age"]

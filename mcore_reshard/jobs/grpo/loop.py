@@ -35,14 +35,14 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ...checkpoint import make_tiny_checkpoint
-from ...driver import RefitDriver, bytes_at_minimum
+from ...infra.checkpoint import make_tiny_checkpoint
+from ...refit.driver import RefitDriver, bytes_at_minimum
 from ...errors import ConfigError, RefitError, RefitFailed
 from ...plan.report import format_bytes
-from ...protocol import VerifyMode, one_line
+from ...wire.protocol import VerifyMode, one_line
 from ..refit import TOKEN_MULT_PROB_BOUND, colocated_placement
-from ...trainer import TrainerSetup
-from ...verify import full_verification, token_mult_prob_error
+from ...training.pool import TrainerSetup
+from ...refit.verify import full_verification, token_mult_prob_error
 from .algorithm import (GrpoBatch, TargetTokensTask, completion_logprobs, group_advantages, token_versions,
                         trajectory_age)
 from .ray_cluster import Completion, RayJob, RayTrainerGroup, start_engines, stop_engines

@@ -8,7 +8,7 @@ refit group's master is the first training bundle: its node IP (asked there, nev
 a port free on that node. The driver talks to the actors through the same rank protocol as to
 local processes (:class:`RayRankGroup` implements ``ranks.RankGroup`` over actors; an
 :class:`EngineHandle` has an ``LLM``'s weight-transfer methods), so
-:class:`~mcore_reshard.driver.RefitDriver` runs unchanged.
+:class:`~mcore_reshard.refit.driver.RefitDriver` runs unchanged.
 
 Security: an embedded cluster (no address) runs with Ray's token auth and a per-job token in
 ``RAY_AUTH_TOKEN`` (nothing is written to ``~/.ray``); its session files go to a temporary
@@ -29,10 +29,10 @@ from typing import Any, Callable, Sequence
 
 from ...adapters.vllm.plugin import BACKEND
 from ...errors import RefitFailed, TrainerError
-from ...ports import free_port
-from ...protocol import first_error_line
-from ...ranks import RankCall, RankGroup
-from ...trainer import MegatronRank
+from ...infra.ports import free_port
+from ...wire.protocol import first_error_line
+from ...training.ranks import RankCall, RankGroup
+from ...training.pool import MegatronRank
 
 __all__ = ["RayJob", "RayRankGroup", "RayTrainerGroup", "EngineActor", "AsyncEngineActor", "EngineHandle",
            "Completion", "completions", "start_engines", "node_of"]

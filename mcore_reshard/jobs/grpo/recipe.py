@@ -71,7 +71,7 @@ class GrpoRecipe:
 
     @property
     def checkpoint_family(self) -> str | None:
-        """The ``mcore_reshard.checkpoint`` family of a built-in tiny model, else None."""
+        """The ``mcore_reshard.infra.checkpoint`` family of a built-in tiny model, else None."""
         return TINY_MODELS.get(self.model)
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .plan.types import TransferPlan
-from .protocol import RankReport, RefitRequest
+from ..plan.types import TransferPlan
+from ..wire.protocol import RankReport, RefitRequest
 
 __all__ = ["RefitMetrics", "bytes_at_minimum", "reshard_metrics"]
 

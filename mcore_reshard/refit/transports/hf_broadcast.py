@@ -32,20 +32,23 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 
-from .adapters.vllm.layers import reprepack_cpu_moe
-from .adapters.vllm.worker import ReshardWorkerExtension
-from .driver import RefitDriver
-from .errors import RefitFailed
-from .faults import Faults
-from .layout.descriptor import DTYPE_BYTES, Box, LocalParam, Piece, SideLayout, View, contiguous_strides
-from .metrics import RefitMetrics
-from .transport.views import TORCH_DTYPES
-from .plan import get_plan
-from .plan.types import TransferPlan
-from .protocol import RankMap, RefitRequest
-from .ranks import RankContext
-from .transport.executor import execute_plan
-from .transport.group import RefitGroup
+from ...adapters.vllm.layers import reprepack_cpu_moe
+from ...adapters.vllm.worker import ReshardWorkerExtension
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..driver import RefitDriver
+from ...errors import RefitFailed
+from ...wire.faults import Faults
+from ...layout.descriptor import DTYPE_BYTES, Box, LocalParam, Piece, SideLayout, View, contiguous_strides
+from ..metrics import RefitMetrics
+from ...transport.views import TORCH_DTYPES
+from ...plan import get_plan
+from ...plan.types import TransferPlan
+from ...wire.protocol import RankMap, RefitRequest
+from ...training.ranks import RankContext
+from ...transport.executor import execute_plan
+from ...transport.group import RefitGroup
 
 __all__ = ["gather_layout", "hf_buckets", "BroadcastStats", "broadcast_send", "broadcast_receive", "BroadcastJoin",
            "SendStats", "JoinBroadcast", "SendBroadcast", "LeaveBroadcast", "HFBroadcastWorkerExtension",
@@ -54,7 +57,7 @@ __all__ = ["gather_layout", "hf_buckets", "BroadcastStats", "broadcast_send", "b
 HF_PREFIX = "mcore_reshard/hf"
 
 #: The worker extension of an engine that runs the baseline (and every diagnostic).
-HF_BROADCAST_EXTENSION = "mcore_reshard.hf_broadcast.HFBroadcastWorkerExtension"
+HF_BROADCAST_EXTENSION = "mcore_reshard.refit.transports.hf_broadcast.HFBroadcastWorkerExtension"
 
 
 def gather_layout(tensors: Mapping[str, tuple[tuple[int, ...], str]]) -> SideLayout:
@@ -297,7 +300,7 @@ class HFBroadcastWorkerExtension(ReshardWorkerExtension):
     def mr_hf_receive(self, buffer_bytes: int, timeout_s: float) -> dict:
         """Receive every full HF tensor and reload through vLLM's loaders (``BroadcastStats``
         on the wire)."""
-        from .adapters.vllm.weight_transfer import canonical_tensors
+        from ...adapters.vllm.weight_transfer import canonical_tensors
 
         stats = broadcast_receive(canonical_tensors(self.vllm_config), self._mr_hf_group, 0,  # type: ignore[attr-defined]
                                   lambda stream: reload_weights(self, stream), buffer_bytes=buffer_bytes,

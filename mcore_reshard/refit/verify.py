@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-from .errors import RefitError
-from .layout import SideLayout
+from ..errors import RefitError
+from ..layout import SideLayout
 
 __all__ = ["token_mult_prob_error", "full_verification"]
 
@@ -31,8 +31,8 @@ def full_verification(src: SideLayout, dst: SideLayout, trainer_locals: Sequence
     ``RefitError`` naming the parameter and destination rank of the first mismatch."""
     import torch
 
-    from .adapters.vllm.engine import received_weights
-    from .transport.views import box_slices, local_view
+    from ..adapters.vllm.engine import received_weights
+    from ..transport.views import box_slices, local_view
 
     canonical: dict[str, torch.Tensor] = {}
     for p in src.params:

@@ -14,26 +14,26 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
-from .adapters.vllm.rules import vllm_layout
-from .layout import LocalParam, ModelSpec, Piece, SideLayout
-from .protocol import first_error_line
+from ..adapters.vllm.rules import vllm_layout
+from ..layout import LocalParam, ModelSpec, Piece, SideLayout
+from ..wire.protocol import first_error_line
 
 __all__ = ["engine_world", "engine_dtype", "dst_layout_of", "ENGINE_GRACE_S", "EngineCalls", "EngineCallers",
            "engine_is_dead", "finish_quietly", "finish_overlapped"]
 
-_log = logging.getLogger("mcore_reshard.driver")
+_log = logging.getLogger("mcore_reshard.refit.driver")
 
 
 def engine_world(llm: Any) -> int:
     """Workers of one engine (tp * pp * dp)."""
-    from .adapters.vllm.engine import engine_info
+    from ..adapters.vllm.engine import engine_info
 
     return engine_info(llm).world_size
 
 
 def engine_dtype(llm: Any) -> str:
     """The element type an engine serves (``torch.bfloat16`` -> ``"bfloat16"``)."""
-    from .adapters.vllm.engine import engine_info
+    from ..adapters.vllm.engine import engine_info
 
     return engine_info(llm).dtype
 
@@ -54,7 +54,7 @@ def dst_layout_of(engines: Sequence[Any], spec: ModelSpec, name: str = "vllm") -
     (diagnostics extension), else the rules' layout for its parallel sizes (a plain engine,
     which refuses at init a slice that does not match what it holds). ``spec`` is in the
     engines' dtype."""
-    from .adapters.vllm.engine import describe, engine_info
+    from ..adapters.vllm.engine import describe, engine_info
 
     params: list[LocalParam] = []
     offset = 0
@@ -143,7 +143,7 @@ class EngineCallers:
     def start(self, fn: Callable[[Any, Any], Any], args: Sequence[Any] | None = None, *,
               what: str = "call", only: int | None = None) -> EngineCalls:
         """Start ``fn(llm, arg)`` on the engines not refused (daemon threads); ``wait`` collects them."""
-        from .adapters.vllm.engine import unanswered
+        from ..adapters.vllm.engine import unanswered
 
         idx = [only] if only is not None else list(range(len(self.engines)))
         args = list(args) if args is not None else [None] * len(self.engines)
@@ -169,7 +169,7 @@ class EngineCallers:
 
     def wait(self, calls: EngineCalls, deadline_s: float) -> list[str]:
         """One error line per engine that failed or missed ``deadline_s`` (then unresponsive)."""
-        from .adapters.vllm.engine import left_waiting
+        from ..adapters.vllm.engine import left_waiting
 
         idx, threads, results, what = calls.asked, calls.threads, calls.results, calls.what
         deadline = time.monotonic() + deadline_s
@@ -206,7 +206,7 @@ class EngineCallers:
         """Take back every unresponsive engine whose left call has returned and that answers
         ``probe(llm, e)``; one whose left call ended with vLLM's dead-engine error is dead.
         Returns the engines taken back."""
-        from .adapters.vllm.engine import unanswered
+        from ..adapters.vllm.engine import unanswered
 
         back = []
         for e in sorted(self._waiting):

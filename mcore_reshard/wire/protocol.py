@@ -9,10 +9,11 @@ own controller -- moves these messages between them, over whatever control chann
     describe -> join(JoinInfo) -> set_plan(plan slice) -> refit(RefitRequest) -> RankReport ... -> leave
 
 Every message is a frozen dataclass with ``to_wire()`` / ``from_wire()`` to plain JSON-able
-values (tensors as raw bytes): nothing here is ever unpickled, and a setting (e.g.
+values: nothing here is ever unpickled, and a setting (e.g.
 ``VerifyMode``) reaches the rank that uses it whole. That includes what crosses vLLM's RPC: an
 engine's init info (:class:`EngineInitInfo`) and the diagnostics extension's replies
-(:class:`WorkerStatus`, :class:`WorkerLayout`, :class:`ReceivedWeights`). Both ends answer a refit the same way: a vote over the refit group carrying
+(:class:`WorkerStatus`, :class:`WorkerLayout`; the received tensors of ``verify=full``
+are ``transport.views.ReceivedWeights``, raw bytes). Both ends answer a refit the same way: a vote over the refit group carrying
 their ``RankReport`` or one error line (``transport/endpoint.py``). Bytes never travel in these
 messages; they move over the refit group (``transport``).
 """
@@ -25,8 +26,8 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
-from .errors import ConfigError
-from .layout.descriptor import Box, LocalParam, Piece, View
+from ..errors import ConfigError
+from ..layout.descriptor import Box, LocalParam, Piece, View
 
 __all__ = [
     "VerifyMode",
@@ -39,7 +40,6 @@ __all__ = [
     "EngineInitInfo",
     "WorkerStatus",
     "WorkerLayout",
-    "ReceivedWeights",
     "first_error_line",
     "one_line",
 ]
@@ -377,38 +377,6 @@ class WorkerLayout:
 
         return WorkerLayout(tuple(LocalParam(int(r[0]), str(r[1]), tuple(r[2]), str(r[3]),
                                              tuple(piece(q) for q in r[4])) for r in rows))
-
-
-@dataclass(frozen=True)
-class ReceivedWeights:
-    """``verify=full``: one worker's model-format parameters after the last refit (torch
-    tensors by local name), each read ``live`` (the kernel keeps model format) or from the
-    copy the engine ``received``. On the wire a tensor is its dtype, shape and raw bytes."""
-
-    tensors: Mapping[str, Any]
-    where: Mapping[str, str]
-
-    def to_wire(self) -> dict:
-        import torch
-
-        def raw(t: Any) -> dict:
-            t = t.detach().contiguous().cpu()
-            return {"dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape),
-                    "data": t.view(-1).view(torch.uint8).numpy().tobytes()}
-
-        return {"tensors": {n: raw(t) for n, t in self.tensors.items()}, "where": dict(self.where)}
-
-    @staticmethod
-    def from_wire(d: Mapping[str, Any]) -> "ReceivedWeights":
-        import torch
-
-        def tensor(w: Mapping[str, Any]) -> Any:
-            dtype, shape = getattr(torch, str(w["dtype"])), tuple(int(n) for n in w["shape"])
-            if not w["data"]:
-                return torch.empty(shape, dtype=dtype)
-            return torch.frombuffer(bytearray(w["data"]), dtype=torch.uint8).view(dtype).reshape(shape)
-
-        return ReceivedWeights({n: tensor(w) for n, w in d["tensors"].items()}, dict(d["where"]))
 
 
 def one_line(exc: BaseException) -> str:

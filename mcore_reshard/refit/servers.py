@@ -44,7 +44,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import httpx
 
-from .errors import ConfigError, RefitFailed
+from ..errors import ConfigError, RefitFailed
 
 __all__ = ["Timeouts", "ServerClient", "refit_servers", "wait_healthy", "prompt_logprobs"]
 

@@ -18,14 +18,14 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
-from . import procs
-from .adapters.megatron.rules import MegatronParallel
-from .checkpoint import load_canonical
-from .errors import TrainerError
-from .faults import TrainerFault
-from .layout import LocalParam, ModelSpec
+from ..infra import procs
+from ..adapters.megatron.rules import MegatronParallel
+from ..infra.checkpoint import load_canonical
+from ..errors import TrainerError
+from ..wire.faults import TrainerFault
+from ..layout import LocalParam, ModelSpec
 from .losses import GrpoBatch, PgLossSettings, clipped_pg_loss
-from .protocol import JoinInfo, RefitRequest
+from ..wire.protocol import JoinInfo, RefitRequest
 from .ranks import RankCall, RankGroup, RankTask, RefitReply
 
 __all__ = ["TrainerSetup", "EndpointRank", "MegatronRank", "TrainerPool", "TrainerError"]
@@ -61,7 +61,7 @@ class EndpointRank:
     end runs before it reads the weights (default: the endpoint's own)."""
 
     def __init__(self, endpoint: Any, sync_params: Callable[[], None] | None = None) -> None:
-        from .adapters.megatron.endpoint import sync_params_before_refit
+        from ..adapters.megatron.endpoint import sync_params_before_refit
 
         self.endpoint = endpoint
         self._sync = sync_params or (lambda: sync_params_before_refit(endpoint.chunks))
@@ -130,9 +130,9 @@ class MegatronRank(EndpointRank):
     def __init__(self, rank: int, setup: TrainerSetup) -> None:
         import torch
 
-        from .adapters.megatron.build import init_megatron
-        from .adapters.megatron.endpoint import TrainerEndpoint
-        from .adapters.megatron.train import TrainSettings, build_policy
+        from ..adapters.megatron.build import init_megatron
+        from ..adapters.megatron.endpoint import TrainerEndpoint
+        from ..adapters.megatron.train import TrainSettings, build_policy
 
         torch.set_num_threads(setup.threads)
         self.setup = setup

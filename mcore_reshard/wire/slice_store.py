@@ -22,7 +22,7 @@ import json
 from datetime import timedelta
 from typing import Any, Mapping
 
-from .errors import RefitError
+from ..errors import RefitError
 
 __all__ = ["SLICE_KEY_PREFIX", "slice_key", "slice_digests", "publish_slices", "fetch_slice"]
 

@@ -30,10 +30,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Generic, Mapping, Protocol, Sequence, TypeVar
 
-from .faults import TrainerFault
-from .layout import LocalParam, ModelSpec
+from ..wire.faults import TrainerFault
+from ..layout import LocalParam, ModelSpec
 from .losses import GrpoBatch, PgLossSettings
-from .protocol import JoinInfo, RankReport, RefitRequest
+from ..wire.protocol import JoinInfo, RankReport, RefitRequest
 
 __all__ = ["RankContext", "RankTask", "RefitRank", "TrainerRank", "RefitReply", "RankCall", "Pending",
            "RefitRanks", "TrainerRanks", "RankGroup"]

@@ -37,7 +37,7 @@ PRELOAD = (
     "megatron.core",
     "mcore_reshard.adapters.megatron.endpoint",
     "mcore_reshard.adapters.megatron.train",
-    "mcore_reshard.trainer",
+    "mcore_reshard.training.pool",
     "vllm.v1.engine.core",
     "vllm.v1.executor.multiproc_executor",
     "vllm.v1.worker.cpu_worker",

@@ -29,27 +29,27 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from .engines import (ENGINE_GRACE_S, EngineCallers, EngineCalls, dst_layout_of, engine_dtype, engine_is_dead,
                       engine_world, finish_overlapped, finish_quietly)
-from .errors import ConfigError, RefitFailed
-from .faults import Faults
-from .layout import ModelSpec, SideLayout
+from ..errors import ConfigError, RefitFailed
+from ..wire.faults import Faults
+from ..layout import ModelSpec, SideLayout
 from .metrics import RefitMetrics, bytes_at_minimum, reshard_metrics
-from .plan import get_plan
-from .plan.topology import Links, plan_for_placement
-from .plan.types import TransferPlan
-from .plan.wire import slice_to_wire
-from .ports import free_port
-from .protocol import (EngineInitInfo, JoinInfo, RankMap, RankReport, RefitRequest, WorkerStatus, first_error_line,
+from ..plan import get_plan
+from ..plan.topology import Links, plan_for_placement
+from ..plan.types import TransferPlan
+from ..plan.wire import slice_to_wire
+from ..infra.ports import free_port
+from ..wire.protocol import (EngineInitInfo, JoinInfo, RankMap, RankReport, RefitRequest, WorkerStatus, first_error_line,
                        refit_id)
-from .ranks import RefitRanks
-from .settings.policy import RefitConfig
+from ..training.ranks import RefitRanks
+from ..settings.policy import RefitConfig
 
 if TYPE_CHECKING:
-    from .adapters.vllm.engine import EngineInfo
+    from ..adapters.vllm.engine import EngineInfo
 
 __all__ = ["RefitDriver", "RefitMetrics", "bytes_at_minimum", "PendingRefit", "Transport", "ReshardTransport", "EngineCalls", "engine_world",
            "engine_dtype", "dst_layout_of", "ENGINE_GRACE_S"]
 
-_log = logging.getLogger("mcore_reshard.driver")
+_log = logging.getLogger("mcore_reshard.refit.driver")
 
 #: Seconds each side may take to leave the refit group when a driver closes.
 CLOSE_DEADLINE_S = 30.0
@@ -133,7 +133,7 @@ class RefitDriver:
 
     def describe(self) -> TransferPlan:
         """Both sides' descriptors -> the plan (cached on the layouts' digests)."""
-        from .adapters.vllm.engine import engine_info
+        from ..adapters.vllm.engine import engine_info
 
         tensors = self.spec.tensor_table()
         if self.src is None:
@@ -149,7 +149,7 @@ class RefitDriver:
         not_direct: tuple = (("*", "unknown: the engine has no mcore_reshard diagnostics extension to ask"),)
         if self.engine_infos[0].diagnostics:
             try:
-                from .adapters.vllm.engine import STATUS_DEADLINE_S, engine_call
+                from ..adapters.vllm.engine import STATUS_DEADLINE_S, engine_call
 
                 self.modes = {}
                 llm = self.engines[0]
@@ -242,7 +242,7 @@ class RefitDriver:
         return back
 
     def _probe(self, llm: Any, e: int) -> None:
-        from .adapters.vllm.engine import worker_status
+        from ..adapters.vllm.engine import worker_status
 
         if self.engine_infos[e].diagnostics:
             worker_status(llm)
@@ -311,7 +311,7 @@ class RefitDriver:
 
     def status(self) -> list[WorkerStatus]:
         """Every worker's serving state, version and last outcome (diagnostics extension)."""
-        from .adapters.vllm.engine import worker_status
+        from ..adapters.vllm.engine import worker_status
 
         self.readmit()
         got: list[list[WorkerStatus]] = [[] for _ in self.engines]
@@ -477,7 +477,7 @@ class ReshardTransport:
     def _confirm(self, driver: RefitDriver, e: int, refit: str, trusted: bool) -> str:
         """"new" when every worker holds refit ``refit`` whole, "old" when (the refit failed
         and) every worker holds one same earlier refit whole, else why not (one line)."""
-        from .adapters.vllm.engine import worker_status
+        from ..adapters.vllm.engine import worker_status
 
         got: list[list[WorkerStatus]] = []
         errs = ["no diagnostics extension"] if not driver.engine_infos[e].diagnostics else driver.on_engines(
