@@ -105,7 +105,7 @@ def destination_main(rank: int, inbox: Any, results: Any, layouts: list, spec: A
 
     from mcore_reshard.adapters.vllm.rules import vllm_layout
     from mcore_reshard.wire.protocol import JoinInfo, RefitRequest
-    from mcore_reshard.transport.endpoint import RefitEndpoint
+    from mcore_reshard.transport.endpoint import IN_PLACE, RefitEndpoint
     from mcore_reshard.transport.executor import TensorSink
     from mcore_reshard.transport.views import TORCH_DTYPES
 
@@ -121,14 +121,9 @@ def destination_main(rank: int, inbox: Any, results: Any, layouts: list, spec: A
             request = RefitRequest.from_wire(wire)
             ep.set_plan(msg["slices"][k], msg["digests"][k])
             t0 = time.perf_counter()
-            stats, error = None, None
-            try:
-                stats = ep.run(request, {}, TensorSink(held[k]))
-            except Exception as exc:  # noqa: BLE001 - reported to the parent
-                error = exc
-            outcome = ep.vote(request, ep.report(stats) if stats is not None else None, error)
+            outcome, report = ep.refit(request, {}, TensorSink(held[k]), IN_PLACE)
             out["refits"].append((k, time.perf_counter() - t0, outcome.commit, outcome.errors,
-                                  None if stats is None else ep.report(stats).to_wire()))
+                                  None if report is None else report.to_wire()))
         ep.leave()
     except BaseException:  # noqa: BLE001
         import traceback

@@ -21,7 +21,7 @@ from mcore_reshard.plan.wire import slice_to_wire
 from mcore_reshard.infra.ports import free_port
 from mcore_reshard.wire.protocol import JoinInfo, RankMap, RankReport, RefitRequest, VerifyMode
 from mcore_reshard.testing.worlds import WorldCtx
-from mcore_reshard.transport.endpoint import RefitEndpoint
+from mcore_reshard.transport.endpoint import IN_PLACE, RefitEndpoint
 from mcore_reshard.transport.executor import TensorSink
 from mcore_reshard.transport.views import TORCH_DTYPES
 
@@ -94,14 +94,9 @@ def fp8_destination_main(rank: int, world: int, inbox: Any, q: Any, layout: Side
                 tensors = {p.name: torch.zeros(p.shape, dtype=TORCH_DTYPES[p.dtype]) for p in layout.for_rank(rank)}
             last = i == len(requests) - 1
             sink = _FlipScale(tensors, flip) if (flip and last) else TensorSink(tensors)
-            stats, error = None, None
-            try:
-                stats = ep.run(request, {}, sink)
-            except Exception as exc:  # noqa: BLE001
-                error = exc
-            outcome = ep.vote(request, ep.report(stats) if stats is not None else None, error)
+            outcome, report = ep.refit(request, {}, sink, IN_PLACE)
             out["outcomes"].append((outcome.commit, outcome.errors))
-            out["stats"].append(None if stats is None else RankReport.to_wire(ep.report(stats)))
+            out["stats"].append(None if report is None else RankReport.to_wire(report))
             if i == 0:  # as bytes: a queued tensor's shared memory dies with this process
                 out["tensors"] = {n: (str(t.dtype).replace("torch.", ""), tuple(t.shape),
                                       t.contiguous().view(torch.uint8).numpy().tobytes()) for n, t in tensors.items()}

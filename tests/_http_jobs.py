@@ -5,7 +5,9 @@ in the refit group's store (the init info names them by digest only) and hand th
 (which the controller makes fail), a retry in a new refit group, then two faults of their own:
 a flipped bit on the wire, the same in a streaming refit, and a killed trainer (rank 1 exits
 before its vote). ``http_two_refits_job``: a trained refit, then the server's own checkpoint
-refit back (the server's first answers, vLLM's own load of it, are the reference)."""
+refit back (the server's first answers, vLLM's own load of it, are the reference).
+``vllm_trainer_api_job``: the trainers reach the server through vLLM's own trainer-side API
+only (``WeightTransferTrainerFactory``, ``HTTPVLLMWeightSyncClient``)."""
 
 from __future__ import annotations
 
@@ -182,3 +184,36 @@ def _rejoin(ep: TrainerEndpoint, ctx: WorldCtx, rank_map: RankMap, dst_slices: d
     ep.join(info)
     if ctx.rank == 0:
         publish_slices(ep.group.store, dst_slices)
+
+
+def vllm_trainer_api_job(ctx: WorldCtx, ckpt: str, dtype: str, par: MegatronParallel, vllm: VllmParallel,
+                         tokens: list[int], url: str) -> dict:
+    """Two training steps, each sent with ``send_weights`` through vLLM's trainer-side API and
+    nothing else of this project's refit calls; rank 0 reads what the server then serves."""
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from mcore_reshard.refit.servers import prompt_logprobs
+    from mcore_reshard.refit.trainer_engine import MegatronShards, ReshardTrainerInitInfo
+
+    spec = load_model_spec(ckpt, dtype=dtype)
+    init_megatron(par, ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)
+    policy = build_policy(spec, par, TrainSettings(dtype=dtype, lr=0.05))
+    policy.load_canonical(load_canonical(ckpt))
+    source = MegatronShards(TrainerEndpoint(policy.chunks, spec, sync_params=policy.sync_params))
+    engine = WeightTransferTrainerFactory.trainer_init(
+        ReshardTrainerInitInfo(rank=ctx.rank, engine_tp=vllm.tp, timeout_s=120.0),
+        client=HTTPVLLMWeightSyncClient(url, timeout=300), source=source)
+    out: dict[str, Any] = {"trainer": [], "served": [], "reports": []}
+    for _ in range(2):
+        policy.train_step([tokens])
+        engine.send_weights()
+        out["trainer"].append(policy.logprobs([tokens])[0])
+        out["reports"].append(sorted((r.side, r.rank, r.verified, r.bytes_received - r.bytes_headers, r.bytes_full,
+                                      r.delta.on) for r in source.endpoint.last_reports if r is not None))
+        if ctx.rank == 0:
+            out["served"].append(prompt_logprobs(url, ckpt, tokens))
+    out["bytes_min"] = engine.plan.bytes_min
+    out["refit"] = source.endpoint.last_outcome.refit  # the last refit's identity
+    engine.shutdown()
+    return out

@@ -36,7 +36,7 @@ from mcore_reshard.infra.ports import free_port
 from mcore_reshard.jobs.serve import server_env
 from mcore_reshard.refit.verify import token_mult_prob_error
 
-from _http_jobs import http_refit_job, http_two_refits_job
+from _http_jobs import http_refit_job, http_two_refits_job, vllm_trainer_api_job
 
 pytestmark = pytest.mark.slow
 
@@ -75,6 +75,14 @@ def _serving(root: Path, tp: int, seed: int):
 @pytest.fixture
 def server(tmp_path: Path):
     with _serving(tmp_path, SERVER_TP, seed=5) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def tp1_server(tmp_path_factory):
+    """A TP1 server on the tiny MoE checkpoint of seed 6, shared by the tests below in file
+    order: the first reads its fresh answers before any refit."""
+    with _serving(tmp_path_factory.mktemp("tp1"), 1, seed=6) as s:
         yield s
 
 
@@ -193,11 +201,13 @@ def test_http_server_refit_then_refused_refit_keeps_it_paused(server):
     ranks = out["ranks"]
     assert ranks[1] is None  # the killed trainer
     line = str(failed.value)
-    assert "\n" not in line and line.startswith(f"{url} POST /update_weights: HTTP 500")
+    # ``/update_weights`` votes; the refit's outcome (here: aborted) is ``/finish_weight_update``'s
+    assert "\n" not in line and line.startswith(f"{url} POST /finish_weight_update: HTTP 500")
     assert "asked to run plan ffffffffffffffff" in line and "kept paused" in line, line
     # every worker refuses the digest; the decision names the ones whose "no" it had read first
     assert re.search(r"vLLM destination rank [0-9]+: RefitError", line), line
-    assert "/finish_weight_update" not in line  # the session was closed (its expected refusal ignored)
+    # the failed session was closed (the expected refusals of that ignored): one error, one route
+    assert line.count("/finish_weight_update") == 1 and "/update_weights" not in line, line
     assert "aborted" in ranks[0]["second_error"] or "not committed" in ranks[0]["second_error"], ranks[0]
 
     # The served weights after refit 1 are the trainers' (fp32: equal up to kernel order).
@@ -221,7 +231,7 @@ def test_http_server_refit_then_refused_refit_keeps_it_paused(server):
           f"killed trainer over HTTP ({kill_s:.1f}s): {killed.value}")
     for exc in (flipped.value, torn.value, killed.value):
         msg_line = str(exc)
-        assert "\n" not in msg_line and msg_line.startswith(f"{url} POST /update_weights: HTTP 500"), msg_line
+        assert "\n" not in msg_line and msg_line.startswith(f"{url} POST /finish_weight_update: HTTP 500"), msg_line
         assert "kept paused" in msg_line and re.search(r"rank [0-9]+", msg_line), msg_line
     assert "checksum" in str(flipped.value) and "checksum" in ranks[0]["flip_error"], (flipped.value, ranks[0])
     assert flip_state == ("refit-3", True) and flip_hangs
@@ -242,7 +252,7 @@ def test_http_server_refit_then_refused_refit_keeps_it_paused(server):
           f" server log {log_path}; trainers' refused refit: {ranks[0]['second_s']:.1f}s: {ranks[0]['second_error']}")
 
 
-def test_http_server_tp1_two_refits_equal_the_trainers_then_its_own_fresh_load(tmp_path):
+def test_http_server_tp1_two_refits_equal_the_trainers_then_its_own_fresh_load(tp1_server):
     """A TP1 server, refit twice over HTTP only in one refit group: the trainers' weights after
     a training step (every rank verified, bytes at the minimum, served logprobs within the fp32
     bound of megatron's), then the server's own checkpoint refit back, overlapped (received in
@@ -252,30 +262,30 @@ def test_http_server_tp1_two_refits_equal_the_trainers_then_its_own_fresh_load(t
     serves the trained weights, exactly."""
     import torch.multiprocessing as mp
 
-    with _serving(tmp_path, 1, seed=6) as (url, model, _log):
-        api = ServerClient(url, TIMEOUTS)
-        fresh = prompt_logprobs(url, model, TOKENS)
-        q = mp.get_context("spawn").Queue()
-        out: dict = {}
-        t = _trainers(http_two_refits_job, model, 1, q, out)
-        try:
-            msg = q.get(timeout=600)
-            refit_servers([url], msg["update_info"], "refit-1", init_info=msg["init_info"], timeouts=TIMEOUTS)
-            assert api.weight_version() == "refit-1" and not api.is_paused()
-            trained = prompt_logprobs(url, model, TOKENS)
-            msg = q.get(timeout=600)
-            during: list = []
+    url, model, _log = tp1_server
+    api = ServerClient(url, TIMEOUTS)
+    fresh = prompt_logprobs(url, model, TOKENS)
+    q = mp.get_context("spawn").Queue()
+    out: dict = {}
+    t = _trainers(http_two_refits_job, model, 1, q, out)
+    try:
+        msg = q.get(timeout=600)
+        refit_servers([url], msg["update_info"], "refit-1", init_info=msg["init_info"], timeouts=TIMEOUTS)
+        assert api.weight_version() == "refit-1" and not api.is_paused()
+        trained = prompt_logprobs(url, model, TOKENS)
+        msg = q.get(timeout=600)
+        during: list = []
 
-            def serve_meanwhile() -> None:  # the refit is in flight: the old weights, no pause
-                during.append((api.is_paused(), api.weight_version(), prompt_logprobs(url, model, TOKENS)))
+        def serve_meanwhile() -> None:  # the refit is in flight: the old weights, no pause
+            during.append((api.is_paused(), api.weight_version(), prompt_logprobs(url, model, TOKENS)))
 
-            notes = refit_servers([url], msg["update_info"], "refit-2", timeouts=TIMEOUTS,  # same group
-                                  before_swap=serve_meanwhile)
-            assert api.weight_version() == "refit-2" and not api.is_paused() and notes == []
-            assert during == [(False, "refit-1", trained)]
-            back = prompt_logprobs(url, model, TOKENS)
-        finally:
-            t.join(timeout=900)
+        notes = refit_servers([url], msg["update_info"], "refit-2", timeouts=TIMEOUTS,  # same group
+                              before_swap=serve_meanwhile)
+        assert api.weight_version() == "refit-2" and not api.is_paused() and notes == []
+        assert during == [(False, "refit-1", trained)]
+        back = prompt_logprobs(url, model, TOKENS)
+    finally:
+        t.join(timeout=900)
     assert "error" not in out, out.get("error")
     rank0 = out["ranks"][0]
     # the engine's one worker received the minimum, then (the second refit a delta back to the
@@ -286,3 +296,35 @@ def test_http_server_tp1_two_refits_equal_the_trainers_then_its_own_fresh_load(t
     assert token_mult_prob_error(trained, rank0["logprobs_1"]) < 1.001
     assert token_mult_prob_error(trained, fresh) > 1.01  # the training step reached the server
     assert back == fresh, max(abs(a - b) for a, b in zip(back, fresh))  # fp32, TP1: bit for bit
+
+
+def test_trainers_refit_a_server_through_vllms_own_trainer_api_only(tp1_server):
+    """A framework written against vLLM's trainer-side API: each megatron rank (TP2xEP2) builds
+    ``WeightTransferTrainerFactory.trainer_init(ReshardTrainerInitInfo(...), client=
+    HTTPVLLMWeightSyncClient(url), source=MegatronShards(...))`` and calls ``send_weights()``
+    after each of two training steps -- no driver, no controller, no project call on the
+    server. Each refit moves the minimum, every rank of both sides verifies it, the server's
+    version is the refit's identity, and it serves what megatron computes within fp32's bound
+    (and not what it served before the step)."""
+    url, model, _log = tp1_server
+    api = ServerClient(url, TIMEOUTS)
+    before = prompt_logprobs(url, model, TOKENS)
+    ranks = run_world(vllm_trainer_api_job, 2, (model, "float32", MegatronParallel(tp=2, ep=2, etp=1),
+                                                VllmParallel(tp=1), TOKENS, url), timeout_s=900)
+    rank0 = ranks[0]
+    assert ranks[1]["reports"] == rank0["reports"]  # every rank read the same vote
+    received, full, delta = [], [], []
+    for step, (trainer, served) in enumerate(zip(rank0["trainer"], rank0["served"])):
+        assert token_mult_prob_error(served, trainer) < 1.001, step
+        dst = [r for r in rank0["reports"][step] if r[0] == "dst"]
+        assert len(rank0["reports"][step]) == 3 and all(r[2] for r in rank0["reports"][step]), rank0["reports"]
+        received.append(sum(r[3] for r in dst))
+        full.append(sum(r[4] for r in dst))
+        delta.append(all(r[5] for r in dst))
+    # the minimum, then (delta refits on by default) at most it: what the second step changed
+    assert full == [rank0["bytes_min"]] * 2 and delta == [False, True]
+    assert received[0] == rank0["bytes_min"] >= received[1] > 0
+    assert token_mult_prob_error(rank0["served"][0], before) > 1.01  # the first step reached the server
+    assert token_mult_prob_error(rank0["served"][1], rank0["served"][0]) > 1.001  # and so did the second
+    assert api.weight_version() == rank0["refit"]  # labelled with the refit's identity: it never repeats
+    assert not api.is_paused()

@@ -28,7 +28,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from .engines import (ENGINE_GRACE_S, EngineCallers, EngineCalls, dst_layout_of, engine_dtype, engine_is_dead,
-                      engine_world, finish_overlapped, finish_quietly)
+                      engine_world, finish_quietly, finish_update)
 from ..errors import ConfigError, RefitFailed
 from ..wire.faults import Faults
 from ..layout import ModelSpec, SideLayout
@@ -381,7 +381,7 @@ class ReshardTransport:
                 if not engine_is_dead(exc):  # a dead engine never answers again: do not wait on it
                     finish_quietly(llm)
                 raise
-            llm.finish_weight_update()
+            finish_update(llm)  # the commit, as the vote decided
 
         updating = driver.start_on_engines(update, what="update_weights")
         replies, trainer_error = None, None
@@ -530,7 +530,7 @@ class PendingRefit:
         t_pause = time.perf_counter()
         errors = list(self._errors)
         errors += driver.on_engines(lambda llm, _: llm.sleep(level=0, mode="keep"), what="pause", deadline_s=60.0)
-        errors += driver.on_engines(lambda llm, _: finish_overlapped(llm), what="finish_weight_update (swap)",
+        errors += driver.on_engines(lambda llm, _: finish_update(llm), what="finish_weight_update (swap)",
                                     deadline_s=driver.engine_grace_s + 30.0)
         trusted = trainer_error is None and not errors
         errors += self.transport._settle(driver, request, driver.refit_id(request), trusted)

@@ -19,7 +19,7 @@ from ..layout import LocalParam, ModelSpec, Piece, SideLayout
 from ..wire.protocol import first_error_line
 
 __all__ = ["engine_world", "engine_dtype", "dst_layout_of", "ENGINE_GRACE_S", "EngineCalls", "EngineCallers",
-           "engine_is_dead", "finish_quietly", "finish_overlapped"]
+           "engine_is_dead", "finish_quietly", "finish_update"]
 
 _log = logging.getLogger("mcore_reshard.refit.driver")
 
@@ -84,13 +84,14 @@ def finish_quietly(llm: Any) -> None:
         pass
 
 
-def finish_overlapped(llm: Any) -> None:
-    """``finish_weight_update`` of an overlapped refit (the swap). When it did not commit it
-    raises on the engine's last worker, whose session vLLM then leaves open (it closes a
-    session only when the engine's finish returns); the others closed theirs. To close that
-    one without an error from any other worker (which would poison vLLM's next call):
-    ``start_weight_update`` opens a session on every worker but the last (which refuses:
-    the error comes from the last worker only), then ``finish_weight_update`` closes all."""
+def finish_update(llm: Any) -> None:
+    """``finish_weight_update``: the commit (or roll back) of what ``update_weights`` received
+    and voted on. When it did not commit it raises on the engine's last worker, whose session
+    vLLM then leaves open (it closes a session only when the engine's finish returns); the
+    others closed theirs. To close that one without an error from any other worker (which
+    would poison vLLM's next call): ``start_weight_update`` opens a session on every worker
+    but the last (which refuses: the error comes from the last worker only), then
+    ``finish_weight_update`` closes all."""
     try:
         llm.finish_weight_update()
     except BaseException as exc:

@@ -1,15 +1,23 @@
-"""What both ends of a refit share: the group, the plan slice, the run, the commit vote.
+"""What both ends of a refit share: the group, the plan slice, and the commit sequence.
 
 The trainer endpoint (``adapters/megatron/endpoint.py``) and the vLLM weight-transfer engine
-(``adapters/vllm/weight_transfer.py``) each own one :class:`RefitEndpoint`; they differ only
-in where bytes come from (local parameters) or go to (vLLM's applier). The slice check,
-close-on-failure, the pair lookup of the bandwidth probe and the report format live here once.
+(``adapters/vllm/weight_transfer.py``) each own one :class:`RefitEndpoint`, which runs the
+sequence of every refit once, for both::
+
+    open -> move the bytes -> prepare -> vote -> commit | abort
+
+Each side brings a :class:`Participant` (what it does around the vote) and, on the inference
+side, a sink (where the bytes go). The trainer's participant has nothing to stage
+(:data:`IN_PLACE`); vLLM's applier stages into shadows at ``prepare`` and swaps them in at
+``commit``. ``vote`` and ``conclude`` are separate so an engine can vote inside vLLM's
+``update_weights`` and commit inside ``finish_weight_update``. The slice check,
+close-on-failure, the pair lookup of the bandwidth probe and the report format live here too.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Any, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping, Protocol
 
 import torch
 
@@ -22,7 +30,61 @@ from .executor import TransferStats, execute_plan, raw_send_bandwidth
 from ..wire.faults import Fault
 from .group import RefitGroup
 
-__all__ = ["RefitEndpoint", "Outcome"]
+__all__ = ["RefitEndpoint", "Outcome", "Participant", "Prepared", "IN_PLACE"]
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What ``Participant.prepare`` reports: seconds per phase of its own, bytes it keeps
+    between refits (delta baselines), and bytes it holds beside the served weights until the
+    commit (shadows an overlapped refit keeps while the engine serves)."""
+
+    phases: Mapping[str, float] = field(default_factory=dict)
+    baseline_bytes: int = 0
+    held_bytes: int = 0
+
+
+class Participant(Protocol):
+    """One rank's part of a refit besides moving bytes; :class:`RefitEndpoint` calls it in
+    order: ``open`` before any byte moves, ``prepare`` after the last one, then exactly one
+    of ``commit`` or ``abort``, as the vote decided.
+
+    ``open`` returns whether this rank can rebuild boxes from what it holds (the baseline a
+    delta refit needs) and may raise to refuse the refit (its "no" vote). ``prepare`` makes
+    what arrived ready to serve without changing what is served (raises: a "no" vote).
+    ``commit`` swaps it in (raises: this rank failed to commit, it says so in the outcome).
+    ``abort`` drops it and never raises: what cannot be undone is kept as the participant's
+    own state (e.g. a torn streaming refit refuses to serve)."""
+
+    def open(self, request: RefitRequest) -> bool: ...
+
+    def prepare(self) -> Prepared: ...
+
+    def commit(self) -> None: ...
+
+    def abort(self, reason: str) -> None: ...
+
+
+class _InPlace:
+    """The participant of a rank that stages nothing: a sender reads its live weights, a
+    plain tensor sink is written in place. Its part of the commit is the endpoint's own (the
+    delta baselines, ``DeltaState.settle``)."""
+
+    def open(self, request: RefitRequest) -> bool:
+        return True
+
+    def prepare(self) -> Prepared:
+        return Prepared()
+
+    def commit(self) -> None:
+        pass
+
+    def abort(self, reason: str) -> None:
+        pass
+
+
+#: The participant of every sending rank, and of a destination written in place.
+IN_PLACE: Participant = _InPlace()
 
 
 @dataclass(frozen=True)
@@ -58,6 +120,9 @@ class RefitEndpoint:
         self._digest: str | None = None
         #: What this rank keeps between refits for delta refits (``delta.py``).
         self.delta = DeltaState()
+        #: Why this rank refuses every refit until it is sent a new slice (e.g. a vLLM worker
+        #: that does not hold what its slice writes): its vote is "no" with this line.
+        self.refusal = ""
 
     @property
     def who(self) -> str:
@@ -82,7 +147,7 @@ class RefitEndpoint:
         s = slice_from_wire(wire)
         if s.side != self.side or s.rank != self.rank:
             raise RefitError(f"{self.who}: was sent the slice of {s.side} rank {s.rank}")
-        self._slice, self._digest = s, plan_digest
+        self._slice, self._digest, self.refusal = s, plan_digest, ""
         return s.digest()
 
     def plan_slice(self, request: RefitRequest) -> RankPlan:
@@ -92,17 +157,63 @@ class RefitEndpoint:
             raise RefitError(f"{self.who}: asked to run plan {request.plan_digest}, holds {self._digest}")
         return self._slice
 
-    def run(self, request: RefitRequest, src_tensors: Mapping[str, torch.Tensor], sink: Any,
-            progress: bool = False, fault: Fault | None = None, baseline: bool = True) -> TransferStats:
+    def refit(self, request: RefitRequest, src_tensors: Mapping[str, torch.Tensor], sink: Any,
+              participant: Participant, *, progress: bool = False,
+              fault: Fault | None = None) -> tuple[Outcome, RankReport | None]:
+        """One whole refit on this rank: :meth:`transfer_and_vote`, then :meth:`conclude`.
+        Returns the concluded outcome and this rank's report."""
+        outcome, report = self.transfer_and_vote(request, src_tensors, sink, participant, progress=progress,
+                                                 fault=fault)
+        return self.conclude(outcome, participant), report
+
+    def transfer_and_vote(self, request: RefitRequest, src_tensors: Mapping[str, torch.Tensor], sink: Any,
+                          participant: Participant, *, progress: bool = False,
+                          fault: Fault | None = None) -> tuple[Outcome, RankReport | None]:
+        """The refit up to its decision: open, move this rank's bytes, prepare, vote. Nothing
+        served has changed yet (except in a streaming refit, which commits as layers complete).
+        Never raises: any failure is this rank's "no" vote, and the outcome names it. Returns
+        the outcome and this rank's report (None when it failed before one)."""
+        report, error = None, None
+        try:
+            stats = self._run(request, src_tensors, sink, participant, progress, fault)
+            ready = participant.prepare()
+            report = self.report(stats, ready.phases)
+            report = replace(report, peak_extra_bytes=report.peak_extra_bytes + ready.held_bytes,
+                             delta=replace(report.delta, state_bytes=report.delta.state_bytes + ready.baseline_bytes))
+        except BaseException as exc:  # noqa: BLE001 - voted on, then kept as the outcome
+            error = exc
+        return self.vote(request, report, error, fault=fault), report
+
+    def conclude(self, outcome: Outcome, participant: Participant) -> Outcome:
+        """After the vote: the participant commits or aborts, as the decision says. A commit
+        that fails here turns this rank's outcome into a failure naming it (the delta
+        baselines are then reset: this rank no longer holds what the others do)."""
+        if not (outcome.commit and outcome.known):
+            head = "aborted" if outcome.known else "decision unknown"
+            participant.abort(f"{head}: {'; '.join(outcome.errors)[:500]}")
+            return outcome
+        try:
+            participant.commit()
+        except BaseException as exc:  # noqa: BLE001 - this rank failed to commit; it says so
+            self.delta.reset()
+            return replace(outcome, commit=False, errors=outcome.errors + [f"{self.who}: commit failed: "
+                                                                           f"{first_error_line(exc)}"])
+        return outcome
+
+    def _run(self, request: RefitRequest, src_tensors: Mapping[str, torch.Tensor], sink: Any,
+             participant: Participant, progress: bool, fault: Fault | None) -> TransferStats:
         """Move this rank's bytes. A failure posts the group's abort signal (every other rank
         stops within a poll interval) and leaves the group broken (closed after the vote).
 
         Before any byte moves every rank agrees on the plan digest and the verify mode, and
         whether this refit sends deltas (``delta.decide``: every rank holds the same committed
-        refit). ``baseline`` False: this destination cannot rebuild boxes from what it holds
-        (e.g. a vLLM worker whose repacked layers have no model-format copy yet)."""
+        refit). ``participant.open`` says whether this rank can rebuild boxes from what it
+        holds (e.g. not a vLLM worker whose repacked layers have no model-format copy yet)."""
         if self.group is not None:
             self.group.begin_refit(request.epoch, watch=True)  # before any check: even a refused refit aborts
+        baseline = participant.open(request)
+        if self.refusal:
+            raise RefitError(self.refusal)
         s = self.plan_slice(request)
         src, dst = (s, None) if self.side == "src" else (None, s)
         self.delta.begin()

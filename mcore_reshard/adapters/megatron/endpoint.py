@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ...layout import LocalParam, ModelSpec
 from ...wire.protocol import JoinInfo, RankReport, RefitRequest
-from ...transport.endpoint import Outcome, RefitEndpoint
+from ...transport.endpoint import IN_PLACE, Outcome, RefitEndpoint
 from ...transport.faults import ExitAfterReads
 from ...wire.faults import Fault
 from .live import describe, named_local_params
@@ -80,16 +80,10 @@ class TrainerEndpoint:
         injection for tests: ``fault`` (``transport.faults.Fault``); ``die_after_reads``: this
         rank's process exits abruptly at its n-th read of a local tensor (dying mid-refit)."""
         self._sync()
-        report, error = None, None
         tensors: Mapping[str, Any] = self.local_tensors()
         if die_after_reads is not None:
             tensors = ExitAfterReads(tensors, die_after_reads)
-        try:
-            stats = self._endpoint.run(request, tensors, None, progress=progress, fault=fault)
-            report = self._endpoint.report(stats)
-        except BaseException as exc:  # noqa: BLE001 - voted on, then raised below
-            error = exc
-        outcome = self._endpoint.vote(request, report, error, fault=fault if fault and fault.at else None)
+        outcome, report = self._endpoint.refit(request, tensors, None, IN_PLACE, progress=progress, fault=fault)
         self.last_outcome, self.last_reports = outcome, outcome.reports
         outcome.raise_if_failed()
         return report

@@ -27,8 +27,8 @@ Atomicity: with ``atomic=True`` nothing live changes before :meth:`VllmApplier.f
 checked that every touched parameter is complete (direct parameters are staged, reload layers
 live in their shadows); :meth:`abort` drops the staged copies and shadows and the old weights
 keep serving. With ``atomic=False`` (streaming, no extra memory) completed layers are committed
-as they complete; an abort or failure after a commit marks the applier ``NOT_SERVING`` and
-raises :class:`RefitIncomplete` -- never a silent half-written model.
+as they complete; an abort or failure after a commit marks the applier ``not_serving``, and
+its model steps raise :class:`RefitIncomplete` -- never a silent half-written model.
 """
 
 from __future__ import annotations
@@ -44,7 +44,9 @@ import torch
 
 from ...errors import RefitIncomplete
 from ...layout.descriptor import LayoutError, LocalParam, View
+from ...transport.endpoint import Prepared
 from ...transport.views import local_view, zero_padding
+from ...wire.protocol import RefitRequest
 from .baselines import ModelFormatCopies
 from .delta_apply import DeltaApply
 from .layers import (DIRECT, MLA_NOTE, RELOAD, aliased, commit_shadow, mla_absorbers, open_shadow, owner,
@@ -85,8 +87,10 @@ def _timed(phase: str):
 class VllmApplier(DeltaApply):
     """Applies a stream of ``(local_name, View, tensor)`` writes to one worker's model.
 
-    Lifecycle: ``begin()`` -> ``write(...)`` * n -> ``finish()``; ``abort()`` on failure.
-    ``state`` is one of ``idle | updating | serving | not_serving``.
+    A refit drives it as its participant (``open``, ``prepare``, then ``commit`` or
+    ``abort``: ``transport.endpoint.Participant``); a loader as ``begin()`` -> ``write(...)``
+    * n -> ``finish()``, ``abort()`` on failure. ``state`` is one of ``idle | updating |
+    serving | not_serving``.
     """
 
     def __init__(self, model: torch.nn.Module, params: Sequence[LocalParam], *,
@@ -109,9 +113,16 @@ class VllmApplier(DeltaApply):
             self._names_under.setdefault(prefix, {})[attr] = n
         self.modes = dict(modes) if modes is not None else select_modes(model, params)
         self.atomic = atomic
+        #: A refit opened this applier (``open``) and has not concluded; it is overlapped (its
+        #: shadows are held while the engine serves).
+        self._opened = self._overlap = False
         self.device = torch.device(device)
         self.state = "idle"
         self.reason = ""
+        #: Why this worker could not learn a refit's decision (set by its engine until a refit
+        #: commits here): its model steps are refused too, since its engine's other workers may
+        #: hold the new weights (a caller without a pause, e.g. vLLM's trainer-side API).
+        self.unsure = ""
         self._torn = False
         self._absorbers = mla_absorbers(model)
         #: Delta refits: the model-format values of every reload-mode parameter as last
@@ -130,6 +141,9 @@ class VllmApplier(DeltaApply):
     def _refuse_if_torn(self, module: torch.nn.Module, args: Any) -> None:
         if self.state == "not_serving":
             raise RefitIncomplete(f"model step refused: {self.reason}")
+        if self.unsure:
+            raise RefitIncomplete(f"model step refused: this worker does not know whether its engine's other "
+                                  f"workers committed the last refit ({self.unsure[:300]})")
 
     def close(self) -> None:
         """Remove this applier's gate (a new applier takes over the model)."""
@@ -140,7 +154,7 @@ class VllmApplier(DeltaApply):
         """Take over ``old``'s model: torn weights stay torn until a whole refit commits."""
         if old.state == "not_serving":
             self.state, self.reason = old.state, old.reason
-        self.copies = old.copies
+        self.copies, self.unsure = old.copies, old.unsure
         old.close()
 
     def _reset(self) -> None:
@@ -158,7 +172,45 @@ class VllmApplier(DeltaApply):
         self._live_changed = False
         self._prepared = False
 
-    # -- lifecycle ---------------------------------------------------------------------
+    # -- the refit's participant (``transport.endpoint.Participant``) ------------------------
+    def open(self, request: RefitRequest) -> bool:
+        """A refit starts: a refit that never reached its end here is dropped first. Returns
+        whether every parameter can rebuild a box from what it holds (``delta_ready``)."""
+        if self.state == "updating":
+            self._fail("superseded by a new refit")
+        self.begin()
+        self._opened, self._overlap = True, request.overlap
+        ready = self.delta_ready()
+        self.copies.keep = request.delta != "off"
+        return ready
+
+    def prepare(self) -> Prepared:
+        """Every byte arrived. Atomic: complete and processed in the shadows, nothing live
+        changed (``stage``). Streaming: layers were committed as they completed; the rest now."""
+        t0 = time.perf_counter()
+        self.stage() if self.atomic else self.finish()
+        phases = {f"apply_{k}": v for k, v in self.timings.items()} | {"apply_finish": time.perf_counter() - t0}
+        return Prepared(phases, baseline_bytes=self.baseline_bytes(),
+                        held_bytes=self.shadow_bytes() if self._overlap else 0)
+
+    def commit(self) -> None:
+        """Everyone staged and verified: swap in together (atomic; a streaming refit committed
+        at ``prepare``)."""
+        self._opened = False
+        if self.atomic:
+            self.finish()
+
+    def abort(self, reason: str = "aborted") -> None:
+        """Undo what was not committed; if live weights already changed (a streaming refit,
+        here or one this worker finished and another rank failed), stop serving. Never
+        raises: ``state`` and ``reason`` say what is left."""
+        opened, self._opened = self._opened, False
+        if self.state == "updating":
+            self._fail(reason)
+        elif opened:
+            self.invalidate(reason)
+
+    # -- lifecycle (a loader's: ``begin`` -> ``write`` * n -> ``finish``) -------------------
     def begin(self) -> None:
         if self.state == "updating":
             raise RuntimeError("refit already in progress; finish() or abort() it first")
@@ -226,12 +278,12 @@ class VllmApplier(DeltaApply):
                     self._commit(st)
         return out
 
-    def prepare(self) -> None:
+    def stage(self) -> None:
         """Phase one of an atomic commit: check completeness and run vLLM's processing on the
         staged layers; nothing live changes (``abort`` still restores everything). A worker
         votes to commit only after this succeeded. Streaming mode: same as ``finish``'s checks."""
         if self.state != "updating":
-            raise RuntimeError(f"prepare() without begin() (state {self.state})")
+            raise RuntimeError(f"stage() without begin() (state {self.state})")
         if self._prepared:
             return
         try:
@@ -244,7 +296,7 @@ class VllmApplier(DeltaApply):
                     if not st.processed:
                         self._process(st)
         except BaseException as exc:
-            self._fail(f"prepare() failed: {exc}")
+            self._fail(f"staging failed: {exc}")
             raise
         self._prepared = True
 
@@ -252,7 +304,7 @@ class VllmApplier(DeltaApply):
         """Check completeness, commit what is pending, and go back to serving."""
         if self.state != "updating":
             raise RuntimeError(f"finish() without begin() (state {self.state})")
-        self.prepare()
+        self.stage()
         try:
             if self.atomic:
                 for name, staged in self._staged.items():
@@ -268,14 +320,6 @@ class VllmApplier(DeltaApply):
         self.copies.commit()
         self._kept = {}
         self.state = "serving"
-
-    def abort(self, reason: str = "aborted") -> None:
-        """Undo what was not committed; if live weights already changed, stop serving."""
-        if self.state != "updating":
-            return
-        self._fail(reason)
-        if self.state == "not_serving":
-            raise RefitIncomplete(self.reason)
 
     def invalidate(self, reason: str) -> None:
         """A refit this worker finished (streaming) was aborted by another rank: if it changed

@@ -1,11 +1,13 @@
-"""Sinks a worker wraps around its ``VllmApplier`` for one refit, when the request asks.
+"""Sinks (and a participant) a worker wraps around its ``VllmApplier`` for one refit, when
+the request asks.
 
 ``FullCopy`` (``verify=full``): every box also lands in a model-format copy of the worker's
 parameters, taken before vLLM repacks a layer, which the driver compares element for element
 with the trainers' weights. ``ExitAfter`` (fault injection, set only by a request's typed
 ``faults``): the worker process exits abruptly after ``n`` writes, as a crash mid-transfer would.
 Both pass every sink method through, ``keep`` and ``patch`` included, so a delta refit takes the
-same path with them as without.
+same path with them as without. ``AlteredBaseline`` (fault injection) is the applier as the
+refit's participant, altering a delta's baseline as the refit opens.
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ from typing import Any
 
 import torch
 
+from ...transport.endpoint import Prepared
 from ...transport.views import TORCH_DTYPES, local_view, scatter_flat
+from ...wire.protocol import RefitRequest
 from .apply import VllmApplier
 
-__all__ = ["ExitAfter", "FullCopy"]
+__all__ = ["AlteredBaseline", "ExitAfter", "FullCopy"]
 
 
 class FullCopy:
@@ -95,3 +99,26 @@ class ExitAfter:
     def landed(self, local_name: str, view: Any, hash_fn: Any) -> Any:
         self._count()
         return self.sink.landed(local_name, view, hash_fn)
+
+
+class AlteredBaseline:
+    """Fault injection: the applier as a refit's participant, which adds 1 to the first element
+    a delta of ``name`` would start from as the refit opens (``VllmApplier.alter_baseline``;
+    a name the worker does not hold is its "no" vote)."""
+
+    def __init__(self, applier: VllmApplier, name: str) -> None:
+        self.applier, self.name = applier, name
+
+    def open(self, request: RefitRequest) -> bool:
+        ready = self.applier.open(request)
+        self.applier.alter_baseline(self.name)
+        return ready
+
+    def prepare(self) -> Prepared:
+        return self.applier.prepare()
+
+    def commit(self) -> None:
+        self.applier.commit()
+
+    def abort(self, reason: str) -> None:
+        self.applier.abort(reason)

@@ -48,7 +48,7 @@ from ...transport.endpoint import Outcome, RefitEndpoint
 from ...wire.faults import Fault
 from .apply import VllmApplier
 from .record import record_local_params
-from .sinks import ExitAfter, FullCopy
+from .sinks import AlteredBaseline, ExitAfter, FullCopy
 
 __all__ = ["ReshardInitInfo", "ReshardUpdateInfo", "ReshardWeightTransferEngine", "canonical_tensors",
            "engine_rank", "rebind_commits"]
@@ -108,6 +108,8 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
     init_info_cls = ReshardInitInfo
     update_info_cls = ReshardUpdateInfo
     supports_draft_weight_update = False
+    #: ``update_weights`` votes; the weights go live at ``finish_weight_update`` (or ``drain_pending``).
+    defers_processing = True
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
@@ -129,8 +131,9 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         self.unsure = ""
         #: Why this worker refused its plan slice at init (its first refit votes no with it).
         self.init_error = ""
-        #: An overlapped refit receiving on its own thread (``finish_weight_update`` joins it).
-        self._background: _Background | None = None
+        #: The refit between ``update_weights`` and ``finish_weight_update``: voted, or (overlapped)
+        #: receiving and voting on its own thread.
+        self._pending: _Voted | _Background | None = None
 
     # -- descriptors ------------------------------------------------------------------------
     def params(self) -> list[LocalParam]:
@@ -183,6 +186,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
                 self.init_error = first_error_line(exc)
             else:
                 self._take_slice(endpoint, rank, wire, message.plan_digest)
+        endpoint.refusal = self.init_error  # its first refit votes no with it, before a byte moves
 
     def _take_slice(self, endpoint: RefitEndpoint, rank: int, wire: dict[str, Any] | None, digest: str) -> None:
         """Keep ``wire`` as this worker's slice once it is checked; a refusal is kept as
@@ -218,44 +222,66 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
             raise RefitError(f"vLLM destination rank {rank}: plan {digest} writes {got[bad[0]]} elements of "
                              f"{bad[0]!r}, this worker holds {mine[bad[0]]}")
 
+    # The refit's sequence is ``RefitEndpoint``'s (open, move, prepare, vote, commit | abort);
+    # the applier is this worker's participant. vLLM's three calls split it at the vote:
     def start_weight_update(self) -> None:
-        """Nothing to open: layers are opened as their first bytes arrive (``VllmApplier``)."""
+        """Open a weight update. A refit left without its ``finish_weight_update`` (its driver
+        went away after ``update_weights``) is concluded first, as its vote decided: every
+        worker of the engine runs this same call, so they all conclude alike."""
+        self.drain_pending()
 
     def receive_weights(self, update_info: ReshardUpdateInfo) -> None:
-        """One whole refit: receive and stage (or stream), vote with every rank, read the one
-        decision, commit or roll back.
+        """``update_weights``: receive this worker's boxes (into staged or shadow tensors;
+        streaming: live), prepare them and vote with every rank of the refit. Nothing is
+        committed here in atomic mode, and nothing raises: the outcome waits for
+        ``finish_weight_update`` (``defers_processing``).
+
+        ``RefitRequest.overlap``: returns at once. A thread of this worker receives into
+        shadow weights and votes while the engine keeps running model steps on the live
+        ones; ``finish_weight_update`` joins it."""
+        self.drain_pending()  # an update_weights whose finish never came
+        if _wants_overlap(update_info):
+            self._pending = _Background(self, update_info)
+        else:
+            self._pending = _Voted(self._receive(update_info))
+
+    def finish_weight_update(self) -> None:
+        """Commit (the swap from staged and shadow tensors into the live ones) or roll back,
+        as the vote decided; an overlapped refit is joined first. Every TP rank runs this call
+        between the same two model steps (vLLM's workers read one queue in order), so the
+        swap is one step boundary.
 
         It raises only on the engine's last worker, and only when the refit did not commit
         here: vLLM's ``collective_rpc`` reads the workers' replies in rank order, so an error
         from the last one leaves no reply queued, and the caller (the driver, or an HTTP
-        controller's ``/update_weights``) sees the failure in one line. Every worker keeps
-        the outcome (``status()``).
+        controller's ``/finish_weight_update``) sees the failure in one line. Every worker
+        keeps the outcome (``status()``)."""
+        self._conclude(quiet=False)
 
-        ``RefitRequest.overlap``: returns at once. A thread of this worker receives into
-        shadow weights and votes while the engine keeps running model steps on the live
-        ones; ``finish_weight_update`` joins it and swaps (or drops the shadows)."""
-        if self._background is not None:  # an overlapped refit never finished: conclude it first
-            self._conclude(*self._background.join(), quiet=True)
-            self._background = None
-        if _wants_overlap(update_info):
-            self._background = _Background(self, update_info)
+    def drain_pending(self) -> None:
+        """Conclude the refit under way (commit or roll back, as voted) without raising: for
+        a caller that takes over the update tail (vLLM's ``defers_processing`` contract);
+        ``status()`` says how it ended."""
+        self._conclude(quiet=True)
+
+    def _conclude(self, quiet: bool) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None:
             return
-        self._conclude(*self._receive(update_info))
-
-    def _conclude(self, request: RefitRequest | None, applier: VllmApplier | None, outcome: Outcome,
-                  quiet: bool = False) -> None:
-        """After the vote: commit or roll back, keep the outcome, raise on the last worker
-        (``quiet``: never; an overlapped refit concluded by the next ``update_weights``)."""
-        if request is not None and applier is not None:
-            outcome = self._settle(request, applier, outcome)
+        request, applier, outcome = pending.join()
+        if request is not None and applier is not None and self.endpoint is not None:
+            outcome = self.endpoint.conclude(outcome, applier)
+            if outcome.commit and outcome.known:  # this worker now holds that refit's weights, whole
+                self.version, self.refit, self.unsure = request.label(outcome.refit), outcome.refit, ""
         self.last_outcome = outcome
         if not outcome.known:
             self.unsure = "; ".join(outcome.errors)[:500] or "the decision of a refit is unknown here"
-        if (outcome.commit and outcome.known) or quiet:
+        if self._applier is not None:  # the worker's own gate: no model step while unsure
+            self._applier.unsure = self.unsure
+        if (outcome.commit and outcome.known) or quiet or not self._last_worker():
             return
-        if self._last_worker():
-            word = "not committed" if outcome.known else "decision unknown (this engine must not serve)"
-            raise RefitError(f"refit {word}: {'; '.join(outcome.errors)[:800]}")
+        word = "not committed" if outcome.known else "decision unknown (this engine must not serve)"
+        raise RefitError(f"refit {word}: {'; '.join(outcome.errors)[:800]}")
 
     def _last_worker(self) -> bool:
         par = self.vllm_config.parallel_config
@@ -263,8 +289,8 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         return self.local_rank % world == world - 1
 
     def _receive(self, update_info: ReshardUpdateInfo) -> tuple[RefitRequest | None, VllmApplier | None, Outcome]:
-        """Receive this worker's boxes (into staged or shadow tensors; streaming: live) and
-        vote. Nothing is committed here in atomic mode (``_settle`` does, after the vote)."""
+        """Receive, prepare and vote (``RefitEndpoint.transfer_and_vote``, with the applier as
+        this worker's participant and the sinks the request asks for around it)."""
         try:
             request = RefitRequest.from_wire(update_info.request)
         except Exception as exc:  # noqa: BLE001 - a bad request is this worker's "no"
@@ -274,75 +300,23 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
             return None, None, Outcome(
                 False, [], [f"vLLM worker {self.local_rank}: update_weights before init_weight_transfer_engine"],
                 epoch=request.epoch)
-        fault = _fault_for(update_info.fault, self.endpoint.rank)
+        rank = self.endpoint.rank
         applier = self.applier(request.atomic)
+        participant: Any = applier
         sink: Any = applier
         self.received = None
         if request.verify is VerifyMode.FULL:
             sink = FullCopy(applier)
             self.received = sink.copies
-        exit_after = _engine_fault(update_info, self.endpoint.rank, "exit_after_writes")
+        exit_after = _engine_fault(update_info, rank, "exit_after_writes")
         if exit_after is not None:
             sink = ExitAfter(sink, int(exit_after))
-        report, error = None, None
-        if applier.state == "updating":  # a refit that never reached its end on this worker
-            applier.abort("superseded by a new refit")
-        applier.begin()
-        try:
-            if self.init_error:
-                if self.endpoint.group is not None:
-                    self.endpoint.group.begin_refit(request.epoch, watch=True)
-                raise RefitError(self.init_error)
-            altered = _engine_fault(update_info, self.endpoint.rank, "alter_baseline")
-            if altered is not None:
-                applier.alter_baseline(str(altered))
-            ready = applier.delta_ready()
-            applier.copies.keep = request.delta != "off"
-            stats = self.endpoint.run(request, {}, sink, baseline=ready)
-            t0 = time.perf_counter()
-            if request.atomic:
-                applier.prepare()  # complete and processed in the shadows, nothing live changed yet
-            else:
-                applier.finish()  # streaming: layers committed as they completed; the rest now
-            finish_s = time.perf_counter() - t0
-            report = self.endpoint.report(stats, _apply_phases(applier.timings, finish_s))
-            report = replace(report, delta=replace(report.delta,
-                                                   state_bytes=report.delta.state_bytes + applier.baseline_bytes()))
-            if request.overlap:  # the shadows are held while the engine serves the live weights
-                report = replace(report, peak_extra_bytes=report.peak_extra_bytes + applier.shadow_bytes())
-        except BaseException as exc:  # noqa: BLE001 - voted on, then kept as the outcome
-            error = exc
-        outcome = self.endpoint.vote(request, report, error, fault=fault)
-        self.last_report = report
+        altered = _engine_fault(update_info, rank, "alter_baseline")
+        if altered is not None:
+            participant = AlteredBaseline(applier, str(altered))
+        outcome, self.last_report = self.endpoint.transfer_and_vote(request, {}, sink, participant,
+                                                                    fault=_fault_for(update_info.fault, rank))
         return request, applier, outcome
-
-    def _settle(self, request: RefitRequest, applier: VllmApplier, outcome: Outcome) -> Outcome:
-        """Commit (atomic: the swap from staged and shadow tensors into the live ones) or roll
-        back, as the decision says."""
-        if outcome.commit and request.atomic:
-            try:
-                applier.finish()  # everyone staged and verified: commit together
-                self._held(request, outcome)
-            except BaseException as exc:  # noqa: BLE001 - this engine no longer serves
-                self.endpoint.delta.reset()
-                outcome = replace(outcome, commit=False, errors=outcome.errors + [f"{self.endpoint.who}: commit failed: {exc}"])
-        elif outcome.commit:
-            self._held(request, outcome)
-        else:
-            reason = f"aborted: {'; '.join(outcome.errors)[:500]}" if outcome.known else \
-                f"decision unknown: {'; '.join(outcome.errors)[:500]}"
-            if applier.state == "updating":
-                try:
-                    applier.abort(reason)
-                except RefitError:
-                    pass  # streaming mode after a partial commit: the applier now refuses to serve
-            else:
-                applier.invalidate(reason)  # streaming: finished here, failed elsewhere
-        return outcome
-
-    def _held(self, request: RefitRequest, outcome: Outcome) -> None:
-        """This worker now holds the weights of the refit ``outcome`` committed: whole, and known."""
-        self.version, self.refit, self.unsure = request.label(outcome.refit), outcome.refit, ""
 
     def forget_baselines(self) -> None:
         """The weights change outside a refit (e.g. the HF baseline's reload): no delta may
@@ -351,16 +325,6 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
             self.endpoint.delta.reset()
         if self._applier is not None:
             self._applier.forget_baselines()
-
-    def finish_weight_update(self) -> None:
-        """Blocking refits: nothing to close (the commit happened inside ``update_weights``,
-        all ranks agreed). Overlapped ones: join the background refit and swap its shadows
-        in, or drop them (raises on the last worker when it did not commit, as
-        ``receive_weights`` does). Every TP rank runs this call between the same two model
-        steps (vLLM's workers read one queue in order), so the swap is one step boundary."""
-        bg, self._background = self._background, None
-        if bg is not None:
-            self._conclude(*bg.join())
 
     def status(self) -> WorkerStatus:
         """This worker's serving state, the version it holds and the last refit's outcome.
@@ -388,6 +352,16 @@ def _wants_overlap(update_info: ReshardUpdateInfo) -> bool:
     in the foreground)."""
     req = update_info.request
     return isinstance(req, dict) and req.get("overlap") is True and req.get("atomic", True) is True
+
+
+@dataclass(frozen=True)
+class _Voted:
+    """A refit that voted in the foreground (``update_weights``), waiting for its commit."""
+
+    result: tuple[Any, ...]
+
+    def join(self) -> tuple[Any, ...]:
+        return self.result
 
 
 class _Background:
@@ -453,5 +427,3 @@ def _fault_for(spec: dict | None, rank: int) -> Fault | None:
     return Fault.from_wire(spec)
 
 
-def _apply_phases(timings: dict[str, float], finish_s: float) -> dict[str, float]:
-    return {f"apply_{k}": v for k, v in timings.items()} | {"apply_finish": finish_s}

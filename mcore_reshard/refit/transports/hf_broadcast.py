@@ -34,10 +34,9 @@ import torch
 
 from ...adapters.vllm.layers import reprepack_cpu_moe
 from ...adapters.vllm.worker import ReshardWorkerExtension
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from ..driver import RefitDriver
+#: The ``refit.driver.RefitDriver`` that runs a transport. Transports never import the driver
+#: (its module imports them), not even for type checking: the layer contract counts that too.
+RefitDriver = Any
 from ...errors import RefitFailed
 from ...wire.faults import Faults
 from ...layout.descriptor import DTYPE_BYTES, Box, LocalParam, Piece, SideLayout, View, contiguous_strides

@@ -1,0 +1,293 @@
+"""The training end of a refit through vLLM's own trainer-side API (``backend="mcore_reshard"``).
+
+A framework written against vLLM's ``TrainerWeightTransferEngine`` needs no project-specific
+call: every training rank (a Megatron-Core rank, ``torch.distributed`` initialised) runs::
+
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    engine = WeightTransferTrainerFactory.trainer_init(
+        ReshardTrainerInitInfo(rank=rank, engine_tp=2),      # the vLLM engine's layout
+        client=HTTPVLLMWeightSyncClient(url),                 # or RayVLLMWeightSyncClient, ...
+        source=MegatronShards(TrainerEndpoint(model_chunks, spec)))
+    engine.send_weights()                                     # every step, on every rank
+
+What happens underneath is the project's own refit, shard to shard: at ``trainer_init`` every
+rank describes its pieces (gathered over the trainers' default process group as JSON), every
+rank plans the same plan (pure and deterministic) against the engine's layout by the rules,
+rank 0 (vLLM's "sender") opens the refit group, publishes the engine's slices in its store
+and initialises the engine through ``client``. Each ``send_weights`` is one refit: every rank
+sends its own boxes while rank 0 drives ``start_weight_update`` / ``update_weights`` /
+``finish_weight_update``; all ranks of both sides vote, and the engine commits at its finish
+or keeps its old weights. The engine checks its slice against what its workers record, so a
+layout stated wrongly here is refused in one line at the first refit.
+
+vLLM's trainer API has no pause: the engine serves its old weights until the swap at
+``finish_weight_update`` (one step boundary), and a worker that could not learn a refit's
+decision refuses model steps until a refit commits (``VllmApplier``'s gate). One client
+drives one engine (an engine's init info names its first destination rank).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar, Iterator, Self
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    ParamMeta,
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    WeightSource,
+)
+
+from ..adapters.megatron.endpoint import TrainerEndpoint
+from ..adapters.vllm.plugin import BACKEND
+from ..adapters.vllm.rules import VllmParallel, vllm_layout
+from ..errors import ConfigError, RefitFailed
+from ..infra.ports import free_port
+from ..layout import SideLayout
+from ..plan import get_plan
+from ..plan.types import TransferPlan
+from ..plan.wire import slice_to_wire
+from ..wire.protocol import EngineInitInfo, JoinInfo, RankMap, RefitRequest, VerifyMode, WorkerLayout, first_error_line
+from ..wire.slice_store import publish_slices, slice_digests
+from .engines import finish_update
+
+__all__ = ["MegatronShards", "ReshardTrainerInitInfo", "ReshardTrainerEngine", "register"]
+
+#: Seconds past a refit's timeout that rank 0 waits for the engine's calls.
+CLIENT_GRACE_S = 30.0
+
+
+@dataclass
+class ReshardTrainerInitInfo(TrainerInitInfo):
+    """The trainer side's settings, in vLLM's ``TrainerInitInfo`` form (``rank`` is vLLM's:
+    this process's rank among the trainers, 0 drives the engine).
+
+    ``host`` / ``port``: the refit group's master, trainer rank 0's address (port 0: a free
+    one there). ``engine_*``: the vLLM engine's parallel layout (its tensor, pipeline and
+    data parallel sizes, expert parallelism) and ``engine_dtype`` (None: the model's).
+    ``timeout_s``, ``verify``, ``atomic``, ``delta``: as ``RefitRequest``'s."""
+
+    backend: ClassVar[str] = BACKEND
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    engine_tp: int = 1
+    engine_pp: int = 1
+    engine_dp: int = 1
+    engine_enable_ep: bool = False
+    engine_dtype: str | None = None
+    timeout_s: float = 120.0
+    verify: str = "checksum"
+    atomic: bool = True
+    delta: str = "auto"
+    bucket_bytes: int = 64 << 20
+
+
+class MegatronShards(WeightSource):
+    """A Megatron-Core rank's weights as vLLM's ``WeightSource``: the metadata of every
+    canonical (HF-named) tensor of the model, and the names this rank holds pieces of. It
+    yields no whole tensors: the ``mcore_reshard`` engine reads this rank's local shards
+    (``endpoint``) and moves each box where it is held, never a gathered tensor."""
+
+    def __init__(self, endpoint: TrainerEndpoint) -> None:
+        self.endpoint = endpoint
+
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(name, getattr(torch, dtype), tuple(shape))
+                for name, (shape, dtype) in self.endpoint.spec.tensor_table().items()]
+
+    def held_names(self) -> list[str]:
+        return sorted({q.canonical for p in self.endpoint.describe() for q in p.pieces})
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        raise TypeError("MegatronShards yields no whole tensors: the mcore_reshard backend moves each rank's "
+                        "local shards (use backend='mcore_reshard')")
+
+
+class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
+    """vLLM's trainer-side engine over a :class:`TrainerEndpoint` (see the module docstring)."""
+
+    init_info_cls = ReshardTrainerInitInfo
+
+    def __init__(self, *, client: Any, source: MegatronShards, is_sender: bool, plan: TransferPlan,
+                 request: RefitRequest, init_info: dict[str, Any]) -> None:
+        super().__init__(client=client, source=source, is_sender=is_sender)
+        self.endpoint = source.endpoint
+        #: The plan every refit runs (its report: ``plan.report``; ``bytes_min``, ...).
+        self.plan = plan
+        self._request = request
+        self._epoch = 0
+        #: The engine's init info (rank 0): sent again when a failed refit broke the group.
+        self.engine_init_info = init_info
+
+    @classmethod
+    def trainer_init(cls, init_info: ReshardTrainerInitInfo, *, client: Any,
+                     source: WeightSource | None = None) -> Self:
+        """Plan, open the refit group and initialise the engine (rank 0 through ``client``);
+        called on every trainer rank at once."""
+        import torch.distributed as dist
+
+        if not isinstance(source, MegatronShards):
+            raise ConfigError(f"source: the {BACKEND} trainer engine needs a MegatronShards source (a rank's "
+                              f"TrainerEndpoint), got {type(source).__name__}")
+        if not dist.is_initialized():
+            raise ConfigError(f"{BACKEND}: torch.distributed is not initialised on this trainer rank")
+        if init_info.rank != dist.get_rank():
+            raise ConfigError(f"init_info.rank={init_info.rank} but this process is rank {dist.get_rank()} of the "
+                              f"trainers' default process group")
+        ep = source.endpoint
+        spec = ep.spec
+        every = _all_gather_json(WorkerLayout(tuple(ep.describe())).to_wire())
+        src = SideLayout("megatron-live", len(every),
+                         tuple(p for rows in every for p in WorkerLayout.from_wire(rows).params), spec.tensor_table())
+        par = VllmParallel(tp=init_info.engine_tp, pp=init_info.engine_pp, dp=init_info.engine_dp,
+                           enable_ep=init_info.engine_enable_ep)
+        dst = vllm_layout(spec.with_dtype(init_info.engine_dtype or spec.dtype), par)
+        plan = get_plan(src, dst, bucket_bytes=init_info.bucket_bytes)
+        digest = plan.digest()
+        rank_map = RankMap.disaggregated(src.world_size, dst.world_size)
+        mine = {"port": init_info.port or free_port(init_info.host), "secret": secrets.token_hex(16),
+                "nonce": secrets.token_hex(16)}
+        first = _all_gather_json(mine)[0]  # rank 0's
+        join = JoinInfo(init_info.host, int(first["port"]), rank_map.world_size, rank_map, init_info.timeout_s,
+                        secret=first["secret"], nonce=first["nonce"])
+        dst_slices = {str(r): slice_to_wire(plan.for_rank("dst", r)) for r in range(dst.world_size)}
+        engine_info = EngineInitInfo(join, digest, slice_digests={int(r): d for r, d in
+                                                                  slice_digests(dst_slices).items()}).to_wire()
+        request = RefitRequest(digest, VerifyMode(init_info.verify), init_info.timeout_s, init_info.atomic,
+                               delta=init_info.delta)
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender, plan=plan, request=request,
+                     init_info=engine_info)
+        engine._join(join, slice_to_wire(plan.for_rank("src", dist.get_rank())), dst_slices)
+        return engine
+
+    def _join(self, join: JoinInfo, src_slice: dict[str, Any], dst_slices: dict[str, Any]) -> None:
+        """Every rank joins the refit group while rank 0 initialises the engine (the group
+        forms only once both sides are in); rank 0 then publishes the engine's slices."""
+        init = _Call(lambda: self.client.init_weight_transfer_engine(self.engine_init_info)) if self.is_sender \
+            else None
+        try:
+            self.endpoint.join(join)
+            self.endpoint.set_plan(src_slice, self._request.plan_digest)
+            if self.is_sender:
+                publish_slices(self.endpoint.group.store, dst_slices)
+        finally:
+            error = init.wait(join.timeout_s + CLIENT_GRACE_S) if init is not None else None
+        if error:
+            raise RefitFailed(f"{BACKEND}: init_weight_transfer_engine failed: {error}")
+
+    def send_weights(self) -> None:
+        """One refit: every rank sends its boxes and votes; rank 0 drives the engine's
+        ``start_weight_update`` / ``update_weights`` meanwhile and its ``finish_weight_update``
+        after the vote (the commit, labelled with the refit's identity). Raises
+        ``RefitFailed`` on every rank, naming every failing rank, when the refit did not
+        commit; the engine then kept its old weights (or, unsure, refuses to serve)."""
+        self._epoch += 1
+        request = replace(self._request, epoch=self._epoch)
+        updating = _Call(lambda: self._start_and_update(request)) if self.is_sender else None
+        error: BaseException | None = None
+        try:
+            self.endpoint.refit(request)
+        except BaseException as exc:  # noqa: BLE001 - rank 0 closes the engine's session first
+            error = exc
+        if updating is not None:
+            client_error = updating.wait(request.timeout_s + CLIENT_GRACE_S)
+            outcome = self.endpoint.last_outcome
+            version = request.label(outcome.refit) if outcome is not None and outcome.commit else None
+            try:
+                if client_error is None:
+                    finish_update(_VersionedClient(self.client, version))
+            except Exception as exc:  # noqa: BLE001 - reported with the refit's own error
+                client_error = f"finish_weight_update: {first_error_line(exc)}"
+            if client_error and error is None:
+                error = RefitFailed(f"{BACKEND}: the engine's calls failed: {client_error}")
+        if error is not None:
+            raise error
+
+    def _start_and_update(self, request: RefitRequest) -> None:
+        """Rank 0's engine calls up to the vote. A call that fails posts the group's abort, so
+        every rank stops at once instead of waiting for an engine that will not vote."""
+        try:
+            self.client.start_weight_update()
+            self.client.update_weights({"request": request.to_wire()})
+        except BaseException as exc:
+            group = self.endpoint.group
+            if group is not None:
+                group.post_abort(f"{BACKEND} trainer rank 0: the engine's call failed: {first_error_line(exc)}")
+            raise
+
+    def shutdown(self) -> None:
+        self.endpoint.leave()
+
+
+class _VersionedClient:
+    """``client`` whose ``finish_weight_update`` sets ``version`` (None: closes the session
+    only), so ``engines.finish_update`` (which closes a failed session) drives it as it
+    drives an ``LLM``."""
+
+    def __init__(self, client: Any, version: str | None) -> None:
+        self.client, self.version = client, version
+
+    def start_weight_update(self) -> None:
+        self.client.start_weight_update()
+
+    def finish_weight_update(self) -> None:
+        version, self.version = self.version, None  # a second finish only closes a failed session
+        self.client.finish_weight_update(weight_version=version)
+
+
+class _Call:
+    """One call on its own thread; ``wait`` gives its error line (None: it returned)."""
+
+    def __init__(self, fn: Any) -> None:
+        self.error: str | None = None
+
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to wait()
+                self.error = f"{type(exc).__name__}: {first_error_line(exc)}"
+
+        self.thread = threading.Thread(target=run, daemon=True, name="mcore-reshard-engine-call")
+        self.thread.start()
+
+    def wait(self, timeout_s: float) -> str | None:
+        self.thread.join(timeout_s)
+        if self.thread.is_alive():
+            return f"no answer within {timeout_s:.0f}s"
+        return self.error
+
+
+def _all_gather_json(value: Any) -> list[Any]:
+    """Every trainer rank's ``value`` (JSON), in rank order, over the default process group:
+    bytes in a tensor, never a pickle."""
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    data = json.dumps(value).encode()
+    n = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(n) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, n)
+    width = max(int(s) for s in sizes)
+    mine = torch.zeros(width, dtype=torch.uint8, device=device)
+    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    bufs = [torch.zeros(width, dtype=torch.uint8, device=device) for _ in sizes]
+    dist.all_gather(bufs, mine)
+    return [json.loads(bytes(b[: int(s)].cpu().numpy())) for b, s in zip(bufs, sizes)]
+
+
+def register() -> None:
+    """Register this engine with vLLM's trainer-side factory (idempotent)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    if BACKEND not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine(BACKEND, ReshardTrainerEngine)
+
+
+register()
