@@ -2,16 +2,41 @@
 
 from __future__ import annotations
 
+import random
 import socket
 
 __all__ = ["free_port", "bound_store"]
 
+#: Where ``free_port`` looks first: below the kernel's ephemeral range, which every outgoing
+#: connection draws from. A port handed out from that range (``bind(0)``) can be taken by any
+#: process's next connection before the store binds it ("Address already in use").
+_LOW = 20000
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port the OS says is free now (bind to port 0) for a rendezvous store."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port free now for a rendezvous store: a random one below the ephemeral range that
+    binds (so no outgoing connection takes it before the store does), else one the OS picks."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    top = _ephemeral_low()
+    for port in random.sample(range(_LOW, top), min(64, max(0, top - _LOW))):
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux; 32768 elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def bound_store(host: str, port: int, world_size: int, is_master: bool, timeout_s: float):
