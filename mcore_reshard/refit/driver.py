@@ -38,7 +38,7 @@ from ..plan.topology import Links, plan_for_placement
 from ..plan.types import TransferPlan
 from ..plan.wire import slice_to_wire
 from ..infra.ports import free_port
-from ..wire.protocol import (EngineInitInfo, JoinInfo, RankMap, RankReport, RefitRequest, WorkerStatus, first_error_line,
+from ..wire.protocol import (EngineInitInfo, EngineUpdateInfo, JoinInfo, RankMap, RankReport, RefitRequest, WorkerStatus, first_error_line,
                        refit_id)
 from ..training.ranks import RefitRanks
 from ..settings.policy import RefitConfig
@@ -114,7 +114,7 @@ class RefitDriver:
 
     # -- set-up ----------------------------------------------------------------------------
     def __enter__(self) -> "RefitDriver":
-        self.describe()
+        self.make_plan()
         self.connect()
         return self
 
@@ -131,7 +131,7 @@ class RefitDriver:
         """A port free where the refit group's master listens (training rank 0)."""
         return self._port()
 
-    def describe(self) -> TransferPlan:
+    def make_plan(self) -> TransferPlan:
         """Both sides' descriptors -> the plan (cached on the layouts' digests)."""
         from ..adapters.vllm.engine import engine_info
 
@@ -395,8 +395,8 @@ class ReshardTransport:
         errors += driver.wait_on_engines(updating, driver.engine_grace_s)
         seconds = time.perf_counter() - t0
         trusted = trainer_error is None and not errors
-        errors += self._settle(driver, request, refit, trusted)
-        return self._done(driver, request, replies, trainer_error, errors, seconds,
+        errors += self.settle(driver, request, refit, trusted)
+        return self.result(driver, request, replies, trainer_error, errors, seconds,
                           time.perf_counter() - t0, cached)
 
     def begin(self, driver: RefitDriver, request: RefitRequest, faults: Faults | None) -> "PendingRefit":
@@ -416,8 +416,11 @@ class ReshardTransport:
         errors = driver.on_engines(start, what="update_weights (overlapped)", deadline_s=60.0)
         return PendingRefit(self, driver, request, refitting, errors, t0, cached)
 
-    def _done(self, driver: RefitDriver, request: RefitRequest, replies: Any, trainer_error: str | None,
-              errors: list[str], seconds: float, pause_s: float, cached: bool) -> RefitMetrics:
+    def result(self, driver: RefitDriver, request: RefitRequest, replies: Any, trainer_error: str | None,
+               errors: list[str], seconds: float, pause_s: float, cached: bool) -> RefitMetrics:
+        """The refit's metrics from every rank's report, or ``RefitFailed`` naming every error
+        (the group is then rejoined at the next refit). A blocking refit and an overlapped one's
+        ``PendingRefit.finish`` end here alike."""
         if trainer_error is not None or errors:
             driver.notes = []
             driver.disconnect()  # the group is broken on every rank: rejoin next time
@@ -431,7 +434,7 @@ class ReshardTransport:
     def close(self, driver: RefitDriver) -> None:
         """Nothing beyond the refit group, which the driver leaves itself."""
 
-    def _settle(self, driver: RefitDriver, request: RefitRequest, refit: str, trusted: bool) -> list[str]:
+    def settle(self, driver: RefitDriver, request: RefitRequest, refit: str, trusted: bool) -> list[str]:
         """After the vote: confirm each engine's workers, then resume the whole ones and keep
         the others gated (paused). Returns one line per engine gated or dead.
 
@@ -533,8 +536,8 @@ class PendingRefit:
         errors += driver.on_engines(lambda llm, _: finish_update(llm), what="finish_weight_update (swap)",
                                     deadline_s=driver.engine_grace_s + 30.0)
         trusted = trainer_error is None and not errors
-        errors += self.transport._settle(driver, request, driver.refit_id(request), trusted)
-        return self.transport._done(driver, request, replies, trainer_error, errors, seconds,
+        errors += self.transport.settle(driver, request, driver.refit_id(request), trusted)
+        return self.transport.result(driver, request, replies, trainer_error, errors, seconds,
                                     time.perf_counter() - t_pause, self._cached)
 
 
@@ -547,6 +550,7 @@ def trainers_deadline(request: RefitRequest) -> float:
 
 
 def _update_info(request: RefitRequest, faults: Faults) -> dict:
-    return {"request": request.to_wire(), "fault": faults.engine.to_wire() if faults.engine else {}}
+    """The engines' ``update_info``: the request, and the engine side's fault (tests only)."""
+    return EngineUpdateInfo(request, faults.engine).to_wire()
 
 

@@ -233,7 +233,7 @@ def refit_servers(servers: Sequence[str], update_info: Mapping[str, Any], weight
                   recompute_kv_cache_after_weight_updates: bool = False) -> list[str]:
     """Refit every server in ``servers`` (base URLs) once, while the trainers run their side.
 
-    ``init_info``: the ``ReshardInitInfo`` body for a new refit group (every server joins the
+    ``init_info``: the ``EngineInitInfo`` body (its ``to_wire``) for a new refit group (every server joins the
     same group), None to reuse the group of the last refit; with several servers, one body per
     server, in order (each engine's ``join.dst_offset`` differs). ``weight_version`` is what
     each server then reports at ``/weight_info``. ``resume`` False leaves the servers paused

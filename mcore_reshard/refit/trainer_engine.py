@@ -53,7 +53,7 @@ from ..layout import SideLayout
 from ..plan import get_plan
 from ..plan.types import TransferPlan
 from ..plan.wire import slice_to_wire
-from ..wire.protocol import EngineInitInfo, JoinInfo, RankMap, RefitRequest, VerifyMode, WorkerLayout, first_error_line
+from ..wire.protocol import EngineInitInfo, EngineUpdateInfo, JoinInfo, RankMap, RefitRequest, VerifyMode, WorkerLayout, first_error_line
 from ..wire.slice_store import publish_slices, slice_digests
 from .engines import finish_update
 
@@ -215,7 +215,7 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
         every rank stops at once instead of waiting for an engine that will not vote."""
         try:
             self.client.start_weight_update()
-            self.client.update_weights({"request": request.to_wire()})
+            self.client.update_weights(EngineUpdateInfo(request).to_wire())
         except BaseException as exc:
             group = self.endpoint.group
             if group is not None:

@@ -89,8 +89,23 @@ class EngineFault:
     exit_after_writes: int | None = None
     alter_baseline: str | None = None
 
+    def strikes(self, rank: int) -> bool:
+        """Whether this fault is for destination ``rank``."""
+        return rank in self.rank if isinstance(self.rank, tuple) else rank == self.rank
+
+    @staticmethod
+    def from_wire(d: Mapping[str, Any]) -> "EngineFault | None":
+        """The form ``to_wire`` gives (``{}``: None)."""
+        if not d:
+            return None
+        rank = d["rank"]
+        return EngineFault(tuple(int(r) for r in rank) if isinstance(rank, list) else int(rank),
+                           Fault.from_wire(d) if d.get("at") else None,
+                           int(d["exit_after_writes"]) if d.get("exit_after_writes") is not None else None,
+                           str(d["alter_baseline"]) if d.get("alter_baseline") is not None else None)
+
     def to_wire(self) -> dict[str, Any]:
-        """``ReshardUpdateInfo.fault``: what the weight-transfer engine reads."""
+        """``EngineUpdateInfo.fault``: what the weight-transfer engine reads."""
         out: dict[str, Any] = {"rank": list(self.rank) if isinstance(self.rank, tuple) else self.rank}
         if self.fault is not None:
             out.update(self.fault.to_wire())

@@ -28,6 +28,7 @@ from typing import Any, Mapping
 
 from ..errors import ConfigError
 from ..layout.descriptor import Box, LocalParam, Piece, View
+from .faults import EngineFault
 
 __all__ = [
     "VerifyMode",
@@ -38,6 +39,7 @@ __all__ = [
     "refit_id",
     "RankReport",
     "EngineInitInfo",
+    "EngineUpdateInfo",
     "WorkerStatus",
     "WorkerLayout",
     "first_error_line",
@@ -321,6 +323,25 @@ class EngineInitInfo:
         return EngineInitInfo(JoinInfo.from_wire(d["join"]), str(d.get("plan_digest", "")),
                               {int(r): s for r, s in (d.get("slices") or {}).items()},
                               {int(r): str(g) for r, g in (d.get("slice_digests") or {}).items()})
+
+
+@dataclass(frozen=True)
+class EngineUpdateInfo:
+    """One engine's ``update_weights`` message (vLLM's ``update_info``): the refit request,
+    and, in tests and soak runs only, the fault it injects on the engine's side."""
+
+    request: RefitRequest
+    fault: EngineFault | None = None
+
+    def to_wire(self) -> dict:
+        return {"request": self.request.to_wire(), "fault": self.fault.to_wire() if self.fault else {}}
+
+    @staticmethod
+    def from_wire(d: Mapping[str, Any]) -> "EngineUpdateInfo":
+        unknown = set(d) - {"request", "fault"}
+        if unknown:
+            raise ConfigError(f"update_info: unknown keys {sorted(unknown)} (expected request, fault)")
+        return EngineUpdateInfo(RefitRequest.from_wire(d["request"]), EngineFault.from_wire(d.get("fault") or {}))
 
 
 @dataclass(frozen=True)

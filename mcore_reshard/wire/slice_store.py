@@ -2,7 +2,7 @@
 carries the slice itself.
 
 Why: vLLM's ``init_weight_transfer_engine`` sends one ``init_info`` to every worker of an
-engine, so carrying every worker's slice in it (``ReshardInitInfo.slices``) makes each worker
+engine, so carrying every worker's slice in it (``EngineInitInfo.slices``) makes each worker
 receive all of them, through the HTTP body and every RPC hop: 48 KB for the tiny model, ~53 MiB
 for Qwen3-30B-A3B on 16 vLLM ranks (3.4 MiB per slice). With ``slice_digests`` the init info
 carries one digest per destination rank (16 hex digits, ~30 bytes a rank whatever the model's

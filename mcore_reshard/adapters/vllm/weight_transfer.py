@@ -7,42 +7,40 @@ and drives it with vLLM's own calls:
     llm.init_weight_transfer_engine({"init_info": EngineInitInfo(join, digest, slices).to_wire()})
     # once per layout; or slice_digests={rank: digest} instead of slices: each worker reads its
     # own slice from the refit group's store after joining (``slice_store``; the message stays small)
-    llm.start_weight_update()
-    llm.update_weights({"update_info": {"request": RefitRequest.to_wire()}})  # every refit
-    llm.finish_weight_update()
+    llm.start_weight_update()                                                  # opens
+    llm.update_weights({"update_info": EngineUpdateInfo(request).to_wire()})   # receives, prepares, votes
+    llm.finish_weight_update()                                                 # commits or rolls back
     llm.reset_prefix_cache()   # KV blocks computed with the old weights
 
-``update_weights`` receives this worker's boxes over the refit group and writes them through
-:class:`VllmApplier` (vLLM's layerwise reload where the kernel repacks, in place where it keeps
-model format). Every rank of the refit (trainers and every engine's workers) then votes over
-the group's control plane, and one signed decision is written before anyone commits: all
-commit or none does (``RefitRequest.atomic``), so an engine never serves a model no one
-trained. The outcome and every rank's ``RankReport`` reach the trainer endpoints through that
-same vote (vLLM's engine API has no channel back). On the engine side a failed refit raises
-from ``update_weights`` on the engine's last worker only (see ``receive_weights``: an error
-from any other worker would poison vLLM's next RPC), and every worker keeps its state and the
-version it holds (``status()``, read by the driver to confirm an engine is whole).
+The refit's sequence is ``transport.endpoint.RefitEndpoint``'s, with :class:`VllmApplier` as
+this worker's participant (vLLM's layerwise reload into shadows where the kernel repacks, in
+place or staged where it keeps model format). Every rank of the refit (trainers and every
+engine's workers) votes over the group's control plane inside ``update_weights``, and one
+signed decision is written before anyone commits: all commit or none does
+(``RefitRequest.atomic``), so an engine never serves a model no one trained. The outcome and
+every rank's ``RankReport`` reach the trainer endpoints through that same vote (vLLM's engine
+API has no channel back). On the engine side a refit that did not commit raises from
+``finish_weight_update`` on the engine's last worker only (an error from any other worker
+would poison vLLM's next RPC), and every worker keeps its state and the version it holds
+(``status()``, read by the driver to confirm an engine is whole).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from vllm.config import set_current_vllm_config
-from vllm.distributed.weight_transfer.base import (
-    WeightTransferEngine,
-    WeightTransferInitInfo,
-    WeightTransferUpdateInfo,
-)
+from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from ...errors import RefitError
 from ...layout.descriptor import DTYPE_BYTES, LocalParam
 from ...layout.spec import spec_from_hf_config
-from ...wire.protocol import EngineInitInfo, RankReport, RefitRequest, VerifyMode, WorkerStatus, first_error_line
+from ...wire.protocol import (EngineInitInfo, EngineUpdateInfo, RankReport, RefitRequest, VerifyMode, WorkerStatus,
+                              first_error_line)
 from ...wire.slice_store import fetch_slice
 from ...transport.endpoint import Outcome, RefitEndpoint
 from ...wire.faults import Fault
@@ -50,39 +48,15 @@ from .apply import VllmApplier
 from .record import record_local_params
 from .sinks import AlteredBaseline, ExitAfter, FullCopy
 
-__all__ = ["ReshardInitInfo", "ReshardUpdateInfo", "ReshardWeightTransferEngine", "canonical_tensors",
-           "engine_rank", "rebind_commits"]
+__all__ = ["ReshardWeightTransferEngine", "Unreadable", "canonical_tensors", "engine_rank", "rebind_commits"]
 
 
-@dataclass
-class ReshardInitInfo(WeightTransferInitInfo):
-    """vLLM's form of :class:`~mcore_reshard.wire.protocol.EngineInitInfo` (its ``to_wire()``):
-    ``join``: ``JoinInfo.to_wire()``; ``plan_digest``; and each worker's plan slice, either
-    inline in ``slices`` (destination rank as a string -> ``plan.wire.slice_to_wire``; every
-    worker receives all of them) or by digest in ``slice_digests`` (destination rank -> slice
-    digest; each worker reads its own slice from the refit group's store after joining, where a
-    trainer published it: ``slice_store``). ``slices`` wins for a rank present in both."""
+@dataclass(frozen=True)
+class Unreadable:
+    """An ``update_info`` this worker could not read: its vote is "no" with ``error`` (raising
+    from ``update_weights`` on one worker would poison vLLM's next call)."""
 
-    def message(self) -> EngineInitInfo:
-        return EngineInitInfo.from_wire({"join": self.join, "plan_digest": self.plan_digest,
-                                         "slices": self.slices, "slice_digests": self.slice_digests})
-
-    join: dict[str, Any] = field(default_factory=dict)
-    slices: dict[str, Any] = field(default_factory=dict)
-    plan_digest: str = ""
-    slice_digests: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass
-class ReshardUpdateInfo(WeightTransferUpdateInfo):
-    """``request``: ``RefitRequest.to_wire()``. ``fault``: fault injection for tests and soak
-    runs only (``faults.EngineFault.to_wire()``), e.g. ``{"rank": 1, "exit_after_writes": 3}``:
-    destination rank 1's worker process exits abruptly after its third write (a vLLM worker
-    dying mid-refit); or ``{"rank": 1, "kind": "exit" | "sleep", "at": "before_vote" |
-    "after_vote" | "after_decision", "seconds": s}`` (``transport.executor.Fault``)."""
-
-    request: dict[str, Any] = field(default_factory=dict)
-    fault: dict[str, Any] = field(default_factory=dict)
+    error: str
 
 
 def canonical_tensors(vllm_config: Any) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -104,9 +78,13 @@ def engine_rank() -> int:
     return int(get_world_group().rank_in_group)
 
 
-class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
-    init_info_cls = ReshardInitInfo
-    update_info_cls = ReshardUpdateInfo
+class ReshardWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
+    """vLLM's worker-side engine (see the module docstring). Its init info and update info are
+    the project's own messages, ``wire.protocol.EngineInitInfo`` and ``EngineUpdateInfo``,
+    read from vLLM's dicts by their ``from_wire``: one type per message."""
+
+    init_info_cls = EngineInitInfo
+    update_info_cls = EngineUpdateInfo
     supports_draft_weight_update = False
     #: ``update_weights`` votes; the weights go live at ``finish_weight_update`` (or ``drain_pending``).
     defers_processing = True
@@ -154,7 +132,19 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         return ap
 
     # -- vLLM's lifecycle ---------------------------------------------------------------------
-    def init_transfer_engine(self, init_info: ReshardInitInfo) -> None:
+    def parse_init_info(self, init_dict: dict[str, Any]) -> EngineInitInfo:
+        try:
+            return EngineInitInfo.from_wire(init_dict)
+        except Exception as exc:  # noqa: BLE001 - vLLM's contract: ValueError for a bad init_info
+            raise ValueError(f"Invalid init_info for {type(self).__name__}: {first_error_line(exc)}") from exc
+
+    def parse_update_info(self, update_dict: dict[str, Any]) -> EngineUpdateInfo | Unreadable:
+        try:
+            return EngineUpdateInfo.from_wire(update_dict)
+        except Exception as exc:  # noqa: BLE001 - a bad request is this worker's "no"
+            return Unreadable(f"vLLM worker {self.local_rank}: bad update_info: {first_error_line(exc)}")
+
+    def init_transfer_engine(self, init_info: EngineInitInfo) -> None:
         """Join the refit group and keep this worker's plan slice, checked against what this
         worker records itself: every destination parameter the slice writes exists here and
         receives exactly its non-padding elements.
@@ -163,7 +153,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         queued and poisons the engine's next call): a slice this worker refuses is kept as
         ``init_error``, the worker still joins, and its first refit votes no with that line
         before a byte moves."""
-        message = init_info.message()
+        message = init_info
         info = message.join
         rank = info.dst_offset + self.local_rank
         endpoint = RefitEndpoint("dst", rank, self.device)
@@ -230,7 +220,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         worker of the engine runs this same call, so they all conclude alike."""
         self.drain_pending()
 
-    def receive_weights(self, update_info: ReshardUpdateInfo) -> None:
+    def receive_weights(self, update_info: EngineUpdateInfo | Unreadable) -> None:
         """``update_weights``: receive this worker's boxes (into staged or shadow tensors;
         streaming: live), prepare them and vote with every rank of the refit. Nothing is
         committed here in atomic mode, and nothing raises: the outcome waits for
@@ -288,19 +278,19 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         world = int(par.world_size)
         return self.local_rank % world == world - 1
 
-    def _receive(self, update_info: ReshardUpdateInfo) -> tuple[RefitRequest | None, VllmApplier | None, Outcome]:
+    def _receive(self, update_info: EngineUpdateInfo | Unreadable) -> tuple[RefitRequest | None, VllmApplier | None,
+                                                                          Outcome]:
         """Receive, prepare and vote (``RefitEndpoint.transfer_and_vote``, with the applier as
         this worker's participant and the sinks the request asks for around it)."""
-        try:
-            request = RefitRequest.from_wire(update_info.request)
-        except Exception as exc:  # noqa: BLE001 - a bad request is this worker's "no"
-            return None, None, Outcome(
-                False, [], [f"vLLM worker {self.local_rank}: bad update_info: {first_error_line(exc)}"])
+        if isinstance(update_info, Unreadable):
+            return None, None, Outcome(False, [], [update_info.error])
+        request = update_info.request
         if self.endpoint is None:
             return None, None, Outcome(
                 False, [], [f"vLLM worker {self.local_rank}: update_weights before init_weight_transfer_engine"],
                 epoch=request.epoch)
         rank = self.endpoint.rank
+        fault = update_info.fault if update_info.fault is not None and update_info.fault.strikes(rank) else None
         applier = self.applier(request.atomic)
         participant: Any = applier
         sink: Any = applier
@@ -308,14 +298,12 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         if request.verify is VerifyMode.FULL:
             sink = FullCopy(applier)
             self.received = sink.copies
-        exit_after = _engine_fault(update_info, rank, "exit_after_writes")
-        if exit_after is not None:
-            sink = ExitAfter(sink, int(exit_after))
-        altered = _engine_fault(update_info, rank, "alter_baseline")
-        if altered is not None:
-            participant = AlteredBaseline(applier, str(altered))
-        outcome, self.last_report = self.endpoint.transfer_and_vote(request, {}, sink, participant,
-                                                                    fault=_fault_for(update_info.fault, rank))
+        if fault is not None and fault.exit_after_writes is not None:
+            sink = ExitAfter(sink, fault.exit_after_writes)
+        if fault is not None and fault.alter_baseline is not None:
+            participant = AlteredBaseline(applier, fault.alter_baseline)
+        outcome, self.last_report = self.endpoint.transfer_and_vote(
+            request, {}, sink, participant, fault=fault.fault if fault is not None else None)
         return request, applier, outcome
 
     def forget_baselines(self) -> None:
@@ -347,11 +335,10 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
             self.endpoint = None
 
 
-def _wants_overlap(update_info: ReshardUpdateInfo) -> bool:
-    """Whether the request asks for an overlapped refit (a bad request runs, and is refused,
-    in the foreground)."""
-    req = update_info.request
-    return isinstance(req, dict) and req.get("overlap") is True and req.get("atomic", True) is True
+def _wants_overlap(update_info: EngineUpdateInfo | Unreadable) -> bool:
+    """Whether the request asks for an overlapped refit (an unreadable one is refused in the
+    foreground)."""
+    return isinstance(update_info, EngineUpdateInfo) and update_info.request.overlap and update_info.request.atomic
 
 
 @dataclass(frozen=True)
@@ -368,7 +355,7 @@ class _Background:
     """One overlapped refit on its own thread: receive into shadow weights and vote, while
     the worker's main thread keeps running model steps on the live weights."""
 
-    def __init__(self, engine: "ReshardWeightTransferEngine", update_info: ReshardUpdateInfo) -> None:
+    def __init__(self, engine: "ReshardWeightTransferEngine", update_info: EngineUpdateInfo) -> None:
         self.engine = engine
         self.timeout_s = _timeout_of(update_info)
         self.result: tuple[Any, ...] | None = None
@@ -401,29 +388,5 @@ class _Background:
 BACKGROUND_GRACE_S = 30.0
 
 
-def _timeout_of(update_info: ReshardUpdateInfo) -> float:
-    try:
-        return float(RefitRequest.from_wire(update_info.request).timeout_s)
-    except Exception:  # noqa: BLE001 - refused in the thread, with its reason
-        return 60.0
-
-
-def _engine_fault(update_info: ReshardUpdateInfo, rank: int, key: str) -> Any:
-    """Fault injection: ``key`` of ``ReshardUpdateInfo.fault`` when it is for destination ``rank``."""
-    spec = update_info.fault or {}
-    return spec.get(key) if _strikes(spec, rank) else None
-
-
-def _strikes(spec: dict, rank: int) -> bool:
-    """Whether fault ``spec`` is for destination ``rank`` (its ``rank``: one, or a list)."""
-    r = spec.get("rank")
-    return rank in r if isinstance(r, list) else r == rank
-
-
-def _fault_for(spec: dict | None, rank: int) -> Fault | None:
-    """Fault injection from ``ReshardUpdateInfo.fault`` (``{"rank", "kind", "at", "seconds"}``)."""
-    if not spec or not _strikes(spec, rank) or "at" not in spec:
-        return None
-    return Fault.from_wire(spec)
-
-
+def _timeout_of(update_info: EngineUpdateInfo) -> float:
+    return float(update_info.request.timeout_s)
