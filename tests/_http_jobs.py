@@ -22,7 +22,7 @@ from mcore_reshard.adapters.megatron.rules import MegatronParallel
 from mcore_reshard.adapters.megatron.train import TrainSettings, build_policy
 from mcore_reshard.adapters.vllm.rules import VllmParallel, vllm_layout
 from mcore_reshard.infra.checkpoint import load_canonical
-from mcore_reshard.errors import RefitError
+from mcore_reshard.errors import RefitError, RefitFailed
 from mcore_reshard.layout import SideLayout, load_model_spec
 from mcore_reshard.plan import build_plan
 from mcore_reshard.plan.wire import slice_to_wire
@@ -201,10 +201,21 @@ def vllm_trainer_api_job(ctx: WorldCtx, ckpt: str, dtype: str, par: MegatronPara
     policy = build_policy(spec, par, TrainSettings(dtype=dtype, lr=0.05))
     policy.load_canonical(load_canonical(ckpt))
     source = MegatronShards(TrainerEndpoint(policy.chunks, spec, sync_params=policy.sync_params))
-    engine = WeightTransferTrainerFactory.trainer_init(
-        ReshardTrainerInitInfo(rank=ctx.rank, engine_tp=vllm.tp, timeout_s=120.0),
-        client=HTTPVLLMWeightSyncClient(url, timeout=300), source=source)
+    client = HTTPVLLMWeightSyncClient(url, timeout=300)
     out: dict[str, Any] = {"trainer": [], "served": [], "reports": []}
+    # A layout stated wrongly (the engine holds fp32, not bf16): the engine refuses its slice, and
+    # the first refit fails on every rank in one line, before a byte moves.
+    wrong = WeightTransferTrainerFactory.trainer_init(
+        ReshardTrainerInitInfo(rank=ctx.rank, engine_tp=vllm.tp, engine_dtype="bfloat16", allow_cast=True,
+                               timeout_s=120.0), client=client, source=source)
+    t0 = time.monotonic()
+    try:
+        wrong.send_weights()
+    except RefitFailed as exc:
+        out["refused"] = (str(exc), time.monotonic() - t0)
+    wrong.shutdown()
+    engine = WeightTransferTrainerFactory.trainer_init(
+        ReshardTrainerInitInfo(rank=ctx.rank, engine_tp=vllm.tp, timeout_s=120.0), client=client, source=source)
     for _ in range(2):
         policy.train_step([tokens])
         engine.send_weights()

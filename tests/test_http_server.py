@@ -303,15 +303,23 @@ def test_trainers_refit_a_server_through_vllms_own_trainer_api_only(tp1_server):
     ``WeightTransferTrainerFactory.trainer_init(ReshardTrainerInitInfo(...), client=
     HTTPVLLMWeightSyncClient(url), source=MegatronShards(...))`` and calls ``send_weights()``
     after each of two training steps -- no driver, no controller, no project call on the
-    server. Each refit moves the minimum, every rank of both sides verifies it, the server's
-    version is the refit's identity, and it serves what megatron computes within fp32's bound
-    (and not what it served before the step)."""
+    server. A layout stated wrongly (bf16 for an fp32 engine) is refused by the engine's own
+    slice check at the first refit, on every rank, in one line. Then each refit moves the
+    minimum, every rank of both sides verifies it, the server's version is the refit's
+    identity, and it serves what megatron computes within fp32's bound (and not what it served
+    before the step)."""
     url, model, _log = tp1_server
     api = ServerClient(url, TIMEOUTS)
     before = prompt_logprobs(url, model, TOKENS)
     ranks = run_world(vllm_trainer_api_job, 2, (model, "float32", MegatronParallel(tp=2, ep=2, etp=1),
                                                 VllmParallel(tp=1), TOKENS, url), timeout_s=900)
     rank0 = ranks[0]
+    for r in ranks:  # the wrongly stated layout: refused by the engine's own check, on every rank, in seconds
+        line, seconds = r["refused"]
+        assert "\n" not in line and seconds < 30.0, r["refused"]
+        print(f"trainer rank: a wrongly stated layout refused in {seconds:.1f}s: {line}")
+        assert re.search(r"vLLM destination rank 0: .* carries '.+' as bfloat16, this worker holds it in float32",
+                         line), line
     assert ranks[1]["reports"] == rank0["reports"]  # every rank read the same vote
     received, full, delta = [], [], []
     for step, (trainer, served) in enumerate(zip(rank0["trainer"], rank0["served"])):

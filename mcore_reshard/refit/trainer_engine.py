@@ -70,7 +70,8 @@ class ReshardTrainerInitInfo(TrainerInitInfo):
 
     ``host`` / ``port``: the refit group's master, trainer rank 0's address (port 0: a free
     one there). ``engine_*``: the vLLM engine's parallel layout (its tensor, pipeline and
-    data parallel sizes, expert parallelism) and ``engine_dtype`` (None: the model's).
+    data parallel sizes, expert parallelism) and ``engine_dtype`` (None: the model's);
+    ``allow_cast``: the trainers may hold another dtype (cast while packing, ``refit.allow_cast``).
     ``timeout_s``, ``verify``, ``atomic``, ``delta``: as ``RefitRequest``'s."""
 
     backend: ClassVar[str] = BACKEND
@@ -82,6 +83,7 @@ class ReshardTrainerInitInfo(TrainerInitInfo):
     engine_dp: int = 1
     engine_enable_ep: bool = False
     engine_dtype: str | None = None
+    allow_cast: bool = False
     timeout_s: float = 120.0
     verify: str = "checksum"
     atomic: bool = True
@@ -149,7 +151,7 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
         par = VllmParallel(tp=init_info.engine_tp, pp=init_info.engine_pp, dp=init_info.engine_dp,
                            enable_ep=init_info.engine_enable_ep)
         dst = vllm_layout(spec.with_dtype(init_info.engine_dtype or spec.dtype), par)
-        plan = get_plan(src, dst, bucket_bytes=init_info.bucket_bytes)
+        plan = get_plan(src, dst, bucket_bytes=init_info.bucket_bytes, allow_cast=init_info.allow_cast)
         digest = plan.digest()
         rank_map = RankMap.disaggregated(src.world_size, dst.world_size)
         mine = {"port": init_info.port or free_port(init_info.host), "secret": secrets.token_hex(16),

@@ -211,6 +211,11 @@ class ReshardWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUpd
         if bad:
             raise RefitError(f"vLLM destination rank {rank}: plan {digest} writes {got[bad[0]]} elements of "
                              f"{bad[0]!r}, this worker holds {mine[bad[0]]}")
+        bits = dict(s.reinterpret)
+        other = next((n for n in got if n not in bits and held[n].dtype != s.dtype), None)
+        if other is not None:  # the wire would cast into it: not the weights the trainers verified
+            raise RefitError(f"vLLM destination rank {rank}: plan {digest} carries {other!r} as {s.dtype}, this "
+                             f"worker holds it in {held[other].dtype} (plan against the engine's dtype)")
 
     # The refit's sequence is ``RefitEndpoint``'s (open, move, prepare, vote, commit | abort);
     # the applier is this worker's participant. vLLM's three calls split it at the vote:
