@@ -153,6 +153,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUpd
         queued and poisons the engine's next call): a slice this worker refuses is kept as
         ``init_error``, the worker still joins, and its first refit votes no with that line
         before a byte moves."""
+        self.drain_pending()  # a refit voted in the old group is concluded there, as it was decided
         message = init_info
         info = message.join
         rank = info.dst_offset + self.local_rank
