@@ -183,7 +183,7 @@ def _relay_delta_main(rank: int, world: int, port: int, q: Any) -> None:
             group.begin_refit()
             rid = refit_id(plan.digest(), "relay", n)
             offers = group.exchange(state.offer(plan.digest()))
-            decision = decide(offers, "auto", rid, [rm.describe_group_rank(r) for r in range(world)])
+            decision = decide(offers, "auto", rid, [rm.name_at(r) for r in range(world)])
             state.begin()
             if corrupt and d_rank == 3:
                 d["local.a"].view(-1)[2] += 1

@@ -108,10 +108,10 @@ def test_checksum_follows_logical_order_not_strides():
 def test_rank_map_names_sides_and_group_ranks():
     rm = RankMap.disaggregated(2, 3)
     assert rm.world_size == 5 and rm.group_rank("dst", 1) == 3 and rm.roles(3) == (None, 1)
-    assert rm.describe("dst", 1) == "destination rank 1 (group rank 3)"
+    assert rm.name("dst", 1) == "destination rank 1 (group rank 3)"
     co = RankMap.colocated(2)
     assert co.roles(1) == (1, 1)
-    assert co.describe_group_rank(1) == "source rank 1 / destination rank 1 (group rank 1)"
+    assert co.name_at(1) == "source rank 1 / destination rank 1 (group rank 1)"
 
 
 def test_zero_fill_padding_touches_padding_only():

@@ -221,16 +221,16 @@ class GroupChannel:
         rm, route = self.route.rank_map, self.route
         what = "send to" if send else "receive from"
         bucket = f"bucket {k} of {route.num_buckets}" if k < route.num_buckets else "checksum message"
-        me = rm.describe_group_rank(route.me)
+        me = rm.name_at(route.me)
         cls = error_class(e)
         side = {"shm_dst": "dst", "shm_src": "src", "ack": "dst", "ddst": "dst", "dsrc": "src"}.get(side, side)
         if isinstance(peer, tuple) and isinstance(peer[1], Transfer):  # a zero-copy box: its channel
             peer = peer[0]
         if isinstance(peer, tuple):  # a receive channel (source, via, relay group)
             src, via, _ = peer
-            who = rm.describe("src", src) + ("" if via == route.dst_rank else f" relayed by {rm.describe('dst', via)}")
+            who = rm.name("src", src) + ("" if via == route.dst_rank else f" relayed by {rm.name('dst', via)}")
         else:
-            who = rm.describe(side, peer)
+            who = rm.name(side, peer)
         return cls(f"{me}: {what} {who} failed in {bucket}: {backend_failure(e, self.timeout_s, waited)}")
 
 
@@ -400,8 +400,8 @@ class ShmChannel:
         bucket, offset, numel, nonce = (int(v) for v in flag.tolist())
         want = self.wire.numel(k, channel, self.recv_b[k][channel])
         if bucket != k or numel != want or offset < 0:
-            raise RefitError(f"{rm.describe_group_rank(self.route.me)}: bad ready flag from "
-                             f"{rm.describe('src', src)} in bucket {k}: {flag.tolist()} "
+            raise RefitError(f"{rm.name_at(self.route.me)}: bad ready flag from "
+                             f"{rm.name('src', src)} in bucket {k}: {flag.tolist()} "
                              f"(expected bucket {k}, {want} elements)")
         seg = self.attached.get(src)
         path = segment_path(self.group.derived_key("shm"), rm.group_rank("src", src), nonce)
@@ -409,7 +409,7 @@ class ShmChannel:
             seg = self.attached[src] = ShmSegment.attach(path)
         flat = seg.elements(self.dtype)
         if offset + numel > flat.numel():
-            raise RefitError(f"ready flag from {rm.describe('src', src)} points past its segment")
+            raise RefitError(f"ready flag from {rm.name('src', src)} points past its segment")
         msg = self.msgs[(k, channel)] = flat[offset : offset + numel]
         return msg
 

@@ -281,7 +281,7 @@ class ControlPlane(SignedStore):
         dead = self.dead_peers()
         if dead:
             g, why = min(dead.items())
-            msg = f"{self.rank_map.describe_group_rank(g)} died ({why})"
+            msg = f"{self.rank_map.name_at(g)} died ({why})"
             if self.rank == 0 and not self._posted_abort:
                 self.post_abort(msg)
                 self._posted_abort = False  # posted on the dead rank's behalf: this rank stops too
@@ -345,7 +345,7 @@ class ControlPlane(SignedStore):
                 break
             now = time.monotonic()
             if now > deadline:
-                who = ", ".join(self.rank_map.describe_group_rank(r) for r in range(self.world_size) if r not in values)
+                who = ", ".join(self.rank_map.name_at(r) for r in range(self.world_size) if r not in values)
                 found = self._found("ctl", rejected_before)
                 raise RefitTimeout(f"control exchange #{seq}: no answer from {who} within {timeout_s}s{found}")
             if now > repost_at:
@@ -383,7 +383,7 @@ class ControlPlane(SignedStore):
                 after_vote()  # fault injection: stop or die with the vote written, the decision unread
             decided = self._await_decision(votes, vote_slot, vote, timeout_s)
             if isinstance(decided, str):
-                return Decision(False, (f"{self.rank_map.describe_group_rank(self.rank)}: {decided}",), False,
+                return Decision(False, (f"{self.rank_map.name_at(self.rank)}: {decided}",), False,
                                 tuple(votes.get(r, {}).get("payload") for r in range(self.world_size)))
             # Posted before acting on it: a rank that finds the shared key overwritten reads this.
             self._put(self._slot("decided", self.epoch, 0, self.rank), self._sign("decided", 0, decided))
@@ -395,7 +395,7 @@ class ControlPlane(SignedStore):
             return Decision(bool(decided["commit"]), tuple(errors), True,
                             tuple(votes.get(r, {}).get("payload") for r in range(self.world_size)))
         except StoreGone as exc:
-            errors = [f"{self.rank_map.describe_group_rank(self.rank)}: could not learn the refit's decision: {exc}"]
+            errors = [f"{self.rank_map.name_at(self.rank)}: could not learn the refit's decision: {exc}"]
             return Decision(False, tuple(errors), False,
                             tuple(votes.get(r, {}).get("payload") for r in range(self.world_size)))
 
@@ -486,7 +486,7 @@ class ControlPlane(SignedStore):
 
     def _proposal(self, votes: dict[int, Any], deadline: float, timeout_s: float) -> dict | None:
         """What this rank would decide now, or None while it must keep waiting."""
-        errors = [v["error"] or f"{self.rank_map.describe_group_rank(r)}: voted no"
+        errors = [v["error"] or f"{self.rank_map.name_at(r)}: voted no"
                   for r, v in sorted(votes.items()) if not v["ok"]]
         if errors:
             return {"commit": False, "errors": errors}
@@ -504,7 +504,7 @@ class ControlPlane(SignedStore):
         if self.store_dead:
             raise StoreGone(why or "the refit store is unreachable")
         if time.monotonic() > deadline:
-            silent = [f"{self.rank_map.describe_group_rank(r)}: no vote within {timeout_s}s (dead or silent)"
+            silent = [f"{self.rank_map.name_at(r)}: no vote within {timeout_s}s (dead or silent)"
                       for r in range(self.world_size) if r not in votes]
             return {"commit": False, "errors": silent}
         return None

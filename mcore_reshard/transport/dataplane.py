@@ -124,8 +124,8 @@ class DataPlane:
             except RuntimeError as e:
                 cls = error_class(e)
                 first = str(e).splitlines()[0] if str(e) else type(e).__name__
-                raise cls(f"{self.rank_map.describe_group_rank(self.rank)}: connecting to "
-                          f"{self.rank_map.describe_group_rank(g)} failed (before bucket 0): {first}") from e
+                raise cls(f"{self.rank_map.name_at(self.rank)}: connecting to "
+                          f"{self.rank_map.name_at(g)} failed (before bucket 0): {first}") from e
             self._connected.add(g)
 
     def shutdown(self) -> None:

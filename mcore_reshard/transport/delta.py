@@ -302,8 +302,8 @@ class HeaderExchange:
         """Wire elements of ``channel``'s message in bucket ``k``, from its header (checked)."""
         hdr = self.got[(k, channel)].tolist()
         if len(hdr) != len(ts) or any(not 0 <= h <= t.box.numel for h, t in zip(hdr, ts)):
-            raise RefitError(f"{self.route.rank_map.describe_group_rank(self.route.me)}: bad delta header from "
-                             f"{self.route.rank_map.describe('src', channel[0])} in bucket {k}")
+            raise RefitError(f"{self.route.rank_map.name_at(self.route.me)}: bad delta header from "
+                             f"{self.route.rank_map.name('src', channel[0])} in bucket {k}")
         return sum(encoded_numel(h, t.box.numel, self.isz) for h, t in zip(hdr, ts))
 
     def drop(self, k: int) -> None:

@@ -224,7 +224,7 @@ class RefitEndpoint:
         self.group.check_values([v[:2] for v in exchanged], "(plan digest, verify)")
         rm = self.group.rank_map
         decision = decide([v[2] for v in exchanged], request.delta, self.refit_id(request),
-                          [rm.describe_group_rank(r) for r in range(len(exchanged))])
+                          [rm.name_at(r) for r in range(len(exchanged))])
         delta = None if request.delta == "off" else DeltaRun(decision, self.delta, request.delta_state_limit_bytes)
         stats = execute_plan(src, dst, src_tensors, sink, self.group, timeout_s=request.timeout_s,
                              verify=request.verify, progress=progress, fault=fault, begin=False, delta=delta)

@@ -133,7 +133,7 @@ def execute_plan(
         raise
     except BaseException as exc:
         # Every other rank of the refit stops at this signal instead of its own timeout.
-        group.post_abort(f"{rank_map.describe_group_rank(group.rank)}: {type(exc).__name__}: "
+        group.post_abort(f"{rank_map.name_at(group.rank)}: {type(exc).__name__}: "
                          f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}")
         if run is not None:
             run.close(failed=True)
@@ -166,7 +166,7 @@ def _check_roles(src: RankPlan | None, dst: RankPlan | None, me: int, rank_map: 
         if plan.side != side:
             raise ValueError(f"expected a {side!r} plan slice, got side {plan.side!r}")
         if rank_map.group_rank(side, plan.rank) != me:
-            raise ValueError(f"{rank_map.describe(side, plan.rank)} is not this process (group rank {me})")
+            raise ValueError(f"{rank_map.name(side, plan.rank)} is not this process (group rank {me})")
     if src is not None and dst is not None and src.num_buckets != dst.num_buckets:
         raise ValueError(f"plan slices of different plans: {src.num_buckets} vs {dst.num_buckets} buckets")
 
@@ -416,6 +416,6 @@ def raw_send_bandwidth(group: RefitGroup, src_rank: int, dst_rank: int, nbytes: 
         dt = time.perf_counter() - t0
     except RuntimeError as e:
         cls = error_class(e)
-        raise cls(f"raw bandwidth probe with {group.rank_map.describe_group_rank(peer)} failed: "
+        raise cls(f"raw bandwidth probe with {group.rank_map.name_at(peer)} failed: "
                   f"{str(e).splitlines()[0]}") from e
     return nbytes / dt if dt > 0 else float("inf")

@@ -96,7 +96,7 @@ class RefitControl:
             return
         majority, _ = max(counts.items(), key=lambda kv: (kv[1], -values.index(kv[0])))
         bad = [r for r, v in enumerate(values) if v != majority]
-        detail = "; ".join(f"{self.rank_map.describe_group_rank(r)} has {values[r]}" for r in bad)
+        detail = "; ".join(f"{self.rank_map.name_at(r)} has {values[r]}" for r in bad)
         raise RefitError(f"{what} disagreement: most ranks have {majority} but {detail}")
 
     def decide(self, ok: bool, payload: Any, error: str = "", timeout_s: float | None = None,

@@ -150,7 +150,7 @@ class ChecksumLedger:
             # One line (it travels in votes and error summaries), naming each parameter.
             rm = route.rank_map
             lines = [f"{t.dst_name} ({t.canonical} box offsets={t.box.offsets} sizes={t.box.sizes}) "
-                     f"from {rm.describe('src', t.src)} to {rm.describe('dst', t.dst)}, "
+                     f"from {rm.name('src', t.src)} to {rm.name('dst', t.dst)}, "
                      f"bucket {t.bucket}" for t in bad[:5]]
             more = f"; ... and {len(bad) - 5} more" if len(bad) > 5 else ""
             raise RefitError(f"checksum mismatch in {len(bad)} transfer(s): " + "; ".join(lines) + more)

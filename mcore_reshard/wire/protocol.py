@@ -109,12 +109,13 @@ class RankMap:
         d = self.dst.index(group_rank) if group_rank in self.dst else None
         return s, d
 
-    def describe(self, side: str, rank: int) -> str:
+    def name(self, side: str, rank: int) -> str:
         """Human name used in every error, e.g. ``destination rank 1 (group rank 3)``."""
         word = "source" if side == "src" else "destination"
         return f"{word} rank {rank} (group rank {self.group_rank(side, rank)})"
 
-    def describe_group_rank(self, group_rank: int) -> str:
+    def name_at(self, group_rank: int) -> str:
+        """``name`` of the rank (or both ranks, colocated) that group rank ``group_rank`` plays."""
         s, d = self.roles(group_rank)
         parts = ([f"source rank {s}"] if s is not None else []) + ([f"destination rank {d}"] if d is not None else [])
         return f"{' / '.join(parts) or 'no role'} (group rank {group_rank})"
