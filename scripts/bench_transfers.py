@@ -31,7 +31,7 @@ from mcore_reshard.plan import build_plan
 from mcore_reshard.plan.topology import placement_report, plan_for_placement
 from mcore_reshard.infra.ports import free_port
 from mcore_reshard.wire.protocol import RankMap, VerifyMode
-from mcore_reshard.transport.executor import execute_plan
+from mcore_reshard.transport.executor import TransferOptions, execute_plan
 from mcore_reshard.transport.group import RefitGroup
 
 
@@ -58,7 +58,7 @@ def per_transfer_us(n: int, elements: int, repeats: int) -> dict[str, float]:
             for _ in range(repeats + 1):  # the first run allocates buffers: not timed
                 t0 = time.perf_counter()
                 execute_plan(plan.for_rank("src", 0), plan.for_rank("dst", 0), src, dst, group,
-                             timeout_s=60.0, verify=mode)
+                             TransferOptions(60.0, verify=mode))
                 secs.append(time.perf_counter() - t0)
             assert all(torch.equal(src[k], dst[k]) for k in src)
             out[mode.value] = statistics.median(secs[1:]) / n * 1e6

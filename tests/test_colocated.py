@@ -19,7 +19,7 @@ import torch
 from mcore_reshard.plan.topology import RankPlacement, placement_report, plan_for_placement
 from mcore_reshard.infra.ports import free_port
 from mcore_reshard.wire.faults import Fault
-from mcore_reshard.transport.executor import TensorSink, execute_plan, zero_fill_padding
+from mcore_reshard.transport.executor import TensorSink, TransferOptions, execute_plan, zero_fill_padding
 from mcore_reshard.transport.group import RankMap, RefitError, RefitGroup
 from mcore_reshard.transport.shm import PREFIX, SHM_DIR
 from support.worlds import T, canonical, expected_equal, locals_of, ship, spawn_ranks
@@ -65,8 +65,8 @@ def _main(rank: int, world: int, port: int, port2: int, q: Any) -> None:
             d = locals_of(dst, d_rank, None) if d_rank is not None else {}
             wire.clear()
             try:
-                stats = execute_plan(sp, dp, s, d if sink is None else sink(d), group, rm, timeout_s=20.0,
-                                     plan_digest=plan.digest(), fault=fault)
+                stats = execute_plan(sp, dp, s, d if sink is None else sink(d), group, TransferOptions(
+                    20.0, fault=fault, plan_digest=plan.digest(), rank_map=rm))
                 err = None
             except (RefitError, RuntimeError) as e:
                 stats, err = None, f"{type(e).__name__}: {e}"

@@ -21,7 +21,7 @@ from mcore_reshard.plan.topology import RankPlacement, plan_for_placement
 from mcore_reshard.infra.ports import free_port
 from mcore_reshard.wire.protocol import RefitRequest
 from mcore_reshard.transport.delta import DeltaRun, DeltaState, decide, encoded_numel, refit_id
-from mcore_reshard.transport.executor import execute_plan, zero_fill_padding
+from mcore_reshard.transport.executor import TransferOptions, execute_plan, zero_fill_padding
 from mcore_reshard.transport.group import RankMap, RefitError, RefitGroup
 from support.worlds import T, T16, canonical, expected_equal, locals_of, ship, spawn_ranks
 from toy_layouts import split_layout
@@ -107,8 +107,8 @@ def test_refit_request_checks_its_delta_settings_in_one_line():
 
 
 def _run(plan, s, d, group, state, refit, on):
-    return execute_plan(plan.for_rank("src", 0), plan.for_rank("dst", 0), s, d, group, timeout_s=10.0,
-                        delta=DeltaRun(decide([refit if on else None], "auto", refit, ["rank 0"]), state))
+    return execute_plan(plan.for_rank("src", 0), plan.for_rank("dst", 0), s, d, group, TransferOptions(
+        10.0, delta=DeltaRun(decide([refit if on else None], "auto", refit, ["rank 0"]), state)))
 
 
 @pytest.mark.parametrize("tensors", [T, T16], ids=["fp32", "bf16"])
@@ -188,8 +188,8 @@ def _relay_delta_main(rank: int, world: int, port: int, q: Any) -> None:
             if corrupt and d_rank == 3:
                 d["local.a"].view(-1)[2] += 1
             try:
-                stats, err = execute_plan(sp, dp, s, d, group, rm, timeout_s=20.0,
-                                          delta=DeltaRun(decision, state)), None
+                stats, err = execute_plan(sp, dp, s, d, group, TransferOptions(
+                    20.0, delta=DeltaRun(decision, state), rank_map=rm)), None
             except RefitError as e:
                 stats, err = None, str(e)
             if corrupt:  # the last refit: it fails, its group with it

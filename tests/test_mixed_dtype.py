@@ -20,7 +20,7 @@ from mcore_reshard.transport.views import TORCH_DTYPES, local_view, materialize_
 from mcore_reshard.plan import PlanError, build_plan, plan_report
 from mcore_reshard.plan.wire import slice_from_wire, slice_to_wire
 from mcore_reshard.infra.ports import free_port
-from mcore_reshard.transport.executor import TensorSink, execute_plan
+from mcore_reshard.transport.executor import TensorSink, TransferOptions, execute_plan
 from mcore_reshard.transport.group import RankMap, RefitGroup
 from mcore_reshard.testing.local_plan import run_plan_locally
 from support.worlds import canonical, expected_equal, refit_once, spawn_ranks
@@ -230,7 +230,7 @@ def test_tensor_sink_in_process_round_trip():
     group = RefitGroup.create("127.0.0.1", free_port(), 0, 1, 20.0, True, rank_map=RankMap.colocated(1))
     try:
         st = execute_plan(plan.for_rank("src", 0), plan.for_rank("dst", 0), s, TensorSink(d), group,
-                          timeout_s=20.0, plan_digest=plan.digest())
+                          TransferOptions(20.0, plan_digest=plan.digest()))
     finally:
         group.close()
     assert st.verified and expected_equal(dst, 0, canon, d) == []

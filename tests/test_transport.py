@@ -18,7 +18,7 @@ import torch
 from mcore_reshard.transport.views import local_view, materialize_local
 from mcore_reshard.plan import build_plan
 from mcore_reshard.transport.checksum import checksum, checksums, digest
-from mcore_reshard.transport.executor import TensorSink, execute_plan, raw_send_bandwidth, zero_fill_padding
+from mcore_reshard.transport.executor import TensorSink, TransferOptions, execute_plan, raw_send_bandwidth, zero_fill_padding
 from mcore_reshard.transport.group import RankMap, RefitError, RefitGroup, RefitTimeout
 from mcore_reshard.infra.ports import free_port
 from support.worlds import (T, T16, FlippingSink, canonical, expected_equal, locals_of, refit_once, ship,
@@ -137,7 +137,7 @@ def test_single_rank_colocated_refit_copies_locally_and_verifies():
     group = RefitGroup.create("127.0.0.1", free_port(), 0, 1, 10.0, True, rank_map=RankMap.colocated(1))
     try:
         stats = execute_plan(plan.for_rank("src", 0), plan.for_rank("dst", 0), s, d, group,
-                             timeout_s=10.0, plan_digest=plan.digest())
+                             TransferOptions(10.0, plan_digest=plan.digest()))
     finally:
         group.close()
     zero_fill_padding(d, dst.for_rank(0))
@@ -164,7 +164,7 @@ def test_stuck_peer_times_out_naming_it_and_the_bucket():
         th.start()
         with pytest.raises(RefitTimeout, match=r"destination rank 0 \(group rank 1\).*bucket 0"):
             execute_plan(plan.for_rank("src", 0), None, locals_of(src, 0, canonical(T, 0)), None,
-                         groups[0], timeout_s=0.5)
+                         groups[0], TransferOptions(0.5))
         with pytest.raises(RefitTimeout, match=r"no answer from destination rank 0 \(group rank 1\)"):
             groups[0].exchange("hello", timeout_s=0.5)
         th.join(10)
@@ -204,8 +204,8 @@ def _world_main(rank: int, world: int, port: int, port2: int, q: Any) -> None:
         canon = canonical(T, 10)
         d = locals_of(dst, d_rank, None) if d_rank is not None else {}
         try:
-            execute_plan(sp, dp, locals_of(src, s_rank, canon) if s_rank is not None else {}, d, group, rm,
-                         timeout_s=20.0, plan_digest=bad_digest)
+            execute_plan(sp, dp, locals_of(src, s_rank, canon) if s_rank is not None else {}, d, group,
+                         TransferOptions(20.0, plan_digest=bad_digest, rank_map=rm))
             out["digest"] = None
         except RefitError as e:
             out["digest"] = str(e)
@@ -222,7 +222,7 @@ def _world_main(rank: int, world: int, port: int, port2: int, q: Any) -> None:
             canon16 = canonical(T16, 11)
             d16 = locals_of(dst16, rank, None)
             st = execute_plan(plan16.for_rank("src", rank), plan16.for_rank("dst", rank),
-                              locals_of(src16, rank, canon16), d16, co, timeout_s=20.0, plan_digest=plan16.digest())
+                              locals_of(src16, rank, canon16), d16, co, TransferOptions(20.0, plan_digest=plan16.digest()))
             zero_fill_padding(d16, dst16.for_rank(rank))
             out["colocated"] = {"stats": st, "bad": expected_equal(dst16, rank, canon16, d16)}
             co.close()
@@ -262,8 +262,8 @@ def _zero_copy_main(rank: int, world: int, port: int, q: Any) -> None:
         sink = (lambda name, view, t: local_view(d[name], view).copy_(t)) if d_rank is not None else None
         execute_plan(plan.for_rank("src", s_rank) if s_rank is not None else None,
                      plan.for_rank("dst", d_rank) if d_rank is not None else None,
-                     locals_of(src, s_rank, canon) if s_rank is not None else {}, sink, group, rm,
-                     timeout_s=20.0, plan_digest=plan.digest(), wire_dtype=torch.float32)
+                     locals_of(src, s_rank, canon) if s_rank is not None else {}, sink, group,
+                     TransferOptions(20.0, plan_digest=plan.digest(), wire_dtype=torch.float32, rank_map=rm))
         out["callable_bad"] = expected_equal(dst, d_rank, canon, d) if d_rank is not None else []
         # the destination's tensor corrupted after the bytes landed: caught, the box named
         out["corrupt"] = refit_once(plan, src, dst, s_rank, d_rank, group, rm, 5, tensors=TZ,
@@ -312,7 +312,7 @@ def _death_main(rank: int, world: int, port: int, q: Any) -> None:
             execute_plan(plan.for_rank("src", s_rank) if s_rank is not None else None,
                          plan.for_rank("dst", d_rank) if d_rank is not None else None,
                          s_locals, locals_of(dst, d_rank, None) if d_rank is not None else {},
-                         group, rm, timeout_s=15.0, plan_digest=plan.digest())
+                         group, TransferOptions(15.0, plan_digest=plan.digest(), rank_map=rm))
             out["err"] = None
         except RefitError as e:
             out["err"], out["timeout"] = str(e), isinstance(e, RefitTimeout)

@@ -26,7 +26,7 @@ from ..plan.types import RankPlan
 from ..plan.wire import slice_from_wire
 from ..wire.protocol import JoinInfo, RankReport, RefitRequest, first_error_line
 from .delta import DeltaRun, DeltaState, decide, refit_id
-from .executor import TransferStats, execute_plan, raw_send_bandwidth
+from .executor import TransferOptions, TransferStats, execute_plan, raw_send_bandwidth
 from ..wire.faults import Fault
 from .group import RefitGroup
 
@@ -226,8 +226,8 @@ class RefitEndpoint:
         decision = decide([v[2] for v in exchanged], request.delta, self.refit_id(request),
                           [rm.name_at(r) for r in range(len(exchanged))])
         delta = None if request.delta == "off" else DeltaRun(decision, self.delta, request.delta_state_limit_bytes)
-        stats = execute_plan(src, dst, src_tensors, sink, self.group, timeout_s=request.timeout_s,
-                             verify=request.verify, progress=progress, fault=fault, begin=False, delta=delta)
+        stats = execute_plan(src, dst, src_tensors, sink, self.group,
+                             TransferOptions(request.timeout_s, request.verify, progress, fault, delta, begin=False))
         if delta is None:
             stats = replace(stats, delta=replace(stats.delta, reason=decision.reason))
         return stats

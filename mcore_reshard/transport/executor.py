@@ -22,7 +22,7 @@ Every wait has a timeout and failures name the peer and the bucket.
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, Callable, Mapping, Sequence
 
@@ -56,6 +56,7 @@ __all__ = [
     "ReinterpretSink",
     "Sink",
     "TensorSink",
+    "TransferOptions",
     "TransferStats",
     "WireTensors",
     "execute_plan",
@@ -71,48 +72,59 @@ def zero_fill_padding(tensors: Mapping[str, torch.Tensor], params: Sequence[Loca
         zero_padding(tensors[p.name], p)
 
 
+@dataclass(frozen=True)
+class TransferOptions:
+    """How one rank runs its part of a plan: everything ``execute_plan`` takes besides the
+    plan slices, the tensors, the sink and the group.
+
+    ``timeout_s``: one deadline per wait. ``verify``: a ``VerifyMode`` (``checksum`` and
+    ``full`` both run the exact checksums here; ``full``'s element-wise comparison is the
+    driver's, ``verify.py``); a bool means on/off. ``progress``: a progress bar on this rank
+    once the refit has run for a second. ``fault``: fault injection (tests and soak runs
+    only). ``delta``: this rank's part of delta refits (``delta.py``; the endpoint agreed on it
+    with every rank): encode against the baselines when the decision is on, and (sender) keep
+    what was sent as the next baseline once this rank's part succeeded. ``begin``: this call
+    starts a new refit on the group (an endpoint that already did passes False).
+    ``plan_digest``: when given, every rank's (digest, verify) must agree before a byte moves.
+    ``wire_dtype``: the element type on the wire (default: the plan's). ``rank_map``: the
+    group's ranks by role (default: the group's own)."""
+
+    timeout_s: float
+    verify: VerifyMode | bool = VerifyMode.CHECKSUM
+    progress: bool = False
+    fault: Fault | None = None
+    delta: DeltaRun | None = None
+    begin: bool = True
+    plan_digest: str | None = None
+    wire_dtype: torch.dtype | None = None
+    rank_map: RankMap | None = None
+
+
 def execute_plan(
     plan_slice_src: RankPlan | None,
     plan_slice_dst: RankPlan | None,
     src_tensors: Mapping[str, torch.Tensor],
     dst_tensors_or_sink: Mapping[str, torch.Tensor] | Sink | Callable[[str, View, torch.Tensor], None] | None,
     group: RefitGroup,
-    rank_map: RankMap | None = None,
-    *,
-    timeout_s: float,
-    verify: VerifyMode | bool = VerifyMode.CHECKSUM,
-    progress: bool = False,
-    plan_digest: str | None = None,
-    wire_dtype: torch.dtype | None = None,
-    fault: Fault | None = None,
-    begin: bool = True,
-    delta: DeltaRun | None = None,
+    options: TransferOptions,
 ) -> TransferStats:
-    """Run this group rank's sends (``plan_slice_src``) and receives (``plan_slice_dst``).
+    """Run this group rank's sends (``plan_slice_src``) and receives (``plan_slice_dst``) of
+    one refit, as ``options`` say (:class:`TransferOptions`).
 
-    ``verify``: a ``VerifyMode`` (``checksum`` and ``full`` both run the exact checksums here;
-    ``full``'s element-wise comparison is the driver's, ``verify.py``); a bool means on/off.
-    ``plan_digest``: when given, every rank's (digest, verify) must agree before a byte moves.
-    ``progress``: show a progress bar on this rank if the refit runs longer than a second.
-    ``fault``: fault injection for tests and soak runs (see :class:`Fault`).
-    ``begin``: this call starts a new refit on the group (a caller that already did, e.g. an
-    endpoint that checks its slice first, passes False).
-    ``delta``: this rank's part of delta refits (``delta.py``; the endpoint agreed on it with
-    every rank): encode against the baselines when the decision is on, and (sender) keep what
-    was sent as the next baseline once this rank's part succeeded.
     Raises ``RefitTimeout``/``RefitError`` naming the peer and bucket (and posts the group's
     abort signal, so every other rank stops too); the group is then broken.
     """
+    o, delta = options, options.delta
     t_start = time.perf_counter()
-    mode = verify if isinstance(verify, VerifyMode) else (VerifyMode.CHECKSUM if verify else VerifyMode.OFF)
-    rank_map = rank_map or group.rank_map
-    if begin:
+    mode = o.verify if isinstance(o.verify, VerifyMode) else (VerifyMode.CHECKSUM if o.verify else VerifyMode.OFF)
+    rank_map = o.rank_map or group.rank_map
+    if o.begin:
         group.begin_refit()
     _check_roles(plan_slice_src, plan_slice_dst, group.rank, rank_map)
-    if plan_digest is not None:
-        group.check_agreement([plan_digest, mode.value], what="(plan digest, verify)", timeout_s=timeout_s)
+    if o.plan_digest is not None:
+        group.check_agreement([o.plan_digest, mode.value], what="(plan digest, verify)", timeout_s=o.timeout_s)
     sink = as_sink(dst_tensors_or_sink) if plan_slice_dst is not None else None
-    dtype = wire_dtype or _wire_dtype(plan_slice_src, plan_slice_dst, src_tensors, dst_tensors_or_sink, sink)
+    dtype = o.wire_dtype or _wire_dtype(plan_slice_src, plan_slice_dst, src_tensors, dst_tensors_or_sink, sink)
     quantized = None
     if plan_slice_src is not None and plan_slice_src.quantize:  # block FP8 at the sender: codes + scales
         src_tensors = quantized = QuantizedSources(src_tensors, plan_slice_src.quantize)
@@ -122,9 +134,9 @@ def execute_plan(
         sink = ReinterpretSink(sink, dict(plan_slice_dst.reinterpret), dtype)
     run = None
     try:
-        run = _Run(plan_slice_src, plan_slice_dst, src_tensors, sink, group, rank_map, dtype, timeout_s,
-                   mode.checksums, fault, delta)
-        run.execute(progress)
+        run = _Run(plan_slice_src, plan_slice_dst, src_tensors, sink, group, rank_map, dtype, o.timeout_s,
+                   mode.checksums, o.fault, delta)
+        run.execute(o.progress)
         if delta is not None:
             _keep_baseline(delta, plan_slice_src, src_tensors, dtype, run.tally)
     except RefitAborted:

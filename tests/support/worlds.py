@@ -15,7 +15,7 @@ import torch
 
 from mcore_reshard.testing.worlds import join_or_kill
 from mcore_reshard.transport.views import TORCH_DTYPES, materialize_local
-from mcore_reshard.transport.executor import TensorSink, execute_plan, zero_fill_padding
+from mcore_reshard.transport.executor import TensorSink, TransferOptions, execute_plan, zero_fill_padding
 from mcore_reshard.transport.group import RefitError
 
 __all__ = ["T", "T16", "canonical", "locals_of", "expected_equal", "FlippingSink", "refit_once", "ship",
@@ -78,8 +78,8 @@ def refit_once(plan, src, dst, s_rank, d_rank, group, rm, seed: int, *, tensors=
     s = locals_of(src, s_rank, canon) if s_rank is not None else {}
     d = locals_of(dst, d_rank, None) if d_rank is not None else {}
     try:
-        stats = execute_plan(sp, dp, s, d if sink is None else sink(d), group, rm, timeout_s=20.0,
-                             plan_digest=plan.digest() if digest is None else digest, progress=progress)
+        stats = execute_plan(sp, dp, s, d if sink is None else sink(d), group, TransferOptions(
+            20.0, progress=progress, plan_digest=plan.digest() if digest is None else digest, rank_map=rm))
         err = None
     except RefitError as e:
         stats, err = None, str(e)

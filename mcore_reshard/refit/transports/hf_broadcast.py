@@ -46,7 +46,7 @@ from ...plan import get_plan
 from ...plan.types import TransferPlan
 from ...wire.protocol import RankMap, RefitRequest
 from ...training.ranks import RankContext
-from ...transport.executor import execute_plan
+from ...transport.executor import TransferOptions, execute_plan
 from ...transport.group import RefitGroup
 
 __all__ = ["gather_layout", "hf_buckets", "BroadcastStats", "broadcast_send", "broadcast_receive", "BroadcastJoin",
@@ -213,8 +213,9 @@ class SendBroadcast:
         if me == 0:
             full = {n: torch.empty(shape, dtype=TORCH_DTYPES[dt]) for n, (shape, dt) in tensors.items()}
         gather = execute_plan(plan.for_rank("src", me), plan.for_rank("dst", 0) if full is not None else None,
-                              rank.synced_tensors(), full, rank.refit_group(), RankMap(tuple(range(plan.num_src)), (0,)),
-                              timeout_s=self.timeout_s, verify=False)
+                              rank.synced_tensors(), full, rank.refit_group(),
+                              TransferOptions(self.timeout_s, verify=False,
+                                              rank_map=RankMap(tuple(range(plan.num_src)), (0,))))
         peak = gather.peak_extra_bytes
         if full is not None:
             sent = broadcast_send(full, tensors, rank.resources[HF_PREFIX].group, buffer_bytes=self.buffer_bytes,
