@@ -202,6 +202,19 @@ def vllm_trainer_api_job(ctx: WorldCtx, ckpt: str, dtype: str, par: MegatronPara
     policy.load_canonical(load_canonical(ckpt))
     source = MegatronShards(TrainerEndpoint(policy.chunks, spec, sync_params=policy.sync_params))
     client = HTTPVLLMWeightSyncClient(url, timeout=300)
+
+    class Flaky(HTTPVLLMWeightSyncClient):
+        """vLLM's HTTP client whose next ``update_weights`` fails before it is sent."""
+
+        drop_next_update = False
+
+        def update_weights(self, update_info: Any) -> None:
+            if self.drop_next_update:
+                self.drop_next_update = False
+                raise ConnectionError("injected: the connection to the server dropped")
+            super().update_weights(update_info)
+
+    flaky = Flaky(url, timeout=300)
     out: dict[str, Any] = {"trainer": [], "served": [], "reports": []}
     # A layout stated wrongly (the engine holds fp32, not bf16): the engine refuses its slice, and
     # the first refit fails on every rank in one line, before a byte moves.
@@ -215,7 +228,15 @@ def vllm_trainer_api_job(ctx: WorldCtx, ckpt: str, dtype: str, par: MegatronPara
         out["refused"] = (str(exc), time.monotonic() - t0)
     wrong.shutdown()
     engine = WeightTransferTrainerFactory.trainer_init(
-        ReshardTrainerInitInfo(rank=ctx.rank, engine_tp=vllm.tp, timeout_s=120.0), client=client, source=source)
+        ReshardTrainerInitInfo(rank=ctx.rank, engine_tp=vllm.tp, timeout_s=120.0), client=flaky, source=source)
+    # The connection drops on rank 0's first update_weights: every rank fails at once, the
+    # engine's session is closed, and the next send_weights builds a new refit group first.
+    flaky.drop_next_update = True
+    t0 = time.monotonic()
+    try:
+        engine.send_weights()
+    except RefitFailed as exc:
+        out["dropped"] = (str(exc), time.monotonic() - t0)
     for _ in range(2):
         policy.train_step([tokens])
         engine.send_weights()

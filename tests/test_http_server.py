@@ -304,7 +304,9 @@ def test_trainers_refit_a_server_through_vllms_own_trainer_api_only(tp1_server):
     HTTPVLLMWeightSyncClient(url), source=MegatronShards(...))`` and calls ``send_weights()``
     after each of two training steps -- no driver, no controller, no project call on the
     server. A layout stated wrongly (bf16 for an fp32 engine) is refused by the engine's own
-    slice check at the first refit, on every rank, in one line. Then each refit moves the
+    slice check at the first refit, on every rank, in one line. A connection that drops on rank
+    0's ``update_weights`` fails that refit on every rank at once, and the next ``send_weights``
+    builds a new refit group and commits. Each committed refit moves the
     minimum, every rank of both sides verifies it, the server's version is the refit's
     identity, and it serves what megatron computes within fp32's bound (and not what it served
     before the step)."""
@@ -320,6 +322,10 @@ def test_trainers_refit_a_server_through_vllms_own_trainer_api_only(tp1_server):
         print(f"trainer rank: a wrongly stated layout refused in {seconds:.1f}s: {line}")
         assert re.search(r"vLLM destination rank 0: .* carries '.+' as bfloat16, this worker holds it in float32",
                          line), line
+    for r in ranks:  # a dropped connection on rank 0's update_weights: every rank fails at once, naming it
+        line, seconds = r["dropped"]
+        print(f"trainer rank: a dropped update_weights failed the refit in {seconds:.1f}s: {line[:300]}")
+        assert "\n" not in line and seconds < 30.0 and "injected: the connection to the server dropped" in line, line
     assert ranks[1]["reports"] == rank0["reports"]  # every rank read the same vote
     received, full, delta = [], [], []
     for step, (trainer, served) in enumerate(zip(rank0["trainer"], rank0["served"])):

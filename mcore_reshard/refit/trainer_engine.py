@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import secrets
 import threading
+import time
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Iterator, Self
 
@@ -118,15 +119,20 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
     init_info_cls = ReshardTrainerInitInfo
 
     def __init__(self, *, client: Any, source: MegatronShards, is_sender: bool, plan: TransferPlan,
-                 request: RefitRequest, init_info: dict[str, Any]) -> None:
+                 request: RefitRequest, host: str, port: int) -> None:
+        import torch.distributed as dist
+
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.endpoint = source.endpoint
         #: The plan every refit runs (its report: ``plan.report``; ``bytes_min``, ...).
         self.plan = plan
         self._request = request
         self._epoch = 0
-        #: The engine's init info (rank 0): sent again when a failed refit broke the group.
-        self.engine_init_info = init_info
+        self._host, self._port = host, port  # port 0: a free one at every join
+        self._src_slice = slice_to_wire(plan.for_rank("src", dist.get_rank()))
+        self._dst_slices = {str(r): slice_to_wire(plan.for_rank("dst", r)) for r in range(plan.num_dst)}
+        #: The engine's init info of the current refit group (rank 0 sends it at every join).
+        self.engine_init_info: dict[str, Any] = {}
 
     @classmethod
     def trainer_init(cls, init_info: ReshardTrainerInitInfo, *, client: Any,
@@ -152,33 +158,33 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
                            enable_ep=init_info.engine_enable_ep)
         dst = vllm_layout(spec.with_dtype(init_info.engine_dtype or spec.dtype), par)
         plan = get_plan(src, dst, bucket_bytes=init_info.bucket_bytes, allow_cast=init_info.allow_cast)
-        digest = plan.digest()
-        rank_map = RankMap.disaggregated(src.world_size, dst.world_size)
-        mine = {"port": init_info.port or free_port(init_info.host), "secret": secrets.token_hex(16),
-                "nonce": secrets.token_hex(16)}
-        first = _all_gather_json(mine)[0]  # rank 0's
-        join = JoinInfo(init_info.host, int(first["port"]), rank_map.world_size, rank_map, init_info.timeout_s,
-                        secret=first["secret"], nonce=first["nonce"])
-        dst_slices = {str(r): slice_to_wire(plan.for_rank("dst", r)) for r in range(dst.world_size)}
-        engine_info = EngineInitInfo(join, digest, slice_digests={int(r): d for r, d in
-                                                                  slice_digests(dst_slices).items()}).to_wire()
-        request = RefitRequest(digest, VerifyMode(init_info.verify), init_info.timeout_s, init_info.atomic,
+        request = RefitRequest(plan.digest(), VerifyMode(init_info.verify), init_info.timeout_s, init_info.atomic,
                                delta=init_info.delta)
         engine = cls(client=client, source=source, is_sender=init_info.is_sender, plan=plan, request=request,
-                     init_info=engine_info)
-        engine._join(join, slice_to_wire(plan.for_rank("src", dist.get_rank())), dst_slices)
+                     host=init_info.host, port=init_info.port)
+        engine._connect()
         return engine
 
-    def _join(self, join: JoinInfo, src_slice: dict[str, Any], dst_slices: dict[str, Any]) -> None:
-        """Every rank joins the refit group while rank 0 initialises the engine (the group
-        forms only once both sides are in); rank 0 then publishes the engine's slices."""
+    def _connect(self) -> None:
+        """(Re)build the refit group, on every rank at once: a fresh nonce (and a free port,
+        unless one was given) from rank 0; every rank joins while rank 0 initialises the engine
+        (the group forms only once both sides are in); rank 0 then publishes the engine's
+        slices in the group's store."""
+        mine = {"port": self._port or free_port(self._host), "secret": secrets.token_hex(16),
+                "nonce": secrets.token_hex(16)}
+        first = _all_gather_json(mine)[0]  # rank 0's
+        rank_map = RankMap.disaggregated(self.plan.num_src, self.plan.num_dst)
+        join = JoinInfo(self._host, int(first["port"]), rank_map.world_size, rank_map, self._request.timeout_s,
+                        secret=first["secret"], nonce=first["nonce"])
+        self.engine_init_info = EngineInitInfo(join, self._request.plan_digest, slice_digests={
+            int(r): d for r, d in slice_digests(self._dst_slices).items()}).to_wire()
         init = _Call(lambda: self.client.init_weight_transfer_engine(self.engine_init_info)) if self.is_sender \
             else None
         try:
             self.endpoint.join(join)
-            self.endpoint.set_plan(src_slice, self._request.plan_digest)
+            self.endpoint.set_plan(self._src_slice, self._request.plan_digest)
             if self.is_sender:
-                publish_slices(self.endpoint.group.store, dst_slices)
+                publish_slices(self.endpoint.group.store, self._dst_slices)
         finally:
             error = init.wait(join.timeout_s + CLIENT_GRACE_S) if init is not None else None
         if error:
@@ -189,10 +195,16 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
         ``start_weight_update`` / ``update_weights`` meanwhile and its ``finish_weight_update``
         after the vote (the commit, labelled with the refit's identity). Raises
         ``RefitFailed`` on every rank, naming every failing rank, when the refit did not
-        commit; the engine then kept its old weights (or, unsure, refuses to serve)."""
+        commit; the engine then kept its old weights (or, unsure, refuses to serve). A failed
+        refit closes the refit group: the next one builds a new one first (on every rank,
+        since any rank's failure counts)."""
+        if any(_all_gather_json(self.endpoint.group is None)):
+            self.endpoint.leave()
+            self._connect()
         self._epoch += 1
         request = replace(self._request, epoch=self._epoch)
-        updating = _Call(lambda: self._start_and_update(request)) if self.is_sender else None
+        started: list[bool] = []
+        updating = _Call(lambda: self._start_and_update(request, started)) if self.is_sender else None
         error: BaseException | None = None
         try:
             self.endpoint.refit(request)
@@ -202,26 +214,32 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
             client_error = updating.wait(request.timeout_s + CLIENT_GRACE_S)
             outcome = self.endpoint.last_outcome
             version = request.label(outcome.refit) if outcome is not None and outcome.commit else None
-            try:
-                if client_error is None:
+            try:  # an open session is always closed (its refit concluded as voted), unless a call still hangs
+                if started and updating.done:
                     finish_update(_VersionedClient(self.client, version))
             except Exception as exc:  # noqa: BLE001 - reported with the refit's own error
-                client_error = f"finish_weight_update: {first_error_line(exc)}"
+                client_error = client_error or f"finish_weight_update: {first_error_line(exc)}"
             if client_error and error is None:
                 error = RefitFailed(f"{BACKEND}: the engine's calls failed: {client_error}")
         if error is not None:
             raise error
 
-    def _start_and_update(self, request: RefitRequest) -> None:
-        """Rank 0's engine calls up to the vote. A call that fails posts the group's abort, so
-        every rank stops at once instead of waiting for an engine that will not vote."""
+    def _start_and_update(self, request: RefitRequest, started: list[bool]) -> None:
+        """Rank 0's engine calls up to the vote. A call that fails aborts the refit on every
+        rank, rank 0 too, at once instead of after the timeout of an engine that never votes."""
         try:
             self.client.start_weight_update()
+            started.append(True)
             self.client.update_weights(EngineUpdateInfo(request).to_wire())
         except BaseException as exc:
             group = self.endpoint.group
             if group is not None:
-                group.post_abort(f"{BACKEND} trainer rank 0: the engine's call failed: {first_error_line(exc)}")
+                # An abort is per refit: posted before this rank's refit began, it would be
+                # dropped with the last refit's keys. Wait (bounded) for the refit to begin.
+                deadline = time.monotonic() + min(request.timeout_s, 60.0)
+                while group.control.epoch < request.epoch and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                group.stop_everyone(f"{BACKEND} trainer rank 0: the engine's call failed: {first_error_line(exc)}")
             raise
 
     def shutdown(self) -> None:
@@ -258,6 +276,10 @@ class _Call:
 
         self.thread = threading.Thread(target=run, daemon=True, name="mcore-reshard-engine-call")
         self.thread.start()
+
+    @property
+    def done(self) -> bool:
+        return not self.thread.is_alive()
 
     def wait(self, timeout_s: float) -> str | None:
         self.thread.join(timeout_s)

@@ -269,6 +269,13 @@ class ControlPlane(SignedStore):
         except StoreGone:
             pass  # nobody can read it; every rank learns from the store's death instead
 
+    def stop_everyone(self, message: str) -> None:
+        """Abort this refit for a failure outside this rank's own refit loop (another thread of
+        this rank saw it, e.g. the engine's calls failed): every rank stops at this signal, this
+        one too (``abort_message`` answers ``message`` here from now on)."""
+        self.post_abort(message)
+        self._posted_abort, self._abort = False, message
+
     def abort_message(self) -> str | None:
         """Why this refit is being aborted by someone else (another rank's abort, a peer known
         dead, the store gone), or None. Raises nothing: a dead store is a message too.

@@ -74,6 +74,10 @@ class RefitControl:
         """Tell every rank of the group to stop (signed, this rank's own key)."""
         self.control.post_abort(message)
 
+    def stop_everyone(self, message: str) -> None:
+        """``post_abort`` from outside this rank's refit loop: this rank stops at it too."""
+        self.control.stop_everyone(message)
+
     def abort_message(self) -> str | None:
         """Why another rank (or a dead peer, or a dead store) stops this refit, or None."""
         return self.control.abort_message()
@@ -258,6 +262,9 @@ class RefitGroup:
 
     def post_abort(self, message: str) -> None:
         self.ctl.post_abort(message)
+
+    def stop_everyone(self, message: str) -> None:
+        self.ctl.stop_everyone(message)
 
     def abort_message(self) -> str | None:
         return self.ctl.abort_message()
