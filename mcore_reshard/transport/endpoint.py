@@ -9,7 +9,7 @@ sequence of every refit once, for both::
 Each side brings a :class:`Participant` (what it does around the vote) and, on the inference
 side, a sink (where the bytes go). The trainer's participant has nothing to stage
 (:data:`IN_PLACE`); vLLM's applier stages into shadows at ``prepare`` and swaps them in at
-``commit``. ``vote`` and ``conclude`` are separate so an engine can vote inside vLLM's
+``commit``. ``transfer_and_vote`` and ``conclude`` are separate so an engine can vote inside vLLM's
 ``update_weights`` and commit inside ``finish_weight_update``. The slice check,
 close-on-failure, the pair lookup of the bandwidth probe and the report format live here too.
 """
