@@ -226,6 +226,8 @@ def vllm_trainer_api_job(ctx: WorldCtx, ckpt: str, dtype: str, par: MegatronPara
         wrong.send_weights()
     except RefitFailed as exc:
         out["refused"] = (str(exc), time.monotonic() - t0)
+    if ctx.rank == 0:  # what the server serves after the refused refit
+        out["after_refused"] = prompt_logprobs(url, ckpt, tokens)
     wrong.shutdown()
     engine = WeightTransferTrainerFactory.trainer_init(
         ReshardTrainerInitInfo(rank=ctx.rank, engine_tp=vllm.tp, timeout_s=120.0), client=flaky, source=source)
@@ -237,6 +239,8 @@ def vllm_trainer_api_job(ctx: WorldCtx, ckpt: str, dtype: str, par: MegatronPara
         engine.send_weights()
     except RefitFailed as exc:
         out["dropped"] = (str(exc), time.monotonic() - t0)
+    if ctx.rank == 0:  # and after the refit whose update_weights never reached it
+        out["after_dropped"] = prompt_logprobs(url, ckpt, tokens)
     for _ in range(2):
         policy.train_step([tokens])
         engine.send_weights()

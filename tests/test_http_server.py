@@ -326,6 +326,8 @@ def test_trainers_refit_a_server_through_vllms_own_trainer_api_only(tp1_server):
         line, seconds = r["dropped"]
         print(f"trainer rank: a dropped update_weights failed the refit in {seconds:.1f}s: {line[:300]}")
         assert "\n" not in line and seconds < 30.0 and "injected: the connection to the server dropped" in line, line
+    # after either failed refit the server serves exactly what it served before (fp32, TP1: bit for bit)
+    assert rank0["after_refused"] == before and rank0["after_dropped"] == before
     assert ranks[1]["reports"] == rank0["reports"]  # every rank read the same vote
     received, full, delta = [], [], []
     for step, (trainer, served) in enumerate(zip(rank0["trainer"], rank0["served"])):
