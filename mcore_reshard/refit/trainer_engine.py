@@ -213,7 +213,9 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
         if updating is not None:
             client_error = updating.wait(request.timeout_s + CLIENT_GRACE_S)
             outcome = self.endpoint.last_outcome
-            version = request.label(outcome.refit) if outcome is not None and outcome.commit else None
+            # (the outcome of this refit only: a rank that failed before its vote holds an older one)
+            committed = outcome is not None and outcome.commit and outcome.epoch == request.epoch
+            version = request.label(outcome.refit) if committed else None
             try:  # an open session is always closed (its refit concluded as voted), unless a call still hangs
                 if started and updating.done:
                     finish_update(_VersionedClient(self.client, version))

@@ -363,7 +363,7 @@ class _Background:
 
     def __init__(self, engine: "ReshardWeightTransferEngine", update_info: EngineUpdateInfo) -> None:
         self.engine = engine
-        self.timeout_s = _timeout_of(update_info)
+        self.timeout_s = float(update_info.request.timeout_s)
         self.result: tuple[Any, ...] | None = None
 
         def run() -> None:
@@ -393,6 +393,3 @@ class _Background:
 #: Seconds past a request's timeout that ``finish_weight_update`` waits for its background refit.
 BACKGROUND_GRACE_S = 30.0
 
-
-def _timeout_of(update_info: EngineUpdateInfo) -> float:
-    return float(update_info.request.timeout_s)
