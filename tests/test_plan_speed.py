@@ -1,6 +1,8 @@
 """The planner's fast paths change nothing: plans on fixed layouts (toy, named corner cases,
-seeded draws from the property-test space, real model configs cut to a few layers) hash to the
-digests the straightforward planner produced. Torch-free: layouts come from the pure rules."""
+seeded draws from the property-test space, real model configs cut to a few layers) keep the
+invariants a plan stands for (minimum bytes, every element once, the bucket budget, the
+documented order), a few hash to golden digests, and the pure-Python paths plan the same.
+Torch-free: layouts come from the pure rules."""
 
 from __future__ import annotations
 
@@ -103,72 +105,19 @@ def fixed_cases():
         VllmParallel(tp=8, dp=8, enable_ep=True)), 1 << 27
 
 
-#: ``plan.digest()`` of every case, computed with the planner before its fast paths (one sort
-#: per phase, a Box and a tuple per fragment). The digest covers every transfer's ranks,
-#: tensor, box, both views and bucket: equal digests are bit-identical plans.
+#: A few golden digests, as change detectors: ``plan.digest()`` (schema 2) of cases that between
+#: them take every planner path (replicas, padding, splits inside rows, KV replication, EPLB
+#: redundant experts, seeded draws, full-size MoE). They were recomputed when the digest gained
+#: its schema version, after checking that every case's transfers and every rank's slice stayed
+#: bit-identical; what they stand for is pinned directly by the invariant tests below.
 REFERENCE_DIGESTS = {
-    'toy rows->cols replicas padding': 'd033469990480425',  # 40 transfers, 6 buckets
-    'toy replicas balanced': 'f0e338670d21fc48',  # 24 transfers, 1 buckets
-    'toy cols->rows': '1c9f26730d2a33ea',  # 60 transfers, 6 buckets
-    'toy split inside rows': '6420708dd3ecb1e1',  # 16 transfers, 11 buckets
-    'toy merge adjacent': 'dd83f29baa04fd97',  # 1 transfers, 1 buckets
-    'toy duplicate destination boxes': '6bae594e6d219e03',  # 10 transfers, 7 buckets
-    'dense tp2 -> tp1': '6c7c96cd83ad29d9',  # 81 transfers, 20 buckets
-    'ng<tp split inside a head (ng=1, P=4, tp=4)': 'e9407cdff3adf2ba',  # 208 transfers, 7 buckets
-    'ng<tp, kv replicated in vLLM': '000c84cc460078e4',  # 188 transfers, 10 buckets
-    'qkv bias, tied, dp replicas': 'e5e750765677eb50',  # 236 transfers, 8 buckets
-    'uneven pp + vpp': '509cae85a411a232',  # 93 transfers, 14 buckets
-    'moe ep2 etp1 -> vllm tp2': '704b69def11ebb30',  # 274 transfers, 14 buckets
-    'moe etp2 != tp1 grouped te': 'bde31a2c5568098c',  # 540 transfers, 9 buckets
-    'moe -> vllm ep + redundant': '77b21e399291a1f6',  # 308 transfers, 16 buckets
-    'moe -> vllm dp moe-tp flatten': 'cc60adde65548fa6',  # 548 transfers, 14 buckets
-    'mixed dense/moe layers bf16': '9d2086e234f20d2b',  # 188 transfers, 5 buckets
-    'padded vocab both sides': 'e75a4bb35852b435',  # 1012 transfers, 26 buckets
-    'uneven first/last stage': 'e77bd1f919bc8d30',  # 79 transfers, 22 buckets
-    'random 0': '1c5bd3d22c2a6b67',  # 304 transfers, 28 buckets
-    'random 1': '3cea2c7746b5c372',  # 776 transfers, 27 buckets
-    'random 2': '4f76c475bfc69616',  # 552 transfers, 13 buckets
-    'random 3': '1d16453111905712',  # 366 transfers, 9 buckets
-    'random 4': 'fb0bd6d9a3b6b384',  # 246 transfers, 40 buckets
-    'random 5': 'e4ccf2beba64c06a',  # 276 transfers, 12 buckets
-    'random 6': '0f447cc74263f998',  # 464 transfers, 19 buckets
-    'random 7': '456af90a91b18d4e',  # 736 transfers, 33 buckets
-    'random 8': 'fefd472a0f33db21',  # 256 transfers, 24 buckets
-    'random 9': 'b01c6bf338384111',  # 912 transfers, 19 buckets
-    'random 10': 'ffa03b7241ba4ccc',  # 656 transfers, 17 buckets
-    'random 11': 'cd2060d8c680b072',  # 204 transfers, 39 buckets
-    'random 12': '58b2499ba86f2e55',  # 352 transfers, 18 buckets
-    'random 13': '9fd1658189843052',  # 368 transfers, 31 buckets
-    'random 14': 'aff621c16fb9e59d',  # 188 transfers, 23 buckets
-    'random 15': '03a3970c5faa6162',  # 226 transfers, 13 buckets
-    'random 16': '95c25f00bb2f5339',  # 384 transfers, 16 buckets
-    'random 17': '8f20e018b75e7990',  # 234 transfers, 58 buckets
-    'random 18': 'c325b05247a2e3fb',  # 472 transfers, 17 buckets
-    'random 19': '957eeaa3d564d1f6',  # 600 transfers, 20 buckets
-    'random 20': '1d70508a8c06930f',  # 224 transfers, 9 buckets
-    'random 21': 'bef6377333c65be8',  # 292 transfers, 22 buckets
-    'random 22': '60f06fa01cc7bb38',  # 224 transfers, 21 buckets
-    'random 23': 'ec87792156f8993f',  # 672 transfers, 28 buckets
-    'random 24': 'c00ab4a4bf402bd4',  # 366 transfers, 6 buckets
-    'random 25': '9c24fb5d855464f9',  # 448 transfers, 16 buckets
-    'random 26': '50b7bb50713495d1',  # 1168 transfers, 22 buckets
-    'random 27': 'd5b85abfd70560b2',  # 454 transfers, 35 buckets
-    'random 28': '918e6d8869dd563a',  # 230 transfers, 13 buckets
-    'random 29': '922201e0f10af187',  # 408 transfers, 7 buckets
-    'random 30': 'abeb2e5ff1902caa',  # 1476 transfers, 16 buckets
-    'random 31': '76c7405b4e727619',  # 70 transfers, 20 buckets
-    'random 32': '37a3c47afbc5712b',  # 1168 transfers, 5 buckets
-    'random 33': '26911e8f54424acd',  # 516 transfers, 18 buckets
-    'random 34': '017630c9a8482e4d',  # 752 transfers, 12 buckets
-    'random 35': '54404374a1ba43d3',  # 86 transfers, 7 buckets
-    'random 36': 'ac79efd33b0494b0',  # 576 transfers, 5 buckets
-    'random 37': 'fd51467ec4f1a208',  # 392 transfers, 7 buckets
-    'random 38': 'f9675bca6963c495',  # 944 transfers, 34 buckets
-    'random 39': 'c2956ae43ede2b45',  # 408 transfers, 11 buckets
-    'qwen3-8b tp2.dp2 -> tp4': 'd4f954066e61ec9f',  # 2038 transfers, 18 buckets
-    'qwen3-30b-a3b 2 layers default': 'be018b06f12f86b6',  # 12848 transfers, 38 buckets
-    'deepseek-v3-sized 4 layers': 'd736e55d97e3460f',  # 5952 transfers, 2 buckets
-    'qwen3-235b-a22b 4 layers': '471e52b9a48c4290',  # 4208 transfers, 14 buckets
+    'toy rows->cols replicas padding': '97433f3ebde82980',  # 40 transfers, 6 buckets
+    'ng<tp, kv replicated in vLLM': 'fe9a863100345a83',  # 188 transfers, 10 buckets
+    'moe -> vllm ep + redundant': '6b726b870bd2170b',  # 308 transfers, 16 buckets
+    'padded vocab both sides': 'e161fb19278857f7',  # 1012 transfers, 26 buckets
+    'random 0': '9903bf9afb5c07cf',  # 304 transfers, 28 buckets
+    'qwen3-30b-a3b 2 layers default': '6e0219202238be64',  # 12848 transfers, 38 buckets
+    'deepseek-v3-sized 4 layers': '882b67e12451cbd0',  # 5952 transfers, 2 buckets
 }
 
 
@@ -178,8 +127,8 @@ def _plans() -> list:
     return [(name, src, dst, bb, build_plan(src, dst, bucket_bytes=bb)) for name, src, dst, bb in fixed_cases()]
 
 
-def test_fixed_layouts_plan_to_reference_digests():
-    got = {name: plan.digest() for name, _, _, _, plan in _plans()}
+def test_golden_layouts_plan_to_reference_digests():
+    got = {name: plan.digest() for name, _, _, _, plan in _plans() if name in REFERENCE_DIGESTS}
     assert got == REFERENCE_DIGESTS
 
 
@@ -210,13 +159,14 @@ def test_plans_without_numpy_are_the_same(monkeypatch):
     picked = [c for c in fixed_cases() if c[0].startswith("toy") or c[0] in (
         "moe -> vllm ep + redundant", "padded vocab both sides", "random 4", "qwen3-30b-a3b 2 layers default")]
     assert len(picked) == 10
+    want = {name: plan.digest() for name, _, _, _, plan in _plans()}
     monkeypatch.setattr(buckets, "_np", None)
     for name, src, dst, bb in picked:
-        assert build_plan(src, dst, bucket_bytes=bb).digest() == REFERENCE_DIGESTS[name], name
+        assert build_plan(src, dst, bucket_bytes=bb).digest() == want[name], name
     monkeypatch.undo()
     monkeypatch.setattr(buckets, "_INT64_END", 1)  # every key "too large": Python ints
     for name, src, dst, bb in picked:
-        assert build_plan(src, dst, bucket_bytes=bb).digest() == REFERENCE_DIGESTS[name], name
+        assert build_plan(src, dst, bucket_bytes=bb).digest() == want[name], name
 
 
 def test_bulk_built_transfers_equal_constructed_ones():

@@ -211,3 +211,38 @@ def test_local_param_dtype_must_match_its_tensor():
     dst = dataclasses.replace(dst, params=(bad,))
     with pytest.raises(PlanError, match="holds bfloat16 but w is float32"):
         build_plan(src, dst)
+
+
+def test_passes_add_records_and_never_change_a_plan(monkeypatch):
+    """A pass's record is a new plan (the old one keeps its digest and slices), one record per
+    pass, hashed under its name after the schema version; a slice carries its records over
+    the wire under the same names, and a record of an unknown pass is refused."""
+    from mcore_reshard.plan import PLAN_SCHEMA, Colocated
+    from mcore_reshard.plan.types import plan_digest
+    from mcore_reshard.plan.wire import slice_from_wire, slice_to_wire
+
+    src = split_layout(TENSORS, parts=2, dim=0)
+    dst = split_layout(TENSORS, parts=2, dim=1)
+    plan = build_plan(src, dst, bucket_bytes=64)
+    assert plan.extensions == () and PLAN_SCHEMA == 2
+    before, slice0 = plan.digest(), plan.for_rank("src", 0)
+    placed = plan.extended(Colocated(((0, 0), (1, 1))))
+    assert plan.digest() == before and plan.for_rank("src", 0) == slice0 and plan.same_device == ()
+    assert placed.same_device == ((0, 0), (1, 1)) and placed.digest() != before
+    assert placed.transfers is plan.transfers and placed.get("placement") == Colocated(((0, 0), (1, 1)))
+    assert placed.extended(Colocated(((0, 1),))).same_device == ((0, 1),)  # replaced, not added
+    s = placed.for_rank("dst", 1)
+    assert s.same_device == (1,) and s.transfers == plan.for_rank("dst", 1).transfers
+    wire = slice_to_wire(s)
+    assert wire["extensions"] == {"placement": [1]} and slice_from_wire(wire) == s
+    # the schema version is hashed first: the same transfers under another schema never match
+    from mcore_reshard.plan import types
+
+    assert plan_digest(plan.transfers, plan.num_buckets, plan.dtype) == before
+    monkeypatch.setattr(types, "PLAN_SCHEMA", 1)
+    assert plan_digest(plan.transfers, plan.num_buckets, plan.dtype) != before
+    monkeypatch.undo()
+    with pytest.raises(PlanError, match="unknown passes \\['stripes'\\]"):
+        slice_from_wire(dict(wire, extensions={"stripes": [0]}))
+    with pytest.raises(ValueError, match="one record per pass"):
+        dataclasses.replace(plan, extensions=(Colocated(((0, 0),)), Colocated(((1, 1),)))).digest()

@@ -1,9 +1,10 @@
 """Pure planning: descriptors in, transfer plan out (imports neither megatron nor vllm)."""
 
 from .cache import get_plan, layout_digest
+from .extensions import Casts, Colocated, Quantized, Reinterpreted, Relayed
 from .planner import build_plan, check_dest, check_sides, index_sources
 from .report import PlanReport, plan_report
-from .types import PlanError, RankPlan, Transfer, TransferPlan
+from .types import PLAN_SCHEMA, Extension, PlanError, PlanExtension, RankPlan, Transfer, TransferPlan
 
 __all__ = [
     "build_plan",
@@ -18,4 +19,12 @@ __all__ = [
     "RankPlan",
     "Transfer",
     "TransferPlan",
+    "Extension",
+    "PlanExtension",
+    "PLAN_SCHEMA",
+    "Casts",
+    "Colocated",
+    "Quantized",
+    "Reinterpreted",
+    "Relayed",
 ]

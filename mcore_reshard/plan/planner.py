@@ -4,6 +4,11 @@ Pure and deterministic: it imports neither megatron nor vllm and works on descri
 so full-size plans can be computed and checked anywhere. Phases, in the spirit of DCP's
 planner (local plan -> global plan -> finish), one module each:
 
+0. named passes   ``fp8`` (``layout.quant.fp8_sides``: what the senders quantize), ``casts``
+                  and ``reinterpret`` (``validate``: dtypes that differ, tensors carried as
+                  their bits) read both sides first; each adds a typed record to the plan
+                  (``plan.extensions``) only where it finds something. ``placement`` and
+                  ``relays`` run on a made plan (``plan.topology``).
 1. ``validate``   both sides describe the same canonical tensors (casts only where allowed),
                   one element type on the wire, source boxes tile every tensor, destination
                   pieces lie inside their tensors and never overlap.
@@ -36,6 +41,7 @@ from typing import Callable, Iterable, Iterator
 from ..layout.descriptor import DTYPE_BYTES, SideLayout, contiguous_strides
 from ..layout.quant import fp8_sides, scale_name
 from .buckets import Charges, Keys, bucket
+from .extensions import Casts, Quantized, Reinterpreted
 from .fragments import add_moves, choose_senders, fragment, merge
 from .types import PlanError, TransferPlan
 from .validate import (check_dest, check_sides, check_whole_elements, first_uncovered, index_sources, param_kinds,
@@ -139,18 +145,14 @@ def _build_plan(
         num_buckets=num_buckets,
         num_src=src.world_size,
         num_dst=dst.world_size,
-        itemsize=itemsize,
         dtype=dtype,
         bytes_min=dst_numel * itemsize,
         bytes_hf_broadcast=hf_bytes * dst.world_size,
         bucket_bytes=bucket_bytes,
         padding=tuple(padding),
         not_direct=tuple(not_direct),
-        casts=casts,
         notes=tuple(src.notes) + tuple(dst.notes),
-        reinterpret=reinterpret,
-        quantized=quantized,
-        quantized_at_receiver=at_receiver,
+        extensions=_side_records(casts, reinterpret, quantized, at_receiver),
     )
     if planned != plan.bytes_min:
         raise PlanError(
@@ -158,6 +160,19 @@ def _build_plan(
             f"({first_uncovered(dst, plan)})"
         )
     return plan
+
+
+def _side_records(casts: tuple, reinterpret: tuple, quantized: tuple, at_receiver: tuple) -> tuple:
+    """The records of the passes that read both sides before fragmenting (``fp8``, ``casts``,
+    ``reinterpret``; ``plan.extensions``), each only where it found something."""
+    out: list = []
+    if quantized or at_receiver:
+        out.append(Quantized(tuple(quantized), tuple(at_receiver)))
+    if casts:
+        out.append(Casts(tuple(casts)))
+    if reinterpret:
+        out.append(Reinterpreted(tuple(reinterpret)))
+    return tuple(out)
 
 
 def _hf_unquantized_bytes(tensors: dict, held: dict[str, str]) -> int:

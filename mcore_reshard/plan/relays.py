@@ -2,7 +2,7 @@
 the box crosses into the node once, to one member, which forwards it to the others.
 
 Vocabulary used throughout ``plan/``: a *relay group* is a sorted tuple of destination
-ranks (``TransferPlan.relay_groups``); a transfer's relay group is its index there
+ranks (``Relayed.groups``, the ``relays`` pass's record); a transfer's relay group is its index there
 (``relay_of``, -1: not relayed), named ``group`` in code.
 """
 
@@ -17,12 +17,11 @@ from ..layout import Box, SideLayout, View
 from ..layout.descriptor import DTYPE_BYTES, LocalParam
 from ..layout.memo import ValueIds
 from .placement import RankPlacement
-from .types import Transfer, TransferPlan, member_site
+from .extensions import Relayed, Site, member_site
+from .types import Transfer, TransferPlan
 
 __all__ = ["Relays", "Site", "relay_groups", "piece_relays", "spread", "misdelivered"]
 
-#: A member's place for a relayed box: (rank, local tensor, canonical, box, view).
-Site = tuple[int, str, str, Box, View]
 _SRC, _DST = operator.attrgetter("src"), operator.attrgetter("dst")
 #: A destination piece as another rank would hold it identically: see ``_piece_keys``.
 _PieceKey = tuple[str, tuple[int, ...], str, str, int, int]
@@ -60,7 +59,7 @@ def spread(plan: TransferPlan, groups: tuple[tuple[int, ...], ...], relay_of: li
     of its group with the fewest bytes so far (plan order; ties to the lower rank): every
     member then receives its share over the fabric and the rest from the other members. The
     buckets were cut with every member's whole share counted (``charges``), so the bucket
-    budget holds. ``sites``: boxes the members hold at different places (``relay_sites``):
+    budget holds. ``sites``: boxes the members hold at different places (``Relayed.sites``):
     a transfer handed to another member lands at that member's place."""
     load = {m: 0 for members in groups for m in members}
     # members in rank order: ``min`` by load then keeps the first, the lower rank, on a tie
@@ -80,9 +79,8 @@ def spread(plan: TransferPlan, groups: tuple[tuple[int, ...], ...], relay_of: li
     num_dst = max(plan.num_dst, 1 + max(map(_DST, out), default=0))
     keys = [(t.bucket * num_src + t.src) * num_dst + t.dst for t in out]
     order = sorted(range(len(out)), key=keys.__getitem__)
-    return replace(plan, transfers=tuple([out[i] for i in order]), relay_groups=groups,
-                   relay_of=tuple(relay_of[i] for i in order), relay_sites=sites,
-                   _by_src={}, _by_dst={}, _by_group={}, _sites={})
+    return plan.extended(Relayed(groups, tuple(relay_of[i] for i in order), sites),
+                         transfers=tuple([out[i] for i in order]))
 
 
 def _piece_keys(p: LocalParam, ids: ValueIds) -> list[_PieceKey]:

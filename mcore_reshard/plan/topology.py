@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 from ..layout import SideLayout
 from .cache import get_placed_plan, get_plan
+from .extensions import Colocated
 from .floor import hf_ipc_bytes, inter_node_minimum, over_floor, why_over
 from .placement import LINK_CLASSES, Links, Location, RankPlacement, same_device_pairs
 from .planner import gc_paused
@@ -83,11 +84,10 @@ def _placed(req: _Request) -> TransferPlan:
     pairs = same_device_pairs(placement)
     relays = piece_relays(dst, placement)
     if relays is None:
-        return replace(direct, same_device=pairs, _by_src={}, _by_dst={}) if pairs else direct
+        return _colocated(direct, pairs)
 
     def keep_direct(why: str) -> TransferPlan:
-        return replace(direct, same_device=pairs, _by_src={}, _by_dst={}, notes=direct.notes + (
-            f"fan-out relays not used: {why}",))
+        return replace(_colocated(direct, pairs), notes=direct.notes + (f"fan-out relays not used: {why}",))
 
     t_direct = req.report(direct).modelled_seconds
     first = _relay(req, relays, direct)
@@ -104,10 +104,15 @@ def _placed(req: _Request) -> TransferPlan:
             f"direct vs {chosen.report.modelled_seconds:.4f} s with relays")
     groups = chosen.relays.groups
     n = len({m for members in groups for m in members})
-    return replace(chosen.plan, same_device=pairs, notes=chosen.plan.notes + (
+    return replace(_colocated(chosen.plan, pairs), notes=chosen.plan.notes + (
         f"fan-out relays: {len(groups)} group(s) of inference ranks ({n} ranks) holding the same pieces on "
         f"shared nodes take each box over the fabric once and forward it inside the node; modelled "
         f"{chosen.report.modelled_seconds:.4f} s vs {t_direct:.4f} s direct",) + kept)
+
+
+def _colocated(plan: TransferPlan, pairs: tuple[tuple[int, int], ...]) -> TransferPlan:
+    """The ``placement`` pass: the plan with its same-device pairs recorded (none: as it is)."""
+    return plan.extended(Colocated(pairs)) if pairs else plan
 
 
 def _relay(req: _Request, relays: Relays, direct: TransferPlan) -> _Relayed:

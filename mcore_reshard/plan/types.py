@@ -11,14 +11,15 @@ from __future__ import annotations
 import hashlib
 import operator
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
+from functools import cached_property
 from itertools import repeat
-from typing import Iterable, Sequence
+from typing import ClassVar, Iterable, Protocol, Sequence, runtime_checkable
 
-from ..layout.descriptor import Box, View
-from ..layout.quant import SCALE_SUFFIX, scale_name
+from ..layout.descriptor import DTYPE_BYTES, Box, View
 
-__all__ = ["PlanError", "Transfer", "RankPlan", "TransferPlan", "digest_text", "member_site", "quantized_locals"]
+__all__ = ["PlanError", "Transfer", "RankPlan", "TransferPlan", "Extension", "PlanExtension", "PLAN_SCHEMA",
+           "digest_text", "plan_digest"]
 
 
 class PlanError(ValueError):
@@ -63,11 +64,58 @@ def transfers_from_columns(n: int, columns: Sequence[Iterable]) -> list[Transfer
     return out
 
 
+#: Version of the digest's schema: hashed first, so a digest of another schema never matches.
+PLAN_SCHEMA = 2
+
+
+@runtime_checkable
+class Extension(Protocol):
+    """A typed record a named planner pass adds to a plan or a slice: what the core (who
+    sends which box to whom, in which bucket) does not say. ``name`` is its pass's name and
+    its key on the wire and in the digest; ``stage`` orders slicing (0 first: it may change
+    the slice's transfers). Records are frozen values: a pass makes a new plan with
+    ``TransferPlan.extended``, never changes one."""
+
+    name: ClassVar[str]
+    stage: ClassVar[int]
+
+    def digest_text(self) -> str:
+        """This record's part of the digest."""
+        ...
+
+
+class PlanExtension(Extension, Protocol):
+    """A plan's record: it cuts its own part of each rank's slice."""
+
+    def slice(self, plan: "TransferPlan", rank_plan: "RankPlan") -> "RankPlan":
+        """``rank_plan`` (the core slice, and the records of earlier stages) with this
+        record's part for that rank added."""
+        ...
+
+
+def _ordered(records: Iterable[Extension]) -> tuple:
+    """Records in slicing and digest order; one per pass."""
+    out = sorted(records, key=lambda e: (e.stage, e.name))
+    names = [e.name for e in out]
+    if len(set(names)) != len(names):
+        raise ValueError(f"one record per pass, got {names}")
+    return tuple(out)
+
+
+def _record(records: tuple, name: str):
+    for e in records:
+        if e.name == name:
+            return e
+    return None
+
+
 @dataclass(frozen=True)
 class RankPlan:
     """One rank's slice of a plan: what it sends (as a source) or receives (as a destination),
     in bucket order, each bucket grouped by peer in peer order -- both ends of a message derive
-    the same order, so a packed buffer needs no header."""
+    the same order, so a packed buffer needs no header. What the passes add for this rank
+    (relays, same-device peers, tensors carried as bits, FP8 at the sender) are the
+    ``extensions`` (``plan.extensions``), read through the properties below."""
 
     side: str  # "src" | "dst"
     rank: int
@@ -75,27 +123,57 @@ class RankPlan:
     transfers: tuple[Transfer, ...]
     #: Element type on the wire (the destination's; a cast happens while packing).
     dtype: str = "float32"
-    #: Fan-out relays (``plan.relays``): every relay group of the plan (destination ranks on
-    #: one node that hold the same pieces; a rank may be in several), and per transfer its
-    #: relay group (``relay_of``; -1: not relayed) and, destination side, the member that
-    #: receives it from the source and forwards it to the group's others (``via``; this rank
-    #: or a peer).
-    relay_groups: tuple[tuple[int, ...], ...] = ()
-    relay_of: tuple[int, ...] = ()
-    via: tuple[int, ...] = ()
-    #: Peers of the other side on this rank's device (from the plan's placement): messages
-    #: between them move through shared memory, never through the group's sockets.
-    same_device: tuple[int, ...] = ()
-    #: (local tensor, its real dtype) this rank views as ``dtype`` (the wire's) to move its
-    #: bits unchanged: see ``TransferPlan.reinterpret``. Views and boxes of these tensors'
-    #: transfers are in wire-dtype units.
-    reinterpret: tuple[tuple[str, str], ...] = ()
-    #: Source side: local tensors this rank quantizes to block FP8 before packing
-    #: (``TransferPlan.quantized``); the plan reads their codes under the same name and their
-    #: scales as ``<name>_scale_inv``.
-    quantize: tuple[str, ...] = ()
-    #: ``digest()``, once (not an init field: ``replace`` never carries it to another slice).
-    _digest: list = field(default_factory=list, init=False, repr=False, compare=False)
+    extensions: tuple[Extension, ...] = ()
+
+    def get(self, name: str):
+        """The record of pass ``name``, or None where the pass added nothing here."""
+        return _record(self.extensions, name)
+
+    def with_extension(self, record: Extension, **changes) -> "RankPlan":
+        others = tuple(e for e in self.extensions if e.name != record.name)
+        return replace(self, extensions=_ordered(others + (record,)), **changes)
+
+    # -- the records, read as plain values (empty where the pass added nothing) --
+    @property
+    def relay_groups(self) -> tuple[tuple[int, ...], ...]:
+        """Every relay group of the plan (destination ranks on one node that hold the same
+        pieces; a rank may be in several)."""
+        r = self.get("relays")
+        return r.groups if r else ()
+
+    @property
+    def relay_of(self) -> tuple[int, ...]:
+        """Per transfer its relay group (-1: not relayed)."""
+        r = self.get("relays")
+        return r.relay_of if r else ()
+
+    @property
+    def via(self) -> tuple[int, ...]:
+        """Destination side, per transfer: the member that receives it from the source and
+        forwards it to the group's others (this rank or a peer)."""
+        r = self.get("relays")
+        return r.via if r else ()
+
+    @property
+    def same_device(self) -> tuple[int, ...]:
+        """Peers of the other side on this rank's device: their messages move through shared
+        memory, never through the group's sockets."""
+        r = self.get("placement")
+        return r.peers if r else ()
+
+    @property
+    def reinterpret(self) -> tuple[tuple[str, str], ...]:
+        """(local tensor, its real dtype) this rank views as ``dtype`` (the wire's) to move
+        its bits unchanged; views and boxes of their transfers are in wire-dtype units."""
+        r = self.get("reinterpret")
+        return r.locals if r else ()
+
+    @property
+    def quantize(self) -> tuple[str, ...]:
+        """Source side: local tensors this rank quantizes to block FP8 before packing; the plan
+        reads their codes under the same name and their scales as ``<name>_scale_inv``."""
+        r = self.get("fp8")
+        return r.locals if r else ()
 
     def channels(self) -> list[dict[tuple[int, int, int], list[Transfer]]]:
         """Destination side, per bucket: (source rank, via, relay group) -> transfers in wire
@@ -131,24 +209,24 @@ class RankPlan:
 
     def digest(self) -> str:
         """Hash of this slice: a rank checks the slice it was given is the one it runs."""
-        if self._digest:
-            return self._digest[0]
-        relays = (self.relay_groups, self.relay_of, self.via) if self.relay_groups else None
-        self._digest.append(plan_digest(self.transfers, self.num_buckets, self.dtype, relays=relays,
-                                        same_device=self.same_device or None, reinterpret=self.reinterpret or None,
-                                        quantize=self.quantize or None))
-        return self._digest[0]
+        return self._digest
+
+    @cached_property
+    def _digest(self) -> str:  # (not a field: ``replace`` never carries it to another slice)
+        return plan_digest(self.transfers, self.num_buckets, self.dtype, _ordered(self.extensions))
 
 
 @dataclass(frozen=True)
 class TransferPlan:
-    """The global plan. ``transfers`` are sorted by (bucket, src, dst, wire order)."""
+    """The global plan: the core every refit needs, plus the records of the passes that ran
+    (``extensions``; see ``plan.extensions``): casts, tensors carried as bits, FP8 at the
+    sender, same-device pairs, fan-out relays. ``transfers`` are sorted by (bucket, src, dst,
+    wire order)."""
 
     transfers: tuple[Transfer, ...]
     num_buckets: int
     num_src: int
     num_dst: int
-    itemsize: int
     dtype: str  # destination element type, what the wire carries
     #: What the destination ranks hold (padding excluded), summed over all ``num_dst`` ranks.
     bytes_min: int
@@ -158,47 +236,72 @@ class TransferPlan:
     padding: tuple[tuple[int, str, int], ...] = ()
     #: (parameter, reason) for anything not on the direct shard-to-shard path.
     not_direct: tuple[tuple[str, str], ...] = ()
-    #: (canonical tensor, source dtype, destination dtype) for every tensor whose dtypes differ
-    #: (``refit.allow_cast=true``), in the destination's tensor order. The sender casts while
-    #: packing: the wire carries ``dtype`` and ``bytes_min`` stays in it.
-    casts: tuple[tuple[str, str, str], ...] = ()
     notes: tuple[str, ...] = ()
+    extensions: tuple[PlanExtension, ...] = ()
     plan_seconds: float = 0.0
-    #: Fan-out relays (``plan.relays``): groups of destination ranks on one node that hold
-    #: the same pieces, and per transfer its relay group (``relay_of``, aligned with ``transfers``;
-    #: -1: not relayed; empty without relays). A relayed transfer goes to one member over the
-    #: fabric (its ``dst``), which forwards it to the group's others over the node's links.
-    relay_groups: tuple[tuple[int, ...], ...] = ()
-    relay_of: tuple[int, ...] = ()
-    #: (source rank, destination rank) pairs on one device (``plan.placement``): the executor
-    #: moves their messages through shared memory.
-    same_device: tuple[tuple[int, int], ...] = ()
-    #: (canonical tensor, real dtype) of every tensor both sides hold in a dtype other than the
-    #: wire's (e.g. DeepSeek's fp32 router bias in a bf16 refit): carried bit for bit as
-    #: wire-dtype elements (an fp32 element is two bf16 ones), never cast. Its transfers' boxes
-    #: and views are in wire units (last dim x itemsize ratio); ``bytes_min`` counts real bytes.
-    reinterpret: tuple[tuple[str, str], ...] = ()
-    #: Relayed boxes whose group's members hold them at different places (vLLM EPLB: a
-    #: redundant expert copy in another slot of another rank): per box, every member's
-    #: (rank, local tensor, canonical, box, view), in wire units. A member unpacks a relayed
-    #: transfer inside such a box at its own place (``member_site``). Empty: every member
-    #: holds each relayed box where its receiver does.
-    relay_sites: tuple[tuple[tuple[int, str, str, Box, View], ...], ...] = ()
-    #: (canonical tensor, dtype the sender holds) of every tensor the senders quantize to block
-    #: FP8 while packing (``layout.quant``; the wire carries codes and scales, ``bytes_min``
-    #: counts them): recorded like casts, in the source's tensor order.
-    quantized: tuple[tuple[str, str], ...] = ()
-    #: (canonical tensor, dtype sent, why) of tensors the destination holds in FP8 but receives
-    #: unquantized and quantizes itself: the training layout cuts their blocks
-    #: (``layout.quant.fp8_sides``); ``bytes_min`` counts them as sent.
-    quantized_at_receiver: tuple[tuple[str, str, str], ...] = ()
-    _by_src: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
-    _by_dst: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
-    _by_group: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
-    _sites: dict = field(default_factory=dict, repr=False, compare=False)  # member_site's index
-    #: ``digest()``, once: the driver and the metrics ask for it on every refit, and a full-size
-    #: plan's takes seconds. Not an init field, so ``replace`` never carries it to another plan.
-    _digest: list = field(default_factory=list, init=False, repr=False, compare=False)
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    def get(self, name: str):
+        """The record of pass ``name``, or None where it did not run (or found nothing)."""
+        return _record(self.extensions, name)
+
+    def extended(self, record: PlanExtension, **changes) -> "TransferPlan":
+        """A new plan with ``record`` (replacing its pass's earlier one) and ``changes``."""
+        others = tuple(e for e in self.extensions if e.name != record.name)
+        return replace(self, extensions=_ordered(others + (record,)), **changes)
+
+    # -- the records, read as plain values (empty where the pass did not run) --
+    @property
+    def casts(self) -> tuple[tuple[str, str, str], ...]:
+        """(canonical tensor, source dtype, destination dtype) of every tensor whose dtypes
+        differ (``refit.allow_cast=true``): the sender casts while packing."""
+        r = self.get("casts")
+        return r.entries if r else ()
+
+    @property
+    def reinterpret(self) -> tuple[tuple[str, str], ...]:
+        """(canonical tensor, real dtype) of every tensor carried bit for bit as wire-dtype
+        elements; its transfers' boxes and views are in wire units."""
+        r = self.get("reinterpret")
+        return r.entries if r else ()
+
+    @property
+    def quantized(self) -> tuple[tuple[str, str], ...]:
+        """(canonical tensor, dtype the sender holds) of every tensor the senders quantize to
+        block FP8 while packing."""
+        r = self.get("fp8")
+        return r.entries if r else ()
+
+    @property
+    def quantized_at_receiver(self) -> tuple[tuple[str, str, str], ...]:
+        """(canonical tensor, dtype sent, why) of FP8 tensors the receiver quantizes itself."""
+        r = self.get("fp8")
+        return r.at_receiver if r else ()
+
+    @property
+    def same_device(self) -> tuple[tuple[int, int], ...]:
+        """(source rank, destination rank) pairs on one device."""
+        r = self.get("placement")
+        return r.pairs if r else ()
+
+    @property
+    def relay_groups(self) -> tuple[tuple[int, ...], ...]:
+        r = self.get("relays")
+        return r.groups if r else ()
+
+    @property
+    def relay_of(self) -> tuple[int, ...]:
+        """Per transfer its relay group (aligned with ``transfers``; -1: not relayed)."""
+        r = self.get("relays")
+        return r.relay_of if r else ()
+
+    @property
+    def relay_sites(self) -> tuple[tuple[tuple[int, str, str, Box, View], ...], ...]:
+        r = self.get("relays")
+        return r.sites if r else ()
 
     @property
     def bytes_planned(self) -> int:
@@ -226,114 +329,44 @@ class TransferPlan:
         return out
 
     def for_rank(self, side: str, rank: int) -> RankPlan:
-        """This rank's slice (indexed once per plan, so every rank pays O(its transfers))."""
-        s = self._for_rank(side, rank)
-        if self.quantized and side == "src":
-            s = replace(s, quantize=quantized_locals(s.transfers, self.quantized))
-        if self.reinterpret:
-            real = dict(self.reinterpret)
-            local = {(t.src_name if side == "src" else t.dst_name): real[t.canonical]
-                     for t in s.transfers if t.canonical in real}
-            s = replace(s, reinterpret=tuple(sorted(local.items())))
-        if not self.same_device:
-            return s
-        peers = (d for r, d in self.same_device if r == rank) if side == "src" else \
-            (r for r, d in self.same_device if d == rank)
-        return replace(s, same_device=tuple(sorted(set(peers))))
+        """This rank's slice: its own transfers (indexed once per plan, so every rank pays
+        O(its transfers)), then each record's part, in stage order."""
+        s = RankPlan(side, rank, self.num_buckets, tuple(self.transfers[i] for i in self.positions(side, rank)),
+                     self.dtype)
+        for record in _ordered(self.extensions):
+            s = record.slice(self, s)
+        return s
 
-    def _for_rank(self, side: str, rank: int) -> RankPlan:
-        index = self._by_src if side == "src" else self._by_dst
+    def positions(self, side: str, rank: int) -> tuple[int, ...]:
+        """Where ``rank``'s own transfers are in ``transfers`` (as sender or receiver)."""
         if side not in ("src", "dst"):
             raise ValueError(f"side must be 'src' or 'dst', got {side!r}")
-        if not index:
-            key = (lambda t: t.src) if side == "src" else (lambda t: t.dst)
-            tmp: dict[int, list[int]] = {}
-            for i, t in enumerate(self.transfers):
-                tmp.setdefault(key(t), []).append(i)
-            index.update({r: tuple(v) for r, v in tmp.items()})
-        if not self.relay_groups:
-            return RankPlan(side, rank, self.num_buckets, tuple(self.transfers[i] for i in index.get(rank, ())),
-                            self.dtype)
-        if side == "src":
-            mine = index.get(rank, ())
-            return RankPlan(side, rank, self.num_buckets, tuple(self.transfers[i] for i in mine), self.dtype,
-                            relay_groups=self.relay_groups, relay_of=tuple(self.relay_of[i] for i in mine))
-        if not self._by_group:
-            tmp = {}
-            for i, group in enumerate(self.relay_of):
-                if group >= 0:
-                    tmp.setdefault(group, []).append(i)
-            self._by_group.update({group: tuple(v) for group, v in tmp.items()})
-        groups = [group for group, members in enumerate(self.relay_groups) if rank in members]
-        if not groups:  # nothing relayed to it: its own messages only (``via`` and ``relay_of`` default)
-            return RankPlan(side, rank, self.num_buckets, tuple(self.transfers[i] for i in index.get(rank, ())),
-                            self.dtype, relay_groups=self.relay_groups)
-        # plan order (bucket, source, ...): what this rank receives itself, and every transfer
-        # to its groups that a peer receives and forwards
-        mine = sorted(set(index.get(rank, ())).union(*(self._by_group.get(group, ()) for group in groups)))
-        if self.relay_sites:
-            ts = tuple(self.transfers[i] if self.transfers[i].dst == rank else self._at_member(self.transfers[i], rank)
-                       for i in mine)
-        else:
-            ts = tuple(self.transfers[i] if self.transfers[i].dst == rank else replace(self.transfers[i], dst=rank)
-                       for i in mine)
-        return RankPlan(side, rank, self.num_buckets, ts, self.dtype, relay_groups=self.relay_groups,
-                        relay_of=tuple(self.relay_of[i] for i in mine), via=tuple(self.transfers[i].dst for i in mine))
+        return (self._src_index if side == "src" else self._dst_index).get(rank, ())
 
-    def _at_member(self, t: Transfer, member: int) -> Transfer:
-        """Relayed transfer ``t`` as group member ``member`` receives it: at its own place."""
-        name, view = member_site(self.relay_sites, self._sites, t, member)
-        return replace(t, dst=member, dst_name=name, dst_view=view)
+    @cached_property
+    def _src_index(self) -> dict[int, tuple[int, ...]]:
+        return _index(map(_SRC, self.transfers))
+
+    @cached_property
+    def _dst_index(self) -> dict[int, tuple[int, ...]]:
+        return _index(map(_DST, self.transfers))
 
     def digest(self) -> str:
-        """Stable hash of everything that moves; checked on every rank before the first byte.
-        Casts are hashed only when there are any, so plans without casts keep their digests."""
-        if not self._digest:
-            self._digest.append(self._compute_digest())
-        return self._digest[0]
+        """Stable hash of everything that moves (the schema version, the core, every record);
+        checked on every rank before the first byte."""
+        return self._digest
 
-    def _compute_digest(self) -> str:
-        relays = None
-        if self.relay_groups:  # members' own places only when some differ: older digests stay
-            relays = (self.relay_groups, self.relay_of) + ((self.relay_sites,) if self.relay_sites else ())
-        return plan_digest(self.transfers, self.num_buckets, self.dtype, self.casts, relays=relays,
-                           same_device=self.same_device or None, reinterpret=self.reinterpret or None,
-                           quantize=(self.quantized, self.quantized_at_receiver) if self.quantized_at_receiver
-                           else (self.quantized or None))
+    @cached_property
+    def _digest(self) -> str:  # once: the driver and metrics ask on every refit, a full-size plan's takes seconds
+        return plan_digest(self.transfers, self.num_buckets, self.dtype, _ordered(self.extensions))
 
 
-def quantized_locals(transfers: Iterable[Transfer], quantized: Sequence[tuple[str, str]]) -> tuple[str, ...]:
-    """Source local tensors that ``transfers`` read quantized (codes, or scales named
-    ``<local>_scale_inv``), named as the sender holds them."""
-    names = {name for name, _ in quantized}
-    scales = {scale_name(name) for name in names}
-    local = set()
-    for t in transfers:
-        if t.canonical in names:
-            local.add(t.src_name)
-        elif t.canonical in scales:
-            local.add(t.src_name[: -len(SCALE_SUFFIX)])
-    return tuple(sorted(local))
-
-
-def member_site(sites: Sequence[tuple[tuple[int, str, str, Box, View], ...]], index: dict, t: Transfer,
-                member: int) -> tuple[str, View]:
-    """(local tensor, view) where relay-group ``member`` holds the box of ``t``, a transfer to
-    another member (``t.dst``): its own place where ``sites`` (``TransferPlan.relay_sites``)
-    lists the box ``t`` lies in, else the receiver's (the members hold it alike).
-    ``index``: a cache for ``sites``, (re)filled on first use with them."""
-    if index.get(None) is not sites:
-        index.clear()
-        index[None] = sites
-        for k, box_sites in enumerate(sites):
-            for rank, name, canonical, box, view in box_sites:
-                index.setdefault((rank, name, canonical), []).append((box, view, k))
-    for box, view, k in index.get((t.dst, t.dst_name, t.canonical), ()):
-        if box.contains(t.box) and view.sub(box, t.box) == t.dst_view:
-            for rank, name, _, m_box, m_view in sites[k]:
-                if rank == member:
-                    return name, m_view.sub(m_box, t.box)
-    return t.dst_name, t.dst_view
+def _index(ranks: Iterable[int]) -> dict[int, tuple[int, ...]]:
+    """rank -> positions of its transfers, in plan order."""
+    tmp: dict[int, list[int]] = {}
+    for i, r in enumerate(ranks):
+        tmp.setdefault(r, []).append(i)
+    return {r: tuple(v) for r, v in tmp.items()}
 
 
 def digest_text(memo: dict[int, str], x: Box | View) -> str:
@@ -346,11 +379,10 @@ def digest_text(memo: dict[int, str], x: Box | View) -> str:
     return t
 
 
-def plan_digest(
-    transfers: Iterable[Transfer], num_buckets: int, dtype: str, casts: Iterable[tuple[str, str, str]] = (),
-    *, relays: object = None, same_device: object = None, reinterpret: object = None, quantize: object = None,
-) -> str:
-    h = hashlib.sha256(f"{num_buckets}|{dtype}".encode())
+def plan_digest(transfers: Iterable[Transfer], num_buckets: int, dtype: str,
+                extensions: Iterable[Extension] = ()) -> str:
+    """The schema version, the core, then each record's part under its pass's name."""
+    h = hashlib.sha256(f"plan/v{PLAN_SCHEMA}|{num_buckets}|{dtype}\n".encode())
     # Boxes and views as text, each object formatted once (by identity: a plan's ~300k
     # transfers share ~10k of them, and they outlive the call); lines hashed a few thousand
     # at a time (the same digest: sha256 of the concatenation).
@@ -365,14 +397,6 @@ def plan_digest(
             h.update("".join(lines).encode())
             lines.clear()
     h.update("".join(lines).encode())
-    for name, s_dtype, d_dtype in casts:  # nothing hashed without casts: older digests stay valid
-        h.update(f"cast|{name}|{s_dtype}|{d_dtype}\n".encode())
-    if relays is not None:  # likewise: plans without relays keep their digests
-        h.update(f"relays|{relays}\n".encode())
-    if same_device is not None:  # likewise
-        h.update(f"same_device|{same_device}\n".encode())
-    if reinterpret is not None:  # likewise: plans of one dtype keep their digests
-        h.update(f"reinterpret|{reinterpret}\n".encode())
-    if quantize is not None:  # likewise: plans without FP8 keep their digests
-        h.update(f"quantize|{quantize}\n".encode())
+    for record in extensions:
+        h.update(f"{record.name}|{record.digest_text()}\n".encode())
     return h.hexdigest()[:16]

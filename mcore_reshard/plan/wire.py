@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from ..layout.descriptor import Box, View
+from .extensions import SLICE_RECORDS
 from .types import PlanError, RankPlan, Transfer
 
 __all__ = ["slice_to_wire", "slice_from_wire"]
@@ -35,16 +36,8 @@ def slice_to_wire(s: RankPlan) -> dict[str, Any]:
              _view(t.src_view), nid(t.dst_name), _view(t.dst_view), t.nbytes, t.bucket] for t in s.transfers]
     out = {"side": s.side, "rank": s.rank, "num_buckets": s.num_buckets, "dtype": s.dtype,
            "names": list(names), "transfers": rows, "digest": s.digest()}
-    if s.relay_groups:
-        # "stream": the wire format's key for ``relay_of`` (kept: slices cross hosts)
-        out["relays"] = {"groups": [list(members) for members in s.relay_groups], "stream": list(s.relay_of),
-                         "via": list(s.via)}
-    if s.same_device:
-        out["same_device"] = list(s.same_device)
-    if s.reinterpret:
-        out["reinterpret"] = [list(r) for r in s.reinterpret]
-    if s.quantize:
-        out["quantize"] = list(s.quantize)
+    if s.extensions:  # each pass's record under its name
+        out["extensions"] = {record.name: record.to_wire() for record in s.extensions}
     return out
 
 
@@ -55,14 +48,12 @@ def slice_from_wire(d: Mapping[str, Any]) -> RankPlan:
         Transfer(int(r[0]), int(r[1]), names[r[2]], Box(tuple(r[3]), tuple(r[4])), names[r[5]], _unview(r[6]),
                  names[r[7]], _unview(r[8]), int(r[9]), int(r[10]))
         for r in d["transfers"])
-    relays = d.get("relays") or {}
+    records = d.get("extensions") or {}
+    unknown = sorted(set(records) - set(SLICE_RECORDS))
+    if unknown:
+        raise PlanError(f"{d['side']} rank {d['rank']}: the plan slice carries records of unknown passes {unknown}")
     s = RankPlan(str(d["side"]), int(d["rank"]), int(d["num_buckets"]), transfers, str(d["dtype"]),
-                 relay_groups=tuple(tuple(int(m) for m in members) for members in relays.get("groups", ())),
-                 relay_of=tuple(int(group) for group in relays.get("stream", ())),
-                 via=tuple(int(v) for v in relays.get("via", ())),
-                 same_device=tuple(int(r) for r in d.get("same_device", ())),
-                 reinterpret=tuple((str(n), str(dt)) for n, dt in d.get("reinterpret", ())),
-                 quantize=tuple(str(n) for n in d.get("quantize", ())))
+                 tuple(SLICE_RECORDS[name].from_wire(value) for name, value in records.items()))
     if s.digest() != d["digest"]:
         raise PlanError(f"{s.side} rank {s.rank}: the plan slice received does not hash to its digest "
                         f"({s.digest()} != {d['digest']})")
