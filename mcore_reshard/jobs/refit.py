@@ -31,7 +31,7 @@ from ..plan.topology import RankPlacement
 from ..infra.ports import free_port
 from ..wire.protocol import VerifyMode
 from ..settings import TINY_MODELS
-from ..training.pool import TrainerPool, TrainerSetup
+from ..training.pool import LocalTrainerGroup, TrainerSetup
 from ..refit.verify import full_verification, token_mult_prob_error
 
 T = TypeVar("T")
@@ -67,7 +67,7 @@ class LocalCluster:
             self.driver.close()
         self.pool = None
         self.setup = replace(self.setup, port=free_port())
-        self.pool = TrainerPool(self.setup)
+        self.pool = LocalTrainerGroup(self.setup)
         self.driver = RefitDriver(self.pool, self.engines, self.refit, self.spec, placement=self.placement,
                                   transport=self.transports[self.refit.transport])
         self.driver.__enter__()
@@ -177,7 +177,7 @@ def local_cluster(spec: ModelSpec, checkpoint: Path, training: Any, vllm: Any, r
                                    weight_transfer_config={"backend": BACKEND}))
         c.setup = TrainerSetup(spec, training, str(checkpoint), free_port(), timeout_s=max(refit.timeout_s, 120.0),
                                train=dict(train or {}), sync_before_refit=sync_before_refit)
-        c.pool = TrainerPool(c.setup)
+        c.pool = LocalTrainerGroup(c.setup)
         if placement is None and getattr(refit, "placement", "separate") == "colocated":
             placement = colocated_placement(training.world_size, sum(map(engine_world, c.engines)))
         c.placement = placement

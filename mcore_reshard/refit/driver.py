@@ -3,8 +3,8 @@
     descriptors (trainer ranks + engines) -> plan (pure, cached) -> ship slices -> refits
     -> every rank's RankReport gathered into RefitMetrics
 
-It drives the training side through the rank protocol (``ranks.RefitRanks``: a
-``trainer.TrainerPool``, a ``grpo.ray_cluster.RayRankGroup``, or a framework's own group) and
+It drives the training side through a ``ranks.TrainerGroup`` (``pool.LocalTrainerGroup``, a
+``grpo.ray_cluster.RayTrainerGroup``, or a framework's own subclass) and
 vLLM engines (``LLM`` objects started with ``weight_transfer_config={"backend": "mcore_reshard"}``,
 or handles with the same methods and an ``engine_info``), talking to the engines only through
 vLLM's own weight-transfer calls. An engine with the diagnostics extension is described by
@@ -40,7 +40,7 @@ from ..plan.wire import slice_to_wire
 from ..infra.ports import free_port
 from ..wire.protocol import (EngineInitInfo, EngineUpdateInfo, JoinInfo, RankMap, RankReport, RefitRequest, WorkerStatus, first_error_line,
                        refit_id)
-from ..training.ranks import RefitRanks
+from ..training.ranks import TrainerGroup
 from ..settings.policy import RefitConfig
 
 if TYPE_CHECKING:
@@ -75,11 +75,11 @@ class Transport(Protocol):
 class RefitDriver:
     """Plans once per layout, ships each rank its slice once, then refits by digest.
 
-    ``trainers``: the training side (``ranks.RefitRanks``); ``engines``: vLLM engines or handles;
+    ``trainers``: the training side (``ranks.TrainerGroup``); ``engines``: vLLM engines or handles;
     ``host`` / ``port``: the refit group's master, training rank 0's address, and a function
     giving a port free there; ``transport``: how :meth:`refit` moves the weights by default."""
 
-    def __init__(self, trainers: RefitRanks, engines: Sequence[Any], refit: RefitConfig, spec: ModelSpec, *,
+    def __init__(self, trainers: TrainerGroup, engines: Sequence[Any], refit: RefitConfig, spec: ModelSpec, *,
                  src: SideLayout | None = None, dst: SideLayout | None = None, host: str = "127.0.0.1",
                  port: Callable[[], int] | None = None, placement: Any = None, links: Any = None,
                  transport: Transport | None = None) -> None:

@@ -1,12 +1,10 @@
-"""Training ranks: what answers the rank protocol (``ranks.py``) where a rank lives, and the
-local job's pool of them.
+"""This project's training ranks, and the local job's group of them.
 
-:class:`EndpointRank` is one rank's side of a refit around a ``TrainerEndpoint`` (a framework's
-own process or actor holds one); :class:`MegatronRank` adds this project's policy (the
+:class:`MegatronTrainerRank` is a ``ranks.TrainerRank`` with this project's policy (the
 production stack: ``Float16Module``, megatron DDP, the distributed optimizer) and the training
-calls. :class:`TrainerPool` runs ``MegatronRank`` s in spawned processes behind the rank
-protocol, over queues; every wait has a timeout, and a dead rank is named. Refit bytes move
-only over the refit group.
+calls. :class:`LocalTrainerGroup` runs them in spawned processes behind ``ranks.TrainerGroup``,
+over queues; every wait has a timeout, and a dead rank is named. Refit bytes move only over
+the refit group.
 """
 
 from __future__ import annotations
@@ -16,22 +14,17 @@ import queue as queue_mod
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Sequence
 
 from ..infra import procs
 from ..adapters.megatron.rules import MegatronParallel
 from ..infra.checkpoint import load_canonical
 from ..errors import TrainerError
-from ..wire.faults import TrainerFault
-from ..layout import LocalParam, ModelSpec
+from ..layout import ModelSpec
 from .losses import GrpoBatch, PgLossSettings, clipped_pg_loss
-from ..wire.protocol import JoinInfo, RefitRequest
-from .ranks import RankCall, RankGroup, RankTask, RefitReply
+from .ranks import RankCall, TrainerGroup, TrainerRank
 
-__all__ = ["TrainerSetup", "EndpointRank", "MegatronRank", "TrainerPool", "TrainerError"]
-
-T = TypeVar("T")
-
+__all__ = ["TrainerSetup", "MegatronTrainerRank", "LocalTrainerGroup", "TrainerError"]
 
 @dataclass(frozen=True)
 class TrainerSetup:
@@ -54,76 +47,8 @@ class TrainerSetup:
     sync_before_refit: bool = True
 
 
-class EndpointRank:
-    """A training rank's side of the refit protocol (``ranks.RefitRank``) around a
-    ``TrainerEndpoint``: what a framework's own process or actor holds to answer the calls
-    (``call.run(rank)``). ``sync_params``: the optimizer's parameter sync a transport's trainer
-    end runs before it reads the weights (default: the endpoint's own)."""
-
-    def __init__(self, endpoint: Any, sync_params: Callable[[], None] | None = None) -> None:
-        from ..adapters.megatron.endpoint import sync_params_before_refit
-
-        self.endpoint = endpoint
-        self._sync = sync_params or (lambda: sync_params_before_refit(endpoint.chunks))
-        self._resources: dict[str, Any] = {}
-
-    # -- what a transport's trainer end sees (ranks.RankContext) --------------------------------
-    @property
-    def rank(self) -> int:
-        return int(self.endpoint.rank)
-
-    @property
-    def spec(self) -> ModelSpec:
-        return self.endpoint.spec
-
-    @property
-    def resources(self) -> dict[str, Any]:
-        return self._resources
-
-    def refit_group(self) -> Any:
-        return self.endpoint.group
-
-    def synced_tensors(self) -> Mapping[str, Any]:
-        self._sync()
-        return self.endpoint.local_tensors()
-
-    # -- the refit protocol -----------------------------------------------------------------------
-    def describe(self) -> list[LocalParam]:
-        return self.endpoint.describe()
-
-    def join(self, info: JoinInfo) -> int:
-        return self.endpoint.join(info)
-
-    def set_plan(self, slice_wire: Mapping[str, Any], digest: str) -> str:
-        return self.endpoint.set_plan(slice_wire, digest)
-
-    def refit(self, request: RefitRequest, fault: TrainerFault | None = None) -> RefitReply:
-        """This rank's report, plus every rank's (from the vote) on rank 0. ``fault``: fault
-        injection (tests, ``scripts/soak.py``); only rank ``fault.rank`` acts on it."""
-        mine = fault if fault is not None and fault.rank == self.rank else None
-        report = self.endpoint.refit(request, fault=mine.fault if mine is not None else None,
-                                     die_after_reads=mine.die_after_reads if mine is not None else None)
-        return RefitReply(report, tuple(self.endpoint.last_reports) if self.rank == 0 else ())
-
-    def leave(self) -> None:
-        self.endpoint.leave()
-
-    def run(self, task: RankTask[T]) -> T:
-        """A transport's own trainer end (e.g. the HF baseline's gather and broadcast)."""
-        return task.run(self)
-
-    def close(self) -> None:
-        self.endpoint.leave()
-        while self._resources:
-            _, res = self._resources.popitem()
-            try:
-                res.close()
-            except Exception:  # noqa: BLE001 - best effort on the way out
-                pass
-
-
-class MegatronRank(EndpointRank):
-    """A training rank of this project's jobs (``ranks.TrainerRank``): a megatron-core
+class MegatronTrainerRank(TrainerRank):
+    """A training rank of this project's jobs (a ``ranks.TrainerRank`` that trains): a megatron-core
     :class:`~.adapters.megatron.train.Policy` built from the checkpoint, its endpoint, and the
     training calls the jobs need."""
 
@@ -237,9 +162,9 @@ class _Reply:
 
 
 def _rank_main(rank: int, setup: TrainerSetup, commands: Any, replies: Any) -> None:
-    """Command loop of one training rank: run each typed call on this rank's ``MegatronRank``."""
+    """Command loop of one training rank: run each typed call on this rank's ``MegatronTrainerRank``."""
     try:
-        state = MegatronRank(rank, setup)
+        state = MegatronTrainerRank(rank, setup)
         replies.put(_Reply(rank, 0, True))
     except BaseException:  # noqa: BLE001 - reported to the driver with its traceback
         replies.put(_Reply(rank, 0, False, f"in start-up:\n{traceback.format_exc()}"))
@@ -260,8 +185,8 @@ def _rank_main(rank: int, setup: TrainerSetup, commands: Any, replies: Any) -> N
             replies.put(_Reply(rank, cmd.seq, False, f"in {cmd.call.what!r}:\n{traceback.format_exc()}"))
 
 
-class TrainerPool(RankGroup):
-    """``world`` megatron ranks in spawned processes: the rank protocol (``ranks.RankGroup``)
+class LocalTrainerGroup(TrainerGroup):
+    """``world`` megatron ranks in spawned processes: the rank protocol (``ranks.TrainerGroup``)
     over local queues.
 
     The queues are local IPC between this process and the ranks it spawned (the refit group's

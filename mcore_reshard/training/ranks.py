@@ -18,11 +18,13 @@ per rank in rank order, or raises ``TrainerError`` naming the first rank that fa
 missed the deadline. One call is in flight at a time (a driver starts the trainers' part,
 drives the engines, then waits for both).
 
-:class:`RankGroup` implements every method once over one primitive, "send rank r its call and
-return how to collect the replies": ``trainer.TrainerPool`` (local processes) and
-``grpo.ray_cluster.RayRankGroup`` (Ray actors) implement only that. Where a rank lives, a
-:class:`TrainerRank` answers the calls: ``trainer.EndpointRank`` around a framework's own
-``TrainerEndpoint``, or ``trainer.MegatronRank`` with this project's policy.
+The training side has three names (``docs/architecture.md``): a rank's ``TrainerEndpoint``
+(its end of the refit group, ``adapters.megatron.endpoint``), the :class:`TrainerRank` around
+it that answers the calls where the rank lives (``pool.MegatronTrainerRank`` adds this
+project's policy and its training calls), and the :class:`TrainerGroup` a driver calls, which
+implements every method once over one primitive, "send rank r its call and return how to
+collect the replies": ``pool.LocalTrainerGroup`` (local processes) and
+``grpo.ray_cluster.RayTrainerGroup`` (Ray actors) implement only that.
 """
 
 from __future__ import annotations
@@ -35,8 +37,7 @@ from ..layout import LocalParam, ModelSpec
 from .losses import GrpoBatch, PgLossSettings
 from ..wire.protocol import JoinInfo, RankReport, RefitRequest
 
-__all__ = ["RankContext", "RankTask", "RefitRank", "TrainerRank", "RefitReply", "RankCall", "Pending",
-           "RefitRanks", "TrainerRanks", "RankGroup"]
+__all__ = ["TrainerRank", "TrainerGroup", "RankTask", "RefitReply", "RankCall", "Pending"]
 
 T = TypeVar("T")
 R = TypeVar("R", covariant=True)
@@ -46,31 +47,10 @@ TokenIds = Sequence[Sequence[int]]
 # ------------------------------------------------------------------------ one rank
 
 
-class RankContext(Protocol):
-    """What a transport's trainer end may use on the rank it runs on."""
-
-    @property
-    def rank(self) -> int: ...
-
-    @property
-    def spec(self) -> ModelSpec: ...
-
-    #: Objects a transport keeps on this rank between its tasks (by its own key); what is
-    #: still there when the rank's process closes is closed (``close()``) with it.
-    @property
-    def resources(self) -> dict[str, Any]: ...
-
-    def refit_group(self) -> Any:
-        """The refit group this rank joined (``transport.group.RefitGroup``), or None."""
-
-    def synced_tensors(self) -> Mapping[str, Any]:
-        """The live local weights by descriptor name, after the optimizer's parameter sync."""
-
-
 class RankTask(Protocol[R]):
     """A transport's work on every training rank (runs where the rank lives)."""
 
-    def run(self, rank: RankContext) -> R: ...
+    def run(self, rank: "TrainerRank") -> R: ...
 
 
 @dataclass(frozen=True)
@@ -82,38 +62,105 @@ class RefitReply:
     reports: tuple[RankReport | None, ...] = ()
 
 
-class RefitRank(RankContext, Protocol):
-    """One training rank's side of a refit (``trainer.EndpointRank``)."""
+class TrainerRank:
+    """One training rank as a driver's typed calls reach it (``call.run(rank)``), around that
+    rank's ``TrainerEndpoint``: what a framework's own process or actor holds. It answers the
+    refit calls, and is what a transport's trainer end (a :class:`RankTask`) sees of the rank;
+    the training calls are this project's policy's (``pool.MegatronTrainerRank``), a framework's
+    rank refuses them. ``sync_params``: the optimizer's parameter sync a transport's trainer
+    end runs before it reads the weights (default: the endpoint's own)."""
 
-    def describe(self) -> list[LocalParam]: ...
+    def __init__(self, endpoint: Any, sync_params: Callable[[], None] | None = None) -> None:
+        from ..adapters.megatron.endpoint import sync_params_before_refit
 
-    def join(self, info: JoinInfo) -> int: ...
+        self.endpoint = endpoint
+        self._sync = sync_params or (lambda: sync_params_before_refit(endpoint.chunks))
+        self._resources: dict[str, Any] = {}
 
-    def set_plan(self, slice_wire: Mapping[str, Any], digest: str) -> str: ...
+    # -- what a transport's trainer end sees ----------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """This rank's number in the training world."""
+        return int(self.endpoint.rank)
 
-    def refit(self, request: RefitRequest, fault: TrainerFault | None = None) -> RefitReply: ...
+    @property
+    def spec(self) -> ModelSpec:
+        return self.endpoint.spec
 
-    def leave(self) -> None: ...
+    @property
+    def resources(self) -> dict[str, Any]:
+        """Objects a transport keeps on this rank between its tasks (by its own key); what is
+        still there when the rank's process closes is closed (``close()``) with it."""
+        return self._resources
 
-    def run(self, task: RankTask[T]) -> T: ...
+    def refit_group(self) -> Any:
+        """The refit group this rank joined (``transport.group.RefitGroup``), or None."""
+        return self.endpoint.group
 
+    def synced_tensors(self) -> Mapping[str, Any]:
+        """The live local weights by descriptor name, after the optimizer's parameter sync."""
+        self._sync()
+        return self.endpoint.local_tensors()
 
-class TrainerRank(RefitRank, Protocol):
-    """A training rank that also trains (``trainer.MegatronRank``): what the jobs call."""
+    # -- the refit protocol -----------------------------------------------------------------------
+    def describe(self) -> list[LocalParam]:
+        return self.endpoint.describe()
 
-    def train_step(self, token_ids: TokenIds, lr: float | None = None) -> float: ...
+    def join(self, info: JoinInfo) -> int:
+        return self.endpoint.join(info)
 
-    def logprobs(self, token_ids: TokenIds, version: int | None = None) -> list[list[float]]: ...
+    def set_plan(self, slice_wire: Mapping[str, Any], digest: str) -> str:
+        return self.endpoint.set_plan(slice_wire, digest)
 
-    def snapshot(self, version: int, keep: Sequence[int]) -> int: ...
+    def refit(self, request: RefitRequest, fault: TrainerFault | None = None) -> RefitReply:
+        """This rank's report, plus every rank's (from the vote) on rank 0. ``fault``: fault
+        injection (tests, ``scripts/soak.py``); only rank ``fault.rank`` acts on it."""
+        mine = fault if fault is not None and fault.rank == self.rank else None
+        report = self.endpoint.refit(request, fault=mine.fault if mine is not None else None,
+                                     die_after_reads=mine.die_after_reads if mine is not None else None)
+        return RefitReply(report, tuple(self.endpoint.last_reports) if self.rank == 0 else ())
 
-    def grpo_step(self, token_ids: TokenIds, batch: GrpoBatch, loss: PgLossSettings) -> float: ...
+    def leave(self) -> None:
+        self.endpoint.leave()
 
-    def reference_logprobs(self, token_ids: TokenIds) -> list[list[float]]: ...
+    def run(self, task: RankTask[T]) -> T:
+        """A transport's own trainer end (e.g. the HF baseline's gather and broadcast)."""
+        return task.run(self)
 
-    def local_tensors(self) -> dict[str, Any]: ...
+    def close(self) -> None:
+        self.endpoint.leave()
+        while self._resources:
+            _, res = self._resources.popitem()
+            try:
+                res.close()
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
 
-    def raw_bandwidth(self, pairs: Sequence[tuple[int, int]], nbytes: int, timeout_s: float) -> float | None: ...
+    # -- training: this project's policy only (``pool.MegatronTrainerRank``) -----------------------
+    def _trains(self, what: str) -> Any:
+        raise TypeError(f"training rank {self.rank} answers refit calls only ({type(self).__name__} around a "
+                        f"framework's TrainerEndpoint): {what!r} is a call of this project's policy")
+
+    def train_step(self, token_ids: TokenIds, lr: float | None = None) -> float:
+        return self._trains("train_step")
+
+    def logprobs(self, token_ids: TokenIds, version: int | None = None) -> list[list[float]]:
+        return self._trains("logprobs")
+
+    def snapshot(self, version: int, keep: Sequence[int]) -> int:
+        return self._trains("snapshot")
+
+    def grpo_step(self, token_ids: TokenIds, batch: GrpoBatch, loss: PgLossSettings) -> float:
+        return self._trains("grpo_step")
+
+    def reference_logprobs(self, token_ids: TokenIds) -> list[list[float]]:
+        return self._trains("reference_logprobs")
+
+    def local_tensors(self) -> dict[str, Any]:
+        return self._trains("local_tensors")
+
+    def raw_bandwidth(self, pairs: Sequence[tuple[int, int]], nbytes: int, timeout_s: float) -> float | None:
+        return self._trains("raw_bandwidth")
 
 
 # ------------------------------------------------------------------------ typed calls
@@ -133,7 +180,7 @@ class RankCall(Generic[T]):
 class Describe(RankCall[list[LocalParam]]):
     what = "describe"
 
-    def run(self, rank: RefitRank) -> list[LocalParam]:
+    def run(self, rank: TrainerRank) -> list[LocalParam]:
         return list(rank.describe())
 
 
@@ -142,7 +189,7 @@ class Join(RankCall[int]):
     info: JoinInfo
     what = "join"
 
-    def run(self, rank: RefitRank) -> int:
+    def run(self, rank: TrainerRank) -> int:
         return rank.join(self.info)
 
 
@@ -152,7 +199,7 @@ class SetPlan(RankCall[str]):
     digest: str
     what = "set_plan"
 
-    def run(self, rank: RefitRank) -> str:
+    def run(self, rank: TrainerRank) -> str:
         return rank.set_plan(self.slice_wire, self.digest)
 
 
@@ -162,7 +209,7 @@ class Refit(RankCall[RefitReply]):
     fault: TrainerFault | None = None  # set only by the testing path
     what = "refit"
 
-    def run(self, rank: RefitRank) -> RefitReply:
+    def run(self, rank: TrainerRank) -> RefitReply:
         return rank.refit(self.request, self.fault)
 
 
@@ -170,7 +217,7 @@ class Refit(RankCall[RefitReply]):
 class Leave(RankCall[None]):
     what = "leave"
 
-    def run(self, rank: RefitRank) -> None:
+    def run(self, rank: TrainerRank) -> None:
         rank.leave()
 
 
@@ -179,7 +226,7 @@ class RunTask(RankCall[T]):
     task: RankTask[T]
     what = "run"
 
-    def run(self, rank: RefitRank) -> T:
+    def run(self, rank: TrainerRank) -> T:
         return rank.run(self.task)
 
 
@@ -271,49 +318,10 @@ class Pending(Generic[T]):
         return self._collect(timeout_s or self._timeout_s)
 
 
-class RefitRanks(Protocol):
-    """What a refit driver needs of the training side."""
-
-    world_size: int
-
-    def describe(self) -> Pending[list[LocalParam]]: ...
-
-    def join(self, info: JoinInfo) -> Pending[int]: ...
-
-    def set_plan(self, slices: Sequence[Mapping[str, Any]], digest: str) -> Pending[str]: ...
-
-    def refit(self, request: RefitRequest, fault: TrainerFault | None = None) -> Pending[RefitReply]: ...
-
-    def leave(self) -> Pending[None]: ...
-
-    def run(self, task: RankTask[T]) -> Pending[T]: ...
-
-    def dead(self) -> list[str]: ...
-
-
-class TrainerRanks(RefitRanks, Protocol):
-    """The training side as the jobs drive it: the refit calls and the training calls."""
-
-    def train_step(self, token_ids: TokenIds) -> Pending[float]: ...
-
-    def logprobs(self, token_ids: TokenIds, version: int | None = None) -> Pending[list[list[float]]]: ...
-
-    def snapshot(self, version: int, keep: Sequence[int]) -> Pending[int]: ...
-
-    def grpo_step(self, token_ids: TokenIds, batch: GrpoBatch, loss: PgLossSettings) -> Pending[float]: ...
-
-    def reference_logprobs(self, token_ids: TokenIds) -> Pending[list[list[float]]]: ...
-
-    def local_tensors(self) -> Pending[dict[str, Any]]: ...
-
-    def raw_bandwidth(self, pairs: Sequence[tuple[int, int]], nbytes: int,
-                      timeout_s: float) -> Pending[float | None]: ...
-
-    def close(self) -> None: ...
-
-
-class RankGroup:
-    """:class:`TrainerRanks` over one primitive a subclass provides: :meth:`_send`."""
+class TrainerGroup:
+    """Every training rank as a driver drives them: each typed call started on every rank at once,
+    over one primitive a subclass provides (:meth:`_send`): ``pool.LocalTrainerGroup`` (local
+    processes) and ``grpo.ray_cluster.RayTrainerGroup`` (Ray actors)."""
 
     world_size: int
     timeout_s: float = 300.0

@@ -11,7 +11,7 @@ trainer pools, each keyed by what makes one differ from another.
   left paused, not serving or dead is stopped, never handed out again.
 - ``PoolCache``: megatron trainer pools keyed by their ``TrainerSetup`` less its port
   (checkpoint, dtype, layout, training settings, param sync). ``cluster()`` is the package's
-  own ``local_cluster`` with its ``TrainerPool`` taken from this cache while it starts: on exit
+  own ``local_cluster`` with its ``LocalTrainerGroup`` taken from this cache while it starts: on exit
   the pool goes back to the cache (trained weights and all: tests assert on relative changes)
   unless a rank of it died. ``LocalCluster.restart_trainers`` inside a test starts a new pool
   from the checkpoint as before (a restarted job), and that one is kept instead. Tests use
@@ -272,7 +272,7 @@ class PoolCache:
         self._log = log or (lambda msg: None)
 
     def lease(self, setup: Any, start: Any) -> _Leased:
-        """The idle pool for ``setup`` if one is healthy, else ``start(setup)`` (TrainerPool)."""
+        """The idle pool for ``setup`` if one is healthy, else ``start(setup)`` (LocalTrainerGroup)."""
         key = setup_key(setup)
         pool = self._idle.pop(key, None)
         if pool is not None and not _pool_healthy(pool):
@@ -327,13 +327,13 @@ def cluster(*args: Any, **kwargs: Any) -> Iterator[Any]:
     import mcore_reshard.training.pool as trainer_mod
     from mcore_reshard.jobs.refit import local_cluster
 
-    real = trainer_mod.TrainerPool
+    real = trainer_mod.LocalTrainerGroup
     cm = local_cluster(*args, **kwargs)
-    trainer_mod.TrainerPool = lambda setup: POOLS.lease(setup, real)  # type: ignore[assignment] - only while it starts
+    trainer_mod.LocalTrainerGroup = lambda setup: POOLS.lease(setup, real)  # type: ignore[assignment] - only while it starts
     try:
         c = cm.__enter__()
     finally:
-        trainer_mod.TrainerPool = real
+        trainer_mod.LocalTrainerGroup = real
     if isinstance(c.pool, _Leased):
         c.pool.keep = False  # restart_trainers in the test: a real close, then a new pool
     try:

@@ -136,7 +136,7 @@ class GrpoRun:
         # Trainers are placed first (their PACK group fills whole nodes), engines next; both
         # sides build their models at the same time.
         setup = TrainerSetup(r.spec, r.training, str(ckpt), port=0, timeout_s=timeout, train={"lr": r.lr})
-        self.trainers = RayTrainerGroup(setup, timeout_s=timeout, wait=False)
+        self.trainers = RayTrainerGroup.megatron(setup, timeout_s=timeout, wait=False)
         self._closers.append(self.trainers.close)
         engines, pgs = start_engines(str(ckpt), r.vllm.replicas, r.vllm.tp, r.dtype, r.refit.apply_mode,
                                      timeout_s=timeout, async_engine=r.async_engine)

@@ -6,7 +6,7 @@ own (one bundle of its ``tp`` devices), so the
 two sides land on separate nodes of a real cluster when the training bundles fill theirs. The
 refit group's master is the first training bundle: its node IP (asked there, never assumed) and
 a port free on that node. The driver talks to the actors through the same rank protocol as to
-local processes (:class:`RayRankGroup` implements ``ranks.RankGroup`` over actors; an
+local processes (:class:`RayTrainerGroup` implements ``ranks.TrainerGroup`` over actors; an
 :class:`EngineHandle` has an ``LLM``'s weight-transfer methods), so
 :class:`~mcore_reshard.refit.driver.RefitDriver` runs unchanged.
 
@@ -31,10 +31,10 @@ from ...adapters.vllm.plugin import BACKEND
 from ...errors import RefitFailed, TrainerError
 from ...infra.ports import free_port
 from ...wire.protocol import first_error_line
-from ...training.ranks import RankCall, RankGroup
-from ...training.pool import MegatronRank
+from ...training.ranks import RankCall, TrainerGroup
+from ...training.pool import MegatronTrainerRank
 
-__all__ = ["RayJob", "RayRankGroup", "RayTrainerGroup", "EngineActor", "AsyncEngineActor", "EngineHandle",
+__all__ = ["RayJob", "RayTrainerGroup", "EngineActor", "AsyncEngineActor", "EngineHandle",
            "Completion", "completions", "start_engines", "node_of"]
 
 #: How long start-up (a model built on every training rank, an engine loaded and compiled) may
@@ -108,7 +108,7 @@ def node_of() -> dict:
 
 
 class _TrainerActor:
-    """One megatron rank (``trainer.MegatronRank``: policy + trainer endpoint) in a Ray actor,
+    """One megatron rank (``pool.MegatronTrainerRank``: policy + trainer endpoint) in a Ray actor,
     answering the rank protocol's typed calls."""
 
     def __init__(self) -> None:
@@ -125,7 +125,7 @@ class _TrainerActor:
         for msg in ("Transformer Engine and Apex are not installed", "absl.logging is not installed"):
             warnings.filterwarnings("ignore", message=msg)
 
-        self.rank = MegatronRank(rank, setup)
+        self.rank = MegatronTrainerRank(rank, setup)
 
     def run(self, call: RankCall[Any]) -> Any:
         return call.run(self.rank)
@@ -169,16 +169,62 @@ def _ready(pg: Any, timeout_s: float) -> bool:
     return bool(ready)
 
 
-class RayRankGroup(RankGroup):
-    """The rank protocol (``ranks.RankGroup``) over Ray actors that each hold one rank and
+class RayTrainerGroup(TrainerGroup):
+    """The training ranks (``ranks.TrainerGroup``) as Ray actors that each hold one rank and
     answer ``run(call)`` with ``call.run(rank)`` -- a framework's own training actors fit as
-    they are. A dead actor is named as soon as Ray knows, not at the timeout."""
+    they are (``RayTrainerGroup(actors)``); :meth:`megatron` starts this project's. A dead actor
+    is named as soon as Ray knows, not at the timeout."""
 
     def __init__(self, actors: Sequence[Any], *, timeout_s: float = 300.0) -> None:
         self.actors = list(actors)
         self.world_size = len(self.actors)
         self.timeout_s = timeout_s
         self._dead: dict[int, str] = {}
+        self.pg: Any = None  # set where this group placed (and owns) its actors
+        self._starting: list = []
+
+    @classmethod
+    def megatron(cls, setup: Any, *, timeout_s: float = 300.0, name: str = "mr_trainers",
+                 wait: bool = True) -> "RayTrainerGroup":
+        """``setup.par.world_size`` megatron ranks (``pool.MegatronTrainerRank``) as Ray actors in
+        one placement group, which this group owns (``close`` ends them).
+
+        Start-up: the actors are placed first, rank 0 reports its node IP and two free ports
+        (megatron's rendezvous, then each refit group's), and only then every rank builds its
+        model, all at once (megatron's groups need every rank)."""
+        import ray
+
+        self = cls([], timeout_s=timeout_s)
+        self.world_size = setup.par.world_size
+        try:
+            device = _devices(1)
+            self.pg = _placement_group([device] * self.world_size, name, timeout_s)
+            actor = ray.remote(num_cpus=1, num_gpus=device.get("GPU", 0), max_restarts=0)(_TrainerActor)
+            self.actors = [actor.options(scheduling_strategy=_strategy(self.pg, r), name=f"{name}_{r}").remote()
+                           for r in range(self.world_size)]
+            self.nodes = self._get([a.where.remote() for a in self.actors], "placement")
+            self.host = self.nodes[0]["ip"]
+            port = self._get([self.actors[0].free_port.remote(self.host)], "a free port")[0]
+            setup = replace(setup, host=self.host, port=port)
+            self._starting = [a.start.remote(r, setup) for r, a in enumerate(self.actors)]
+            if wait:
+                self.started()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def started(self) -> "RayTrainerGroup":
+        """Wait until every rank has built its model (``wait=False`` overlaps this with the
+        engines' start-up), for at most ``START_TIMEOUT_S`` (or the call timeout if longer)."""
+        refs, self._starting = self._starting, []
+        if refs:
+            self._get(refs, "start-up", max(self.timeout_s, START_TIMEOUT_S))
+        return self
+
+    def free_port(self) -> int:
+        """A port free on training rank 0's node (each refit group's master listens there)."""
+        return self._get([self.actors[0].free_port.remote(self.host)], "a free port")[0]
 
     def _send(self, what: str, calls: Sequence[RankCall[Any]]) -> Callable[[float], list[Any]]:
         refs = [a.run.remote(c) for a, c in zip(self.actors, calls, strict=True)]
@@ -221,53 +267,12 @@ class RayRankGroup(RankGroup):
 
         ray.kill(self.actors[rank], no_restart=True)
 
-
-class RayTrainerGroup(RayRankGroup):
-    """``world_size`` megatron ranks (``trainer.MegatronRank``) as Ray actors in one placement
-    group, behind the rank protocol.
-
-    Start-up: the actors are placed first, rank 0 reports its node IP and two free ports
-    (megatron's rendezvous, then each refit group's), and only then every rank builds its
-    model, all at once (megatron's groups need every rank)."""
-
-    def __init__(self, setup: Any, *, timeout_s: float = 300.0, name: str = "mr_trainers", wait: bool = True) -> None:
-        import ray
-
-        super().__init__([], timeout_s=timeout_s)
-        self.world_size = setup.par.world_size
-        self.pg = None
-        try:
-            device = _devices(1)
-            self.pg = _placement_group([device] * self.world_size, name, timeout_s)
-            actor = ray.remote(num_cpus=1, num_gpus=device.get("GPU", 0), max_restarts=0)(_TrainerActor)
-            self.actors = [actor.options(scheduling_strategy=_strategy(self.pg, r), name=f"{name}_{r}").remote()
-                           for r in range(self.world_size)]
-            self.nodes = self._get([a.where.remote() for a in self.actors], "placement")
-            self.host = self.nodes[0]["ip"]
-            port = self._get([self.actors[0].free_port.remote(self.host)], "a free port")[0]
-            setup = replace(setup, host=self.host, port=port)
-            self._starting = [a.start.remote(r, setup) for r, a in enumerate(self.actors)]
-            if wait:
-                self.started()
-        except BaseException:
-            self.close()
-            raise
-
-    def started(self) -> "RayTrainerGroup":
-        """Wait until every rank has built its model (``wait=False`` overlaps this with the
-        engines' start-up), for at most ``START_TIMEOUT_S`` (or the call timeout if longer)."""
-        refs, self._starting = self._starting, []
-        if refs:
-            self._get(refs, "start-up", max(self.timeout_s, START_TIMEOUT_S))
-        return self
-
-    def free_port(self) -> int:
-        """A port free on training rank 0's node (each refit group's master listens there)."""
-        return self._get([self.actors[0].free_port.remote(self.host)], "a free port")[0]
-
     def close(self) -> None:
+        """End the actors this group started (:meth:`megatron`); a framework's own are its own."""
         import ray
 
+        if self.pg is None:
+            return
         refs = [a.close.remote() for r, a in enumerate(self.actors) if r not in self._dead]
         if refs:
             ray.wait(refs, num_returns=len(refs), timeout=10)

@@ -45,7 +45,7 @@ from ...transport.views import TORCH_DTYPES
 from ...plan import get_plan
 from ...plan.types import TransferPlan
 from ...wire.protocol import RankMap, RefitRequest
-from ...training.ranks import RankContext
+from ...training.ranks import TrainerRank
 from ...transport.executor import TransferOptions, execute_plan
 from ...transport.group import RefitGroup
 
@@ -188,7 +188,7 @@ class JoinBroadcast:
     timeout_s: float
     secret: str
 
-    def run(self, rank: RankContext) -> None:
+    def run(self, rank: TrainerRank) -> None:
         LeaveBroadcast().run(rank)
         if rank.rank == 0:
             rank.resources[HF_PREFIX] = _Group(RefitGroup.create(self.host, self.port, 0, self.world, self.timeout_s,
@@ -205,7 +205,7 @@ class SendBroadcast:
     buffer_bytes: int
     timeout_s: float
 
-    def run(self, rank: RankContext) -> SendStats:
+    def run(self, rank: TrainerRank) -> SendStats:
         t0 = time.perf_counter()
         tensors = rank.spec.tensor_table()
         plan, me = self.gather_plan, rank.rank
@@ -228,7 +228,7 @@ class SendBroadcast:
 class LeaveBroadcast:
     """Trainer end: close this rank's broadcast group, if any."""
 
-    def run(self, rank: RankContext) -> None:
+    def run(self, rank: TrainerRank) -> None:
         group = rank.resources.pop(HF_PREFIX, None)
         if group is not None:
             group.close()
