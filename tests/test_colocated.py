@@ -40,7 +40,7 @@ def _segments() -> set[str]:
 
 
 class _FailingSink(TensorSink):
-    def write(self, local_name, view, tensor) -> None:
+    def resolve(self, name, view):
         raise RuntimeError("applier broke")
 
 

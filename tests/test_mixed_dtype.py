@@ -22,6 +22,7 @@ from mcore_reshard.plan.wire import slice_from_wire, slice_to_wire
 from mcore_reshard.infra.ports import free_port
 from mcore_reshard.transport.executor import TensorSink, TransferOptions, execute_plan
 from mcore_reshard.transport.group import RankMap, RefitGroup
+from mcore_reshard.wire.faults import Fault
 from mcore_reshard.testing.local_plan import run_plan_locally
 from support.worlds import canonical, expected_equal, refit_once, spawn_ranks
 from toy_layouts import split_layout
@@ -153,25 +154,18 @@ TM = {"a": ((12, 8), "bfloat16"), "bias": ((8,), "float32"), "w32": ((256, 512),
 ZERO_COPY = 256 * 512 * 4 + 512 * 512 * 2
 
 
-class _NoTargetSink:
-    """Only ``write``: every box goes through a buffer and is hashed as received."""
+class _ResolveOnly:
+    """The smallest sink (``resolve``, ``commit``): the fp32 bias is resolved in its own dtype
+    and seen as wire elements by the transport (``ReinterpretSink``)."""
 
     def __init__(self, tensors) -> None:
         self.tensors = tensors
 
-    def write(self, name, view, tensor) -> None:
-        local_view(self.tensors[name], view).copy_(tensor)
+    def resolve(self, name, view):
+        return local_view(self.tensors[name], view)
 
-
-class _FlipBias(TensorSink):
-    """Writes correctly, then corrupts the first element of ``local.bias`` once."""
-
-    def write(self, name, view, tensor) -> None:
-        super().write(name, view, tensor)
-        if name == "local.bias" and not getattr(self, "done", False):
-            assert self.tensors[name].dtype == torch.float32 and tensor.dtype == torch.float32
-            self.tensors[name].view(-1)[view.offset] += 1.0
-            self.done = True
+    def commit(self, name, view) -> None:
+        pass
 
 
 def _mixed_main(rank: int, world: int, port: int, q: Any) -> None:
@@ -188,10 +182,10 @@ def _mixed_main(rank: int, world: int, port: int, q: Any) -> None:
         group = RefitGroup.create("127.0.0.1", port, rank, world, 20.0, rank == 0, rank_map=rm)
         out["ok"] = refit_once(plan, src, dst, s_rank, d_rank, group, rm, 3, tensors=TM)
         out["plain"] = refit_once(plan, src, dst, s_rank, d_rank, group, rm, 4, tensors=TM,
-                                  sink=lambda d: _NoTargetSink(d))
+                                  sink=lambda d: _ResolveOnly(d))
         # a corrupted fp32 bias element on the destination is caught and named
         out["flip"] = refit_once(plan, src, dst, s_rank, d_rank, group, rm, 5, tensors=TM,
-                                 sink=lambda d: _FlipBias(d))
+                                 fault=Fault("bitflip", tensor="local.bias") if d_rank == 0 else None)
         group.close()
     except BaseException:  # noqa: BLE001 -- ship every failure to the parent
         out["crash"] = traceback.format_exc()
@@ -209,7 +203,7 @@ def test_executor_carries_fp32_bits_in_a_bf16_refit():
         assert got["err"] is None and got["bad"] == [], (key, got)
         assert got["stats"].verified and got["stats"].bytes_received == bytes_min
     assert res[2]["ok"]["stats"].bytes_zero_copy == ZERO_COPY  # both halves of w32 and e
-    assert res[2]["plain"]["stats"].bytes_zero_copy == ZERO_COPY  # landed in temporaries, then written
+    assert res[2]["plain"]["stats"].bytes_zero_copy == ZERO_COPY  # received into what the sink resolves
     for r in (0, 1):
         st = res[r]["ok"]["stats"]
         assert st.verified and st.bytes_sent == bytes_min // 2

@@ -15,7 +15,8 @@ import torch
 from mcore_reshard.plan.topology import RankPlacement, placement_report, plan_for_placement, relay_groups
 from mcore_reshard.infra.ports import free_port
 from mcore_reshard.transport.group import RankMap, RefitGroup
-from support.worlds import T, FlippingSink, refit_once, ship, spawn_ranks
+from support.worlds import T, refit_once, ship, spawn_ranks
+from mcore_reshard.wire.faults import Fault
 from toy_layouts import split_layout
 
 NUM_SRC, PARTS, REPLICAS = 2, 2, 2
@@ -68,7 +69,7 @@ def _relay_main(rank: int, world: int, port: int, q: Any) -> None:
         src, dst, place, plan = _layouts()
         return {"ok": refit_once(plan, src, dst, s_rank, d_rank, group, rm, seed=3),
                 "flip": refit_once(plan, src, dst, s_rank, d_rank, group, rm, seed=4,
-                                   sink=(lambda d: FlippingSink(d, "local.a")) if d_rank == 2 else None)}
+                                   fault=Fault("bitflip", tensor="local.a") if d_rank == 2 else None)}
 
     _run_rank(rank, world, port, q, NUM_SRC, PARTS * REPLICAS, body)
 
@@ -204,7 +205,7 @@ def _tp2_main(rank: int, world: int, port: int, q: Any) -> None:
         # and one of the others receives over the fabric and forwards
         return {"ok": refit_once(plan, src, dst, s_rank, d_rank, group, rm, seed=6, tensors=src.tensors),
                 "flip": refit_once(plan, src, dst, s_rank, d_rank, group, rm, seed=8, tensors=src.tensors,
-                                   sink=(lambda d: FlippingSink(d, "model.norm.weight")) if d_rank == 3 else None)}
+                                   fault=Fault("bitflip", tensor="model.norm.weight") if d_rank == 3 else None)}
 
     _run_rank(rank, world, port, q, 2, 4, body)
 
@@ -268,20 +269,6 @@ def _eplb_layouts():
 W2 = "model.layers.0.mlp.experts.routed_experts.w2_weight"  # vLLM's stack of the layer's down_projs
 
 
-class _FlipSlot(FlippingSink):
-    """``FlippingSink`` that corrupts the write at one place only: a slot of a stacked tensor."""
-
-    def __init__(self, tensors, target: str, offset: int) -> None:
-        super().__init__(tensors, target)
-        self.offset = offset
-
-    def write(self, local_name, view, tensor) -> None:
-        if view.offset == self.offset:
-            super().write(local_name, view, tensor)
-        else:  # a plain write
-            super(FlippingSink, self).write(local_name, view, tensor)
-
-
 def _eplb_main(rank: int, world: int, port: int, q: Any) -> None:
     def body(rm, s_rank, d_rank, group):
         src, dst, _, plan = _eplb_layouts()
@@ -289,7 +276,7 @@ def _eplb_main(rank: int, world: int, port: int, q: Any) -> None:
         # last slot (offset 2 x 16 x 8) as a copy of rank 0's first
         return {"ok": refit_once(plan, src, dst, s_rank, d_rank, group, rm, seed=21, tensors=src.tensors),
                 "flip": refit_once(plan, src, dst, s_rank, d_rank, group, rm, seed=22, tensors=src.tensors,
-                                   sink=(lambda d: _FlipSlot(d, W2, 2 * 16 * 8)) if d_rank == 2 else None)}
+                                   fault=Fault("bitflip", tensor=W2, offset=2 * 16 * 8) if d_rank == 2 else None)}
 
     _run_rank(rank, world, port, q, 2, 4, body)
 

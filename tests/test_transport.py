@@ -20,8 +20,9 @@ from mcore_reshard.plan import build_plan
 from mcore_reshard.transport.checksum import checksum, checksums, digest
 from mcore_reshard.transport.executor import TensorSink, TransferOptions, execute_plan, raw_send_bandwidth, zero_fill_padding
 from mcore_reshard.transport.group import RankMap, RefitError, RefitGroup, RefitTimeout
+from mcore_reshard.wire.faults import Fault
 from mcore_reshard.infra.ports import free_port
-from support.worlds import (T, T16, FlippingSink, canonical, expected_equal, locals_of, refit_once, ship,
+from support.worlds import (T, T16, canonical, expected_equal, locals_of, refit_once, ship,
                             spawn_ranks)
 from toy_layouts import split_layout
 
@@ -196,9 +197,9 @@ def _world_main(rank: int, world: int, port: int, port2: int, q: Any) -> None:
         out["buckets"] = plan.num_buckets
         out["ok"] = refit(seed=7)
         out["again"] = refit(seed=8)  # same group, second refit
-        # a broken sink on destination rank 0 only
-        target = "local.a"
-        out["flip"] = refit(seed=9, sink=(lambda d: FlippingSink(d, target)) if d_rank == 0 else None)
+        # a broken write on destination rank 0 only (its first box of local.a, where it landed)
+        out["flip"] = refit_once(plan, src, dst, s_rank, d_rank, group, rm, 9, progress=rank == 0,
+                                 fault=Fault("bitflip", tensor="local.a") if d_rank == 0 else None)
         # destination rank 1 holds a different plan
         bad_digest = plan.digest() if d_rank != 1 else "0" * 16
         canon = canonical(T, 10)
@@ -236,12 +237,17 @@ def _world_main(rank: int, world: int, port: int, port2: int, q: Any) -> None:
 TZ = {"w": ((1024, 1024), "float32"), "b": ((8,), "float32")}
 
 
-class CorruptOnLanding(TensorSink):
-    """Receives a zero-copy box correctly, then corrupts it before it is hashed."""
+class _ResolveOnly:
+    """The smallest sink: ``resolve`` and ``commit``, no ``baseline`` (full refits only)."""
 
-    def landed(self, local_name, view, hash_fn):
-        local_view(self.tensors[local_name], view).view(-1)[0] += 1.0
-        return super().landed(local_name, view, hash_fn)
+    def __init__(self, tensors) -> None:
+        self.tensors, self.committed = tensors, 0
+
+    def resolve(self, name, view):
+        return local_view(self.tensors[name], view)
+
+    def commit(self, name, view) -> None:
+        self.committed += 1
 
 
 def _zero_copy_main(rank: int, world: int, port: int, q: Any) -> None:
@@ -256,18 +262,19 @@ def _zero_copy_main(rank: int, world: int, port: int, q: Any) -> None:
         s_rank, d_rank = rm.roles(rank)
         group = RefitGroup.create("127.0.0.1", port, rank, world, 20.0, rank == 0, rank_map=rm)
         out["ok"] = refit_once(plan, src, dst, s_rank, d_rank, group, rm, 3, tensors=TZ)
-        # a sink with no ``target``: zero-copy boxes land in a temporary, then go through write()
+        # the smallest sink (resolve and commit): zero-copy boxes land in what it resolves
         canon = canonical(TZ, 4)
         d = locals_of(dst, d_rank, None) if d_rank is not None else {}
-        sink = (lambda name, view, t: local_view(d[name], view).copy_(t)) if d_rank is not None else None
+        sink = _ResolveOnly(d) if d_rank is not None else None
         execute_plan(plan.for_rank("src", s_rank) if s_rank is not None else None,
                      plan.for_rank("dst", d_rank) if d_rank is not None else None,
                      locals_of(src, s_rank, canon) if s_rank is not None else {}, sink, group,
                      TransferOptions(20.0, plan_digest=plan.digest(), wire_dtype=torch.float32, rank_map=rm))
         out["callable_bad"] = expected_equal(dst, d_rank, canon, d) if d_rank is not None else []
+        out["commits"] = sink.committed if sink is not None else None
         # the destination's tensor corrupted after the bytes landed: caught, the box named
         out["corrupt"] = refit_once(plan, src, dst, s_rank, d_rank, group, rm, 5, tensors=TZ,
-                                    sink=(lambda d: CorruptOnLanding(d)))
+                                    fault=Fault("bitflip", tensor="local.w"))
         group.close()
     except BaseException:  # noqa: BLE001 -- ship every failure to the parent
         out["crash"] = traceback.format_exc()
@@ -387,6 +394,7 @@ def test_zero_copy_boxes_skip_the_buffers_and_stay_verified():
     for r in (0, 1):
         assert res[r]["ok"]["stats"].bytes_zero_copy == w_bytes // 2
         assert res[r]["ok"]["stats"].peak_extra_bytes < 1 << 10
-    assert res[2]["callable_bad"] == []
+    assert res[2]["callable_bad"] == [] and res[2]["commits"] == 4  # w's 2 halves, b's 2 halves: each once
     err = res[2]["corrupt"]["err"]
-    assert err is not None and "checksum mismatch in 2 transfer(s)" in err and "local.w" in err, err  # both boxes
+    assert err is not None and "checksum mismatch in 1 transfer(s)" in err and "local.w" in err, err  # its first box
+    assert res[2]["corrupt"]["bad"] == ["local.w"]

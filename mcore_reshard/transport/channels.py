@@ -279,7 +279,6 @@ class ZeroCopyChannel:
                  enabled: bool = True) -> None:
         self.route, self.src_tensors, self.sink = route, src_tensors, sink
         self.dtype, self.device, self.tally = dtype, device, tally
-        self.has_target = sink is not None and sink.capabilities.target
         self.direct: set[int] = set()  # id() of this rank's zero-copy transfers
         if not enabled:  # a delta refit: every box is encoded into a message
             send_b = recv_b = ()
@@ -292,6 +291,7 @@ class ZeroCopyChannel:
                 if c[2] < 0 and c[1] == route.dst_rank and not route.local(c) and not route.shm(c):
                     self.direct.update(id(t) for t in ts if _is_direct(t, dtype.itemsize))
         self.temps: dict[tuple[int, int], torch.Tensor] = {}  # (bucket, id) -> landing / cast copy
+        self.landed: dict[tuple[int, int], torch.Tensor] = {}  # (bucket, id) -> received into the sink's tensor
 
     def packed_numel(self, ts: Sequence[Transfer]) -> int:
         """Elements of ``ts`` that go through a buffer (all but the zero-copy boxes)."""
@@ -323,11 +323,13 @@ class ZeroCopyChannel:
         return x
 
     def _landing(self, k: int, t: Transfer) -> torch.Tensor:
-        """Where a zero-copy box is received: straight into the sink's tensor when it offers
-        one (``target``), else into a temporary that delivery writes through the sink."""
-        x = self.sink.target(t.dst_name, t.dst_view) if self.has_target else None
-        if x is None or x.dtype != self.dtype or x.device != self.device or not x.is_contiguous():
-            x = self.temp(k, t, torch.empty(t.dst_view.shape, dtype=self.dtype, device=self.device))
+        """Where a zero-copy box is received: straight into the tensor the sink resolves it to
+        when that is contiguous, on this device and of the wire dtype, else into a temporary
+        that delivery copies there."""
+        x = self.sink.resolve(t.dst_name, t.dst_view)
+        if x.dtype != self.dtype or x.device != self.device or not x.is_contiguous():
+            return self.temp(k, t, torch.empty(t.dst_view.shape, dtype=self.dtype, device=self.device))
+        self.landed[(k, id(t))] = x
         return x
 
     def temp(self, k: int, t: Transfer, x: torch.Tensor) -> torch.Tensor:
@@ -341,6 +343,8 @@ class ZeroCopyChannel:
         for key in [key for key in self.temps if key[0] == k]:
             x = self.temps.pop(key)
             self.tally.hold(-x.numel() * x.element_size())
+        for key in [key for key in self.landed if key[0] == k]:
+            del self.landed[key]
 
 
 class ShmChannel:

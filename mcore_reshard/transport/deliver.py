@@ -1,12 +1,13 @@
 """Hand a bucket's received boxes to the sink, and record the checksum of what it then holds.
 
-How is decided once, from the sink's declared ``capabilities`` (``sink.py``):
-
-* not verifying and no zero-copy box from that peer: the whole message is scattered at once
-  (``bulk``) or written box by box;
-* a ``bulk`` sink on CPU: one batched scatter, then each box hashed where it now lies;
-* otherwise box by box: the sink writes (``write_hashed``) or was received into (``landed``) and
-  hashes what the destination holds at the box, still in cache.
+One path for every box, through the sink's two calls (``sink.py``): each box's tensor is
+resolved, written -- the packed boxes of a message in one batch (``packing.unpack_into``), a
+zero-copy box already received into it, a delta's patched box as the baseline plus its
+changes -- and, when verifying, hashed where it now lies; then every box is committed, in wire
+order. A delta's unchanged box is not resolved: it is hashed where the destination holds it
+(``baseline``) and committed as kept. The hash is of the destination's tensor before a
+commit may repack a layer, so verification checks the parameter itself, not only the bytes
+received.
 """
 
 from __future__ import annotations
@@ -16,130 +17,105 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from .views import local_view
 from ..plan.types import Transfer
+from ..wire.faults import Fault
 from .channels import ChannelKey
-from .checksum import digest
-from .ledger import ChecksumLedger, digest_written
-from .packing import unpack
-from .sink import Sink
+from .checksum import digest_at
+from .faults import flip_first
+from .group import RefitError
+from .ledger import ChecksumLedger
+from .packing import unpack_into
+from .sink import Sink, baseline_of
 from .stats import Tally
+from .views import scatter_flat
 
 __all__ = ["Delivery"]
 
 
 class Delivery:
-    """Delivers every bucket of one refit on a destination rank."""
+    """Delivers every bucket of one refit on a destination rank. ``landed``: zero-copy boxes
+    received straight into their resolved tensor, by (bucket, id); ``temps``: the others,
+    received into a temporary. ``fault``: a destination bit flip (tests: ``Fault.tensor``)."""
 
-    def __init__(self, sink: Sink, dtype: torch.dtype, device: torch.device, verify: bool,
-                 box_sum: Callable[[torch.Tensor], Any], direct: set[int],
-                 temps: Mapping[tuple[int, int], torch.Tensor], ledger: ChecksumLedger, tally: Tally) -> None:
-        self.sink, self.caps, self.dtype, self.verify, self.box_sum = sink, sink.capabilities, dtype, verify, box_sum
-        self.direct, self.temps, self.ledger, self.tally = direct, temps, ledger, tally
-        # On CPU a bulk sink's boxes are scattered into its tensors at once, hashed there.
-        self.bulk_cpu = self.caps.bulk and device.type == "cpu"
-        self._last_sum = 0.0
+    def __init__(self, sink: Sink, verify: bool, box_sum: Callable[[torch.Tensor], Any], direct: set[int],
+                 landed: dict[tuple[int, int], torch.Tensor], temps: Mapping[tuple[int, int], torch.Tensor],
+                 ledger: ChecksumLedger, tally: Tally, fault: Fault | None = None) -> None:
+        self.sink, self.verify, self.box_sum, self.direct = sink, verify, box_sum, direct
+        self.landed, self.temps, self.ledger, self.tally = landed, temps, ledger, tally
+        self.baseline = baseline_of(sink)
+        self.fault = fault if fault is not None and fault.kind == "bitflip" and fault.tensor else None
 
     def deliver(self, k: int, msgs: Mapping[ChannelKey, torch.Tensor],
                 bucket: Mapping[ChannelKey, list[Transfer]], special: Mapping[int, Any] | None = None) -> None:
         """Hand every box of bucket ``k`` to the sink (``msgs``: each channel's packed message),
         then checksum what it holds. ``special``: boxes of a delta refit that are not in the
-        messages, by id: None -- unchanged, the sink keeps what it holds (``Sink.keep``);
-        (positions, values) -- the sink patches what it holds (``Sink.patch``)."""
-        in_place = special or {}
+        messages, by id: None -- unchanged, kept where the destination holds it; (positions,
+        values) -- the baseline with those changes."""
         for peer, ts in bucket.items():
-            msg = msgs.get(peer)
-            if not self.verify and not any(id(t) in self.direct for t in ts):
-                t0 = time.perf_counter()
-                self._write_boxes(ts, msg, in_place)
-                self.tally.timed("unpack", t0)
-            elif self.bulk_cpu:
-                self._deliver_tensors(peer, ts, msg, in_place)
-            else:
-                self._deliver_boxes(k, peer, ts, msg, in_place)
+            self._deliver(k, peer, ts, msgs.get(peer), special or {})
 
-    def _deliver_boxes(self, k: int, peer: ChannelKey, ts: list[Transfer], msg: torch.Tensor | None,
-                       in_place: Mapping[int, Any]) -> None:
-        """Box by box: the sink writes, then hashes what the destination holds at the box (still
-        in cache); the hash's own time is split off by timing it separately."""
-        sink, phase = self.sink, self.tally.phase
-        hashed = sink.write_hashed if self.caps.write_hashed else None
-        sums, pos = [], 0
-        hash_fn = self._timed_sum if self.verify else None
-        for t in ts:
-            t0 = time.perf_counter()
-            self._last_sum = 0.0
-            if id(t) in in_place:
-                row = self._keep_or_patch(t, in_place[id(t)], hash_fn)
-            elif id(t) in self.direct:
-                temp = self.temps.get((k, id(t)))
-                if temp is None:  # landed in the sink's own tensor
-                    row = sink.landed(t.dst_name, t.dst_view, hash_fn)
-                elif hashed is not None and hash_fn is not None:
-                    row = hashed(t.dst_name, t.dst_view, temp, hash_fn)
-                else:
-                    sink.write(t.dst_name, t.dst_view, temp)
-                    row = hash_fn(temp) if hash_fn else None
-            else:
-                n = t.box.numel
-                part = msg[pos : pos + n]
-                pos += n
-                if hashed is not None and hash_fn is not None:
-                    row = hashed(t.dst_name, t.dst_view, part.view(t.dst_view.shape), hash_fn)
-                else:
-                    self._write_boxes((t,), part, {})
-                    row = hash_fn(part) if hash_fn else None  # a sink that only writes: what it was given
-            t1 = time.perf_counter()
-            phase["unpack"] += t1 - t0 - self._last_sum
-            phase["verify"] += self._last_sum
-            sums.append(row)
-        if self.verify:
-            self.ledger.received(peer, sums)
-
-    def _deliver_tensors(self, peer: ChannelKey, ts: list[Transfer], msg: torch.Tensor | None,
-                         in_place: Mapping[int, Any]) -> None:
-        """Into a bulk sink's tensors (CPU): the packed boxes in one batched copy, then each box
-        hashed where it now lies (a kept or patched box lies in place)."""
+    def _deliver(self, k: int, peer: ChannelKey, ts: Sequence[Transfer], msg: torch.Tensor | None,
+                 special: Mapping[int, Any]) -> None:
         t0 = time.perf_counter()
-        direct, tensors = self.direct, self.sink.tensors
-        packed = [t for t in ts if id(t) not in direct and id(t) not in in_place]
-        written = iter(unpack(packed, msg, tensors) if packed else ())
+        sink = self.sink
+        targets: list[torch.Tensor | None] = []  # per box: where it lies now (None: kept)
+        packed: list[torch.Tensor] = []
         for t in ts:
-            if id(t) in in_place:
-                self._keep_or_patch(t, in_place[id(t)], None)
+            key = id(t)
+            if key in special:
+                change = special[key]
+                targets.append(None if change is None else self._patch(t, *change))
+            elif key in self.direct:
+                targets.append(self._landed(k, t))
+            else:
+                x = sink.resolve(t.dst_name, t.dst_view)
+                packed.append(x)
+                targets.append(x)
+        written = iter(unpack_into(packed, msg) if packed else ())
+        if self.fault is not None:
+            self._flip(ts, targets)
         t1 = time.perf_counter()
         if self.verify:
-            self.ledger.received(peer, [
-                digest(local_view(tensors[t.dst_name], t.dst_view)) if id(t) in direct or id(t) in in_place
-                else digest_written(next(written)) for t in ts])
-        self.tally.phase["unpack"] += t1 - t0
-        self.tally.phase["verify"] += time.perf_counter() - t1
-
-    def _write_boxes(self, ts: Sequence[Transfer], msg: torch.Tensor, in_place: Mapping[int, Any]) -> None:
-        if self.caps.bulk:  # a bulk sink's write() is a plain copy: scatter them all at once
-            unpack([t for t in ts if id(t) not in in_place] if in_place else ts, msg, self.sink.tensors)
-            for t in ts:
-                if id(t) in in_place:
-                    self._keep_or_patch(t, in_place[id(t)], None)
-            return
-        pos = 0
+            rows = []
+            for t, x in zip(ts, targets):
+                if x is None:
+                    rows.append(self.box_sum(self.baseline(t.dst_name, t.dst_view)))
+                    continue
+                w = next(written) if id(t) not in self.direct and id(t) not in special else x
+                rows.append(digest_at(w) if isinstance(w, tuple) else self.box_sum(w))
+            self.ledger.received(peer, rows)
+        t2 = time.perf_counter()
         for t in ts:
-            if id(t) in in_place:
-                self._keep_or_patch(t, in_place[id(t)], None)
-                continue
-            n = t.box.numel
-            self.sink.write(t.dst_name, t.dst_view, msg[pos : pos + n].view(t.dst_view.shape))
-            pos += n
+            sink.commit(t.dst_name, t.dst_view)
+        t3 = time.perf_counter()
+        self.tally.phase["unpack"] += (t1 - t0) + (t3 - t2)
+        self.tally.phase["verify"] += t2 - t1
 
-    def _keep_or_patch(self, t: Transfer, change: Any, hash_fn: Callable | None) -> Any:
-        """A delta's box that is not in the message: kept (``change`` None) or patched."""
-        if change is None:
-            return self.sink.keep(t.dst_name, t.dst_view, hash_fn)
-        return self.sink.patch(t.dst_name, t.dst_view, change[0], change[1], hash_fn)
+    def _landed(self, k: int, t: Transfer) -> torch.Tensor:
+        """A zero-copy box: where it was received, or its temporary copied into its tensor."""
+        x = self.landed.pop((k, id(t)), None)
+        if x is None:
+            x = self.sink.resolve(t.dst_name, t.dst_view)
+            x.copy_(self.temps[(k, id(t))].view(x.shape))
+        return x
 
-    def _timed_sum(self, x: torch.Tensor) -> Any:
-        """``box_sum`` for a sink's ``write_hashed``/``landed``, remembering how long it took."""
-        t0 = time.perf_counter()
-        out = self.box_sum(x)
-        self._last_sum = time.perf_counter() - t0
-        return out
+    def _patch(self, t: Transfer, positions: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """A delta's changed box: its tensor holds the baseline, then the changes."""
+        if self.baseline is None:
+            raise RefitError(f"{t.dst_name}: a delta refit reached a sink without a baseline")
+        x = self.sink.resolve(t.dst_name, t.dst_view)
+        base = self.baseline(t.dst_name, t.dst_view)
+        if x.data_ptr() != base.data_ptr() or x.stride() != base.stride():
+            x.copy_(base)
+        scatter_flat(x, positions.to(x.device), values.to(x.device))
+        return x
+
+    def _flip(self, ts: Sequence[Transfer], targets: Sequence[torch.Tensor | None]) -> None:
+        """Fault injection: the first box of ``fault.tensor`` (at ``fault.offset`` where set)
+        corrupted where it landed, before it is hashed -- a broken write at the destination."""
+        f = self.fault
+        for t, x in zip(ts, targets):
+            if x is not None and t.dst_name == f.tensor and f.offset in (-1, t.dst_view.offset):
+                flip_first(x)
+                self.fault = None
+                return

@@ -4,7 +4,7 @@ A refit's boxes are the same every step (the plan is cached), so each rank can r
 the other end holds. The sender keeps a copy, in the wire dtype, of what it last sent
 (``DeltaState.baseline``: every box of its plan slice back to back, on the parameters'
 device -- host memory here; ``delta_state_bytes``), updated in place as it encodes; the
-receiver's baseline is what its destination holds now (``Sink.current``: the live parameter,
+receiver's baseline is what its destination holds now (``Sink.baseline``: the live parameter,
 or for a layer vLLM repacks, the model-format copy ``VllmApplier`` keeps of its last commit).
 A delta is against that baseline only if every rank of the refit committed the same refit last
 (``DeltaState.offer``: the id of that refit, under this plan digest), checked in the
@@ -20,10 +20,11 @@ Encoding, per box, decided at run time from the bits (``-0.0 != 0.0``, NaN paylo
 
 A message is its boxes' encodings back to back in plan order; its header (one int64 per box)
 goes ahead of it in the same bucket (``HeaderExchange``), so the receiver posts a receive of
-the right size. The receiver rebuilds every box whole (its current values plus the changes)
-and hands it to the sink as a full refit would: staging, vLLM's layerwise reload, the
-two-phase commit and the checksums are unchanged, and the checksum compares the *whole* new
-box (the sender hashes its new weights, not the delta), so a wrong baseline cannot pass.
+the right size. The receiver writes a changed box as its baseline plus the changes into the
+tensor the sink resolves, and commits an unchanged one as kept, through the same two calls as
+a full refit: staging, vLLM's layerwise reload, the two-phase commit and the checksums are
+unchanged, and the checksum compares the *whole* new box (the sender hashes its new weights,
+not the delta), so a wrong baseline cannot pass.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from ..plan.types import RankPlan, Transfer
 from ..wire.protocol import refit_id
 from .channels import ChannelKey, GroupChannel, MsgKey, Op, Route, Spec
 from .group import RefitError
-from .sink import Sink
+from .sink import Sink, baseline_of
 from .stats import Tally
 from .views import BIT_VIEWS, local_view
 
@@ -313,48 +314,41 @@ class HeaderExchange:
 
 class DeltaDecoder:
     """The receiver's part. Each box becomes what delivery hands the sink: a dense box as
-    received; a sparse one as its changes where the sink patches what it holds
-    (``Sink.patch``), else rebuilt whole (``Sink.current`` plus the changes) into a dense
-    message; an unchanged one kept where it lies (``Sink.keep``), else rebuilt the same way.
-    Patching and keeping cost one copy of the box where the sink stages, none where it
-    writes in place."""
+    received (in a dense message of them); a sparse one as its changes, which delivery writes
+    over the baseline in the box's tensor; an unchanged one kept where the destination holds
+    it. Patching costs one copy of the box where the sink stages, none where it writes in
+    place; keeping costs nothing."""
 
     def __init__(self, sink: Sink, headers: HeaderExchange, dtype: torch.dtype, device: torch.device,
                  tally: Tally) -> None:
-        self.sink, self.headers, self.dtype, self.device, self.tally = sink, headers, dtype, device, tally
+        if baseline_of(sink) is None:
+            raise RefitError(f"a delta refit needs a sink with baseline(); {type(sink).__name__} has none")
+        self.headers, self.dtype, self.device, self.tally = headers, dtype, device, tally
         self.isz = dtype.itemsize
-        self.keeps, self.patches = sink.capabilities.keep, sink.capabilities.patch
 
     def decode(self, k: int, channel: ChannelKey, ts: Sequence[Transfer],
                msg: torch.Tensor | None) -> tuple[torch.Tensor, dict[int, Any]]:
-        """(the dense message of the boxes delivery writes, the others by id: None to keep,
+        """(the dense message of the boxes sent whole, the others by id: None to keep,
         (positions, values) to patch)."""
         t0 = time.perf_counter()
         hdr = self.headers.header(k, channel).tolist()
         special: dict[int, Any] = {}
         pos_in = 0
-        rebuilt: list[tuple[Transfer, int, int]] = []  # (box, header, position in msg)
+        whole: list[tuple[int, int]] = []  # (position in msg, elements)
         for h, t in zip(hdr, ts):
             n = t.box.numel
-            if h == 0 and self.keeps:
+            if h == 0:
                 special[id(t)] = None
-            elif 0 < h < n and self.patches:
+            elif h < n:
                 special[id(t)] = self._changes(k, t, h, msg, pos_in)
             else:
-                rebuilt.append((t, h, pos_in))
+                whole.append((pos_in, n))
             pos_in += encoded_numel(h, n, self.isz)
-        dense = torch.empty(sum(t.box.numel for t, _, _ in rebuilt), dtype=self.dtype, device=self.device)
+        dense = torch.empty(sum(n for _, n in whole), dtype=self.dtype, device=self.device)
         self.tally.hold(dense.numel() * self.isz)
         pos_out = 0
-        for t, h, at in rebuilt:
-            n = t.box.numel
-            box = dense[pos_out : pos_out + n]
-            if h == n:
-                box.copy_(msg[at : at + n])
-            else:
-                box.view(t.dst_view.shape).copy_(self.sink.current(t.dst_name, t.dst_view))
-                if h:
-                    box.index_copy_(0, *self._changes(k, t, h, msg, at))
+        for at, n in whole:
+            dense[pos_out : pos_out + n].copy_(msg[at : at + n])
             pos_out += n
         self.tally.timed("unpack", t0)
         return dense, special

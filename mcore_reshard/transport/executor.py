@@ -8,12 +8,12 @@ This module is the orchestrator; each concern lives in a part of its own:
   same-device peer), in process (to myself) or zero-copy (large contiguous boxes); tags come
   from ``plan/tags.py``, the one tag space the planner asks too.
 * ``relay.py`` -- fan-out relays: forwarding what a relay group's member received.
-* ``deliver.py`` and ``sink.py`` -- handing boxes to the destination's ``Sink``, by the
-  capabilities it declares.
+* ``deliver.py`` and ``sink.py`` -- handing boxes to the destination's ``Sink`` through its
+  two calls (``resolve``, ``commit``; ``baseline`` for deltas): one path for every box.
 * ``ledger.py`` -- the checksums that prove source tensor == destination tensor.
 * ``reinterpret.py`` -- tensors the plan carries as their bits, seen in wire units.
 * ``delta.py`` -- delta refits: each message encoded against what the receiver holds
-  (headers ahead of the data, boxes rebuilt whole before delivery).
+  (headers ahead of the data; a changed box written as its baseline plus the changes).
 * ``faults.py`` -- fault injection, which only tests and soak runs set.
 
 Every wait has a timeout and failures name the peer and the bucket.
@@ -104,7 +104,7 @@ def execute_plan(
     plan_slice_src: RankPlan | None,
     plan_slice_dst: RankPlan | None,
     src_tensors: Mapping[str, torch.Tensor],
-    dst_tensors_or_sink: Mapping[str, torch.Tensor] | Sink | Callable[[str, View, torch.Tensor], None] | None,
+    dst_tensors_or_sink: Mapping[str, torch.Tensor] | Sink | None,
     group: RefitGroup,
     options: TransferOptions,
 ) -> TransferStats:
@@ -124,7 +124,7 @@ def execute_plan(
     if o.plan_digest is not None:
         group.check_agreement([o.plan_digest, mode.value], what="(plan digest, verify)", timeout_s=o.timeout_s)
     sink = as_sink(dst_tensors_or_sink) if plan_slice_dst is not None else None
-    dtype = o.wire_dtype or _wire_dtype(plan_slice_src, plan_slice_dst, src_tensors, dst_tensors_or_sink, sink)
+    dtype = o.wire_dtype or _wire_dtype(plan_slice_src, plan_slice_dst, src_tensors, sink)
     quantized = None
     if plan_slice_src is not None and plan_slice_src.quantize:  # block FP8 at the sender: codes + scales
         src_tensors = quantized = QuantizedSources(src_tensors, plan_slice_src.quantize)
@@ -184,7 +184,7 @@ def _check_roles(src: RankPlan | None, dst: RankPlan | None, me: int, rank_map: 
 
 
 def _wire_dtype(src: RankPlan | None, dst: RankPlan | None, src_tensors: Mapping[str, torch.Tensor],
-                dst_obj: Any, sink: Sink | None) -> torch.dtype:
+                sink: Sink | None) -> torch.dtype:
     """The plan's element type (the destination's; sources cast while packing). Slices built
     by hand without one fall back to what this rank can see."""
     plan_slice = dst if dst is not None else src
@@ -193,7 +193,7 @@ def _wire_dtype(src: RankPlan | None, dst: RankPlan | None, src_tensors: Mapping
     if dst is not None and dst.transfers:
         bits = dict(dst.reinterpret)  # carried as wire elements: not this rank's wire dtype
         ts = [t for t in dst.transfers if t.dst_name not in bits] or dst.transfers
-        dtypes = sink_dtypes(sink, dst_obj, [t.dst_name for t in ts])
+        dtypes = sink_dtypes(sink, [t.dst_name for t in ts])
     elif src is not None and src.transfers:
         bits = dict(src.reinterpret)
         dtypes = {src_tensors[t.src_name].dtype for t in src.transfers if t.src_name not in bits} or \
@@ -244,8 +244,8 @@ class _Run:
         box_sum = box_hasher(group.device, dtype)
         self.ledger = ChecksumLedger(box_sum, self.itemsize, self.tally)
         self.delivery = None if sink is None else Delivery(
-            sink, dtype, group.device, verify, box_sum, self.zero_copy.direct, self.zero_copy.temps, self.ledger,
-            self.tally)
+            sink, verify, box_sum, self.zero_copy.direct, self.zero_copy.landed, self.zero_copy.temps, self.ledger,
+            self.tally, fault)
         self._allocate()
 
     def _allocate(self) -> None:
@@ -310,7 +310,8 @@ class _Run:
         direct, phase, verify = self.zero_copy.direct, self.tally.phase, self.verify
         out, pos = {}, 0
         encoder = self.encoder
-        flip = self.fault is not None and self.fault.kind == "bitflip" and self.fault.bucket == k
+        flip = self.fault is not None and self.fault.kind == "bitflip" and not self.fault.tensor and \
+            self.fault.bucket == k
         for key, ts in peers.items():
             t0 = time.perf_counter()
             if encoder is not None:

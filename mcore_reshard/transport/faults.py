@@ -12,19 +12,22 @@ import torch
 from ..wire.faults import Fault
 from .views import BIT_VIEWS
 
-__all__ = ["corrupt", "ExitAfterReads"]
+__all__ = ["corrupt", "flip_first", "ExitAfterReads", "ExitAfterCommits"]
 
 
 def corrupt(fault: Fault, k: int, messages: Mapping[Any, torch.Tensor], copy_first: Callable[[], torch.Tensor]) -> None:
     """``bitflip`` of bucket ``k``: flip the lowest bit of the first element of the first
     non-empty packed message (its checksum is already taken). When the bucket only holds
     zero-copy boxes, ``copy_first()`` gives the copy of the first box that is sent instead."""
-    if fault.kind != "bitflip" or fault.bucket != k or not messages:
+    if fault.kind != "bitflip" or fault.tensor or fault.bucket != k or not messages:
         return
     first = next((m for m in messages.values() if m.numel()), None)
-    if first is None:
-        first = copy_first()
-    bits = first[:1].view(BIT_VIEWS[first.element_size()])
+    flip_first(first if first is not None else copy_first())
+
+
+def flip_first(x: torch.Tensor) -> None:
+    """Flip the lowest bit of the first element of ``x`` (in place)."""
+    bits = x.as_strided((1,), (1,), x.storage_offset()).view(BIT_VIEWS[x.element_size()])  # (a view, strided or not)
     bits ^= 1
 
 
@@ -41,3 +44,24 @@ class ExitAfterReads(dict):
         if self._left < 0:
             os._exit(17)
         return super().__getitem__(key)
+
+
+class ExitAfterCommits:
+    """A sink whose process exits abruptly once ``n`` boxes were committed: a destination dying
+    mid-transfer (``EngineFault.exit_after_writes``)."""
+
+    def __init__(self, sink: Any, n: int) -> None:
+        self.sink, self._left = sink, n
+        self.params = getattr(sink, "params", None)  # the wire dtype, where the sink holds it
+        base = getattr(sink, "baseline", None)
+        if callable(base):
+            self.baseline = base
+
+    def resolve(self, name: str, view: Any) -> torch.Tensor:
+        return self.sink.resolve(name, view)
+
+    def commit(self, name: str, view: Any) -> None:
+        if self._left <= 0:
+            os._exit(19)
+        self._left -= 1
+        self.sink.commit(name, view)

@@ -3,7 +3,7 @@
 The sender hashes each transfer's bytes (``checksum.py``: xxh3 on CPU, integer sums on GPU)
 right after packing them (or, zero-copy, in the source tensor) and, after the last bucket, sends
 the rows to the peer as one ``(n, 2)`` int64 tensor; the receiver hashes what the destination
-tensor holds at the box right after the sink wrote it (``write_hashed``/``landed``: before vLLM
+tensor holds at the box right after the transport wrote it (into what ``Sink.resolve`` gave: before vLLM
 repacks a completed layer; a sink with neither is checked on ``read`` or, last, on the received
 bytes) and raises naming every mismatching parameter. So a checksum proves source tensor ==
 destination tensor, not only that a buffer arrived.

@@ -12,7 +12,7 @@ import torch
 from ..layout.descriptor import View, contiguous_strides
 from ..plan.types import Transfer
 
-__all__ = ["message_numel", "pack", "unpack"]
+__all__ = ["message_numel", "pack", "unpack", "unpack_into"]
 
 
 def message_numel(transfers: Sequence[Transfer]) -> int:
@@ -72,6 +72,32 @@ def unpack(transfers: Sequence[Transfer], buf: torch.Tensor, tensors: Mapping[st
         srcs.append(buf.as_strided(v.shape, _contiguous(v.shape), base + pos))
         written.append(d)
         pos += n
+    if dsts:
+        torch._foreach_copy_(dsts, srcs)
+    return written
+
+
+def unpack_into(targets: Sequence[torch.Tensor], buf: torch.Tensor) -> list[Any]:
+    """Copy a message's boxes, back to back in ``buf``, into ``targets`` (each box's resolved
+    tensor, in wire order): small dense ones on CPU by ``memmove``, the rest in one batched
+    copy. Returns what was written, in wire order, as ``unpack`` does."""
+    dsts, srcs, written, pos = [], [], [], 0
+    base = buf.storage_offset()
+    raw = _Raw(buf)
+    for x in targets:
+        n = x.numel()
+        if raw.ok and n <= raw.max_n and pos + n <= raw.room and x.dtype == raw.dtype and \
+                x.device.type == "cpu" and x.is_contiguous():
+            nbytes = n * raw.isz
+            _memmove(x.data_ptr(), raw.addr + pos * raw.isz, nbytes)
+            written.append((x.data_ptr(), nbytes))
+        else:
+            dsts.append(x)
+            srcs.append(buf.as_strided(x.shape, _contiguous(tuple(x.shape)), base + pos))
+            written.append(x)
+        pos += n
+    if pos > buf.numel():
+        raise ValueError(f"message of {buf.numel()} elements holds fewer than its {pos}")
     if dsts:
         torch._foreach_copy_(dsts, srcs)
     return written

@@ -9,14 +9,13 @@ only real ones.
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Any, Callable, Iterator, Mapping
+from typing import Iterator, Mapping
 
 import torch
 
 from ..layout.descriptor import View
 from .views import TORCH_DTYPES
-from .sink import Sink, SinkCaps
+from .sink import Sink, baseline_of
 
 __all__ = ["ReinterpretSink", "WireTensors"]
 
@@ -52,56 +51,37 @@ class WireTensors(Mapping):
 
 class ReinterpretSink:
     """A sink in wire units over ``inner`` (real units): a box of a reinterpreted tensor
-    (name -> real dtype name), addressed in wire elements, is handed to ``inner`` as the same
-    bytes in its real dtype at the real view; what ``inner`` holds is hashed as wire elements,
-    so both ends hash the same bytes. Other names pass through. It offers the optional methods
-    ``inner`` offers, never a bulk scatter (that would skip the conversion)."""
+    (name -> real dtype name), addressed in wire elements, is resolved by ``inner`` at the real
+    view and handed back as the same memory seen as wire elements, so the transport writes,
+    patches and hashes the same bytes on both ends. Other names pass through."""
 
     def __init__(self, inner: Sink, real: Mapping[str, str], wire: torch.dtype) -> None:
         self.inner, self.wire = inner, wire
         w = torch.empty((), dtype=wire).element_size()
         self.real = {n: (TORCH_DTYPES[d], TORCH_DTYPES[d].itemsize // w) for n, d in real.items()}
-        # (a delta's positions are in wire units: no patch, such boxes are rebuilt whole)
-        self.capabilities: SinkCaps = replace(inner.capabilities, bulk=False, patch=False)
+        self.params = getattr(inner, "params", None)
+        if baseline_of(inner) is not None:
+            self.baseline = self._baseline
 
-    def _wire_hash(self, hash_fn: Callable | None) -> Callable | None:
-        return None if hash_fn is None else (lambda x: hash_fn(x.view(self.wire)))
+    def _wire(self, x: torch.Tensor) -> torch.Tensor:
+        return (x if x.stride(-1) == 1 else x.contiguous()).view(self.wire)
 
-    def write(self, local_name: str, view: View, tensor: torch.Tensor) -> None:
-        real = self.real.get(local_name)
+    def resolve(self, name: str, view: View) -> torch.Tensor:
+        real = self.real.get(name)
         if real is None:
-            return self.inner.write(local_name, view, tensor)
-        self.inner.write(local_name, _real_view(view, real[1], local_name), tensor.contiguous().view(real[0]))
+            return self.inner.resolve(name, view)
+        x = self.inner.resolve(name, _real_view(view, real[1], name))
+        if x.dtype != real[0] or x.stride(-1) != 1:
+            raise ValueError(f"{name}: the sink resolves it as {x.dtype} (stride {x.stride()}), the plan carries "
+                             f"its {real[0]} bits")
+        return x.view(self.wire)
 
-    def write_hashed(self, local_name: str, view: View, tensor: torch.Tensor, hash_fn: Callable) -> Any:
-        real = self.real.get(local_name)
-        if real is None:
-            return self.inner.write_hashed(local_name, view, tensor, hash_fn)
-        return self.inner.write_hashed(local_name, _real_view(view, real[1], local_name),
-                                       tensor.contiguous().view(real[0]), self._wire_hash(hash_fn))
+    def commit(self, name: str, view: View) -> None:
+        real = self.real.get(name)
+        self.inner.commit(name, view if real is None else _real_view(view, real[1], name))
 
-    def target(self, local_name: str, view: View) -> torch.Tensor | None:
-        real = self.real.get(local_name)
+    def _baseline(self, name: str, view: View) -> torch.Tensor:
+        real = self.real.get(name)
         if real is None:
-            return self.inner.target(local_name, view)
-        x = self.inner.target(local_name, _real_view(view, real[1], local_name))
-        return None if x is None or x.dtype != real[0] else x.view(self.wire)
-
-    def landed(self, local_name: str, view: View, hash_fn: Callable | None) -> Any:
-        real = self.real.get(local_name)
-        if real is None:
-            return self.inner.landed(local_name, view, hash_fn)
-        return self.inner.landed(local_name, _real_view(view, real[1], local_name), self._wire_hash(hash_fn))
-
-    def current(self, local_name: str, view: View) -> torch.Tensor:
-        real = self.real.get(local_name)
-        if real is None:
-            return self.inner.current(local_name, view)
-        x = self.inner.current(local_name, _real_view(view, real[1], local_name))
-        return x.contiguous().view(self.wire).reshape(view.shape)
-
-    def keep(self, local_name: str, view: View, hash_fn: Callable | None) -> Any:
-        real = self.real.get(local_name)
-        if real is None:
-            return self.inner.keep(local_name, view, hash_fn)
-        return self.inner.keep(local_name, _real_view(view, real[1], local_name), self._wire_hash(hash_fn))
+            return self.inner.baseline(name, view)
+        return self._wire(self.inner.baseline(name, _real_view(view, real[1], name)))

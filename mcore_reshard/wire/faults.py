@@ -29,7 +29,9 @@ class Fault:
 
     ``bitflip`` flips the lowest bit of the first element a sender packs for bucket
     ``bucket``, after its checksum was taken -- a corrupted wire, which the destination's
-    checksums must catch. ``exit`` ends the rank's process abruptly at protocol step ``at``;
+    checksums must catch. With ``tensor`` set it strikes at the destination instead: the first
+    box of that local tensor it receives (at view offset ``offset`` where >= 0) is corrupted
+    where it landed, before it is hashed -- a broken write, which the checksums must catch too. ``exit`` ends the rank's process abruptly at protocol step ``at``;
     ``sleep`` stalls it there for ``seconds``. Steps (``transport/endpoint.py``):
     ``before_vote`` (after its last byte), ``after_vote`` (before the decision is known),
     ``after_decision`` (the decision read, before this rank commits). An ``exit`` with
@@ -39,6 +41,8 @@ class Fault:
     bucket: int = 0
     at: str = ""
     seconds: float = 0.0
+    tensor: str = ""
+    offset: int = -1
 
     STEPS = ("before_vote", "after_vote", "after_decision")
 
@@ -57,12 +61,13 @@ class Fault:
             os._exit(23)
 
     def to_wire(self) -> dict:
-        return {"kind": self.kind, "bucket": self.bucket, "at": self.at, "seconds": self.seconds}
+        return {"kind": self.kind, "bucket": self.bucket, "at": self.at, "seconds": self.seconds,
+                "tensor": self.tensor, "offset": self.offset}
 
     @staticmethod
     def from_wire(d: Mapping[str, Any]) -> "Fault":
         return Fault(str(d.get("kind", "bitflip")), int(d.get("bucket", 0)), str(d.get("at", "")),
-                     float(d.get("seconds", 0.0)))
+                     float(d.get("seconds", 0.0)), str(d.get("tensor", "")), int(d.get("offset", -1)))
 
 
 @dataclass(frozen=True)

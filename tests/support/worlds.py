@@ -54,24 +54,11 @@ def _int(t: torch.Tensor) -> torch.dtype:
     return {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
 
 
-class FlippingSink(TensorSink):
-    """Writes correctly, then corrupts one element of ``target`` (a broken applier)."""
-
-    def __init__(self, tensors, target: str) -> None:
-        super().__init__(tensors)
-        self.target, self.done = target, False
-
-    def write(self, local_name, view, tensor) -> None:
-        super().write(local_name, view, tensor)
-        if local_name == self.target and not self.done:
-            self.tensors[local_name].view(-1)[view.offset] += 1.0
-            self.done = True
-
-
 def refit_once(plan, src, dst, s_rank, d_rank, group, rm, seed: int, *, tensors=T, sink=None,
-               digest: str | None = None, progress: bool = False) -> dict:
+               digest: str | None = None, progress: bool = False, fault=None) -> dict:
     """One refit of ``canonical(tensors, seed)`` on this rank: its stats or one error line, and
-    the destination tensors that are not bit-for-bit what the descriptors say."""
+    the destination tensors that are not bit-for-bit what the descriptors say. ``fault``:
+    this rank's (e.g. ``Fault(tensor=...)``: a broken write where it receives that tensor)."""
     sp = plan.for_rank("src", s_rank) if s_rank is not None else None
     dp = plan.for_rank("dst", d_rank) if d_rank is not None else None
     canon = canonical(tensors, seed)
@@ -79,7 +66,8 @@ def refit_once(plan, src, dst, s_rank, d_rank, group, rm, seed: int, *, tensors=
     d = locals_of(dst, d_rank, None) if d_rank is not None else {}
     try:
         stats = execute_plan(sp, dp, s, d if sink is None else sink(d), group, TransferOptions(
-            20.0, progress=progress, plan_digest=plan.digest() if digest is None else digest, rank_map=rm))
+            20.0, progress=progress, plan_digest=plan.digest() if digest is None else digest, rank_map=rm,
+            fault=fault))
         err = None
     except RefitError as e:
         stats, err = None, str(e)

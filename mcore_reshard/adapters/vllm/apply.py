@@ -38,7 +38,7 @@ import time
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -48,7 +48,6 @@ from ...transport.endpoint import Prepared
 from ...transport.views import local_view, zero_padding
 from ...wire.protocol import RefitRequest
 from .baselines import ModelFormatCopies
-from .delta_apply import DeltaApply
 from .layers import (DIRECT, MLA_NOTE, RELOAD, aliased, commit_shadow, mla_absorbers, open_shadow, owner,
                      plain_linear_enabled, process_shadow, reabsorb, reprepack_cpu_moe, select_modes, swap_into)
 
@@ -84,13 +83,16 @@ def _timed(phase: str):
     return wrap
 
 
-class VllmApplier(DeltaApply):
-    """Applies a stream of ``(local_name, View, tensor)`` writes to one worker's model.
+class VllmApplier:
+    """Applies a refit's boxes to one worker's model: a small state machine per parameter --
+    direct (into the live tensor), staged (a copy, swapped in at the commit) or shadow (a
+    model-format copy of its module, processed by vLLM and swapped in).
 
     A refit drives it as its participant (``open``, ``prepare``, then ``commit`` or
-    ``abort``: ``transport.endpoint.Participant``); a loader as ``begin()`` -> ``write(...)``
-    * n -> ``finish()``, ``abort()`` on failure. ``state`` is one of ``idle | updating |
-    serving | not_serving``.
+    ``abort``: ``transport.endpoint.Participant``) and hands it every box through
+    :attr:`sink` (``resolve``, then the box's ``commit``; ``baseline`` for deltas); a loader
+    as ``begin()`` -> ``write(...)`` * n -> ``finish()``, ``abort()`` on failure. ``state`` is
+    one of ``idle | updating | serving | not_serving``.
     """
 
     def __init__(self, model: torch.nn.Module, params: Sequence[LocalParam], *,
@@ -168,6 +170,7 @@ class VllmApplier(DeltaApply):
         #: reprocessed); should another box of the parameter (direct) or of its module (reload)
         #: need one, they are copied in then.
         self._kept: dict[str, list[View]] = {}
+        self._resolved: set[tuple[str, View]] = set()  # boxes handed out and not committed yet
         self.copies.begin()
         self._live_changed = False
         self._prepared = False
@@ -219,31 +222,57 @@ class VllmApplier(DeltaApply):
         self.state = "updating"
 
     def write(self, local_name: str, view: View, tensor: torch.Tensor) -> None:
-        """Copy ``tensor`` (shape == view.shape) into ``local_name`` at ``view``."""
-        self.write_hashed(local_name, view, tensor, None)
+        """A loader's write: ``tensor`` (shape == view.shape) into ``local_name`` at ``view``,
+        through the same two calls a refit's boxes take."""
+        self.resolve(local_name, view).copy_(tensor)
+        self.commit_box(local_name, view)
 
-    def write_hashed(self, local_name: str, view: View, tensor: torch.Tensor,
-                     hash_fn: Callable[[torch.Tensor], Any] | None) -> Any:
-        """``write``, then ``hash_fn`` of what the model-format tensor holds at ``view``, taken
-        before a completed layer is processed (the executor's end-to-end checksum)."""
-        lp = self._check(local_name, view, tuple(tensor.shape))
-        dst = local_view(self._target(local_name, lp), view)
-        dst.copy_(tensor.to(self.device))
-        self.copies.wrote_whole(local_name)
-        return self._landed(local_name, lp, dst, hash_fn)
+    # -- the refit's sink (``transport.sink.Sink``, as ``self.sink``) ------------------------
+    @property
+    def sink(self) -> "_Boxes":
+        """This applier as the refit's ``Sink``: ``resolve``, ``commit`` (of one box: this
+        applier's own ``commit`` is the refit's) and ``baseline``."""
+        return _Boxes(self)
 
-    def target(self, local_name: str, view: View) -> torch.Tensor:
-        """Where the box at ``view`` lives (staged or model format): the executor receives a
-        large contiguous box straight into it, then calls ``landed``."""
+    def resolve(self, local_name: str, view: View) -> torch.Tensor:
+        """Where the box at ``view`` goes: the live tensor (direct, streaming), its staged copy
+        (direct, atomic) or its module's model-format shadow (reload)."""
         lp = self._check(local_name, view, tuple(view.shape))
+        self._resolved.add((local_name, view))
         return local_view(self._target(local_name, lp), view)
 
-    def landed(self, local_name: str, view: View, hash_fn: Callable[[torch.Tensor], Any] | None) -> Any:
-        """The bytes of a box received into ``target(local_name, view)`` are there: count them,
-        hash them, and (streaming) process a layer they complete."""
+    def commit_box(self, local_name: str, view: View) -> None:
+        """The box is in place: counted, and a layer it completes processed (streaming: also
+        committed). A box never resolved in this refit was left unchanged by a delta: where
+        its parameter already has a staged copy or shadow its values are copied in, else none
+        is made for it (``_kept``)."""
         lp = self.params[local_name]
-        self.copies.wrote_whole(local_name)
-        return self._landed(local_name, lp, local_view(self._target(local_name, lp), view), hash_fn)
+        if (local_name, view) in self._resolved:
+            self._resolved.discard((local_name, view))
+            self.copies.wrote_whole(local_name)
+        else:
+            self._check(local_name, view, tuple(view.shape))
+            if not self._has_target(local_name):
+                self._count(local_name, lp, math.prod(view.shape))
+                self._kept.setdefault(local_name, []).append(view)
+                return
+            dst, cur = local_view(self._target(local_name, lp), view), self.baseline(local_name, view)
+            if dst.data_ptr() != cur.data_ptr() or dst.stride() != cur.stride():
+                dst.copy_(cur)
+        self._placed(local_name, lp, math.prod(view.shape))
+
+    def baseline(self, local_name: str, view: View) -> torch.Tensor:
+        """What the engine serves at ``view`` now, in model format (a delta refit's baseline):
+        the live tensor of a direct parameter, the last committed model-format copy of a
+        reload-mode one."""
+        self._check(local_name, view, tuple(view.shape))
+        if self.modes[local_name] == DIRECT:
+            layer, pname = self._owners[local_name]
+            return local_view(getattr(layer, pname).data, view)
+        base = self.copies.committed.get(local_name)
+        if base is None:
+            raise RefitIncomplete(f"{local_name}: no model-format baseline for a delta refit")
+        return local_view(base, view)
 
     def _check(self, local_name: str, view: View, shape: tuple[int, ...]) -> LocalParam:
         if self.state != "updating":
@@ -264,10 +293,8 @@ class VllmApplier(DeltaApply):
             raise LayoutError(f"{local_name}: {done} elements written, only {expected} expected (overlapping writes?)")
         self._written[local_name] = done
 
-    def _landed(self, local_name: str, lp: LocalParam, dst: torch.Tensor,
-                hash_fn: Callable[[torch.Tensor], Any] | None) -> Any:
-        self._count(local_name, lp, dst.numel())
-        out = hash_fn(dst) if hash_fn is not None else None
+    def _placed(self, local_name: str, lp: LocalParam, n: int) -> None:
+        self._count(local_name, lp, n)
         if self.modes[local_name] == RELOAD:
             st = self._layers[id(self._owners[local_name][0])]
             if self._layer_complete(st):
@@ -276,7 +303,6 @@ class VllmApplier(DeltaApply):
                 self._process(st)
                 if not self.atomic:
                     self._commit(st)
-        return out
 
     def stage(self) -> None:
         """Phase one of an atomic commit: check completeness and run vLLM's processing on the
@@ -361,6 +387,47 @@ class VllmApplier(DeltaApply):
             self.state = "serving"
             self.reason = reason
 
+    def _has_target(self, local_name: str) -> bool:
+        """Whether writes to ``local_name`` already have their tensor: the live one (direct,
+        streaming), its staged copy (direct, atomic) or its module's shadow (reload)."""
+        if self.modes[local_name] == DIRECT:
+            return not self.atomic or local_name in self._staged
+        return id(self._owners[local_name][0]) in self._layers
+
+    def _copy_kept(self, names: Sequence[str]) -> None:
+        """The kept boxes of ``names`` into their staged copy or shadow, just made."""
+        for name in names:
+            views = self._kept.pop(name, ())
+            if views:
+                target = self._target(name, self.params[name])
+                for view in views:
+                    local_view(target, view).copy_(self.baseline(name, view))
+
+    def delta_ready(self) -> bool:
+        """Whether every parameter can rebuild a box from what it holds (``baseline``): the
+        reload-mode ones need a model-format copy from a committed refit."""
+        return self.copies.keep and not self._torn and self.state != "not_serving" and all(
+            n in self.copies.committed for n, m in self.modes.items() if m == RELOAD)
+
+    def alter_baseline(self, local_name: str) -> None:
+        """Fault injection (tests): add 1 to the first element a delta of ``local_name``
+        would start from -- its live tensor, or its model-format copy."""
+        if local_name not in self.modes:
+            raise LayoutError(f"alter_baseline: {local_name} is not a parameter of this worker")
+        if self.modes[local_name] == DIRECT:
+            layer, pname = self._owners[local_name]
+            getattr(layer, pname).data.view(-1)[0] += 1
+        elif local_name in self.copies.committed:
+            self.copies.committed[local_name].view(-1)[0] += 1
+
+    def forget_baselines(self) -> None:
+        """The weights changed outside a refit: no model-format copy is current any more."""
+        self.copies.committed.clear()
+
+    def baseline_bytes(self) -> int:
+        """Bytes of model-format copies kept for delta refits (``delta_state_bytes``)."""
+        return self.copies.nbytes
+
     def _target(self, local_name: str, lp: LocalParam) -> torch.Tensor:
         """The model-format tensor that receives writes for ``local_name``."""
         layer, pname = self._owners[local_name]
@@ -430,3 +497,14 @@ class VllmApplier(DeltaApply):
         with self.device:
             for attn in self._absorbers.get(id(st.layer), ()):
                 reabsorb(attn)
+
+
+class _Boxes:
+    """A ``VllmApplier`` as a refit's ``Sink``: its box calls under the sink's names (the
+    applier's own ``commit`` concludes the refit)."""
+
+    __slots__ = ("resolve", "commit", "baseline", "params")
+
+    def __init__(self, applier: VllmApplier) -> None:
+        self.resolve, self.commit, self.baseline = applier.resolve, applier.commit_box, applier.baseline
+        self.params = applier.params  # the executor reads the wire dtype from here

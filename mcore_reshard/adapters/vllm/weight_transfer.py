@@ -46,7 +46,7 @@ from ...transport.endpoint import Outcome, RefitEndpoint
 from ...wire.faults import Fault
 from .apply import VllmApplier
 from .record import record_local_params
-from .sinks import AlteredBaseline, ExitAfter, FullCopy
+from .sinks import AlteredBaseline, refit_sink
 
 __all__ = ["ReshardWeightTransferEngine", "Unreadable", "canonical_tensors", "engine_rank", "rebind_commits"]
 
@@ -299,13 +299,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUpd
         fault = update_info.fault if update_info.fault is not None and update_info.fault.strikes(rank) else None
         applier = self.applier(request.atomic)
         participant: Any = applier
-        sink: Any = applier
-        self.received = None
-        if request.verify is VerifyMode.FULL:
-            sink = FullCopy(applier)
-            self.received = sink.copies
-        if fault is not None and fault.exit_after_writes is not None:
-            sink = ExitAfter(sink, fault.exit_after_writes)
+        sink, self.received = refit_sink(applier, request.verify is VerifyMode.FULL, fault)
         if fault is not None and fault.alter_baseline is not None:
             participant = AlteredBaseline(applier, fault.alter_baseline)
         outcome, self.last_report = self.endpoint.transfer_and_vote(
