@@ -275,11 +275,12 @@ def test_a_split_engine_stays_gated_across_new_drivers_that_reuse_versions(clust
         m = c.refit(labelled(c))  # the restoring refit: committed on every worker of both engines
         waiter.join(30)
         assert m.verified and m.at_minimum and not waiter.is_alive()
+        async_served = pending.result(timeout=60)  # the waiting async request ran too (before status asks)
         st = c.status()
         assert all(s.state == "serving" for s in st) and len({s.refit for s in st}) == 1, st
         train = cluster.pool.logprobs([TOKENS]).wait()[0][0]
         queued = [float(lp[t].logprob) for t, lp in zip(TOKENS[1:], got["out"][0].prompt_logprobs[1:])]
-        for served in (queued, pending.result(timeout=60), prompt_logprobs(llm, TOKENS), prompt_logprobs(aeng, TOKENS)):
+        for served in (queued, async_served, prompt_logprobs(llm, TOKENS), prompt_logprobs(aeng, TOKENS)):
             assert token_mult_prob_error(served, train) < 1.02  # driver C's weights only
         assert queued == prompt_logprobs(llm, TOKENS) and queued != old  # the queued request saw those only
     finally:
