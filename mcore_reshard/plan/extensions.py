@@ -157,7 +157,7 @@ class Quantized:
         if rank_plan.side != "src":
             return rank_plan
         names = quantized_locals(rank_plan.transfers, self.entries)
-        return rank_plan.with_extension(RankQuantize(names)) if names else rank_plan
+        return rank_plan.extended(RankQuantize(names)) if names else rank_plan
 
     def digest_text(self) -> str:
         return repr((self.entries, self.at_receiver))
@@ -179,7 +179,7 @@ class Reinterpreted:
         src = rank_plan.side == "src"
         local = {(t.src_name if src else t.dst_name): real[t.canonical]
                  for t in rank_plan.transfers if t.canonical in real}
-        return rank_plan.with_extension(RankBits(tuple(sorted(local.items())))) if local else rank_plan
+        return rank_plan.extended(RankBits(tuple(sorted(local.items())))) if local else rank_plan
 
     def digest_text(self) -> str:
         return repr(self.entries)
@@ -199,7 +199,7 @@ class Colocated:
         peers = (d for r, d in self.pairs if r == rank) if rank_plan.side == "src" else \
             (r for r, d in self.pairs if d == rank)
         mine = tuple(sorted(set(peers)))
-        return rank_plan.with_extension(RankPeers(mine)) if mine else rank_plan
+        return rank_plan.extended(RankPeers(mine)) if mine else rank_plan
 
     def digest_text(self) -> str:
         return repr(self.pairs)
@@ -227,16 +227,16 @@ class Relayed:
         rank = rank_plan.rank
         if rank_plan.side == "src":
             mine = plan.positions("src", rank)
-            return rank_plan.with_extension(RankRelays(self.groups, tuple(self.relay_of[i] for i in mine)))
+            return rank_plan.extended(RankRelays(self.groups, tuple(self.relay_of[i] for i in mine)))
         groups = [group for group, members in enumerate(self.groups) if rank in members]
         if not groups:  # nothing relayed to it: its own messages only
-            return rank_plan.with_extension(RankRelays(self.groups))
+            return rank_plan.extended(RankRelays(self.groups))
         # plan order (bucket, source, ...): what this rank receives itself, and every transfer
         # to its groups that a peer receives and forwards
         mine = sorted(set(plan.positions("dst", rank)).union(*(self._by_group.get(g, ()) for g in groups)))
         ts = plan.transfers
         out = tuple(ts[i] if ts[i].dst == rank else self.at_member(ts[i], rank) for i in mine)
-        return rank_plan.with_extension(
+        return rank_plan.extended(
             RankRelays(self.groups, tuple(self.relay_of[i] for i in mine), tuple(ts[i].dst for i in mine)),
             transfers=out)
 

@@ -102,15 +102,26 @@ def _ordered(records: Iterable[Extension]) -> tuple:
     return tuple(out)
 
 
-def _record(records: tuple, name: str):
-    for e in records:
-        if e.name == name:
-            return e
-    return None
+class _Records:
+    """What a plan and a slice share: their records, one per pass."""
+
+    extensions: tuple
+
+    def get(self, name: str):
+        """The record of pass ``name``, or None where the pass added nothing here."""
+        for e in self.extensions:
+            if e.name == name:
+                return e
+        return None
+
+    def extended(self, record: Extension, **changes):
+        """A new value with ``record`` (replacing its pass's earlier one) and ``changes``."""
+        others = tuple(e for e in self.extensions if e.name != record.name)
+        return replace(self, extensions=_ordered(others + (record,)), **changes)
 
 
 @dataclass(frozen=True)
-class RankPlan:
+class RankPlan(_Records):
     """One rank's slice of a plan: what it sends (as a source) or receives (as a destination),
     in bucket order, each bucket grouped by peer in peer order -- both ends of a message derive
     the same order, so a packed buffer needs no header. What the passes add for this rank
@@ -124,14 +135,6 @@ class RankPlan:
     #: Element type on the wire (the destination's; a cast happens while packing).
     dtype: str = "float32"
     extensions: tuple[Extension, ...] = ()
-
-    def get(self, name: str):
-        """The record of pass ``name``, or None where the pass added nothing here."""
-        return _record(self.extensions, name)
-
-    def with_extension(self, record: Extension, **changes) -> "RankPlan":
-        others = tuple(e for e in self.extensions if e.name != record.name)
-        return replace(self, extensions=_ordered(others + (record,)), **changes)
 
     # -- the records, read as plain values (empty where the pass added nothing) --
     @property
@@ -217,7 +220,7 @@ class RankPlan:
 
 
 @dataclass(frozen=True)
-class TransferPlan:
+class TransferPlan(_Records):
     """The global plan: the core every refit needs, plus the records of the passes that ran
     (``extensions``; see ``plan.extensions``): casts, tensors carried as bits, FP8 at the
     sender, same-device pairs, fan-out relays. ``transfers`` are sorted by (bucket, src, dst,
@@ -243,15 +246,6 @@ class TransferPlan:
     @property
     def itemsize(self) -> int:
         return DTYPE_BYTES[self.dtype]
-
-    def get(self, name: str):
-        """The record of pass ``name``, or None where it did not run (or found nothing)."""
-        return _record(self.extensions, name)
-
-    def extended(self, record: PlanExtension, **changes) -> "TransferPlan":
-        """A new plan with ``record`` (replacing its pass's earlier one) and ``changes``."""
-        others = tuple(e for e in self.extensions if e.name != record.name)
-        return replace(self, extensions=_ordered(others + (record,)), **changes)
 
     # -- the records, read as plain values (empty where the pass did not run) --
     @property
