@@ -24,12 +24,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from ..errors import RefitAborted
-from ..layout.descriptor import LocalParam, View
+from ..layout.descriptor import LocalParam
 from .views import TORCH_DTYPES, local_view, zero_padding
 from ..plan.types import RankPlan
 from ..wire.protocol import VerifyMode
