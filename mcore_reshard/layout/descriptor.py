@@ -196,6 +196,10 @@ class SideLayout:
     #: (canonical tensor, dtype held) of the tensors this side quantizes before sending
     #: (``layout.quant``): described in ``tensors``' dtype (FP8), held in the other one.
     quantize: tuple[tuple[str, str], ...] = ()
+    #: (canonical tensor, factor) of the tensors this side holds multiplied by ``factor``
+    #: (a destination: vLLM folds a LoRA adapter's ``alpha / r`` into its B, ``layout.lora``);
+    #: the senders multiply while packing (the plan's ``lora`` pass).
+    scale: tuple[tuple[str, float], ...] = ()
 
     def pieces(self) -> Iterable[Piece]:
         for p in self.params:

@@ -41,6 +41,8 @@ def _digest(side: SideLayout) -> str:
         h.update(f"{name}{tuple(shape)}{dtype}".encode())
     if side.quantize:  # layouts without it keep their digests
         h.update(f"quantize{side.quantize}".encode())
+    if side.scale:  # likewise
+        h.update(f"scale{side.scale}".encode())
     # Per piece ``canonical + box + view`` as text. The rules share Box and View objects
     # between ranks (a full-size vLLM side: ~300k pieces, ~1k boxes), so each one's text is
     # formatted once, by identity (they all stay alive for the call). Hashing one string per

@@ -10,6 +10,7 @@ pass (name)     made by                           record: plan -> rank slice
 ``fp8``         ``layout.quant.fp8_sides``        ``Quantized`` -> ``RankQuantize`` (senders)
 ``casts``       ``validate.check_sides``          ``Casts`` (nothing per rank: packing casts)
 ``reinterpret`` ``validate.wire_dtype``           ``Reinterpreted`` -> ``RankBits``
+``lora``        ``SideLayout.scale`` (dst)        ``Scaled`` -> ``RankScale`` (senders)
 ``placement``   ``placement.same_device_pairs``   ``Colocated`` -> ``RankPeers``
 ``relays``      ``relays.spread``                 ``Relayed`` -> ``RankRelays``
 ==============  ================================  ==========================================
@@ -29,8 +30,8 @@ from ..layout.descriptor import Box, View
 from ..layout.quant import SCALE_SUFFIX, scale_name
 from .types import RankPlan, Transfer, TransferPlan
 
-__all__ = ["Casts", "Quantized", "Reinterpreted", "Colocated", "Relayed", "RankQuantize", "RankBits", "RankPeers",
-           "RankRelays", "SLICE_RECORDS", "member_site", "quantized_locals"]
+__all__ = ["Casts", "Quantized", "Reinterpreted", "Scaled", "Colocated", "Relayed", "RankQuantize", "RankBits",
+           "RankPeers", "RankRelays", "RankScale", "SLICE_RECORDS", "member_site", "quantized_locals"]
 
 #: A member's place for a relayed box: (rank, local tensor, canonical, box, view).
 Site = tuple[int, str, str, Box, View]
@@ -118,8 +119,27 @@ class RankRelays:
                    tuple(int(g) for g in d.get("stream", ())), tuple(int(v) for v in d.get("via", ())))
 
 
+@dataclass(frozen=True)
+class RankScale:
+    """Source side: (local tensor, factor) this rank multiplies by ``factor`` while packing."""
+
+    name: ClassVar[str] = "lora"
+    stage: ClassVar[int] = 1
+    locals: tuple[tuple[str, float], ...]
+
+    def digest_text(self) -> str:
+        return repr(self.locals)
+
+    def to_wire(self) -> list:
+        return [[n, f] for n, f in self.locals]
+
+    @classmethod
+    def from_wire(cls, d: Any) -> "RankScale":
+        return cls(tuple((str(n), float(f)) for n, f in d))
+
+
 #: Per-rank record types by pass name: what ``plan.wire`` decodes.
-SLICE_RECORDS = {c.name: c for c in (RankQuantize, RankBits, RankPeers, RankRelays)}
+SLICE_RECORDS = {c.name: c for c in (RankQuantize, RankBits, RankPeers, RankRelays, RankScale)}
 
 
 # -- plan records (one per pass that found something) --
@@ -161,6 +181,33 @@ class Quantized:
 
     def digest_text(self) -> str:
         return repr((self.entries, self.at_receiver))
+
+
+@dataclass(frozen=True)
+class Scaled:
+    """(canonical tensor, factor) of every tensor the destination holds multiplied by
+    ``factor`` (vLLM folds a LoRA adapter's ``alpha / r`` into its B, ``layout.lora``): the
+    senders multiply while packing, in the wire dtype, as vLLM's loader does (``lora_b *=
+    scaling``), so the engine holds what loading the same PEFT adapter gives, bit for bit."""
+
+    name: ClassVar[str] = "lora"
+    stage: ClassVar[int] = 1
+    entries: tuple[tuple[str, float], ...]
+
+    def slice(self, plan: TransferPlan, rank_plan: RankPlan) -> RankPlan:
+        if rank_plan.side != "src":
+            return rank_plan
+        factor = dict(self.entries)
+        local: dict[str, float] = {}
+        for t in rank_plan.transfers:
+            f = factor.get(t.canonical, 1.0)
+            if local.setdefault(t.src_name, f) != f:
+                raise ValueError(f"{t.src_name}: holds tensors scaled by {local[t.src_name]} and by {f}")
+        mine = tuple(sorted((n, f) for n, f in local.items() if f != 1.0))
+        return rank_plan.extended(RankScale(mine)) if mine else rank_plan
+
+    def digest_text(self) -> str:
+        return repr(self.entries)
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ from typing import Callable, Iterable, Iterator
 from ..layout.descriptor import DTYPE_BYTES, SideLayout, contiguous_strides
 from ..layout.quant import fp8_sides, scale_name
 from .buckets import Charges, Keys, bucket
-from .extensions import Casts, Quantized, Reinterpreted
+from .extensions import Casts, Quantized, Reinterpreted, Scaled
 from .fragments import add_moves, choose_senders, fragment, merge
 from .types import PlanError, TransferPlan
 from .validate import (check_dest, check_sides, check_whole_elements, first_uncovered, index_sources, param_kinds,
@@ -105,6 +105,7 @@ def _build_plan(
 ) -> TransferPlan:
     if bucket_bytes <= 0:
         raise PlanError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    scaled = _scaled(dst)  # (before the sides are rewritten below)
     # what the destination holds in block FP8 the senders quantize, but blocks the training
     # layout cuts travel unquantized and the receiver quantizes them (``layout.quant.fp8_sides``)
     src, dst, at_receiver = fp8_sides(src, dst)
@@ -152,7 +153,7 @@ def _build_plan(
         padding=tuple(padding),
         not_direct=tuple(not_direct),
         notes=tuple(src.notes) + tuple(dst.notes),
-        extensions=_side_records(casts, reinterpret, quantized, at_receiver),
+        extensions=_side_records(casts, reinterpret, quantized, at_receiver, scaled),
     )
     if planned != plan.bytes_min:
         raise PlanError(
@@ -162,10 +163,28 @@ def _build_plan(
     return plan
 
 
-def _side_records(casts: tuple, reinterpret: tuple, quantized: tuple, at_receiver: tuple) -> tuple:
+def _scaled(dst: SideLayout) -> tuple[tuple[str, float], ...]:
+    """The ``lora`` pass: the destination's scaled tensors (``SideLayout.scale``), checked."""
+    out = []
+    for name, factor in dst.scale:
+        if name not in dst.tensors:
+            raise PlanError(f"{name}: scaled by {factor} on the destination, which does not hold it")
+        if not (factor > 0 and math.isfinite(factor)):
+            raise PlanError(f"{name}: scale factor {factor} must be positive and finite")
+        if factor != 1.0:
+            out.append((name, float(factor)))
+    return tuple(out)
+
+
+def _side_records(casts: tuple, reinterpret: tuple, quantized: tuple, at_receiver: tuple,
+                  scaled: tuple = ()) -> tuple:
     """The records of the passes that read both sides before fragmenting (``fp8``, ``casts``,
-    ``reinterpret``; ``plan.extensions``), each only where it found something."""
+    ``reinterpret``, ``lora``; ``plan.extensions``), each only where it found something."""
     out: list = []
+    if scaled:
+        if quantized or at_receiver:
+            raise PlanError("LoRA adapters into an FP8 engine: a scaled tensor cannot also be quantized")
+        out.append(Scaled(scaled))
     if quantized or at_receiver:
         out.append(Quantized(tuple(quantized), tuple(at_receiver)))
     if casts:

@@ -158,6 +158,12 @@ class RankPlan(_Records):
         return r.via if r else ()
 
     @property
+    def scale(self) -> tuple[tuple[str, float], ...]:
+        """Source side: (local tensor, factor) this rank multiplies while packing."""
+        r = self.get("lora")
+        return r.locals if r else ()
+
+    @property
     def same_device(self) -> tuple[int, ...]:
         """Peers of the other side on this rank's device: their messages move through shared
         memory, never through the group's sockets."""
@@ -267,6 +273,12 @@ class TransferPlan(_Records):
         """(canonical tensor, dtype the sender holds) of every tensor the senders quantize to
         block FP8 while packing."""
         r = self.get("fp8")
+        return r.entries if r else ()
+
+    @property
+    def scaled(self) -> tuple[tuple[str, float], ...]:
+        """(canonical tensor, factor) of every tensor the destination holds scaled."""
+        r = self.get("lora")
         return r.entries if r else ()
 
     @property

@@ -11,6 +11,7 @@ from ..plan.types import TransferPlan
 from ..transport.packing import message_numel, pack, unpack
 from ..transport.quantize import QuantizedSources
 from ..transport.reinterpret import WireTensors
+from ..transport.scale import ScaledSources
 
 __all__ = ["run_plan_locally"]
 
@@ -27,6 +28,9 @@ def run_plan_locally(
     wire = TORCH_DTYPES[plan.dtype]
     if plan.quantized:  # block FP8 at the sender (``RankPlan.quantize``), as the executor does
         src_tensors = {r: QuantizedSources(src_tensors.get(r, {}), plan.for_rank("src", r).quantize)
+                       for r in range(plan.num_src)}
+    if plan.scaled:  # tensors the destination holds scaled (a LoRA B), as the executor does
+        src_tensors = {r: ScaledSources(src_tensors.get(r, {}), dict(plan.for_rank("src", r).scale), wire)
                        for r in range(plan.num_src)}
     if plan.reinterpret:  # tensors carried as their bits: viewed as the wire dtype on both ends
         src_tensors = {r: WireTensors(src_tensors.get(r, {}), dict(plan.for_rank("src", r).reinterpret), wire)

@@ -44,6 +44,7 @@ from .ledger import ChecksumLedger, box_hasher
 from .packing import message_numel, pack
 from .quantize import QuantizedSources
 from .reinterpret import ReinterpretSink, WireTensors
+from .scale import ScaledSources
 from .relay import RelayForwarder
 from .schedule import BufferSizes, run_rounds
 from .sink import Sink, TensorSink, as_sink, sink_dtypes
@@ -128,6 +129,8 @@ def execute_plan(
     quantized = None
     if plan_slice_src is not None and plan_slice_src.quantize:  # block FP8 at the sender: codes + scales
         src_tensors = quantized = QuantizedSources(src_tensors, plan_slice_src.quantize)
+    if plan_slice_src is not None and plan_slice_src.scale:  # a LoRA B the engine holds scaled
+        src_tensors = ScaledSources(src_tensors, dict(plan_slice_src.scale), dtype)
     if plan_slice_src is not None and plan_slice_src.reinterpret:
         src_tensors = WireTensors(src_tensors, dict(plan_slice_src.reinterpret), dtype)
     if sink is not None and plan_slice_dst.reinterpret:

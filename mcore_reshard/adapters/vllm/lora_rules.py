@@ -1,0 +1,107 @@
+"""vLLM's live LoRA slots as boxes of the canonical PEFT tensors (``layout.lora``).
+
+With ``enable_lora`` every adapted linear is wrapped in a LoRA layer (``vllm/lora/layers/``)
+that holds, per sub-projection ``k``, ``lora_a_stacked[k]`` ``[max_loras, 1, max_lora_rank,
+in]`` and ``lora_b_stacked[k]`` ``[max_loras, 1, out, max_lora_rank]``, zeroed and filled by
+``set_lora`` in PEFT's orientation (A ``[r, in]``, B ``[out, r]``, the rest of the rank zero).
+One slot of one of them is a local tensor here, named ``<module>.lora_a_stacked.<k>.slot<s>``
+(``[max_lora_rank, in]``; the rows past ``r`` are padding the receiver zero-fills). Sharding,
+without ``fully_sharded_loras`` (vLLM's default):
+
+- ``qkv_proj`` (``MergedQKVParallelLinearWithLoRA``, slices q, k, v) and ``gate_up_proj``
+  (``MergedColumnParallelLinearWithLoRA``, slices gate, up): A whole on every rank; B split by
+  output rows as the base weight is (k and v by ``tp_rank // kv_replicas`` under KV
+  replication);
+- ``o_proj`` and ``down_proj`` (``RowParallelLinearWithLoRA``): A split by input columns as the
+  base weight is, B whole.
+
+vLLM folds ``alpha / r`` into B when it loads an adapter (``lora_weights.py:optimize``): the
+layout says so (``SideLayout.scale``), and the senders multiply while packing.
+"""
+
+from __future__ import annotations
+
+from ...layout import Box, LayoutError, LocalParam, ModelSpec, Piece, SideLayout, View
+from ...layout.lora import PeftConfig, adapter_tensors, lora_name
+from .parallel import VllmParallel, check_dims
+
+__all__ = ["vllm_lora_layout", "vllm_lora_rank_params", "slot_name", "LORA_MODULES"]
+
+#: Megatron module -> (vLLM module, its HF sub-projections in slice order, column-parallel).
+LORA_MODULES: dict[str, tuple[str, tuple[str, ...], bool]] = {
+    "linear_qkv": ("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), True),
+    "linear_proj": ("self_attn.o_proj", ("self_attn.o_proj",), False),
+    "linear_fc1": ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"), True),
+    "linear_fc2": ("mlp.down_proj", ("mlp.down_proj",), False),
+}
+
+
+def slot_name(layer: int, module: str, part: str, k: int, slot: int) -> str:
+    """Local name of one slot of one stacked LoRA tensor (``part``: ``lora_a`` or ``lora_b``)."""
+    return f"model.layers.{layer}.{module}.{part}_stacked.{k}.slot{slot}"
+
+
+def _check(spec: ModelSpec, par: VllmParallel, peft: PeftConfig) -> None:
+    if par.quantization is not None:
+        raise LayoutError(f"peft.enabled with vllm.quantization={par.quantization}: LoRA adapters into an FP8 "
+                          f"engine are not supported (vLLM's LoRA layers take unquantized bases here)")
+    if peft.lora_dtype not in (None, spec.dtype):
+        raise LayoutError(f"peft.lora_dtype={peft.lora_dtype}: vLLM holds LoRA slots in the model dtype "
+                          f"{spec.dtype} (lora_dtype=auto)")
+
+
+def _rows(name: str, row0: int, rows: int, r: int, R: int) -> tuple[str, Box, View]:
+    """B rows ``[row0, row0+rows)`` (all ``r`` columns) in a ``[rows, R]`` slot."""
+    return name, Box((row0, 0), (rows, r)), View(0, (rows, r), (R, 1))
+
+
+def _a(name: str, col0: int, cols: int, n_in: int, r: int) -> tuple[str, Box, View]:
+    """A columns ``[col0, col0+cols)`` (all ``r`` rows) in an ``[R, cols]`` slot."""
+    return name, Box((0, col0), (r, cols)), View(0, (r, cols), (cols, 1))
+
+
+def vllm_lora_rank_params(spec: ModelSpec, par: VllmParallel, peft: PeftConfig, rank: int) -> list[LocalParam]:
+    """One worker's slot ``peft.slot`` of every adapted module's stacked A and B."""
+    _check(spec, par, peft)
+    d = check_dims(spec, par)
+    tp_r, pp_r = rank % par.tp, rank // par.tp % par.pp
+    H, r, R, s = spec.hidden, peft.dim, peft.engine_rank, peft.slot
+    ks = tp_r // d.kv_rep if spec.num_kv_heads < d.tp else tp_r
+    sizes = {  # HF projection -> (input columns on this rank, its first column, output rows, first row)
+        "self_attn.q_proj": (H, 0, d.q_rows, tp_r * d.q_rows),
+        "self_attn.k_proj": (H, 0, d.kv_rows, ks * d.kv_rows),
+        "self_attn.v_proj": (H, 0, d.kv_rows, ks * d.kv_rows),
+        "self_attn.o_proj": (d.q_rows, tp_r * d.q_rows, H, 0),
+        "mlp.gate_proj": (H, 0, d.dense_rows, tp_r * d.dense_rows),
+        "mlp.up_proj": (H, 0, d.dense_rows, tp_r * d.dense_rows),
+        "mlp.down_proj": (d.dense_rows, tp_r * d.dense_rows, H, 0),
+    }
+    dt = spec.dtype
+    out: list[LocalParam] = []
+
+    def add(name: str, shape: tuple[int, int], piece: tuple[str, Box, View]) -> None:
+        out.append(LocalParam(rank, name, shape, dt, (Piece(rank, name, *piece),)))
+
+    start, end = d.stages[pp_r]
+    for layer in range(start, end):
+        for module in peft.modules:
+            vmod, projs, _ = LORA_MODULES[module]
+            if vmod.startswith("mlp.") and spec.is_moe(layer):
+                continue
+            for k, proj in enumerate(projs):
+                cols, col0, rows, row0 = sizes[proj]
+                add(slot_name(layer, vmod, "lora_a", k, s), (R, cols), _a(lora_name(layer, proj, "lora_A"), col0, cols,
+                                                                           cols, r))
+                add(slot_name(layer, vmod, "lora_b", k, s), (rows, R), _rows(lora_name(layer, proj, "lora_B"), row0,
+                                                                              rows, r, R))
+    return out
+
+
+def vllm_lora_layout(spec: ModelSpec, par: VllmParallel, peft: PeftConfig) -> SideLayout:
+    """Every worker's slot of the adapter: the destination side of an adapter refit."""
+    params = [p for rank in range(par.world_size) for p in vllm_lora_rank_params(spec, par, peft, rank)]
+    tensors = adapter_tensors(spec, peft)
+    scale = tuple((n, peft.scaling) for n in tensors if n.endswith(".lora_B.weight"))
+    return SideLayout("vllm-lora", par.world_size, tuple(params), tensors,
+                      (f"vllm lora slot {peft.slot} of max_loras={peft.max_loras}, max_lora_rank={peft.engine_rank}",),
+                      scale=scale)
