@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from ..adapters.megatron.lora_rules import megatron_lora_layout
 from ..adapters.megatron.rules import MegatronParallel, megatron_layout
+from ..adapters.vllm.lora_rules import vllm_lora_layout
 from ..adapters.vllm.rules import VllmParallel, vllm_layout
 from ..layout import DTYPE_BYTES, LayoutError, ModelSpec, SideLayout, dtensor_report, dtensor_summary
 from ..layout.quant import fp8_sides
@@ -75,7 +77,9 @@ def recipe_from_config(cfg: Any) -> RecipeLayout:
     check_world(training.world_size, vllm.world_size)
     spec = resolve_model(model, dtype=dtype)
     vllm_spec = resolve_model(vllm_model, dtype=dtype, what="vllm_model") if vllm_model else None
-    return RecipeLayout(spec, training, vllm, refit, vllm_spec, read_section(data, k.topology))
+    peft = read_section(data, k.peft)
+    return RecipeLayout(spec, training, vllm, refit, vllm_spec, read_section(data, k.topology),
+                        peft if peft.enabled else None)
 
 
 def load_plan(overrides: Sequence[str] = ()) -> RecipeLayout:
@@ -161,6 +165,8 @@ class PlannedRecipe:
     placed: PlacementReport | None
     #: side -> {tensor: its DTensor form}
     forms: dict[str, dict[str, Any]]
+    #: A LoRA policy's adapter refit (every refit after the first): its plan's report.
+    lora: PlanReport | None = None
 
     def destination(self) -> dict[str, Any]:
         """What ``bytes_min`` counts: every rank of every engine. ``vllm.replicas`` independent
@@ -182,7 +188,18 @@ class PlannedRecipe:
         out["dtensor"] = {side: dtensor_summary(r) for side, r in self.forms.items()}
         if dtensor_forms:
             out["dtensor_forms"] = self.forms
+        if self.lora is not None:
+            out["lora"] = self.lora_json()
         return out
+
+    def lora_json(self) -> dict:
+        """The adapter refit against the full one (the first refit of a LoRA policy)."""
+        p, rep = self.recipe.peft, self.lora
+        assert p is not None and rep is not None
+        return {"dim": p.dim, "alpha": p.alpha, "modules": list(p.modules), "slot": p.slot,
+                "max_lora_rank": p.engine_rank, "max_loras": p.max_loras, "bytes_min": rep.bytes_min,
+                "bytes_planned": rep.bytes_planned, "num_transfers": rep.num_transfers,
+                "fraction_of_full_refit": rep.bytes_min / self.report.bytes_min, "digest": rep.digest}
 
     def table(self, dtensor_forms: bool = False) -> str:
         spec = self.recipe.spec
@@ -197,6 +214,12 @@ class PlannedRecipe:
             lines.append(f"{side} {dtensor_summary(r)}")
             if dtensor_forms:
                 lines.extend(f"  {name}: {form}" for name, form in r.items())
+        if self.lora is not None:
+            j = self.lora_json()
+            lines.append(f"lora adapter refits (every refit after the first): r={j['dim']} alpha={j['alpha']:g} on "
+                         f"{', '.join(j['modules'])} into slot {j['slot']} of max_loras={j['max_loras']}: "
+                         f"{format_bytes(j['bytes_min'])} at the minimum, {100 * j['fraction_of_full_refit']:.3f} % "
+                         f"of a full refit ({j['num_transfers']} transfers)")
         return "\n".join(lines)
 
 
@@ -217,7 +240,16 @@ def _plan_recipe(recipe: RecipeLayout) -> PlannedRecipe:
         plan = plan_for_placement(src, dst, where, topology.links, bucket_bytes=r.bucket_bytes,
                                   allow_cast=r.allow_cast)
         placed = placement_report(plan, src, dst, where, topology.links)
-    return PlannedRecipe(recipe, src, dst, plan, plan_report(plan), placed, forms)
+    return PlannedRecipe(recipe, src, dst, plan, plan_report(plan), placed, forms, _lora_report(recipe))
+
+
+def _lora_report(recipe: RecipeLayout) -> PlanReport | None:
+    """A LoRA policy's adapter refit, planned direct (``layout.lora``; None: not a LoRA policy)."""
+    if recipe.peft is None:
+        return None
+    src = megatron_lora_layout(recipe.spec, recipe.training, recipe.peft)
+    dst = vllm_lora_layout(recipe.vllm_spec or recipe.spec, recipe.vllm, recipe.peft)
+    return plan_report(get_plan(src, dst, bucket_bytes=recipe.refit.bucket_bytes))
 
 
 # --------------------------------------------------------------------------- refit job

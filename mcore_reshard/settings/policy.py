@@ -141,7 +141,8 @@ def from_policy_config(cfg: Mapping[str, Any]) -> RecipeLayout:
     # colocated: training rank i and inference rank i share GPU i.
     topology = TopologyConfig(gpus_per_node=read(cfg, RECIPE.gpus_per_node),
                               placement="colocated" if colocated else "separate")
-    return RecipeLayout(spec, training, vllm, refit, topology=topology)
+    peft = read_section(cfg, RECIPE.peft)
+    return RecipeLayout(spec, training, vllm, refit, topology=topology, peft=peft if peft.enabled else None)
 
 
 def load_recipe_file(path: str | Path) -> RecipeLayout:

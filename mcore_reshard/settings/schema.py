@@ -19,6 +19,7 @@ from ..adapters.megatron.rules import MegatronParallel
 from ..adapters.vllm.rules import QUANTIZATIONS, VllmParallel
 from ..errors import ConfigError
 from ..layout import DTYPE_BYTES, ModelSpec
+from ..layout.lora import PeftConfig
 from ..wire.protocol import DELTA_MODES, VerifyMode
 from .topology import TopologyConfig
 from .models import LOCAL_DTYPES
@@ -157,6 +158,8 @@ class RecipeLayout:
     vllm_spec: ModelSpec | None = None
     #: How the modelled cluster places both sides (``settings.topology.TopologyConfig``).
     topology: Any = None
+    #: A LoRA policy (``policy.megatron_cfg.peft``): after the first refit only its adapters move.
+    peft: PeftConfig | None = None
 
 
 # --------------------------------------------------------------------------- GRPO sections
@@ -332,6 +335,7 @@ class PlanConfigKeys:
     vllm: Section = _VLLM
     refit: Section = Section("refit", RefitConfig)
     topology: Section = Section("topology", TopologyConfig)
+    peft: Section = Section("peft", PeftConfig)
 
 
 @dataclass(frozen=True)
@@ -368,6 +372,7 @@ class RecipeKeys:
     megatron_enabled: Field = Field(_M + "enabled", bool, False)
     refit_enabled: Field = Field(_M + "mcore_reshard.enabled", bool, False)
     refit: Section = Section(_M + "mcore_reshard", RefitConfig, required=False, names="refit")
+    peft: Section = Section(_M + "peft", PeftConfig, required=False, names="peft")
     model_config: Field = Field("policy.model_config", str, REQUIRED)
     model_name: Field = Field("policy.model_name", str, REQUIRED)
     precision: Field = Field("policy.precision", str, "bfloat16", choices=tuple(sorted(DTYPE_BYTES)))

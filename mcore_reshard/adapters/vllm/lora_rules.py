@@ -25,7 +25,7 @@ from ...layout import Box, LayoutError, LocalParam, ModelSpec, Piece, SideLayout
 from ...layout.lora import PeftConfig, adapter_tensors, lora_name
 from .parallel import VllmParallel, check_dims
 
-__all__ = ["vllm_lora_layout", "vllm_lora_rank_params", "slot_name", "LORA_MODULES"]
+__all__ = ["vllm_lora_layout", "vllm_lora_rank_params", "slot_name", "parse_slot_name", "LORA_MODULES"]
 
 #: Megatron module -> (vLLM module, its HF sub-projections in slice order, column-parallel).
 LORA_MODULES: dict[str, tuple[str, tuple[str, ...], bool]] = {
@@ -39,6 +39,14 @@ LORA_MODULES: dict[str, tuple[str, tuple[str, ...], bool]] = {
 def slot_name(layer: int, module: str, part: str, k: int, slot: int) -> str:
     """Local name of one slot of one stacked LoRA tensor (``part``: ``lora_a`` or ``lora_b``)."""
     return f"model.layers.{layer}.{module}.{part}_stacked.{k}.slot{slot}"
+
+
+def parse_slot_name(name: str) -> tuple[str, str, int, int]:
+    """(module path, ``lora_a`` | ``lora_b``, slice, slot) of a ``slot_name``."""
+    module, stacked, k, slot = name.rsplit(".", 3)
+    if not stacked.endswith("_stacked") or not slot.startswith("slot"):
+        raise LayoutError(f"{name}: not a LoRA slot name (<module>.lora_a_stacked.<k>.slot<s>)")
+    return module, stacked[: -len("_stacked")], int(k), int(slot[4:])
 
 
 def _check(spec: ModelSpec, par: VllmParallel, peft: PeftConfig) -> None:
@@ -55,7 +63,7 @@ def _rows(name: str, row0: int, rows: int, r: int, R: int) -> tuple[str, Box, Vi
     return name, Box((row0, 0), (rows, r)), View(0, (rows, r), (R, 1))
 
 
-def _a(name: str, col0: int, cols: int, n_in: int, r: int) -> tuple[str, Box, View]:
+def _a(name: str, col0: int, cols: int, r: int) -> tuple[str, Box, View]:
     """A columns ``[col0, col0+cols)`` (all ``r`` rows) in an ``[R, cols]`` slot."""
     return name, Box((0, col0), (r, cols)), View(0, (r, cols), (cols, 1))
 
@@ -90,8 +98,7 @@ def vllm_lora_rank_params(spec: ModelSpec, par: VllmParallel, peft: PeftConfig, 
                 continue
             for k, proj in enumerate(projs):
                 cols, col0, rows, row0 = sizes[proj]
-                add(slot_name(layer, vmod, "lora_a", k, s), (R, cols), _a(lora_name(layer, proj, "lora_A"), col0, cols,
-                                                                           cols, r))
+                add(slot_name(layer, vmod, "lora_a", k, s), (R, cols), _a(lora_name(layer, proj, "lora_A"), col0, cols, r))
                 add(slot_name(layer, vmod, "lora_b", k, s), (rows, R), _rows(lora_name(layer, proj, "lora_B"), row0,
                                                                               rows, r, R))
     return out

@@ -29,6 +29,7 @@ from ...transport.views import ReceivedWeights
 from ...wire.protocol import WorkerLayout, WorkerStatus
 from ...transport.views import box_slices
 from .apply import RefitIncomplete, VllmApplier, select_modes
+from .lora_rules import parse_slot_name
 from .record import record_local_params
 
 __all__ = ["ReshardWorkerExtension", "REFIT_EXTENSION", "PLAIN_LINEAR_ENV", "install_plain_linear"]
@@ -214,6 +215,18 @@ class ReshardWorkerExtension:
                 continue
             t = params[name].detach().contiguous().cpu()
             out[name] = hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()
+        return out
+
+    def mr_lora_slots(self, names: Sequence[str]) -> dict[str, list]:
+        """The LoRA slot tensors ``names`` (``lora_rules.slot_name``) as this worker's LoRA
+        layers hold them, as nested lists (diagnostics: the layouts checked against vLLM's own
+        ``set_lora``)."""
+        model = self._mr_model()
+        out: dict[str, list] = {}
+        for name in names:
+            module, part, k, slot = parse_slot_name(name)
+            stacked = getattr(model.get_submodule(module), f"{part}_stacked")[k]
+            out[name] = stacked[slot, 0].detach().float().cpu().tolist()
         return out
 
     def _mr_after_update(self) -> None:

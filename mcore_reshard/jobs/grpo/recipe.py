@@ -100,6 +100,14 @@ def _check_placement(cluster: ClusterSettings, gen_nodes: int, gen_gpn: int, tra
         )
 
 
+def _lora_problem(peft: Any) -> str | None:
+    """A LoRA policy plans (``mcore-reshard plan``, ``--dry-run``) but does not train here yet."""
+    if peft is None:
+        return None
+    return ("policy.megatron_cfg.peft.enabled=true: a LoRA policy's adapter refits plan (mcore-reshard plan --recipe "
+            "prints their bytes) but the local job does not train or refit them yet")
+
+
 def _local_problem(model: str, dtype: str, impl: str, training: MegatronParallel, vllm: VllmParallel) -> str | None:
     """Why this recipe cannot run on this CPU machine (the limits of ``mcore-reshard refit``)."""
     v = "policy.generation.vllm_cfg."
@@ -224,4 +232,4 @@ def load_grpo_recipe(path: str | Path, overrides: Sequence[str] = ()) -> GrpoRec
     impl = read(cfg, RECIPE.transformer_impl)
     return GrpoRecipe(path=str(path), model=model, spec=spec, dtype=spec.dtype, training=training, vllm=vllm,
                       refit=refit, colocated=colocated, async_engine=async_engine, **s,
-                      local_problem=_local_problem(model, spec.dtype, impl, training, vllm))
+                      local_problem=_lora_problem(layout.peft) or _local_problem(model, spec.dtype, impl, training, vllm))
