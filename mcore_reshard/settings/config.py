@@ -21,10 +21,13 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from ..adapters.megatron.lora_rules import megatron_lora_layout
+from ..adapters.megatron.mtp_rules import megatron_mtp_rank_params
+from ..adapters.vllm.mtp_rules import vllm_draft_rank_params
 from ..adapters.megatron.rules import MegatronParallel, megatron_layout
 from ..adapters.vllm.lora_rules import vllm_lora_layout
 from ..adapters.vllm.rules import VllmParallel, vllm_layout
 from ..layout import DTYPE_BYTES, LayoutError, ModelSpec, SideLayout, dtensor_report, dtensor_summary
+from ..layout.mtp import draft_tensors, with_draft
 from ..layout.quant import fp8_sides
 from ..plan import check_sides, get_plan, plan_report
 from ..plan.cache import get_layouts
@@ -78,8 +81,9 @@ def recipe_from_config(cfg: Any) -> RecipeLayout:
     spec = resolve_model(model, dtype=dtype)
     vllm_spec = resolve_model(vllm_model, dtype=dtype, what="vllm_model") if vllm_model else None
     peft = read_section(data, k.peft)
+    speculative = read_section(data, k.speculative)
     return RecipeLayout(spec, training, vllm, refit, vllm_spec, read_section(data, k.topology),
-                        peft if peft.enabled else None)
+                        peft if peft.enabled else None, speculative if speculative.method else None)
 
 
 def load_plan(overrides: Sequence[str] = ()) -> RecipeLayout:
@@ -190,7 +194,18 @@ class PlannedRecipe:
             out["dtensor_forms"] = self.forms
         if self.lora is not None:
             out["lora"] = self.lora_json()
+        if self.recipe.speculative is not None:
+            out["draft"] = self.draft_json()
         return out
+
+    def draft_json(self) -> dict:
+        """The MTP draft's part of the refit (its bytes at every destination rank)."""
+        sp = self.recipe.speculative
+        draft = draft_tensors(self.recipe.vllm_spec or self.recipe.spec)
+        held = sum(q.box.numel * DTYPE_BYTES[draft[q.canonical][1]] for p in self.dst.params for q in p.pieces
+                   if q.canonical in draft)
+        return {"method": sp.method, "num_speculative_tokens": sp.num_speculative_tokens, "tensors": len(draft),
+                "bytes_min": held, "fraction_of_refit": held / self.report.bytes_min}
 
     def lora_json(self) -> dict:
         """The adapter refit against the full one (the first refit of a LoRA policy)."""
@@ -214,6 +229,11 @@ class PlannedRecipe:
             lines.append(f"{side} {dtensor_summary(r)}")
             if dtensor_forms:
                 lines.extend(f"  {name}: {form}" for name, form in r.items())
+        if self.recipe.speculative is not None:
+            j = self.draft_json()
+            lines.append(f"mtp draft (speculative_config.method={j['method']}, {j['num_speculative_tokens']} token(s)): "
+                         f"{j['tensors']} tensors, {format_bytes(j['bytes_min'])} of the refit's minimum "
+                         f"({100 * j['fraction_of_refit']:.2f} %), moved and voted on with the target")
         if self.lora is not None:
             j = self.lora_json()
             lines.append(f"lora adapter refits (every refit after the first): r={j['dim']} alpha={j['alpha']:g} on "
@@ -231,6 +251,8 @@ def plan_recipe(recipe: RecipeLayout) -> PlannedRecipe:
 
 def _plan_recipe(recipe: RecipeLayout) -> PlannedRecipe:
     src, dst = side_layouts(recipe.spec, recipe.training, recipe.vllm, recipe.refit, recipe.vllm_spec)
+    if recipe.speculative is not None:  # the MTP draft: the same refit, the same vote
+        src, dst = _with_drafts(recipe, src, dst)
     forms = {"training": dtensor_report(src), "vllm": dtensor_report(dst)}
     r, topology, placed = recipe.refit, recipe.topology, None
     if topology is None:
@@ -241,6 +263,21 @@ def _plan_recipe(recipe: RecipeLayout) -> PlannedRecipe:
                                   allow_cast=r.allow_cast)
         placed = placement_report(plan, src, dst, where, topology.links)
     return PlannedRecipe(recipe, src, dst, plan, plan_report(plan), placed, forms, _lora_report(recipe))
+
+
+def _with_drafts(recipe: RecipeLayout, src: SideLayout, dst: SideLayout) -> tuple[SideLayout, SideLayout]:
+    """Both layouts with the MTP draft's parameters (``layout.mtp``): megatron's MTP block, the
+    draft vLLM's speculative decoding builds on every worker."""
+    spec, vspec, t, v = recipe.spec, recipe.vllm_spec or recipe.spec, recipe.training, recipe.vllm
+    try:
+        src = with_draft(src, [p for r in range(t.world_size) for p in megatron_mtp_rank_params(spec, t, r)], spec)
+    except LayoutError as exc:
+        raise LayoutError(f"training layout: {one_line(exc)}") from None
+    try:
+        dst = with_draft(dst, [p for r in range(v.world_size) for p in vllm_draft_rank_params(vspec, v, r)], vspec)
+    except LayoutError as exc:
+        raise LayoutError(f"vllm layout: {one_line(exc)}") from None
+    return src, dst
 
 
 def _lora_report(recipe: RecipeLayout) -> PlanReport | None:

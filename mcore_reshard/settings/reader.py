@@ -129,6 +129,8 @@ def read_section(cfg: Any, s: Section) -> Any:
     """``s.cls`` built from the mapping at ``s.key`` (see :class:`Section`)."""
     if s.required is None:
         node = lookup(cfg, s.key)
+        if s.sub:
+            node = {k: v for k, v in dict(container(node, s.key) or {}).items() if k not in s.sub}
     else:
         node = dict(read_mapping(cfg, s.key, REQUIRED if s.required else {}))
         if s.only is not None:

@@ -160,6 +160,8 @@ class RecipeLayout:
     topology: Any = None
     #: A LoRA policy (``policy.megatron_cfg.peft``): after the first refit only its adapters move.
     peft: PeftConfig | None = None
+    #: The engines' speculative decoding (``vllm.speculative_config``): their MTP draft refits too.
+    speculative: Any = None
 
 
 # --------------------------------------------------------------------------- GRPO sections
@@ -321,7 +323,25 @@ _TRAINING = Section("training", MegatronParallel,
                                  make_vocab_size_divisible_by=1, vocab_padded=1),
                     choices=dict(layer_spec=("local", "te"), experts=("sequential", "grouped")))
 _VLLM = Section("vllm", VllmParallel, minimum=dict(tp=1, pp=1, dp=1, replicas=1, num_redundant_experts=0),
-                choices=dict(expert_placement=("linear", "round_robin"), quantization=QUANTIZATIONS))
+                choices=dict(expert_placement=("linear", "round_robin"), quantization=QUANTIZATIONS),
+                sub=("speculative_config",))
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``vllm.speculative_config`` as vLLM spells it: the engine drafts with the model's MTP
+    layers (``method: mtp``; vLLM's older ``deepseek_mtp`` is the same), which then refit in the
+    same refit and vote as the target. None: no draft."""
+
+    method: str | None = None
+    num_speculative_tokens: int = 1
+
+    def __post_init__(self) -> None:
+        _check(self.method in (None, "mtp", "deepseek_mtp"),
+               f"vllm.speculative_config.method={self.method!r}: the draft refit knows 'mtp' (or 'deepseek_mtp'): "
+               f"a model's own MTP layers")
+        _check(self.num_speculative_tokens >= 1,
+               f"vllm.speculative_config.num_speculative_tokens={self.num_speculative_tokens} must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -336,6 +356,7 @@ class PlanConfigKeys:
     refit: Section = Section("refit", RefitConfig)
     topology: Section = Section("topology", TopologyConfig)
     peft: Section = Section("peft", PeftConfig)
+    speculative: Section = Section("vllm.speculative_config", SpeculativeConfig, required=False)
 
 
 @dataclass(frozen=True)

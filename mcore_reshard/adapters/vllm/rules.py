@@ -71,7 +71,7 @@ class _Builder:
         self._moe_box: dict[int, tuple[Box, Box, Box]] = {}
         self._moe_views: list[tuple[View, View, View]] = []
         self._expert_names: dict[int, tuple[tuple[str, str, str], ...]] = {}
-        self._prefix = [f"model.layers.{i}." for i in range(spec.num_layers)]
+        self._prefix = [f"model.layers.{i}." for i in range(spec.num_layers + spec.mtp_layers)]
 
     # -- per-coordinate geometry
 
@@ -199,8 +199,6 @@ class _Builder:
             raise LayoutError(f"rank {rank} outside the vLLM world of {par.world_size} ranks")
         tp_r = rank % par.tp
         pp_r = rank // par.tp % par.pp
-        dp_r = rank // (par.tp * par.pp) % par.dp
-        mr = dp_r * par.tp + tp_r  # flattened MoE rank (ep_rank with EP)
         first, last = pp_r == 0, pp_r == par.pp - 1
         dt = s.dtype
         out: list[LocalParam] = []
@@ -218,33 +216,49 @@ class _Builder:
         if first or everywhere or (s.tied and last):
             add_vocab("model.embed_tokens.weight")
         start, end = d.stages[pp_r]
-        attn, norms = self.attn(tp_r), self.norms()
         for layer in range(start, end):
-            p = self._prefix[layer]
-            for suffix, shape, pieces in attn:
-                add(p + suffix, shape, tuple((p + c, b, v) for c, b, v in pieces))
-            if s.is_moe(layer):
-                router = (s.num_experts, s.hidden)
-                add(p + "mlp.gate.weight", router, ((p + "mlp.gate.weight", *_full(router)),))
-                if s.router_bias:
-                    bias = p + "mlp.gate.e_score_correction_bias"
-                    add(bias, (s.num_experts,), ((bias, *_full((s.num_experts,))),), ROUTER_BIAS_DTYPE)  # fp32, as vLLM builds it
-                if s.shared_intermediate:
-                    for suffix, shape, pieces in self.shared(tp_r):
-                        add(p + suffix, shape, tuple((p + c, b, v) for c, b, v in pieces))
-                self._add_experts(out, rank, layer, mr)
-            else:
-                for suffix, shape, pieces in self.dense(tp_r):
-                    add(p + suffix, shape, tuple((p + c, b, v) for c, b, v in pieces))
-            for suffix, shape, pieces in norms:
-                add(p + suffix, shape, tuple((p + c, b, v) for c, b, v in pieces))
+            self.layer_params(out, rank, layer)
         if last or everywhere:
             add("model.norm.weight", (s.hidden,), (("model.norm.weight", *_full((s.hidden,))),))
             if not s.tied:  # tied: lm_head.weight *is* embed_tokens.weight (named_parameters dedups)
                 add_vocab("lm_head.weight")
         return out
 
-    def _add_experts(self, out: list[LocalParam], rank: int, layer: int, mr: int) -> None:
+    def layer_params(self, out: list[LocalParam], rank: int, layer: int, local: str | None = None,
+                     moe: bool | None = None) -> None:
+        """Decoder layer ``layer``'s parameters on ``rank``, named under ``local`` (default
+        ``model.layers.{layer}.``; a draft's MTP layer: ``...mtp_block.``), boxes of
+        ``model.layers.{layer}.*``; ``moe``: whether its MLP is routed (default: the spec's)."""
+        s, par, d = self.spec, self.par, self.d
+        tp_r = rank % par.tp
+        mr = rank // (par.tp * par.pp) % par.dp * par.tp + tp_r  # flattened MoE rank (ep_rank with EP)
+        p = self._prefix[layer]
+        q = p if local is None else local
+        dt = s.dtype
+
+        def add(suffix: str, shape: tuple[int, ...], pieces: tuple[tuple[str, Box, View], ...], dtype: str = dt) -> None:
+            name = q + suffix
+            out.append(LocalParam(rank, name, shape, dtype, tuple(Piece(rank, name, p + c, b, v) for c, b, v in pieces)))
+
+        for suffix, shape, pieces in self.attn(tp_r):
+            add(suffix, shape, pieces)
+        if s.is_moe(layer) if moe is None else moe:
+            router = (s.num_experts, s.hidden)
+            add("mlp.gate.weight", router, (("mlp.gate.weight", *_full(router)),))
+            if s.router_bias:
+                bias = "mlp.gate.e_score_correction_bias"
+                add(bias, (s.num_experts,), ((bias, *_full((s.num_experts,))),), ROUTER_BIAS_DTYPE)  # fp32, as vLLM builds it
+            if s.shared_intermediate:
+                for suffix, shape, pieces in self.shared(tp_r):
+                    add(suffix, shape, pieces)
+            self._add_experts(out, rank, layer, mr, q)
+        else:
+            for suffix, shape, pieces in self.dense(tp_r):
+                add(suffix, shape, pieces)
+        for suffix, shape, pieces in self.norms():
+            add(suffix, shape, pieces)
+
+    def _add_experts(self, out: list[LocalParam], rank: int, layer: int, mr: int, local: str | None = None) -> None:
         s, d = self.spec, self.d
         H, f = s.hidden, d.moe_rows
         if d.ep > 1:
@@ -256,7 +270,7 @@ class _Builder:
         phys = d.maps.get(layer, d.initial_map)
         names = self.expert_names(layer)
         views = self.moe_views(n)
-        p = self._prefix[layer]
+        p = self._prefix[layer] if local is None else local
         w13, w2 = p + _MOE_W13, p + _MOE_W2
         p13: list[Piece] = []
         p2: list[Piece] = []
