@@ -108,13 +108,19 @@ def test_config_sections_match_the_dataclasses():
 
     from mcore_reshard.adapters.megatron.rules import MegatronParallel
     from mcore_reshard.adapters.vllm.rules import VllmParallel
+    from mcore_reshard.layout.lora import PeftConfig
     from mcore_reshard.settings.policy import RefitConfig
+    from mcore_reshard.settings.schema import SpeculativeConfig
 
     for name in ("plan", "refit"):
         cfg = yaml.safe_load((REPO / "configs" / f"{name}.yaml").read_text())
+        subs = {"speculative_config"}  # vllm's own sub-section (below)
         for section, cls in (("training", MegatronParallel), ("vllm", VllmParallel), ("refit", RefitConfig)):
-            assert set(cfg[section]) <= {f.name for f in fields(cls)}, (name, section)
+            assert set(cfg[section]) - subs <= {f.name for f in fields(cls)}, (name, section)
         assert cfg["refit"]["atomic"] is True
+    plan = yaml.safe_load((REPO / "configs" / "plan.yaml").read_text())
+    assert set(plan["vllm"]["speculative_config"]) == {f.name for f in fields(SpeculativeConfig)}
+    assert set(plan["peft"]) == {f.name for f in fields(PeftConfig)}
     refit = yaml.safe_load((REPO / "configs" / "refit.yaml").read_text())
     assert {"pp", "vpp", "first_stage_layers", "last_stage_layers"} <= set(refit["training"])
     assert refit["vllm"]["replicas"] == 1 and refit["vllm"]["pp"] == refit["vllm"]["dp"] == 1
