@@ -157,7 +157,34 @@ def make_tiny_checkpoint(path: str | Path, overrides: dict[str, Any] | None = No
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
+    if cfg_kwargs.get("num_nextn_predict_layers"):
+        _write_mtp_layers(out, model.state_dict(), weight_std)
     return out
+
+
+def _write_mtp_layers(out: Path, main: dict, weight_std: float) -> None:
+    """DeepSeek-V3's MTP layers, which transformers' model does not build: random like the rest
+    (``layout.mtp.draft_tensors``), plus the checkpoint's per-layer copies of the embedding and
+    the output head, in a file of their own beside the model's."""
+    import torch
+    from safetensors.torch import save_file
+
+    from ..layout.mtp import draft_tensors
+    from ..layout.spec import load_model_spec
+
+    spec = load_model_spec(out)
+    tensors = {}
+    for name, (shape, dt) in draft_tensors(spec).items():
+        dtype = getattr(torch, dt)
+        if len(shape) == 1:
+            x = (0.1 * torch.randn(shape) if name.endswith("e_score_correction_bias") else 1.0 + 0.1 * torch.randn(shape))
+        else:
+            x = torch.randn(shape) * weight_std
+        tensors[name] = x.to(dtype)
+    for layer in range(spec.num_layers, spec.num_layers + spec.mtp_layers):
+        tensors[f"model.layers.{layer}.embed_tokens.weight"] = main["model.embed_tokens.weight"].clone()
+        tensors[f"model.layers.{layer}.shared_head.head.weight"] = main["lm_head.weight"].clone()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model-mtp.safetensors"), metadata={"format": "pt"})
 
 
 def load_canonical(path: str | Path) -> dict[str, "torch.Tensor"]:  # noqa: F821

@@ -229,6 +229,19 @@ class ReshardWorkerExtension:
             out[name] = stacked[slot, 0].detach().float().cpu().tolist()
         return out
 
+    def mr_draft_layout(self) -> dict[str, Any]:
+        """The speculative-decoding draft model this worker holds (diagnostics: the draft's
+        layout checked against vLLM's own): its parameters' names and shapes, and whether its
+        embedding and output head are the target's own tensors."""
+        draft = self.model_runner.get_draft_model()  # type: ignore[attr-defined]
+        target = self._mr_model()
+        params = {n: list(t.shape) for n, t in draft.named_parameters()}
+        inner = getattr(draft, "model", draft)
+        heads = [layer.shared_head.head for layer in getattr(inner, "layers", {}).values() if hasattr(layer, "shared_head")]
+        return {"params": params,
+                "shares_embed": getattr(inner, "embed_tokens", None) is target.model.embed_tokens,
+                "shares_head": bool(heads) and all(h is target.lm_head for h in heads)}
+
     def _mr_after_update(self) -> None:
         """Invalidate caches derived from the old weights (prefix cache keys stay valid
         only for the same weights)."""
