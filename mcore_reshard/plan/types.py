@@ -119,6 +119,19 @@ class _Records:
         others = tuple(e for e in self.extensions if e.name != record.name)
         return replace(self, extensions=_ordered(others + (record,)), **changes)
 
+    @property
+    def relay_groups(self) -> tuple[tuple[int, ...], ...]:
+        """Every relay group of the plan (destination ranks on one node that hold the same
+        pieces; a rank may be in several)."""
+        r = self.get("relays")
+        return r.groups if r else ()
+
+    @property
+    def relay_of(self) -> tuple[int, ...]:
+        """Per transfer its relay group, aligned with ``transfers`` (-1: not relayed)."""
+        r = self.get("relays")
+        return r.relay_of if r else ()
+
 
 @dataclass(frozen=True)
 class RankPlan(_Records):
@@ -137,19 +150,6 @@ class RankPlan(_Records):
     extensions: tuple[Extension, ...] = ()
 
     # -- the records, read as plain values (empty where the pass added nothing) --
-    @property
-    def relay_groups(self) -> tuple[tuple[int, ...], ...]:
-        """Every relay group of the plan (destination ranks on one node that hold the same
-        pieces; a rank may be in several)."""
-        r = self.get("relays")
-        return r.groups if r else ()
-
-    @property
-    def relay_of(self) -> tuple[int, ...]:
-        """Per transfer its relay group (-1: not relayed)."""
-        r = self.get("relays")
-        return r.relay_of if r else ()
-
     @property
     def via(self) -> tuple[int, ...]:
         """Destination side, per transfer: the member that receives it from the source and
@@ -292,17 +292,6 @@ class TransferPlan(_Records):
         """(source rank, destination rank) pairs on one device."""
         r = self.get("placement")
         return r.pairs if r else ()
-
-    @property
-    def relay_groups(self) -> tuple[tuple[int, ...], ...]:
-        r = self.get("relays")
-        return r.groups if r else ()
-
-    @property
-    def relay_of(self) -> tuple[int, ...]:
-        """Per transfer its relay group (aligned with ``transfers``; -1: not relayed)."""
-        r = self.get("relays")
-        return r.relay_of if r else ()
 
     @property
     def relay_sites(self) -> tuple[tuple[tuple[int, str, str, Box, View], ...], ...]:
