@@ -147,19 +147,33 @@ def make_tiny_checkpoint(path: str | Path, overrides: dict[str, Any] | None = No
     model = model_cls(config).to(getattr(torch, dtype))
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, weight_std)
+            _randomize_(name, p, weight_std)
         for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.1 * torch.randn_like(b))
+            if name.endswith(_ROUTER_BIAS):
+                _randomize_(name, b, weight_std)
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     if cfg_kwargs.get("num_nextn_predict_layers"):
         _write_mtp_layers(out, model.state_dict(), weight_std)
     return out
+
+
+_ROUTER_BIAS = "e_score_correction_bias"
+
+
+def _randomize_(name: str, x: "torch.Tensor", weight_std: float) -> "torch.Tensor":  # noqa: F821
+    """``x`` drawn in place as the tiny checkpoints draw every tensor: DeepSeek's router bias
+    N(0, 0.1), other vectors (norms, biases) 1 + N(0, 0.1), matrices N(0, ``weight_std``)."""
+    import torch
+
+    if name.endswith(_ROUTER_BIAS):
+        x.copy_(0.1 * torch.randn_like(x))
+    elif x.dim() == 1:
+        x.copy_(1.0 + 0.1 * torch.randn_like(x))
+    else:
+        x.normal_(0.0, weight_std)
+    return x
 
 
 def _write_mtp_layers(out: Path, main: dict, weight_std: float) -> None:
@@ -175,12 +189,7 @@ def _write_mtp_layers(out: Path, main: dict, weight_std: float) -> None:
     spec = load_model_spec(out)
     tensors = {}
     for name, (shape, dt) in draft_tensors(spec).items():
-        dtype = getattr(torch, dt)
-        if len(shape) == 1:
-            x = (0.1 * torch.randn(shape) if name.endswith("e_score_correction_bias") else 1.0 + 0.1 * torch.randn(shape))
-        else:
-            x = torch.randn(shape) * weight_std
-        tensors[name] = x.to(dtype)
+        tensors[name] = _randomize_(name, torch.empty(shape, dtype=getattr(torch, dt)), weight_std)
     for layer in range(spec.num_layers, spec.num_layers + spec.mtp_layers):
         tensors[f"model.layers.{layer}.embed_tokens.weight"] = main["model.embed_tokens.weight"].clone()
         tensors[f"model.layers.{layer}.shared_head.head.weight"] = main["lm_head.weight"].clone()

@@ -27,7 +27,7 @@ from .ledger import ChecksumLedger
 from .packing import unpack_into
 from .sink import Sink, baseline_of
 from .stats import Tally
-from .views import scatter_flat
+from .views import copy_unless_same, scatter_flat
 
 __all__ = ["Delivery"]
 
@@ -105,8 +105,7 @@ class Delivery:
             raise RefitError(f"{t.dst_name}: a delta refit reached a sink without a baseline")
         x = self.sink.resolve(t.dst_name, t.dst_view)
         base = self.baseline(t.dst_name, t.dst_view)
-        if x.data_ptr() != base.data_ptr() or x.stride() != base.stride():
-            x.copy_(base)
+        copy_unless_same(x, base)
         scatter_flat(x, positions.to(x.device), values.to(x.device))
         return x
 

@@ -45,6 +45,12 @@ def local_view(local: torch.Tensor, view: View) -> torch.Tensor:
     return flat.as_strided(view.shape, view.stride, flat.storage_offset() + view.offset)
 
 
+def copy_unless_same(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` unless they are the same memory already (a box written in place)."""
+    if dst.data_ptr() != src.data_ptr() or dst.stride() != src.stride():
+        dst.copy_(src)
+
+
 def scatter_flat(x: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:
     """``x`` (a view, possibly strided) with ``values`` written at its flat, C-order
     ``positions`` (int64), in place: a delta refit's changes."""

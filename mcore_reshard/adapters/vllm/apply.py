@@ -45,7 +45,7 @@ import torch
 from ...errors import RefitIncomplete
 from ...layout.descriptor import LayoutError, LocalParam, View
 from ...transport.endpoint import Prepared
-from ...transport.views import local_view, zero_padding
+from ...transport.views import copy_unless_same, local_view, zero_padding
 from ...wire.protocol import RefitRequest
 from .baselines import ModelFormatCopies
 from .layers import (DIRECT, MLA_NOTE, RELOAD, aliased, commit_shadow, mla_absorbers, open_shadow, owner,
@@ -256,9 +256,7 @@ class VllmApplier:
                 self._count(local_name, lp, math.prod(view.shape))
                 self._kept.setdefault(local_name, []).append(view)
                 return
-            dst, cur = local_view(self._target(local_name, lp), view), self.baseline(local_name, view)
-            if dst.data_ptr() != cur.data_ptr() or dst.stride() != cur.stride():
-                dst.copy_(cur)
+            copy_unless_same(local_view(self._target(local_name, lp), view), self.baseline(local_name, view))
         self._placed(local_name, lp, math.prod(view.shape))
 
     def baseline(self, local_name: str, view: View) -> torch.Tensor:

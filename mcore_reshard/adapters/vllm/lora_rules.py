@@ -27,12 +27,12 @@ from .parallel import VllmParallel, check_dims
 
 __all__ = ["vllm_lora_layout", "vllm_lora_rank_params", "slot_name", "parse_slot_name", "LORA_MODULES"]
 
-#: Megatron module -> (vLLM module, its HF sub-projections in slice order, column-parallel).
-LORA_MODULES: dict[str, tuple[str, tuple[str, ...], bool]] = {
-    "linear_qkv": ("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), True),
-    "linear_proj": ("self_attn.o_proj", ("self_attn.o_proj",), False),
-    "linear_fc1": ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"), True),
-    "linear_fc2": ("mlp.down_proj", ("mlp.down_proj",), False),
+#: Megatron module -> (vLLM module, its HF sub-projections in slice order).
+LORA_MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "linear_qkv": ("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    "linear_proj": ("self_attn.o_proj", ("self_attn.o_proj",)),
+    "linear_fc1": ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+    "linear_fc2": ("mlp.down_proj", ("mlp.down_proj",)),
 }
 
 
@@ -93,7 +93,7 @@ def vllm_lora_rank_params(spec: ModelSpec, par: VllmParallel, peft: PeftConfig, 
     start, end = d.stages[pp_r]
     for layer in range(start, end):
         for module in peft.modules:
-            vmod, projs, _ = LORA_MODULES[module]
+            vmod, projs = LORA_MODULES[module]
             if vmod.startswith("mlp.") and spec.is_moe(layer):
                 continue
             for k, proj in enumerate(projs):

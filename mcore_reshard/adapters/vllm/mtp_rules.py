@@ -12,17 +12,17 @@ unconditionally for MTP with PP 1): not described again, so they move once.
 
 from __future__ import annotations
 
-from ...layout import Box, LayoutError, LocalParam, ModelSpec, Piece, View
+from ...layout import LayoutError, LocalParam, ModelSpec, Piece
 from ...layout.mtp import draft_layers, mtp_spec
 from .parallel import VllmParallel
-from .rules import _Builder
+from .rules import _Builder, _full
 
 __all__ = ["vllm_draft_rank_params"]
 
 
 def _whole(rank: int, name: str, canonical: str, shape: tuple[int, ...], dtype: str) -> LocalParam:
-    strides = (shape[1], 1) if len(shape) == 2 else (1,)
-    return LocalParam(rank, name, shape, dtype, (Piece(rank, name, canonical, Box.full(shape), View(0, shape, strides)),))
+    """A replicated parameter that is the whole canonical tensor."""
+    return LocalParam(rank, name, shape, dtype, (Piece(rank, name, canonical, *_full(shape)),))
 
 
 def vllm_draft_rank_params(spec: ModelSpec, par: VllmParallel, rank: int) -> list[LocalParam]:
