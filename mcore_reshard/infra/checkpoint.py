@@ -204,3 +204,18 @@ def load_canonical(path: str | Path) -> dict[str, "torch.Tensor"]:  # noqa: F821
     for f in sorted(Path(path).glob("*.safetensors")):
         tensors.update(load_file(str(f)))
     return tensors
+
+
+def save_peft_adapter(path: str | Path, config: dict, tensors: dict[str, "torch.Tensor"]) -> Path:  # noqa: F821
+    """An HF PEFT adapter directory: ``adapter_config.json`` (``config``, e.g.
+    ``PeftConfig.peft_config_json()``) and ``adapter_model.safetensors`` with the canonical
+    adapter matrices under PEFT's ``base_model.model.`` prefix (what vLLM's ``LoRARequest`` loads)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({"base_model.model." + n: t.contiguous() for n, t in tensors.items()}, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    return out

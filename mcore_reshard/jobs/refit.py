@@ -69,7 +69,7 @@ class LocalCluster:
         self.setup = replace(self.setup, port=free_port())
         self.pool = LocalTrainerGroup(self.setup)
         self.driver = RefitDriver(self.pool, self.engines, self.refit, self.spec, placement=self.placement,
-                                  transport=self.transports[self.refit.transport])
+                                  transport=self.transports[self.refit.transport], peft=self.setup.peft)
         self.driver.__enter__()
 
     def refit_once(self, transport: str | None = None) -> RefitMetrics:
@@ -148,11 +148,18 @@ def colocated_placement(num_src: int, num_dst: int) -> Any:
     return RankPlacement.colocated(num_src, num_dst, gpus_per_node=max(num_src, num_dst, 1))
 
 
+def lora_engine_args(peft: Any) -> dict[str, Any]:
+    """vLLM engine arguments for a LoRA policy's engines (none for a full policy)."""
+    if peft is None or not peft.enabled:
+        return {}
+    return {"enable_lora": True, "max_lora_rank": peft.engine_rank, "max_loras": peft.max_loras}
+
+
 @contextmanager
 def local_cluster(spec: ModelSpec, checkpoint: Path, training: Any, vllm: Any, refit: Any, *,
                   train: dict | None = None, engines: list | None = None,
                   sync_before_refit: bool = True, placement: Any = None,
-                  async_engine: bool = False) -> Iterator[LocalCluster]:
+                  async_engine: bool = False, peft: Any = None) -> Iterator[LocalCluster]:
     """Start ``vllm.replicas`` engines (weight-transfer backend ``mcore_reshard`` plus the
     worker extension every transport of the job needs, diagnostics included) and the trainer
     pool, open a driver on them, and close all of it.
@@ -161,7 +168,9 @@ def local_cluster(spec: ModelSpec, checkpoint: Path, training: Any, vllm: Any, r
     each rank sits (``plan.topology.RankPlacement``; default: ``refit.placement=colocated`` builds
     :func:`colocated_placement`, else no placement, direct plans). ``async_engine``: start
     vLLM's ``AsyncLLM`` (:class:`~mcore_reshard.adapters.vllm.engine.AsyncEngine`: clients keep
-    generating while the driver's calls run) instead of the offline ``LLM``."""
+    generating while the driver's calls run) instead of the offline ``LLM``. ``peft``: a LoRA
+    policy (``layout.lora.PeftConfig``): engines with LoRA slots, trainers with adapters, and a
+    driver whose refits after the first move the adapter only."""
     from ..adapters.vllm.engine import start_async_engine, start_engine, stop_engine
 
     start = start_async_engine if async_engine else start_engine
@@ -174,15 +183,15 @@ def local_cluster(spec: ModelSpec, checkpoint: Path, training: Any, vllm: Any, r
         for _ in range(vllm.replicas if own else 0):
             c.engines.append(start(str(checkpoint), tp=vllm.tp, dtype=spec.dtype, enable_ep=vllm.enable_ep,
                                    direct=refit.apply_mode == "direct", worker_extension_cls=extension,
-                                   weight_transfer_config={"backend": BACKEND}))
+                                   weight_transfer_config={"backend": BACKEND}, **lora_engine_args(peft)))
         c.setup = TrainerSetup(spec, training, str(checkpoint), free_port(), timeout_s=max(refit.timeout_s, 120.0),
-                               train=dict(train or {}), sync_before_refit=sync_before_refit)
+                               train=dict(train or {}), sync_before_refit=sync_before_refit, peft=peft)
         c.pool = LocalTrainerGroup(c.setup)
         if placement is None and getattr(refit, "placement", "separate") == "colocated":
             placement = colocated_placement(training.world_size, sum(map(engine_world, c.engines)))
         c.placement = placement
         c.driver = RefitDriver(c.pool, c.engines, refit, spec, placement=placement,
-                               transport=c.transports[refit.transport])
+                               transport=c.transports[refit.transport], peft=peft)
         c.driver.__enter__()
         try:
             yield c

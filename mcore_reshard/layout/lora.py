@@ -15,12 +15,14 @@ Settings follow NeMo RL's ``policy.megatron_cfg.peft`` keys. Pure metadata: no t
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
+from typing import Iterable
 
-from .descriptor import LayoutError
+from .descriptor import LayoutError, LocalParam, SideLayout
 from .spec import ModelSpec
 
-__all__ = ["PeftConfig", "MEGATRON_TARGETS", "HF_PROJECTIONS", "adapter_tensors", "lora_name", "VLLM_MAX_LORA_RANKS"]
+__all__ = ["PeftConfig", "MEGATRON_TARGETS", "HF_PROJECTIONS", "adapter_tensors", "lora_name", "VLLM_MAX_LORA_RANKS",
+           "is_adapter_tensor", "adapters_only", "with_adapter"]
 
 #: Megatron module -> the HF projections it fuses (in the fused order).
 MEGATRON_TARGETS: dict[str, tuple[str, ...]] = {
@@ -111,6 +113,22 @@ class PeftConfig:
             return self.max_lora_rank
         return next((r for r in VLLM_MAX_LORA_RANKS if r >= self.dim), self.dim)
 
+    @property
+    def lora_int_id(self) -> int:
+        """The ``LoRARequest.lora_int_id`` of the engine's refit adapter (vLLM ids start at 1)."""
+        return self.slot + 1
+
+    def to_wire(self) -> dict:
+        return {f.name: (list(v) if isinstance(v, tuple) else v) for f in fields(self) for v in (getattr(self, f.name),)}
+
+    @staticmethod
+    def from_wire(d: dict) -> "PeftConfig":
+        known = {f.name for f in fields(PeftConfig)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise LayoutError(f"peft: unknown keys {unknown}")
+        return PeftConfig(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items()})
+
     def peft_config_json(self) -> dict:
         """``adapter_config.json`` of the same adapter (what vLLM and PEFT read)."""
         return {"peft_type": "LORA", "r": self.dim, "lora_alpha": self.alpha, "lora_dropout": self.dropout,
@@ -170,3 +188,23 @@ def adapter_bytes(spec: ModelSpec, peft: PeftConfig) -> int:
     from .descriptor import DTYPE_BYTES
 
     return sum(math.prod(shape) * DTYPE_BYTES[dt] for shape, dt in adapter_tensors(spec, peft).values())
+
+
+def is_adapter_tensor(name: str) -> bool:
+    """Whether a canonical name is an adapter matrix (``lora_name``)."""
+    return name.endswith((".lora_A.weight", ".lora_B.weight"))
+
+
+def adapters_only(side: SideLayout) -> SideLayout:
+    """The local tensors of ``side`` that hold adapter matrices only: an adapter refit's side
+    (every refit of a LoRA policy after the first moves nothing else)."""
+    params = tuple(p for p in side.params if p.pieces and all(is_adapter_tensor(q.canonical) for q in p.pieces))
+    tensors = {n: v for n, v in side.tensors.items() if is_adapter_tensor(n)}
+    return replace(side, name=f"{side.name} (adapters)", params=params, tensors=tensors,
+                   quantize=tuple(q for q in side.quantize if is_adapter_tensor(q[0])))
+
+
+def with_adapter(side: SideLayout, adapter: Iterable[LocalParam], tensors: dict, scale: tuple = ()) -> SideLayout:
+    """``side`` plus an adapter's local tensors: a LoRA policy's first refit, base and adapter."""
+    return replace(side, params=side.params + tuple(adapter), tensors={**side.tensors, **tensors},
+                   scale=side.scale + tuple(scale))

@@ -27,11 +27,12 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
-from .engines import (ENGINE_GRACE_S, EngineCallers, EngineCalls, dst_layout_of, engine_dtype, engine_is_dead,
-                      engine_world, finish_quietly, finish_update)
+from .engines import (ENGINE_GRACE_S, EngineCallers, EngineCalls, adapter_slots_of, dst_layout_of, engine_dtype,
+                      engine_is_dead, engine_world, finish_quietly, finish_update)
 from ..errors import ConfigError, RefitFailed
 from ..wire.faults import Faults
 from ..layout import ModelSpec, SideLayout
+from ..layout.lora import PeftConfig, adapter_tensors, adapters_only
 from .metrics import RefitMetrics, bytes_at_minimum, reshard_metrics
 from ..plan import get_plan
 from ..plan.topology import Links, plan_for_placement
@@ -82,8 +83,12 @@ class RefitDriver:
     def __init__(self, trainers: TrainerGroup, engines: Sequence[Any], refit: RefitConfig, spec: ModelSpec, *,
                  src: SideLayout | None = None, dst: SideLayout | None = None, host: str = "127.0.0.1",
                  port: Callable[[], int] | None = None, placement: Any = None, links: Any = None,
-                 transport: Transport | None = None) -> None:
+                 transport: Transport | None = None, peft: PeftConfig | None = None) -> None:
         self.trainers, self.engines, self.refit_config, self.spec = trainers, list(engines), refit, spec
+        #: A LoRA policy: the first refit moves the base weights and the adapter (``plan``), every
+        #: later one the adapter only (``adapter_plan``), into each engine's refit adapter slot.
+        self.peft = peft if peft is not None and peft.enabled else None
+        self.adapter_plan: TransferPlan | None = None
         #: The refit group's master: training rank 0's address, and a function giving a port free
         #: there (default: free here, for trainers on this machine).
         self.host = host
@@ -136,9 +141,13 @@ class RefitDriver:
         from ..adapters.vllm.engine import engine_info
 
         tensors = self.spec.tensor_table()
+        if self.peft is not None:
+            tensors = {**tensors, **adapter_tensors(self.spec, self.peft)}
         if self.src is None:
             params = tuple(p for rank in self.trainers.describe().wait() for p in rank)
             self.src = SideLayout("megatron-live", self.trainers.world_size, params, tensors)
+        if self.peft is not None:
+            check_adapter_shapes(self.src, adapter_tensors(self.spec, self.peft), self.peft)
         self.engine_infos = [engine_info(llm) for llm in self.engines]
         sizes = [i.world_size for i in self.engine_infos]
         if self.dst is None:
@@ -146,6 +155,9 @@ class RefitDriver:
             # into an fp32 engine) is planned as a cast, allowed only with refit.allow_cast.
             self.dst = dst_layout_of(self.engines, self.spec.with_dtype(self.engine_infos[0].dtype),
                                      name=f"vllm({len(self.engines)} engine(s) of {sizes[0]})")
+            if self.peft is not None:
+                self.dst = adapter_slots_of(self.dst, self.engine_infos, self.spec.with_dtype(self.engine_infos[0].dtype),
+                                            self.peft)
         not_direct: tuple = (("*", "unknown: the engine has no mcore_reshard diagnostics extension to ask"),)
         if self.engine_infos[0].diagnostics:
             try:
@@ -169,7 +181,16 @@ class RefitDriver:
         else:
             self.plan = get_plan(self.src, self.dst, bucket_bytes=cfg.bucket_bytes, allow_cast=cfg.allow_cast,
                                  not_direct=not_direct)
+        if self.peft is not None:
+            self.adapter_plan = get_plan(adapters_only(self.src), adapters_only(self.dst),
+                                         bucket_bytes=cfg.bucket_bytes, allow_cast=cfg.allow_cast)
         return self.plan
+
+    def committed(self, request: RefitRequest) -> None:
+        """A refit committed on every rank: a LoRA policy's base weights are in the engines
+        after its first, so every later refit moves the adapter only."""
+        if self.adapter_plan is not None and request.plan_digest == self.plan.digest() != self.adapter_plan.digest():
+            self.plan = self.adapter_plan
 
     def connect(self) -> None:
         """Build the refit group and give every rank its slice (again after a failed refit, or
@@ -184,7 +205,7 @@ class RefitDriver:
         inits = []
         for lo, eng in zip(self.engine_offsets, self.engine_infos):
             slices = {r: slice_to_wire(plan.for_rank("dst", r)) for r in range(lo, lo + eng.world_size)}
-            inits.append(EngineInitInfo(replace(info, dst_offset=lo), digest, slices))
+            inits.append(EngineInitInfo(replace(info, dst_offset=lo), digest, slices, lora=self.peft))
         errors = self.on_engines(lambda llm, init: llm.init_weight_transfer_engine({"init_info": init.to_wire()}),
                                  inits, what="init_weight_transfer_engine",
                                  deadline_s=self.refit_config.timeout_s + 60.0)
@@ -341,6 +362,21 @@ class RefitDriver:
             _log.warning("closing the refit driver: %s", "; ".join(errors))
 
 
+def check_adapter_shapes(src: SideLayout, tensors: dict, peft: PeftConfig) -> None:
+    """Every adapter matrix the training ranks hold has the shape ``peft`` gives it (``dim``):
+    one line naming the first that does not, before anything is planned."""
+    extent: dict[str, list[int]] = {}
+    for q in src.pieces():
+        if q.canonical in tensors:
+            e = extent.setdefault(q.canonical, [0] * len(q.box.offsets))
+            for i, (o, n) in enumerate(zip(q.box.offsets, q.box.sizes)):
+                e[i] = max(e[i], o + n)
+    for name, held in extent.items():
+        want = list(tensors[name][0])
+        if held != want:
+            raise ConfigError(f"peft.dim={peft.dim}: the training ranks hold {name} as {held}, the settings say {want}")
+
+
 class ReshardTransport:
     """Shard to shard (the default transport): every trainer endpoint and every engine at
     once; they vote, one decision is written, all commit or none does. After a failure the
@@ -428,6 +464,7 @@ class ReshardTransport:
         reports = [r for r in replies[0].reports if r is not None]
         driver.last_reports = reports
         m = reshard_metrics(reports, seconds, cached, request, driver.plan, driver.dst.world_size)
+        driver.committed(request)
         notes, driver.notes = tuple(driver.notes), []
         return replace(m, pause_seconds=pause_s, overlapped=request.overlap, notes=m.notes + notes)
 

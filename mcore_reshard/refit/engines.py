@@ -14,12 +14,19 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
+from typing import TYPE_CHECKING
+
+from ..adapters.vllm.lora_rules import vllm_lora_layout
 from ..adapters.vllm.rules import vllm_layout
 from ..layout import LocalParam, ModelSpec, Piece, SideLayout
+from ..layout.lora import PeftConfig, adapter_tensors, with_adapter
 from ..wire.protocol import first_error_line
 
 __all__ = ["engine_world", "engine_dtype", "dst_layout_of", "ENGINE_GRACE_S", "EngineCalls", "EngineCallers",
-           "engine_is_dead", "finish_quietly", "finish_update"]
+           "engine_is_dead", "finish_quietly", "finish_update", "adapter_slots_of"]
+
+if TYPE_CHECKING:
+    from ..adapters.vllm.engine import EngineInfo
 
 _log = logging.getLogger("mcore_reshard.refit.driver")
 
@@ -69,6 +76,21 @@ def dst_layout_of(engines: Sequence[Any], spec: ModelSpec, name: str = "vllm") -
             params.extend(_restamp(worker_params, offset))
         offset += len(per_worker)
     return SideLayout(name, offset, tuple(params), spec.tensor_table())
+
+
+def adapter_slots_of(dst: SideLayout, infos: Sequence["EngineInfo"], spec: ModelSpec, peft: PeftConfig) -> SideLayout:
+    """``dst`` plus every engine's refit adapter slots (``lora_rules``), ranks offset per
+    engine: what each worker installs and checks against its live slots at init
+    (``lora_slots``), before any of it is described by the worker."""
+    params: list[LocalParam] = []
+    offset = 0
+    scale: tuple = ()
+    for info in infos:
+        slots = vllm_lora_layout(spec, replace(info.parallel, replicas=1), peft)
+        params.extend(_restamp(slots.params, offset))
+        scale = slots.scale
+        offset += info.world_size
+    return with_adapter(dst, params, adapter_tensors(spec, peft), scale)
 
 
 #: Seconds an engine may take to answer ``update_weights`` after every trainer is done.

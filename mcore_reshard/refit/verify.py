@@ -32,17 +32,9 @@ def full_verification(src: SideLayout, dst: SideLayout, trainer_locals: Sequence
     import torch
 
     from ..adapters.vllm.engine import received_weights
-    from ..transport.views import box_slices, local_view
+    from ..transport.views import box_slices, gather_canonical, local_view
 
-    canonical: dict[str, torch.Tensor] = {}
-    for p in src.params:
-        for q in p.pieces:
-            t = canonical.get(q.canonical)
-            if t is None:
-                shape, _ = src.tensors[q.canonical]
-                t = canonical[q.canonical] = torch.full(tuple(shape), float("nan"),
-                                                        dtype=trainer_locals[p.rank][p.name].dtype)
-            t[box_slices(q.box)] = local_view(trainer_locals[p.rank][p.name].contiguous(), q.view)
+    canonical = gather_canonical(src.params, src.tensors, trainer_locals)
     by_rank: dict[int, list] = {}
     for p in dst.params:
         by_rank.setdefault(p.rank, []).append(p)

@@ -19,8 +19,9 @@ from typing import Any, Callable, Sequence
 from ..infra import procs
 from ..adapters.megatron.rules import MegatronParallel
 from ..infra.checkpoint import load_canonical
-from ..errors import TrainerError
+from ..errors import ConfigError, LayoutError, TrainerError
 from ..layout import ModelSpec
+from ..layout.lora import PeftConfig
 from .losses import GrpoBatch, PgLossSettings, clipped_pg_loss
 from .ranks import RankCall, TrainerGroup, TrainerRank
 
@@ -45,6 +46,8 @@ class TrainerSetup:
     #: False only to show the hazard it prevents (tests): with ``overlap_param_gather`` the
     #: model weights are whole only after the next forward.
     sync_before_refit: bool = True
+    #: A LoRA policy (``policy.megatron_cfg.peft``): adapters trained, base weights frozen.
+    peft: PeftConfig | None = None
 
 
 class MegatronTrainerRank(TrainerRank):
@@ -63,7 +66,7 @@ class MegatronTrainerRank(TrainerRank):
         self.setup = setup
         init_megatron(setup.par, rank, setup.par.world_size, setup.host, setup.port, setup.timeout_s)
         settings = TrainSettings(**{"dtype": setup.spec.dtype, **setup.train})
-        self.policy = build_policy(setup.spec, setup.par, settings)
+        self.policy = build_policy(setup.spec, setup.par, settings, peft=setup.peft)
         self.policy.load_canonical(load_canonical(setup.checkpoint))
         sync = self.policy.sync_params if setup.sync_before_refit else (lambda: None)
         super().__init__(TrainerEndpoint(self.policy.chunks, setup.spec, rank=rank, sync_params=sync),
@@ -181,6 +184,8 @@ def _rank_main(rank: int, setup: TrainerSetup, commands: Any, replies: Any) -> N
             os._exit(0)
         try:
             replies.put(_Reply(rank, cmd.seq, True, cmd.call.run(state)))
+        except (LayoutError, ConfigError) as exc:  # bad input: its one line, not a traceback
+            replies.put(_Reply(rank, cmd.seq, False, f"in {cmd.call.what!r}: {exc}"))
         except BaseException:  # noqa: BLE001
             replies.put(_Reply(rank, cmd.seq, False, f"in {cmd.call.what!r}:\n{traceback.format_exc()}"))
 

@@ -15,7 +15,7 @@ import torch
 from ..layout.descriptor import Box, LocalParam, Piece, View
 from ..layout.dtensor import DTensorForm
 
-__all__ = ["ReceivedWeights", "BIT_VIEWS", "box_slices", "local_view", "scatter_flat", "canonical_box", "materialize_local", "write_pieces", "zero_padding",
+__all__ = ["ReceivedWeights", "BIT_VIEWS", "box_slices", "local_view", "scatter_flat", "canonical_box", "materialize_local", "write_pieces", "zero_padding", "gather_canonical",
            "torch_placements", "TORCH_DTYPES"]
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -79,6 +79,23 @@ def zero_padding(local: torch.Tensor, param: LocalParam) -> None:
     for piece in param.pieces:
         local_view(covered, piece.view).fill_(True)
     local.masked_fill_(~covered, 0)
+
+
+def gather_canonical(params: Sequence[LocalParam], tensors: Mapping[str, tuple], locals_: Sequence[Mapping[str, torch.Tensor]],
+                     only: Any = None) -> dict[str, torch.Tensor]:
+    """The canonical tensors a side's ranks hold, assembled from every rank's local tensors
+    (``locals_[rank][name]``; NaN where no piece covers). ``only(canonical) -> bool`` limits it."""
+    out: dict[str, torch.Tensor] = {}
+    for p in params:
+        for q in p.pieces:
+            if only is not None and not only(q.canonical):
+                continue
+            t = out.get(q.canonical)
+            if t is None:
+                shape, _ = tensors[q.canonical]
+                t = out[q.canonical] = torch.full(tuple(shape), float("nan"), dtype=locals_[p.rank][p.name].dtype)
+            t[box_slices(q.box)] = local_view(locals_[p.rank][p.name].contiguous(), q.view)
+    return out
 
 
 def materialize_local(param: LocalParam, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:

@@ -28,6 +28,7 @@ from typing import Any, Mapping
 
 from ..errors import ConfigError
 from ..layout.descriptor import Box, LocalParam, Piece, View
+from ..layout.lora import PeftConfig
 from .faults import EngineFault
 
 __all__ = [
@@ -311,19 +312,26 @@ class EngineInitInfo:
     plan_digest: str
     slices: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)
     slice_digests: Mapping[int, str] = field(default_factory=dict)
+    #: A LoRA policy: the engine holds a refit adapter in its LoRA slots
+    #: (``adapters/vllm/lora_slots.py``), and the slices may write its slot tensors.
+    lora: PeftConfig | None = None
 
     def to_wire(self) -> dict:
         out: dict[str, Any] = {"join": self.join.to_wire(), "plan_digest": self.plan_digest,
                                "slices": {str(r): s for r, s in self.slices.items()}}
         if self.slice_digests:
             out["slice_digests"] = {str(r): d for r, d in self.slice_digests.items()}
+        if self.lora is not None:
+            out["lora"] = self.lora.to_wire()
         return out
 
     @staticmethod
     def from_wire(d: Mapping[str, Any]) -> "EngineInitInfo":
+        lora = d.get("lora")
         return EngineInitInfo(JoinInfo.from_wire(d["join"]), str(d.get("plan_digest", "")),
                               {int(r): s for r, s in (d.get("slices") or {}).items()},
-                              {int(r): str(g) for r, g in (d.get("slice_digests") or {}).items()})
+                              {int(r): str(g) for r, g in (d.get("slice_digests") or {}).items()},
+                              PeftConfig.from_wire(dict(lora)) if lora else None)
 
 
 @dataclass(frozen=True)

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Sequence
 
-from ...layout import LocalParam, ModelSpec
+from ...layout import LayoutError, LocalParam, ModelSpec
 from ...wire.protocol import JoinInfo, RankReport, RefitRequest
 from ...transport.endpoint import IN_PLACE, Outcome, RefitEndpoint
 from ...transport.faults import ExitAfterReads
 from ...wire.faults import Fault
-from .live import describe, named_local_params
+from .live import _unwrap, describe, named_local_params
+from .lora import policy_peft
 
 __all__ = ["TrainerEndpoint", "sync_params_before_refit"]
 
@@ -67,7 +68,18 @@ class TrainerEndpoint:
         return self._endpoint.join(info)
 
     def set_plan(self, slice_wire: Mapping[str, Any], plan_digest: str) -> str:
-        return self._endpoint.set_plan(slice_wire, plan_digest)
+        """Keep this rank's slice; a LoRA policy checks the scaling the plan sends its B with
+        against its own ``alpha / r`` (the engine folds the plan's into its slots)."""
+        digest = self._endpoint.set_plan(slice_wire, plan_digest)
+        peft = policy_peft(_unwrap(self.chunks[0]))
+        scale = self._endpoint._slice.get("lora")
+        for name, factor in (scale.locals if scale is not None else ()):
+            if peft is None or abs(factor - peft.scaling) > 1e-12 * peft.scaling:
+                self._endpoint._slice = None
+                mine = "no adapters" if peft is None else f"peft.alpha={peft.alpha:g}, peft.dim={peft.dim}"
+                raise LayoutError(f"training rank {self.rank}: the plan scales {name} by {factor:g} (the engine's "
+                                  f"alpha / r); this policy has {mine}")
+        return digest
 
     def local_tensors(self) -> dict[str, Any]:
         """The live local parameters by descriptor name (read, never copied)."""

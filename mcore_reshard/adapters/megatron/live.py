@@ -12,9 +12,12 @@ from __future__ import annotations
 from typing import Sequence
 
 from ...layout import LayoutError, LocalParam, ModelSpec, SideLayout
+from ...layout.lora import PeftConfig, adapter_tensors
+from .lora import policy_peft
+from .lora_rules import megatron_lora_rank_params
 from .rules import TIED_OUTPUT_NOTE, MegatronParallel, megatron_rank_params, rank_coords
 
-__all__ = ["live_parallel", "named_local_params", "describe", "describe_world"]
+__all__ = ["live_parallel", "named_local_params", "describe", "describe_world", "side_tensors"]
 
 
 def _unwrap(module):
@@ -134,6 +137,9 @@ def describe(model_chunks: Sequence, spec: ModelSpec) -> list[LocalParam]:
     _check_spec(spec, _unwrap(model_chunks[0]).config)
     par, rank = live_parallel(model_chunks)
     predicted = megatron_rank_params(spec, par, rank)
+    peft = policy_peft(_unwrap(model_chunks[0]))
+    if peft is not None:  # a LoRA policy: its adapters too (``lora_rules``)
+        predicted = predicted + megatron_lora_rank_params(spec, par, peft, rank)
     live = named_local_params(model_chunks)
     by_name = {p.name: p for p in predicted}
     for name, tensor in live.items():
@@ -154,6 +160,11 @@ def describe(model_chunks: Sequence, spec: ModelSpec) -> list[LocalParam]:
     return predicted
 
 
+def side_tensors(spec: ModelSpec, peft: "PeftConfig | None") -> dict:
+    """Canonical tensors of a policy: the model's, and a LoRA policy's adapter matrices."""
+    return {**spec.tensor_table(), **(adapter_tensors(spec, peft) if peft is not None else {})}
+
+
 def describe_world(model_chunks: Sequence, spec: ModelSpec) -> SideLayout:
     """Every rank's descriptors, all-gathered over the default group (collective)."""
     import torch.distributed as dist
@@ -168,6 +179,6 @@ def describe_world(model_chunks: Sequence, spec: ModelSpec) -> SideLayout:
         name=f"megatron-live(tp={par.tp},pp={par.pp},vpp={par.vpp},ep={par.ep},etp={par.etp_size},dp={par.dp})",
         world_size=dist.get_world_size(),
         params=params,
-        tensors=spec.tensor_table(),
+        tensors=side_tensors(spec, policy_peft(_unwrap(model_chunks[0]))),
         notes=notes,
     )

@@ -29,6 +29,8 @@ from .rules import MegatronParallel
 if TYPE_CHECKING:
     import torch
 
+    from ...layout.lora import PeftConfig
+
 __all__ = [
     "TrainSettings",
     "Policy",
@@ -141,14 +143,19 @@ class Policy:
 
     def load_canonical(self, tensors: dict[str, "torch.Tensor"]) -> None:
         """Write HF tensors into the model params through the descriptors (padding rows zero),
-        then reload the optimizer's fp32 main params from them."""
+        then reload the optimizer's fp32 main params from them. A LoRA policy's adapters that
+        ``tensors`` does not hold (an HF checkpoint without a PEFT adapter) keep their
+        initialisation."""
         import torch
 
+        from ...layout.lora import is_adapter_tensor
         from ...transport.views import write_pieces
 
         params = self.local_params()
         with torch.no_grad():
             for lp in self.describe():
+                if any(is_adapter_tensor(q.canonical) and q.canonical not in tensors for q in lp.pieces):
+                    continue
                 t = params[lp.name].data
                 t.zero_()
                 write_pieces(t, lp.pieces, tensors)
@@ -316,7 +323,7 @@ def _write_tied_output(p, spec: ModelSpec, tensors) -> None:
 
 
 def build_policy(spec: ModelSpec, par: MegatronParallel, settings: TrainSettings = TrainSettings(),
-                 max_seq: int = 512) -> Policy:
+                 max_seq: int = 512, peft: "PeftConfig | None" = None) -> Policy:
     """Build the policy on this rank (call after :func:`.build.init_megatron`; collective).
 
     Megatron-LM's ``get_model`` + ``setup_model_and_optimizer``: ``GPTModel`` chunks in
@@ -324,6 +331,9 @@ def build_policy(spec: ModelSpec, par: MegatronParallel, settings: TrainSettings
     only on the first chunk) -> ``broadcast_params`` -> ``get_megatron_optimizer``; the schedule
     hooks (``grad_scale_func``, ``no_sync_func``, ``grad_sync_func``,
     ``finalize_model_grads_func``) are set on the config as Megatron-LM's ``train`` sets them.
+
+    ``peft``: a LoRA policy (``lora.add_lora``): adapters added to the bare chunks and every
+    base weight frozen, so DDP's buckets and the (distributed) optimizer hold the adapters only.
     """
     import torch
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, \
@@ -341,6 +351,10 @@ def build_policy(spec: ModelSpec, par: MegatronParallel, settings: TrainSettings
     bf16 = settings.dtype == "bfloat16"
     raw = build_gpt(spec, par, dtype=settings.dtype, max_seq=max_seq)
     config = raw[0].config
+    if peft is not None and peft.enabled:
+        from .lora import add_lora
+
+        add_lora(raw, spec, peft)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=settings.grad_reduce_in_fp32,
         overlap_grad_reduce=settings.overlap_grad_reduce,

@@ -48,7 +48,7 @@ from ...transport.endpoint import Prepared
 from ...transport.views import copy_unless_same, local_view, zero_padding
 from ...wire.protocol import RefitRequest
 from .baselines import ModelFormatCopies
-from .layers import (DIRECT, MLA_NOTE, RELOAD, aliased, commit_shadow, mla_absorbers, open_shadow, owner,
+from .layers import (DIRECT, MLA_NOTE, RELOAD, aliased, commit_shadow, guarded, mla_absorbers, open_shadow, owner,
                      plain_linear_enabled, process_shadow, reabsorb, reprepack_cpu_moe, select_modes, swap_into)
 
 __all__ = ["VllmApplier", "RefitIncomplete", "select_modes", "plain_linear_enabled", "mla_absorbers", "DIRECT",
@@ -137,7 +137,7 @@ class VllmApplier:
         # server's /resume): a model step on torn weights raises instead of computing. On
         # every module that owns a parameter written here, not the top model: vLLM's
         # compile decorator calls the top model's ``forward`` directly, skipping its hooks.
-        owners = {id(m): m for m, _ in self._owners.values()}
+        owners = {id(guarded(m)): guarded(m) for m, _ in self._owners.values()}
         self._gate = [m.register_forward_pre_hook(self._refuse_if_torn) for m in owners.values()]
 
     def _refuse_if_torn(self, module: torch.nn.Module, args: Any) -> None:

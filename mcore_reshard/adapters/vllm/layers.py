@@ -17,8 +17,9 @@ import torch
 
 from ...layout.descriptor import LayoutError, LocalParam
 from ...transport.views import TORCH_DTYPES
+from .lora_rules import is_slot_name, parse_slot_name
 
-__all__ = ["DIRECT", "RELOAD", "MLA_NOTE", "owner", "plain_linear_enabled", "kernel_is_model_format",
+__all__ = ["DIRECT", "RELOAD", "MLA_NOTE", "owner", "LoraSlot", "guarded", "plain_linear_enabled", "kernel_is_model_format",
            "mla_absorbers", "reabsorb", "select_modes", "aliased", "swap_into", "shadow_module",
            "reprepack_cpu_moe", "MISSING", "open_shadow", "process_shadow", "commit_shadow"]
 
@@ -30,9 +31,31 @@ DIRECT = "direct"
 RELOAD = "reload"
 
 
-def owner(model: torch.nn.Module, local_name: str) -> tuple[torch.nn.Module, str]:
+class LoraSlot:
+    """One slot of a LoRA layer's stacked A or B (``lora_rules.slot_name``), addressed as the
+    applier addresses a parameter: ``value`` is the live slot (a view into the stacked tensor,
+    so it is always written in place, never rebound); ``layer`` is the module whose forward
+    reads it (the applier's gate)."""
+
+    __slots__ = ("layer", "value")
+
+    def __init__(self, layer: torch.nn.Module, value: torch.Tensor) -> None:
+        self.layer, self.value = layer, value
+
+
+def owner(model: torch.nn.Module, local_name: str) -> tuple["torch.nn.Module | LoraSlot", str]:
+    """The module (or LoRA slot) that holds ``local_name``, and its attribute there."""
+    if is_slot_name(local_name):
+        module, part, k, slot = parse_slot_name(local_name)
+        layer = model.get_submodule(module)
+        return LoraSlot(layer, getattr(layer, f"{part}_stacked")[k][slot, 0]), "value"
     mname, _, pname = local_name.rpartition(".")
     return (model.get_submodule(mname) if mname else model), pname
+
+
+def guarded(holder: "torch.nn.Module | LoraSlot") -> torch.nn.Module:
+    """The module whose forward reads what ``holder`` holds."""
+    return holder.layer if isinstance(holder, LoraSlot) else holder
 
 
 def plain_linear_enabled(layer: torch.nn.Module) -> bool:
@@ -112,9 +135,11 @@ def select_modes(model: torch.nn.Module, params: Sequence[LocalParam]) -> dict[s
 MISSING = object()
 
 
-def aliased(layer: torch.nn.Module, pname: str) -> bool:
+def aliased(layer: "torch.nn.Module | LoraSlot", pname: str) -> bool:
     """Whether a buffer of ``layer`` shares parameter ``pname``'s storage (it would keep the
-    old storage after a rebind)."""
+    old storage after a rebind); a LoRA slot always does (its stacked tensor)."""
+    if isinstance(layer, LoraSlot):
+        return True
     ptr = getattr(layer, pname).untyped_storage().data_ptr()
     return any(b is not None and b.untyped_storage().data_ptr() == ptr for b in layer._buffers.values())
 

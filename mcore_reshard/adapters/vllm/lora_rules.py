@@ -25,7 +25,7 @@ from ...layout import Box, LayoutError, LocalParam, ModelSpec, Piece, SideLayout
 from ...layout.lora import PeftConfig, adapter_tensors, lora_name
 from .parallel import VllmParallel, check_dims
 
-__all__ = ["vllm_lora_layout", "vllm_lora_rank_params", "slot_name", "parse_slot_name", "LORA_MODULES"]
+__all__ = ["vllm_lora_layout", "vllm_lora_rank_params", "slot_name", "parse_slot_name", "is_slot_name", "LORA_MODULES"]
 
 #: Megatron module -> (vLLM module, its HF sub-projections in slice order).
 LORA_MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -39,6 +39,12 @@ LORA_MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
 def slot_name(layer: int, module: str, part: str, k: int, slot: int) -> str:
     """Local name of one slot of one stacked LoRA tensor (``part``: ``lora_a`` or ``lora_b``)."""
     return f"model.layers.{layer}.{module}.{part}_stacked.{k}.slot{slot}"
+
+
+def is_slot_name(name: str) -> bool:
+    """Whether a local name is a ``slot_name``."""
+    module, _, last = name.rpartition(".")
+    return last.startswith("slot") and last[4:].isdigit() and "_stacked." in module
 
 
 def parse_slot_name(name: str) -> tuple[str, str, int, int]:

@@ -44,7 +44,10 @@ from ...wire.protocol import (EngineInitInfo, EngineUpdateInfo, RankReport, Refi
 from ...wire.slice_store import fetch_slice
 from ...transport.endpoint import Outcome, RefitEndpoint
 from ...wire.faults import Fault
+from ...layout.lora import PeftConfig
 from .apply import VllmApplier
+from .lora_slots import install_refit_adapter
+from .parallel import VllmParallel
 from .record import record_local_params
 from .sinks import AlteredBaseline, refit_sink
 
@@ -112,18 +115,29 @@ class ReshardWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUpd
         #: The refit between ``update_weights`` and ``finish_weight_update``: voted, or (overlapped)
         #: receiving and voting on its own thread.
         self._pending: _Voted | _Background | None = None
+        #: A LoRA policy's refit adapter (``lora_slots``): its slot tensors on this worker.
+        self.adapter_params: list[LocalParam] = []
 
     # -- descriptors ------------------------------------------------------------------------
     def params(self) -> list[LocalParam]:
-        """This worker's destination pieces, recorded once with vLLM's own loaders."""
+        """This worker's destination pieces, recorded once with vLLM's own loaders, and the
+        slots of its refit adapter once one is installed."""
         if self._params is None:
             self._params = record_local_params(self.model, canonical_tensors(self.vllm_config), self.local_rank,
                                                vllm_config=self.vllm_config, device=self.device)
-        return self._params
+        return self._params + self.adapter_params
+
+    def install_adapter(self, peft: PeftConfig) -> None:
+        """A LoRA policy's refit adapter in this worker's LoRA slots (``lora_slots``; once)."""
+        mc, par = self.vllm_config.model_config, self.vllm_config.parallel_config
+        spec = spec_from_hf_config(mc.hf_config, dtype=str(mc.dtype).replace("torch.", ""))
+        self.adapter_params = install_refit_adapter(
+            self.model, peft, spec, VllmParallel(tp=int(par.tensor_parallel_size), pp=int(par.pipeline_parallel_size)),
+            self.local_rank)
 
     def applier(self, atomic: bool) -> VllmApplier:
         ap = self._applier
-        if ap is None or ap.atomic != atomic:
+        if ap is None or ap.atomic != atomic or len(ap.params) != len(self.params()):
             new = VllmApplier(self.model, self.params(), atomic=atomic, device=self.device,
                               rebind=rebind_commits(self.vllm_config, self.device))
             if ap is not None:
@@ -159,6 +173,11 @@ class ReshardWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUpd
         rank = info.dst_offset + self.local_rank
         endpoint = RefitEndpoint("dst", rank, self.device)
         self.init_error = ""
+        if message.lora is not None:
+            try:
+                self.install_adapter(message.lora)
+            except Exception as exc:  # noqa: BLE001 - reported by this worker's first vote
+                self.init_error = first_error_line(exc)
         wire = message.slices.get(rank)
         by_digest = message.slice_digests.get(rank) if wire is None else None
         if by_digest is None:
@@ -189,7 +208,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUpd
             endpoint.set_plan(wire, digest)
             self._check_slice(endpoint, rank, digest)
         except Exception as exc:  # noqa: BLE001 - reported by this worker's first vote
-            self.init_error = first_error_line(exc)
+            self.init_error = self.init_error or first_error_line(exc)  # the adapter's refusal is the cause
 
     def _check_slice(self, endpoint: RefitEndpoint, rank: int, digest: str) -> None:
         held = {p.name: p for p in self.params()}
