@@ -27,6 +27,7 @@ pytestmark = pytest.mark.slow  # every test runs GRPO: megatron ranks, a vLLM en
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "grpo-tiny-moe-cpu.yaml"
 ASYNC_RECIPE = ROOT / "recipes" / "grpo-tiny-moe-cpu-async.yaml"
+LORA_RECIPE = ROOT / "recipes" / "grpo-tiny-lora-cpu.yaml"
 
 
 def _run_processes() -> set[int]:
@@ -265,6 +266,38 @@ def test_async_run_two_versions_ahead_with_drained_blocking_refits():
     assert steps[-1]["refit_full_verified"]
 
 
+def _lora_run(workdir: Path) -> dict:
+    """``mcore-reshard grpo`` on the tiny LoRA recipe for three steps, ``verify=full`` on the last."""
+    logs = workdir / "logs"
+    cmd = [sys.executable, "-m", "mcore_reshard.cli", "grpo", str(LORA_RECIPE), "grpo.max_num_steps=3",
+           "grpo.verify_full_every_n_steps=3", f"logger.log_dir={logs}"]
+    return _cli(cmd, logs, 400)
+
+
+def test_lora_run_refits_the_adapter_only_every_refit_verified():
+    """A LoRA policy (``recipes/grpo-tiny-lora-cpu.yaml``: Megatron-Bridge's adapters on a TP2
+    policy, one TP1 engine with LoRA slots): every step's rollouts name the engine's refit
+    adapter and match the trainer's logprobs at fp32's bound, and every refit after the first
+    (the base and the adapter, at start-up) moves the adapter only -- what the engine's slot
+    holds of it, at the minimum -- verified, ``verify=full`` on the last."""
+    from mcore_reshard.adapters.vllm.lora_rules import vllm_lora_layout
+    from mcore_reshard.adapters.vllm.rules import VllmParallel
+    from mcore_reshard.jobs.grpo.recipe import load_grpo_recipe
+
+    recipe = load_grpo_recipe(LORA_RECIPE)
+    slots = vllm_lora_layout(recipe.spec, VllmParallel(tp=1), recipe.peft)
+    adapter_bytes = sum(p.numel - p.padding for p in slots.params) * 4  # fp32
+    r = BACKGROUND.result("grpo-lora", _lora_run)
+    assert r["returncode"] == 0, r["stderr"][-2000:]
+    steps = r["steps"]
+    assert [s["step"] for s in steps] == [0, 1, 2]
+    for s in steps:
+        assert s["refit_verified"] is True and _at_minimum(s)
+        assert s["refit_bytes_min"] == s["refit_bytes_full"] == adapter_bytes  # the adapter only
+        assert 1.0 <= s["token_mult_prob_error"] <= 1.001  # the served adapter is the trained one
+    assert [s["refit_full_verified"] for s in steps] == [False, False, True]
+
+
 #: Runs ``conftest.py`` starts when the session starts (one at a time, on a background thread)
 #: for these tests: self-contained CLI runs, asserted on where the file order puts the tests.
 BACKGROUND_JOBS = {
@@ -273,6 +306,7 @@ BACKGROUND_JOBS = {
     "test_async_run_trains_on_samples_of_the_previous_version_each_token_checked_against_its_own":
         ("grpo-async", _async_run),
     "test_async_run_two_versions_ahead_with_drained_blocking_refits": ("grpo-async-drained", _drained_run),
+    "test_lora_run_refits_the_adapter_only_every_refit_verified": ("grpo-lora", _lora_run),
 }
 
 

@@ -409,3 +409,17 @@ def test_hf_broadcast_transport_is_named(capsys):
     rep = _json(capsys, ["grpo", str(TINY), "policy.megatron_cfg.mcore_reshard.transport=hf_broadcast", "--dry-run",
                          "--json"])
     assert rep["transport"] == "hf_broadcast"
+
+
+def test_lora_recipes_run_where_the_cpu_build_serves_lora_and_refuse_the_baseline_transport(capsys):
+    """The tiny LoRA recipe runs here (a dense model); the 30B one plans but says in one line why
+    it cannot run here (vLLM's CPU build has no MoE LoRA); the HF-broadcast baseline has no
+    adapter path, so a LoRA policy with it is refused naming the key."""
+    tiny = load_grpo_recipe(REPO / "recipes" / "grpo-tiny-lora-cpu.yaml")
+    assert tiny.local_problem is None and tiny.peft is not None and tiny.peft.dim == 8 and tiny.training.tp == 2
+    big = load_grpo_recipe(REPO / "recipes" / "grpo-qwen3-30b-a3b-4n8g-lora.yaml")
+    assert big.peft is not None and "cannot run an engine with LoRA on a MoE model" in big.local_problem
+    with pytest.raises(ConfigError, match=r"^policy.megatron_cfg.mcore_reshard.transport='hf_broadcast' with "
+                                          r"policy.megatron_cfg.peft.enabled=true: only the reshard transport"):
+        load_grpo_recipe(REPO / "recipes" / "grpo-tiny-lora-cpu.yaml",
+                         ["policy.megatron_cfg.mcore_reshard.transport=hf_broadcast"])

@@ -186,6 +186,12 @@ class RefitDriver:
                                          bucket_bytes=cfg.bucket_bytes, allow_cast=cfg.allow_cast)
         return self.plan
 
+    def plan_sides(self) -> tuple[SideLayout, SideLayout]:
+        """The two sides of the current plan: a LoRA policy's adapter plan has the adapter only."""
+        if self.adapter_plan is not None and self.plan is self.adapter_plan:
+            return adapters_only(self.src), adapters_only(self.dst)
+        return self.src, self.dst
+
     def committed(self, request: RefitRequest) -> None:
         """A refit committed on every rank: a LoRA policy's base weights are in the engines
         after its first, so every later refit moves the adapter only."""

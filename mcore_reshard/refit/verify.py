@@ -35,6 +35,7 @@ def full_verification(src: SideLayout, dst: SideLayout, trainer_locals: Sequence
     from ..transport.views import box_slices, gather_canonical, local_view
 
     canonical = gather_canonical(src.params, src.tensors, trainer_locals)
+    scale = dict(dst.scale)
     by_rank: dict[int, list] = {}
     for p in dst.params:
         by_rank.setdefault(p.rank, []).append(p)
@@ -46,6 +47,8 @@ def full_verification(src: SideLayout, dst: SideLayout, trainer_locals: Sequence
                 tensor, where = held.tensors[p.name], held.where[p.name]
                 for q in p.pieces:
                     want = canonical[q.canonical][box_slices(q.box)].to(tensor.dtype)
+                    if q.canonical in scale:  # held times alpha / r, rounded as the sender rounds it
+                        want = want.clone().mul_(scale[q.canonical])
                     if not torch.equal(local_view(tensor.contiguous(), q.view), want):
                         raise RefitError(f"full verification: {p.name} on destination rank {rank} ({where}) differs "
                                          f"from training's {q.canonical} at box {q.box}")

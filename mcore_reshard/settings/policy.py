@@ -142,6 +142,10 @@ def from_policy_config(cfg: Mapping[str, Any]) -> RecipeLayout:
     topology = TopologyConfig(gpus_per_node=read(cfg, RECIPE.gpus_per_node),
                               placement="colocated" if colocated else "separate")
     peft = read_section(cfg, RECIPE.peft)
+    if peft.enabled and refit.transport != "reshard":
+        raise ConfigError(f"policy.megatron_cfg.mcore_reshard.transport={refit.transport!r} with "
+                          f"policy.megatron_cfg.peft.enabled=true: only the reshard transport refits a LoRA policy's "
+                          f"adapter (the HF broadcast goes through vLLM's loader, which has no adapter path)")
     return RecipeLayout(spec, training, vllm, refit, topology=topology, peft=peft if peft.enabled else None)
 
 

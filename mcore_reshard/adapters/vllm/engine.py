@@ -214,7 +214,8 @@ class AsyncEngine:
 
         self._call("update_weights", WeightTransferUpdateRequest(update_info=request["update_info"]))
 
-    def generate(self, prompts: Sequence[Any], sampling_params: Any, use_tqdm: bool = False) -> list[Any]:
+    def generate(self, prompts: Sequence[Any], sampling_params: Any, use_tqdm: bool = False,
+                 lora_request: Any = None) -> list[Any]:
         """``LLM.generate``'s shape: every prompt as one request on the engine's loop, all at
         once; their final outputs in prompt order (so the helpers below serve both engines)."""
         import asyncio
@@ -232,7 +233,7 @@ class AsyncEngine:
             if salt is not None and isinstance(prompt, dict) and "cache_salt" not in prompt:
                 prompt = {**prompt, "cache_salt": salt}
             final = None
-            async for out in self.engine.generate(prompt, sp, request_id=uuid.uuid4().hex):
+            async for out in self.engine.generate(prompt, sp, request_id=uuid.uuid4().hex, lora_request=lora_request):
                 final = out
             return final
 

@@ -135,11 +135,11 @@ class GrpoRun:
         timeout = max(r.refit.timeout_s, 120.0)
         # Trainers are placed first (their PACK group fills whole nodes), engines next; both
         # sides build their models at the same time.
-        setup = TrainerSetup(r.spec, r.training, str(ckpt), port=0, timeout_s=timeout, train={"lr": r.lr})
+        setup = TrainerSetup(r.spec, r.training, str(ckpt), port=0, timeout_s=timeout, train={"lr": r.lr}, peft=r.peft)
         self.trainers = RayTrainerGroup.megatron(setup, timeout_s=timeout, wait=False)
         self._closers.append(self.trainers.close)
         engines, pgs = start_engines(str(ckpt), r.vllm.replicas, r.vllm.tp, r.dtype, r.refit.apply_mode,
-                                     timeout_s=timeout, async_engine=r.async_engine)
+                                     timeout_s=timeout, async_engine=r.async_engine, peft=r.peft)
         self.engines = engines
         self._closers.append(lambda: stop_engines(engines, pgs))
         self.trainers.started()
@@ -147,7 +147,7 @@ class GrpoRun:
         if r.colocated:
             placement = _colocated(r, self.trainers.nodes, [e.info for e in engines])
         self.driver = RefitDriver(self.trainers, engines, r.refit, r.spec, host=self.trainers.host,
-                                  port=self.trainers.free_port, placement=placement)
+                                  port=self.trainers.free_port, placement=placement, peft=r.peft)
         self.driver.__enter__()
         self._closers.append(lambda: self.driver.__exit__(None, None, None))
         self.task = TargetTokensTask.from_fraction(r.spec.vocab, r.task.target_fraction, r.task.prompt_length,
@@ -189,7 +189,7 @@ class GrpoRun:
         if not m.verified and request.verify.checksums:  # what this refit asked for, not the config's default
             raise RefitFailed(f"refit not verified: {m.notes or 'a destination rank reported no checksum pass'}")
         if full:
-            note = full_verification(d.src, d.dst, self.trainers.local_tensors().wait(), self.engines)
+            note = full_verification(*d.plan_sides(), self.trainers.local_tensors().wait(), self.engines)
             m = replace(m, notes=m.notes + (note,))
         return m
 

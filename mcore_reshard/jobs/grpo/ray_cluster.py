@@ -28,11 +28,13 @@ from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 from ...adapters.vllm.plugin import BACKEND
+from ...layout.lora import PeftConfig
 from ...errors import RefitFailed, TrainerError
 from ...infra.ports import free_port
 from ...wire.protocol import first_error_line
 from ...training.ranks import RankCall, TrainerGroup
 from ...training.pool import MegatronTrainerRank
+from ..refit import lora_engine_args
 
 __all__ = ["RayJob", "RayTrainerGroup", "EngineActor", "AsyncEngineActor", "EngineHandle",
            "Completion", "completions", "start_engines", "node_of"]
@@ -290,15 +292,17 @@ class EngineActor:
     """One vLLM engine (``LLM`` with the ``mcore_reshard`` weight-transfer backend and the
     diagnostics extension) in a Ray actor; its workers are the actor's child processes."""
 
-    def __init__(self, model_dir: str, tp: int, dtype: str, apply_mode: str, env: dict[str, str]) -> None:
+    def __init__(self, model_dir: str, tp: int, dtype: str, apply_mode: str, env: dict[str, str],
+                 peft: PeftConfig | None = None) -> None:
         os.environ.update(env)
         from ...adapters.vllm.engine import start_engine
         from ...adapters.vllm.worker import REFIT_EXTENSION
 
         extra = {"distributed_executor_backend": "mp"} if tp > 1 else {}
+        self.peft = peft
         self.llm = start_engine(model_dir, tp=tp, dtype=dtype, direct=apply_mode == "direct",
                                 worker_extension_cls=REFIT_EXTENSION, weight_transfer_config={"backend": BACKEND},
-                                **extra)
+                                **extra, **lora_engine_args(peft))
 
     def where(self) -> dict:
         from ...adapters.vllm.engine import engine_info
@@ -311,7 +315,7 @@ class EngineActor:
     def sample(self, prompts: list[list[int]], n: int, max_tokens: int, temperature: float,
                seed: int) -> list[list[Completion]]:
         """``n`` sampled completions per prompt (see :func:`completions`)."""
-        return _sample(self.llm, prompts, n, max_tokens, temperature, seed)
+        return _sample(self.llm, prompts, n, max_tokens, temperature, seed, self.peft)
 
     def shutdown(self) -> None:
         _shutdown(self.llm)
@@ -323,16 +327,19 @@ Completion = tuple[list[int], list[float], list[tuple[str, int, int]]]
 
 
 def _sample(llm: Any, prompts: list[list[int]], n: int, max_tokens: int, temperature: float,
-            seed: int) -> list[list[Completion]]:
+            seed: int, peft: PeftConfig | None = None) -> list[list[Completion]]:
     """``n`` sampled completions per prompt of ``llm`` (``LLM`` or ``AsyncEngine``), with vLLM's
-    raw logprobs of the sampled tokens (before temperature, as the trainer computes them)."""
+    raw logprobs of the sampled tokens (before temperature, as the trainer computes them). A
+    LoRA policy's requests name the engine's refit adapter."""
     from vllm import SamplingParams
 
     from ...adapters.vllm.engine import check_serving
+    from ...adapters.vllm.lora_slots import refit_lora_request
 
     check_serving(llm)
     sp = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, ignore_eos=True, logprobs=0, seed=seed)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    lora = {"lora_request": refit_lora_request(peft)} if peft is not None else {}
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False, **lora)
     return [completions(o, n) for o in outs]
 
 
@@ -366,15 +373,17 @@ class AsyncEngineActor:
     requests keep decoding on the engine's own event loop; completions carry the weight
     versions that produced each token."""
 
-    def __init__(self, model_dir: str, tp: int, dtype: str, apply_mode: str, env: dict[str, str]) -> None:
+    def __init__(self, model_dir: str, tp: int, dtype: str, apply_mode: str, env: dict[str, str],
+                 peft: PeftConfig | None = None) -> None:
         os.environ.update(env)
         from ...adapters.vllm.engine import start_async_engine
         from ...adapters.vllm.worker import REFIT_EXTENSION
 
         extra = {"distributed_executor_backend": "mp"} if tp > 1 else {}
+        self.peft = peft
         self.llm = start_async_engine(model_dir, tp=tp, dtype=dtype, direct=apply_mode == "direct",
                                       worker_extension_cls=REFIT_EXTENSION, weight_transfer_config={"backend": BACKEND},
-                                      **extra)
+                                      **extra, **lora_engine_args(peft))
 
     async def where(self) -> dict:
         return {**node_of(), "engine": self.llm.engine_info}
@@ -392,7 +401,7 @@ class AsyncEngineActor:
         import asyncio
 
         return await asyncio.get_running_loop().run_in_executor(
-            None, _sample, self.llm, prompts, n, max_tokens, temperature, seed)
+            None, _sample, self.llm, prompts, n, max_tokens, temperature, seed, self.peft)
 
     async def shutdown(self) -> None:
         _shutdown(self.llm)
@@ -443,7 +452,8 @@ class EngineHandle:
 
 def start_engines(model_dir: str, replicas: int, tp: int, dtype: str, apply_mode: str, *, timeout_s: float,
                   start_timeout_s: float = START_TIMEOUT_S, env: dict[str, str] | None = None,
-                  name: str = "mr_engine", async_engine: bool = False) -> tuple[list[EngineHandle], list]:
+                  name: str = "mr_engine", async_engine: bool = False,
+                  peft: PeftConfig | None = None) -> tuple[list[EngineHandle], list]:
     """``replicas`` engine actors (:class:`AsyncEngineActor` with ``async_engine``, else
     :class:`EngineActor`), each in a placement group of one bundle of ``tp`` devices.
     Each must be up within ``start_timeout_s`` (a model load and a compile: slower than any
@@ -465,7 +475,7 @@ def start_engines(model_dir: str, replicas: int, tp: int, dtype: str, apply_mode
             cls = ray.remote(num_cpus=tp, num_gpus=device.get("GPU", 0), max_restarts=0)(
                 AsyncEngineActor if async_engine else EngineActor)
             actors.append(cls.options(scheduling_strategy=_strategy(pg, 0), name=f"{name}_{e}")
-                          .remote(model_dir, tp, dtype, apply_mode, env))
+                          .remote(model_dir, tp, dtype, apply_mode, env, peft))
         infos = []
         for e, a in enumerate(actors):
             try:

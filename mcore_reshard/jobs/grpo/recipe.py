@@ -20,6 +20,7 @@ from ...adapters.megatron.rules import MegatronParallel
 from ...adapters.vllm.rules import VllmParallel
 from ...errors import ConfigError
 from ...layout import ModelSpec
+from ...layout.lora import PeftConfig
 from ...settings.policy import from_policy_config
 from ...settings import (KNOWN_KEYS, LOCAL_DTYPES, RECIPE, TINY_MODELS, AsyncGrpoSettings, ClusterSettings,
                         GenerationSettings, GrpoSettings, LossSettings, RaySettings, RefitConfig, TaskSettings,
@@ -68,6 +69,8 @@ class GrpoRecipe:
     async_grpo: AsyncGrpoSettings  # grpo.async_grpo
     #: None if this recipe runs on this CPU machine; else one line why not.
     local_problem: str | None
+    #: ``policy.megatron_cfg.peft``: a LoRA policy (None: every weight trains).
+    peft: PeftConfig | None = None
 
     @property
     def checkpoint_family(self) -> str | None:
@@ -100,12 +103,13 @@ def _check_placement(cluster: ClusterSettings, gen_nodes: int, gen_gpn: int, tra
         )
 
 
-def _lora_problem(peft: Any) -> str | None:
-    """A LoRA policy plans (``mcore-reshard plan``, ``--dry-run``) but does not train here yet."""
-    if peft is None:
+def _lora_problem(peft: PeftConfig | None, spec: ModelSpec) -> str | None:
+    """Why this machine cannot serve a LoRA policy's engine (None: it can)."""
+    if peft is None or not spec.moe_layers:
         return None
-    return ("policy.megatron_cfg.peft.enabled=true: a LoRA policy's adapter refits plan (mcore-reshard plan --recipe "
-            "prints their bytes) but the local job does not train or refit them yet")
+    return ("policy.megatron_cfg.peft.enabled=true on a MoE model: vLLM 0.32's CPU build cannot run an engine with "
+            "LoRA on a MoE model (its MoE LoRA path needs Triton); the adapter refits plan (mcore-reshard plan "
+            "--recipe prints their bytes)")
 
 
 def _local_problem(model: str, dtype: str, impl: str, training: MegatronParallel, vllm: VllmParallel) -> str | None:
@@ -232,4 +236,5 @@ def load_grpo_recipe(path: str | Path, overrides: Sequence[str] = ()) -> GrpoRec
     impl = read(cfg, RECIPE.transformer_impl)
     return GrpoRecipe(path=str(path), model=model, spec=spec, dtype=spec.dtype, training=training, vllm=vllm,
                       refit=refit, colocated=colocated, async_engine=async_engine, **s,
-                      local_problem=_lora_problem(layout.peft) or _local_problem(model, spec.dtype, impl, training, vllm))
+                      local_problem=_lora_problem(layout.peft, spec) or _local_problem(model, spec.dtype, impl, training, vllm),
+                      peft=layout.peft)
