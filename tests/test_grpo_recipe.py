@@ -417,6 +417,10 @@ def test_lora_recipes_run_where_the_cpu_build_serves_lora_and_refuse_the_baselin
     adapter path, so a LoRA policy with it is refused naming the key."""
     tiny = load_grpo_recipe(REPO / "recipes" / "grpo-tiny-lora-cpu.yaml")
     assert tiny.local_problem is None and tiny.peft is not None and tiny.peft.dim == 8 and tiny.training.tp == 2
+    rep = dry_run(tiny)  # every refit after the first moves what one TP1 engine's slot holds: the whole adapter
+    from mcore_reshard.layout.lora import adapter_bytes
+    assert rep.lora_refit_bytes == adapter_bytes(tiny.spec, tiny.peft) < rep.plan.bytes_min
+    assert "adapter refits (LoRA)" in rep.table() and rep.to_json()["lora_refit_bytes"] == rep.lora_refit_bytes
     big = load_grpo_recipe(REPO / "recipes" / "grpo-qwen3-30b-a3b-4n8g-lora.yaml")
     assert big.peft is not None and "cannot run an engine with LoRA on a MoE model" in big.local_problem
     with pytest.raises(ConfigError, match=r"^policy.megatron_cfg.mcore_reshard.transport='hf_broadcast' with "

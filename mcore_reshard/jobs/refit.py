@@ -159,7 +159,8 @@ def lora_engine_args(peft: Any) -> dict[str, Any]:
 def local_cluster(spec: ModelSpec, checkpoint: Path, training: Any, vllm: Any, refit: Any, *,
                   train: dict | None = None, engines: list | None = None,
                   sync_before_refit: bool = True, placement: Any = None,
-                  async_engine: bool = False, peft: Any = None) -> Iterator[LocalCluster]:
+                  async_engine: bool = False, peft: Any = None,
+                  speculative_config: dict | None = None) -> Iterator[LocalCluster]:
     """Start ``vllm.replicas`` engines (weight-transfer backend ``mcore_reshard`` plus the
     worker extension every transport of the job needs, diagnostics included) and the trainer
     pool, open a driver on them, and close all of it.
@@ -170,7 +171,9 @@ def local_cluster(spec: ModelSpec, checkpoint: Path, training: Any, vllm: Any, r
     vLLM's ``AsyncLLM`` (:class:`~mcore_reshard.adapters.vllm.engine.AsyncEngine`: clients keep
     generating while the driver's calls run) instead of the offline ``LLM``. ``peft``: a LoRA
     policy (``layout.lora.PeftConfig``): engines with LoRA slots, trainers with adapters, and a
-    driver whose refits after the first move the adapter only."""
+    driver whose refits after the first move the adapter only. ``speculative_config``: vLLM's
+    (``{"method": "mtp", "num_speculative_tokens": 1}``): engines that draft with the checkpoint's
+    MTP layers, trainers built with megatron's MTP block, and refits that move both in one vote."""
     from ..adapters.vllm.engine import start_async_engine, start_engine, stop_engine
 
     start = start_async_engine if async_engine else start_engine
@@ -183,9 +186,11 @@ def local_cluster(spec: ModelSpec, checkpoint: Path, training: Any, vllm: Any, r
         for _ in range(vllm.replicas if own else 0):
             c.engines.append(start(str(checkpoint), tp=vllm.tp, dtype=spec.dtype, enable_ep=vllm.enable_ep,
                                    direct=refit.apply_mode == "direct", worker_extension_cls=extension,
-                                   weight_transfer_config={"backend": BACKEND}, **lora_engine_args(peft)))
+                                   weight_transfer_config={"backend": BACKEND}, **lora_engine_args(peft),
+                                   **({"speculative_config": dict(speculative_config)} if speculative_config else {})))
         c.setup = TrainerSetup(spec, training, str(checkpoint), free_port(), timeout_s=max(refit.timeout_s, 120.0),
-                               train=dict(train or {}), sync_before_refit=sync_before_refit, peft=peft)
+                               train=dict(train or {}), sync_before_refit=sync_before_refit, peft=peft,
+                               mtp=bool(speculative_config))
         c.pool = LocalTrainerGroup(c.setup)
         if placement is None and getattr(refit, "placement", "separate") == "colocated":
             placement = colocated_placement(training.world_size, sum(map(engine_world, c.engines)))

@@ -33,6 +33,7 @@ from ..errors import ConfigError, RefitFailed
 from ..wire.faults import Faults
 from ..layout import ModelSpec, SideLayout
 from ..layout.lora import PeftConfig, adapter_tensors, adapters_only
+from ..layout.mtp import draft_tensors
 from .metrics import RefitMetrics, bytes_at_minimum, reshard_metrics
 from ..plan import get_plan
 from ..plan.topology import Links, plan_for_placement
@@ -148,8 +149,10 @@ class RefitDriver:
             self.src = SideLayout("megatron-live", self.trainers.world_size, params, tensors)
         if self.peft is not None:
             check_adapter_shapes(self.src, adapter_tensors(self.spec, self.peft), self.peft)
+        self.src = with_draft_tensors(self.src, self.spec)
         self.engine_infos = [engine_info(llm) for llm in self.engines]
         sizes = [i.world_size for i in self.engine_infos]
+        self.name_drafts()
         if self.dst is None:
             # The engine's own dtype: a trainer in another one (fp32 main weights, a bf16 model
             # into an fp32 engine) is planned as a cast, allowed only with refit.allow_cast.
@@ -158,6 +161,7 @@ class RefitDriver:
             if self.peft is not None:
                 self.dst = adapter_slots_of(self.dst, self.engine_infos, self.spec.with_dtype(self.engine_infos[0].dtype),
                                             self.peft)
+            self.dst = with_draft_tensors(self.dst, self.spec.with_dtype(self.engine_infos[0].dtype))
         not_direct: tuple = (("*", "unknown: the engine has no mcore_reshard diagnostics extension to ask"),)
         if self.engine_infos[0].diagnostics:
             try:
@@ -191,6 +195,22 @@ class RefitDriver:
         if self.adapter_plan is not None and self.plan is self.adapter_plan:
             return adapters_only(self.src), adapters_only(self.dst)
         return self.src, self.dst
+
+    def name_drafts(self) -> None:
+        """Every engine that runs a speculative-decoding draft learns where it is through vLLM's
+        own draft session (``start_draft_weight_update`` then ``finish_weight_update``, nothing
+        sent): from then on it describes the draft beside the target, and every refit moves both
+        in one vote. An engine whose draft the training side does not hold is refused at plan
+        time (the planner names the draft tensor no rank holds)."""
+        def name(llm: Any, _: Any) -> None:
+            llm.start_draft_weight_update()
+            llm.finish_weight_update()
+
+        drafts = [e for e, info in enumerate(self.engine_infos) if info.draft]
+        errors = [err for e in drafts for err in self.on_engines(name, what="start_draft_weight_update", only=e,
+                                                                   deadline_s=60.0)]
+        if errors:
+            raise RefitFailed("naming the engines' draft models failed: " + "; ".join(errors))
 
     def committed(self, request: RefitRequest) -> None:
         """A refit committed on every rank: a LoRA policy's base weights are in the engines
@@ -366,6 +386,17 @@ class RefitDriver:
                                  what="shutdown_weight_transfer_engine", deadline_s=CLOSE_DEADLINE_S)
         if errors:
             _log.warning("closing the refit driver: %s", "; ".join(errors))
+
+
+def with_draft_tensors(side: SideLayout, spec: ModelSpec) -> SideLayout:
+    """``side`` with the MTP layers' canonical tensors in its table where it holds any of them
+    (a trainer built with megatron's MTP block, an engine that runs the draft)."""
+    if not spec.mtp_layers:
+        return side
+    draft = draft_tensors(spec)
+    if not any(q.canonical in draft for q in side.pieces()):
+        return side
+    return replace(side, tensors={**side.tensors, **draft})
 
 
 def check_adapter_shapes(src: SideLayout, tensors: dict, peft: PeftConfig) -> None:

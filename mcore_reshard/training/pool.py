@@ -48,6 +48,8 @@ class TrainerSetup:
     sync_before_refit: bool = True
     #: A LoRA policy (``policy.megatron_cfg.peft``): adapters trained, base weights frozen.
     peft: PeftConfig | None = None
+    #: megatron-core's MTP block too (the checkpoint's MTP layers: speculative decoding's draft).
+    mtp: bool = False
 
 
 class MegatronTrainerRank(TrainerRank):
@@ -66,7 +68,7 @@ class MegatronTrainerRank(TrainerRank):
         self.setup = setup
         init_megatron(setup.par, rank, setup.par.world_size, setup.host, setup.port, setup.timeout_s)
         settings = TrainSettings(**{"dtype": setup.spec.dtype, **setup.train})
-        self.policy = build_policy(setup.spec, setup.par, settings, peft=setup.peft)
+        self.policy = build_policy(setup.spec, setup.par, settings, peft=setup.peft, mtp=setup.mtp)
         self.policy.load_canonical(load_canonical(setup.checkpoint))
         sync = self.policy.sync_params if setup.sync_before_refit else (lambda: None)
         super().__init__(TrainerEndpoint(self.policy.chunks, setup.spec, rank=rank, sync_params=sync),

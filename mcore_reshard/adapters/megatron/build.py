@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 from ...layout import ModelSpec
+from ...layout.mtp import mtp_spec
 from ...infra.ports import bound_store
 from .rules import MegatronParallel, padded_vocab
 
@@ -203,13 +204,22 @@ def _use_cpu_mla_attention(block, q_lora: bool) -> None:
                 attn.module = plain_q
 
 
-def build_gpt(spec: ModelSpec, par: MegatronParallel, dtype: str | None = None, max_seq: int = 512) -> list:
-    """One ``GPTModel`` per virtual-pipeline chunk of this rank (call after ``init_megatron``)."""
+def build_gpt(spec: ModelSpec, par: MegatronParallel, dtype: str | None = None, max_seq: int = 512,
+              mtp: bool = False) -> list:
+    """One ``GPTModel`` per virtual-pipeline chunk of this rank (call after ``init_megatron``).
+
+    ``mtp``: megatron-core's MTP block (``mtp_num_layers`` = the checkpoint's
+    ``num_nextn_predict_layers``) on the last stage, each MTP layer built like the last decoder
+    layer (``get_gpt_mtp_block_spec``), trained by megatron's own MTP loss beside the main one
+    (in RL its labels are the input ids rolled left)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
 
     config = megatron_config(spec, par, dtype)
+    if mtp:
+        mtp_spec(spec)  # one line where the model has no MTP layers, or not of a described family
+        config.mtp_num_layers = spec.mtp_layers
     pp_r = ps.get_pipeline_model_parallel_rank()
     chunks = []
     for v in range(par.vpp):
@@ -218,6 +228,8 @@ def build_gpt(spec: ModelSpec, par: MegatronParallel, dtype: str | None = None, 
                                            vp_stage=vp, pp_rank=pp_r)
         if spec.mla is not None:
             _use_cpu_mla_attention(block, q_lora=spec.mla.q_lora_rank is not None)
+        mtp_block = (get_gpt_mtp_block_spec(config, block.layer_specs[-1], use_transformer_engine=False, vp_stage=vp,
+                                            pp_rank=pp_r) if mtp else None)
         chunks.append(GPTModel(
             config=config,
             transformer_layer_spec=block,
@@ -229,5 +241,6 @@ def build_gpt(spec: ModelSpec, par: MegatronParallel, dtype: str | None = None, 
             position_embedding_type="rope",
             rotary_base=int(spec.rope_theta),
             vp_stage=vp,
+            mtp_block_spec=mtp_block,
         ))
     return chunks

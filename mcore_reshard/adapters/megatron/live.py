@@ -15,9 +15,11 @@ from ...layout import LayoutError, LocalParam, ModelSpec, SideLayout
 from ...layout.lora import PeftConfig, adapter_tensors
 from .lora import policy_peft
 from .lora_rules import megatron_lora_rank_params
+from .mtp_rules import megatron_mtp_rank_params
+from ...layout.mtp import draft_tensors
 from .rules import TIED_OUTPUT_NOTE, MegatronParallel, megatron_rank_params, rank_coords
 
-__all__ = ["live_parallel", "named_local_params", "describe", "describe_world", "side_tensors"]
+__all__ = ["live_parallel", "named_local_params", "describe", "describe_world", "side_tensors", "has_mtp"]
 
 
 def _unwrap(module):
@@ -140,6 +142,8 @@ def describe(model_chunks: Sequence, spec: ModelSpec) -> list[LocalParam]:
     peft = policy_peft(_unwrap(model_chunks[0]))
     if peft is not None:  # a LoRA policy: its adapters too (``lora_rules``)
         predicted = predicted + megatron_lora_rank_params(spec, par, peft, rank)
+    if has_mtp(model_chunks):  # megatron's MTP block (``mtp_rules``)
+        predicted = predicted + megatron_mtp_rank_params(spec, par, rank)
     live = named_local_params(model_chunks)
     by_name = {p.name: p for p in predicted}
     for name, tensor in live.items():
@@ -160,9 +164,16 @@ def describe(model_chunks: Sequence, spec: ModelSpec) -> list[LocalParam]:
     return predicted
 
 
-def side_tensors(spec: ModelSpec, peft: "PeftConfig | None") -> dict:
-    """Canonical tensors of a policy: the model's, and a LoRA policy's adapter matrices."""
-    return {**spec.tensor_table(), **(adapter_tensors(spec, peft) if peft is not None else {})}
+def side_tensors(spec: ModelSpec, peft: "PeftConfig | None", mtp: bool = False) -> dict:
+    """Canonical tensors of a policy: the model's, a LoRA policy's adapter matrices, and the
+    MTP layers where it has them."""
+    return {**spec.tensor_table(), **(adapter_tensors(spec, peft) if peft is not None else {}),
+            **(draft_tensors(spec) if mtp else {})}
+
+
+def has_mtp(model_chunks: Sequence) -> bool:
+    """Whether the model was built with megatron-core's MTP block (``mtp_num_layers``)."""
+    return bool(getattr(_unwrap(model_chunks[0]).config, "mtp_num_layers", None))
 
 
 def describe_world(model_chunks: Sequence, spec: ModelSpec) -> SideLayout:
@@ -179,6 +190,6 @@ def describe_world(model_chunks: Sequence, spec: ModelSpec) -> SideLayout:
         name=f"megatron-live(tp={par.tp},pp={par.pp},vpp={par.vpp},ep={par.ep},etp={par.etp_size},dp={par.dp})",
         world_size=dist.get_world_size(),
         params=params,
-        tensors=side_tensors(spec, policy_peft(_unwrap(model_chunks[0]))),
+        tensors=side_tensors(spec, policy_peft(_unwrap(model_chunks[0])), has_mtp(model_chunks)),
         notes=notes,
     )

@@ -323,7 +323,7 @@ def _write_tied_output(p, spec: ModelSpec, tensors) -> None:
 
 
 def build_policy(spec: ModelSpec, par: MegatronParallel, settings: TrainSettings = TrainSettings(),
-                 max_seq: int = 512, peft: "PeftConfig | None" = None) -> Policy:
+                 max_seq: int = 512, peft: "PeftConfig | None" = None, mtp: bool = False) -> Policy:
     """Build the policy on this rank (call after :func:`.build.init_megatron`; collective).
 
     Megatron-LM's ``get_model`` + ``setup_model_and_optimizer``: ``GPTModel`` chunks in
@@ -334,6 +334,8 @@ def build_policy(spec: ModelSpec, par: MegatronParallel, settings: TrainSettings
 
     ``peft``: a LoRA policy (``lora.add_lora``): adapters added to the bare chunks and every
     base weight frozen, so DDP's buckets and the (distributed) optimizer hold the adapters only.
+    ``mtp``: megatron-core's MTP block too (``build.build_gpt``): the draft speculative decoding
+    runs, trained and refit with the model.
     """
     import torch
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, \
@@ -349,7 +351,7 @@ def build_policy(spec: ModelSpec, par: MegatronParallel, settings: TrainSettings
     torch.manual_seed(settings.seed)
     model_parallel_cuda_manual_seed(settings.seed, force_reset_rng=True)
     bf16 = settings.dtype == "bfloat16"
-    raw = build_gpt(spec, par, dtype=settings.dtype, max_seq=max_seq)
+    raw = build_gpt(spec, par, dtype=settings.dtype, max_seq=max_seq, mtp=mtp)
     config = raw[0].config
     if peft is not None and peft.enabled:
         from .lora import add_lora

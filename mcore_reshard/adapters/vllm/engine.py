@@ -99,6 +99,9 @@ class EngineInfo:
     dtype: str
     parallel: VllmParallel
     worker_extension: str = ""
+    #: It runs a speculative-decoding draft model (``speculative_config`` with a draft model):
+    #: its refits move the draft with the target.
+    draft: bool = False
 
     @property
     def diagnostics(self) -> bool:
@@ -131,8 +134,10 @@ def info_of_config(vllm_config: Any) -> EngineInfo:
                             enable_ep=bool(par.enable_expert_parallel),
                             num_redundant_experts=int(getattr(eplb, "num_redundant_experts", 0) or 0),
                             expert_placement=str(getattr(par, "expert_placement_strategy", "linear") or "linear"))
+    spec = getattr(vllm_config, "speculative_config", None)
     return EngineInfo(int(par.world_size) * dp, str(vllm_config.model_config.dtype).replace("torch.", ""), parallel,
-                      str(getattr(par, "worker_extension_cls", "") or ""))
+                      str(getattr(par, "worker_extension_cls", "") or ""),
+                      draft=spec is not None and getattr(spec, "draft_model_config", None) is not None)
 
 def start_engine(model_dir: str, tp: int = 1, dtype: str = "float32", enable_ep: bool = False,
                  direct: bool = False, **kw: Any):

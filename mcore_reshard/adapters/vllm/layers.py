@@ -19,7 +19,7 @@ from ...layout.descriptor import LayoutError, LocalParam
 from ...transport.views import TORCH_DTYPES
 from .lora_rules import is_slot_name, parse_slot_name
 
-__all__ = ["DIRECT", "RELOAD", "MLA_NOTE", "owner", "LoraSlot", "guarded", "plain_linear_enabled", "kernel_is_model_format",
+__all__ = ["DIRECT", "RELOAD", "MLA_NOTE", "owner", "LoraSlot", "guarded", "TargetAndDraft", "plain_linear_enabled", "kernel_is_model_format",
            "mla_absorbers", "reabsorb", "select_modes", "aliased", "swap_into", "shadow_module",
            "reprepack_cpu_moe", "MISSING", "open_shadow", "process_shadow", "commit_shadow"]
 
@@ -51,6 +51,20 @@ def owner(model: torch.nn.Module, local_name: str) -> tuple["torch.nn.Module | L
         return LoraSlot(layer, getattr(layer, f"{part}_stacked")[k][slot, 0]), "value"
     mname, _, pname = local_name.rpartition(".")
     return (model.get_submodule(mname) if mname else model), pname
+
+
+class TargetAndDraft(torch.nn.Module):
+    """The target model's children at the root and the speculative-decoding draft under
+    ``draft``: one module tree that addresses both, so a refit writes and commits them as one
+    model (local names ``draft.<the draft's own name>``). A module the draft shares with the
+    target (the embedding, the output head) keeps its target name: it is one tensor, written
+    once."""
+
+    def __init__(self, target: torch.nn.Module, draft: torch.nn.Module) -> None:
+        super().__init__()
+        for name, child in target.named_children():
+            self.add_module(name, child)
+        self.add_module("draft", draft)
 
 
 def guarded(holder: "torch.nn.Module | LoraSlot") -> torch.nn.Module:

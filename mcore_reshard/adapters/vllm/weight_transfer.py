@@ -46,6 +46,7 @@ from ...transport.endpoint import Outcome, RefitEndpoint
 from ...wire.faults import Fault
 from ...layout.lora import PeftConfig
 from .apply import VllmApplier
+from .layers import TargetAndDraft
 from .lora_slots import install_refit_adapter
 from .parallel import VllmParallel
 from .record import record_local_params
@@ -88,7 +89,10 @@ class ReshardWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUpd
 
     init_info_cls = EngineInitInfo
     update_info_cls = EngineUpdateInfo
-    supports_draft_weight_update = False
+    #: vLLM's draft session (``start_draft_weight_update``) only tells this engine where the
+    #: draft is (``set_weight_update_target``): from then on every refit moves the target and
+    #: the draft together, in one vote. A draft session that sends weights is refused.
+    supports_draft_weight_update = True
     #: ``update_weights`` votes; the weights go live at ``finish_weight_update`` (or ``drain_pending``).
     defers_processing = True
 
@@ -117,28 +121,69 @@ class ReshardWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUpd
         self._pending: _Voted | _Background | None = None
         #: A LoRA policy's refit adapter (``lora_slots``): its slot tensors on this worker.
         self.adapter_params: list[LocalParam] = []
+        #: The speculative-decoding draft (learnt from vLLM's draft session), its recorded
+        #: pieces (local names ``draft.<name>``), and the tree that holds target and draft.
+        self.draft: torch.nn.Module | None = None
+        self._draft_params: list[LocalParam] | None = None
+        self._served: torch.nn.Module = model
 
     # -- descriptors ------------------------------------------------------------------------
     def params(self) -> list[LocalParam]:
-        """This worker's destination pieces, recorded once with vLLM's own loaders, and the
-        slots of its refit adapter once one is installed."""
+        """This worker's destination pieces, recorded once with vLLM's own loaders: the
+        target's, the draft's once this engine knows it, and the slots of its refit adapter
+        once one is installed."""
         if self._params is None:
-            self._params = record_local_params(self.model, canonical_tensors(self.vllm_config), self.local_rank,
-                                               vllm_config=self.vllm_config, device=self.device)
-        return self._params + self.adapter_params
+            self._params = record_local_params(self._default_model, canonical_tensors(self.vllm_config),
+                                               self.local_rank, vllm_config=self.vllm_config, device=self.device)
+        if self.draft is not None and self._draft_params is None:
+            self._draft_params = self._record_draft()
+        return self._params + (self._draft_params or []) + self.adapter_params
+
+    def _record_draft(self) -> list[LocalParam]:
+        """The draft's pieces, recorded with its own loader from the MTP layers' canonical
+        tensors (``layout.mtp``), named ``draft.<name>``. Tensors it shares with the target
+        (embedding, head) are the target's pieces: not recorded twice."""
+        from dataclasses import replace
+
+        from ...layout import Piece
+        from ...layout.mtp import draft_tensors
+
+        mc = self.vllm_config.model_config
+        spec = spec_from_hf_config(mc.hf_config, dtype=str(mc.dtype).replace("torch.", ""))
+        shared = {id(t) for t in self._default_model.parameters()}  # the same Parameter objects
+        own = {n for n, t in self.draft.named_parameters() if id(t) not in shared}
+        recorded = record_local_params(self.draft, draft_tensors(spec), self.local_rank, vllm_config=self.vllm_config,
+                                       device=self.device)
+        return [replace(p, name="draft." + p.name,
+                        pieces=tuple(Piece(q.rank, "draft." + q.local_name, q.canonical, q.box, q.view)
+                                     for q in p.pieces))
+                for p in recorded if p.name in own]
+
+    @property
+    def served(self) -> torch.nn.Module:
+        """The module tree a refit writes: the target, and the draft under ``draft`` once known."""
+        return self._served
+
+    def set_weight_update_target(self, model: torch.nn.Module, model_config: Any) -> None:
+        """vLLM's draft session names the draft model: kept, and from now on part of every refit."""
+        super().set_weight_update_target(model, model_config)
+        if model is not self._default_model and model is not self.draft:
+            self.draft, self._draft_params = model, None
+            self._served = TargetAndDraft(self._default_model, model)
 
     def install_adapter(self, peft: PeftConfig) -> None:
         """A LoRA policy's refit adapter in this worker's LoRA slots (``lora_slots``; once)."""
         mc, par = self.vllm_config.model_config, self.vllm_config.parallel_config
         spec = spec_from_hf_config(mc.hf_config, dtype=str(mc.dtype).replace("torch.", ""))
         self.adapter_params = install_refit_adapter(
-            self.model, peft, spec, VllmParallel(tp=int(par.tensor_parallel_size), pp=int(par.pipeline_parallel_size)),
+            self._default_model, peft, spec, VllmParallel(tp=int(par.tensor_parallel_size),
+                                                          pp=int(par.pipeline_parallel_size)),
             self.local_rank)
 
     def applier(self, atomic: bool) -> VllmApplier:
         ap = self._applier
         if ap is None or ap.atomic != atomic or len(ap.params) != len(self.params()):
-            new = VllmApplier(self.model, self.params(), atomic=atomic, device=self.device,
+            new = VllmApplier(self._served, self.params(), atomic=atomic, device=self.device,
                               rebind=rebind_commits(self.vllm_config, self.device))
             if ap is not None:
                 new.inherit(ap)  # a torn model stays gated across a change of mode
@@ -309,6 +354,10 @@ class ReshardWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUpd
         this worker's participant and the sinks the request asks for around it)."""
         if isinstance(update_info, Unreadable):
             return None, None, Outcome(False, [], [update_info.error])
+        if self.model is not self._default_model:
+            return None, None, Outcome(False, [], [
+                f"vLLM worker {self.local_rank}: mcore_reshard moves the draft with the target, in one refit: a "
+                f"draft session only names the draft (start_draft_weight_update, then finish_weight_update)"])
         request = update_info.request
         if self.endpoint is None:
             return None, None, Outcome(

@@ -62,6 +62,11 @@ class ReshardWorkerExtension:
     def _mr_model(self) -> torch.nn.Module:
         return self.model_runner.get_model()  # type: ignore[attr-defined]
 
+    def _mr_served(self) -> torch.nn.Module:
+        """What refits write: the engine's target-and-draft tree where it has one."""
+        eng = self._mr_engine()
+        return eng.served if eng is not None else self._mr_model()
+
     def _mr_engine(self) -> Any:
         """This worker's ``mcore_reshard`` weight-transfer engine, or None."""
         from .weight_transfer import ReshardWeightTransferEngine
@@ -91,7 +96,7 @@ class ReshardWorkerExtension:
         if ap is None or ap.atomic != atomic:
             if ap is not None and ap.state == "not_serving":
                 ap.check_serving()
-            new = VllmApplier(self._mr_model(), self.mr_params(), atomic=atomic,
+            new = VllmApplier(self._mr_served(), self.mr_params(), atomic=atomic,
                               device=self.mr_rank_info()["device"])
             if ap is not None:
                 new.inherit(ap)
@@ -121,7 +126,7 @@ class ReshardWorkerExtension:
 
     def mr_modes(self) -> dict[str, str]:
         """Per local parameter: ``direct`` (in-place) or ``reload`` (layerwise lifecycle)."""
-        return select_modes(self._mr_model(), self.mr_params())
+        return select_modes(self._mr_served(), self.mr_params())
 
     def mr_status(self) -> dict[str, Any]:
         """Serving state of this worker's model, the version it holds, and the agreed outcome
@@ -144,7 +149,7 @@ class ReshardWorkerExtension:
         if received is None:
             raise RuntimeError("mr_received needs a refit with verify=full first")
         modes = self.mr_modes()
-        params = dict(self._mr_model().named_parameters())
+        params = dict(self._mr_served().named_parameters())
         tensors, where = {}, {}
         for name, copy in received.items():
             live = params.get(name)
@@ -206,7 +211,7 @@ class ReshardWorkerExtension:
         None where the kernel repacks it (compare outputs there instead)."""
         modes = self.mr_modes()
         out: dict[str, str | None] = {}
-        params = dict(self._mr_model().named_parameters())
+        params = dict(self._mr_served().named_parameters())
         for name, mode in modes.items():
             if names is not None and name not in names:
                 continue
@@ -215,6 +220,20 @@ class ReshardWorkerExtension:
                 continue
             t = params[name].detach().contiguous().cpu()
             out[name] = hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()
+        return out
+
+    def mr_draft_checksums(self) -> dict[str, str]:
+        """sha256 of every tensor the speculative-decoding draft computes with (parameters and
+        buffers, in whatever format its kernels keep them; the ones it shares with the target
+        excepted): two engines that hold the same draft agree on every one."""
+        draft = self.model_runner.get_draft_model()  # type: ignore[attr-defined]
+        shared = {id(t) for t in [*self._mr_model().parameters(), *self._mr_model().buffers()]}
+        out: dict[str, str] = {}
+        for name, t in [*draft.named_parameters(), *draft.named_buffers()]:
+            if id(t) in shared:
+                continue
+            b = t.detach().contiguous().cpu().reshape(-1)
+            out[name] = hashlib.sha256(b.view(torch.uint8).numpy().tobytes()).hexdigest()
         return out
 
     def mr_lora_slots(self, names: Sequence[str]) -> dict[str, list]:

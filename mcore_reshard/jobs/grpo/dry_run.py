@@ -153,6 +153,8 @@ class DryRunReport:
     async_grpo: dict = field(default_factory=dict)
     #: ``refit.overlap``: each vLLM worker receives into shadow weights, about what it receives.
     overlap: bool = False
+    #: A LoRA policy: the bytes of every refit after the first (the adapter only, at the minimum).
+    lora_refit_bytes: int | None = None
 
     def to_json(self) -> dict:
         p = self.placement
@@ -187,7 +189,12 @@ class DryRunReport:
             ("step", f"{self.samples_per_step} samples, {self.max_num_steps} steps"),
             ("GRPO", self._mode()),
             ("refit bytes moved", format_bytes(r.bytes_planned) + ("  (= minimum)" if r.bytes_planned == r.bytes_min
-                                                                   else f"  (minimum {format_bytes(r.bytes_min)})")),
+                                                                   else f"  (minimum {format_bytes(r.bytes_min)})")
+             + ("  (the base weights: the first refit moves them and the adapter)"
+                if self.lora_refit_bytes is not None else "")),
+            *([("adapter refits (LoRA)", f"{format_bytes(self.lora_refit_bytes)}  (every refit after the first: "
+                                         f"{100 * self.lora_refit_bytes / max(r.bytes_planned, 1):.3f} % of the base)")]
+              if self.lora_refit_bytes is not None else []),
             *([("FP8 rollout", f"quantized at the sender (block FP8 128x128): {len(r.quantized)} tensors, "
                                f"{format_bytes(r.quantized_bytes)} of codes + scales for "
                                f"{format_bytes(r.quantized_bytes_unquantized)} in {r.quantized[0]['from']}")]
@@ -281,4 +288,16 @@ def _dry_run(recipe: GrpoRecipe, intra_node_gbps: float, inter_node_gbps: float)
         published=published_figure(recipe), samples_per_step=recipe.grpo.samples_per_step,
         max_num_steps=recipe.grpo.max_num_steps, local_problem=recipe.local_problem,
         async_grpo=asdict(recipe.async_grpo), overlap=recipe.refit.overlap,
+        lora_refit_bytes=None if recipe.peft is None else adapter_refit_bytes(recipe),
     )
+
+
+def adapter_refit_bytes(recipe: GrpoRecipe) -> int:
+    """A LoRA policy's adapter refit, planned direct: its bytes (the minimum)."""
+    from ...adapters.megatron.lora_rules import megatron_lora_layout
+    from ...adapters.vllm.lora_rules import vllm_lora_layout
+    from ...plan import get_plan
+
+    src = megatron_lora_layout(recipe.spec, recipe.training, recipe.peft)
+    dst = vllm_lora_layout(recipe.spec, recipe.vllm, recipe.peft)
+    return get_plan(src, dst, bucket_bytes=recipe.refit.bucket_bytes, allow_cast=recipe.refit.allow_cast).bytes_planned
