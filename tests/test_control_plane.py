@@ -311,3 +311,16 @@ def attacks_rescan() -> float:
     from mcore_reshard.transport import control
 
     return control._RESCAN_S + 0.05
+
+
+def test_every_engine_fault_survives_the_wire():
+    """What a test injects on a vLLM worker reaches it whole through ``update_info``: a fault at
+    a protocol step, a destination bit flip where a box lands (no step: it was once dropped on
+    the wire, so such a refit silently ran clean), a worker's exit after n writes, an altered
+    baseline."""
+    from mcore_reshard.wire.faults import EngineFault, Fault
+
+    for fault in (EngineFault(1, Fault("sleep", at="before_vote", seconds=2.0)),
+                  EngineFault(0, Fault(tensor="draft.model.layers.4.eh_proj.weight", offset=64)),
+                  EngineFault((1, 3), exit_after_writes=5), EngineFault(2, alter_baseline="model.norm.weight")):
+        assert EngineFault.from_wire(fault.to_wire()) == fault

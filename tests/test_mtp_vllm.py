@@ -92,12 +92,14 @@ def test_target_and_draft_refit_in_one_vote_and_keep_the_drafts_acceptance(engin
     from safetensors.torch import save_file
 
     from mcore_reshard.adapters.megatron.rules import MegatronParallel
-    from mcore_reshard.adapters.vllm.engine import start_engine, stop_engine
+    from mcore_reshard.adapters.vllm.engine import prompt_logprobs, start_engine, stop_engine
+    from mcore_reshard.errors import RefitFailed
     from mcore_reshard.jobs.refit import local_cluster
     from mcore_reshard.layout.mtp import draft_tensors
     from mcore_reshard.refit.driver import RefitDriver
     from mcore_reshard.settings.policy import RefitConfig
     from mcore_reshard.transport.views import gather_canonical
+    from mcore_reshard.wire.faults import EngineFault, Fault, Faults
     from mcore_reshard.wire.protocol import VerifyMode
 
     ckpt, spec, llm = engine
@@ -138,6 +140,21 @@ def test_target_and_draft_refit_in_one_vote_and_keep_the_drafts_acceptance(engin
         seq = (PATTERN * 3)[0:8] + joint_out[0]
         lp = c.pool.logprobs([seq]).wait()[0][0]
         assert all(v > -0.5 for v in lp[7:]), lp  # every generated token is the trainer's likely one
+
+        # a refit that fails for the draft keeps both old: a bit flipped where a draft box landed
+        served = llm.collective_rpc("mr_draft_checksums")[0]
+        served_lp = prompt_logprobs(llm, (PATTERN * 3)[:16])
+        c.pool.train_step([(PATTERN * 4)[s:s + 24] for s in (1, 5)]).wait()
+        with pytest.raises(RefitFailed, match="checksum"):
+            d.refit(replace(d.request(), delta="off"),  # whole boxes: the flip lands in one
+                    faults=Faults(engine=EngineFault(0, Fault(tensor="draft.model.layers.4.eh_proj.weight"))))
+        assert llm.collective_rpc("mr_draft_checksums")[0] == served  # the draft...
+        assert prompt_logprobs(llm, (PATTERN * 3)[:16]) == served_lp  # ...and the target, both old
+        pending = d.begin_refit()  # overlapped: the old pair serves while the new one arrives
+        assert _greedy(llm) == joint_out
+        assert pending.finish().verified
+        assert llm.collective_rpc("mr_draft_checksums")[0] != served  # the draft moved with the target
+        joint_out = _greedy(llm)
 
         # a fresh engine that loads the trained checkpoint holds the same draft, tensor for tensor
         canon = gather_canonical(d.src.params, d.src.tensors, c.pool.local_tensors().wait())

@@ -105,7 +105,7 @@ class EngineFault:
             return None
         rank = d["rank"]
         return EngineFault(tuple(int(r) for r in rank) if isinstance(rank, list) else int(rank),
-                           Fault.from_wire(d) if d.get("at") else None,
+                           Fault.from_wire(d) if d.get("at") or d.get("tensor") else None,  # a step, or a landed box
                            int(d["exit_after_writes"]) if d.get("exit_after_writes") is not None else None,
                            str(d["alter_baseline"]) if d.get("alter_baseline") is not None else None)
 
