@@ -357,3 +357,22 @@ def test_tiny_specs_match_the_written_checkpoints(tmp_path):
         ckpt = make_tiny_checkpoint(tmp_path / name, family=family, dtype=job.dtype)
         assert load_model_spec(ckpt, dtype=job.dtype) == job.spec, name
         assert load_refit_job([f"model={ckpt}", *([] if family == "qwen3_moe" else ["training.ep=1"])]).checkpoint == ckpt
+
+
+def test_refit_job_with_a_draft_plans_it_with_the_target_or_says_why_not_in_one_line():
+    """``vllm.speculative_config`` in ``configs/refit.yaml``: the draft's layouts join the
+    target's plan (one refit, one vote); a model without MTP layers, the HF baseline (its
+    loader leaves the draft stale) and a TP the draft layout does not describe are refused."""
+    from mcore_reshard.layout.mtp import draft_tensors
+
+    mtp = ["model=tiny-deepseek-v3-mtp", "vllm.tp=1", "vllm.speculative_config.method=mtp", "job.compare_hf=false"]
+    job = load_refit_job(mtp)
+    assert job.speculative.method == "mtp" and job.spec.mtp_layers == 1
+    moved = {t.canonical for t in job.plan.transfers}
+    assert set(draft_tensors(job.spec)) <= moved and job.plan.bytes_planned == job.plan.bytes_min
+    with pytest.raises(ConfigError, match=r"^job.compare_hf=true with vllm.speculative_config: the HF-broadcast"):
+        load_refit_job(mtp[:-1])
+    with pytest.raises(ConfigError, match=r"^vllm.speculative_config.method=mtp: the local job drafts with vllm.tp=1"):
+        load_refit_job(mtp[:1] + ["vllm.tp=2"] + mtp[2:])
+    with pytest.raises(LayoutError, match=r"the model has no MTP layers"):
+        load_refit_job(["model=tiny-moe", "vllm.tp=1", "vllm.speculative_config.method=mtp", "job.compare_hf=false"])

@@ -427,3 +427,30 @@ def test_lora_recipes_run_where_the_cpu_build_serves_lora_and_refuse_the_baselin
                                           r"policy.megatron_cfg.peft.enabled=true: only the reshard transport"):
         load_grpo_recipe(REPO / "recipes" / "grpo-tiny-lora-cpu.yaml",
                          ["policy.megatron_cfg.mcore_reshard.transport=hf_broadcast"])
+
+
+def test_the_deepseek_v3_recipe_drafts_with_its_mtp_layer_refit_in_the_same_plan():
+    """``policy.generation.vllm_cfg.speculative_config`` (vLLM's spelling): the recipe's engines
+    draft with the model's MTP layer, whose 1.80 % of the refit is planned, moved and voted on
+    with the target (``mcore-reshard plan --recipe`` prints it; the full-size plan runs in the
+    docs' commands). Its dry run, on the tiny DeepSeek-V3 with one MTP layer, reports the draft's
+    bytes: what every vLLM rank holds of the MTP tensors."""
+    from mcore_reshard.adapters.megatron.rules import MegatronParallel
+    from mcore_reshard.adapters.vllm.mtp_rules import vllm_draft_rank_params
+    from mcore_reshard.adapters.vllm.rules import VllmParallel
+    from mcore_reshard.layout import DTYPE_BYTES
+    from mcore_reshard.layout.mtp import draft_tensors
+    from mcore_reshard.settings.models import tiny_spec
+
+    r = load_grpo_recipe(REPO / "recipes" / "grpo-deepseek-v3-megatron-reshard-mtp.yaml")
+    assert r.speculative is not None and r.speculative.method == "mtp" and r.speculative.num_speculative_tokens == 1
+    assert r.spec.mtp_layers == 1 and r.training.pp == 8 and r.vllm.tp == 8
+    spec = tiny_spec("tiny-deepseek-v3-mtp", "bfloat16")
+    tiny = replace(r, spec=spec, model="tiny-deepseek-v3-mtp", training=MegatronParallel(ep=2, pp=1, dp=2),
+                   vllm=VllmParallel(tp=1, replicas=2), cluster=replace(r.cluster, num_nodes=1, gpus_per_node=4))
+    rep = dry_run(tiny)
+    dtypes = {n: dt for n, (_, dt) in draft_tensors(spec).items()}  # bf16, the router's bias fp32
+    want = sum(q.box.numel * DTYPE_BYTES[dtypes[q.canonical]] for p in vllm_draft_rank_params(spec, tiny.vllm, 0)
+               for q in p.pieces) * 2  # two engines of one rank
+    assert rep.draft_bytes == want > 0
+    assert "MTP draft" in rep.table() and rep.to_json()["draft_bytes"] == want

@@ -102,6 +102,8 @@ TINY_FAMILIES: dict[str, dict[str, Any]] = {
     # Qwen2's config has no head_dim (it is hidden / heads): 128 / 4 keeps it at 32.
     "qwen2": dict(TINY_DENSE, architectures=["Qwen2ForCausalLM"], hidden_size=128, num_attention_heads=4),
     "deepseek_v3": TINY_DEEPSEEK_V3,
+    # with one MTP layer (speculative decoding's draft, ``layout.mtp``)
+    "deepseek_v3_mtp": dict(TINY_DEEPSEEK_V3, num_nextn_predict_layers=1),
     "qwen3_128": TINY_DENSE_128,
     "qwen3_moe_128": TINY_MOE_128,
 }

@@ -231,8 +231,11 @@ def _run_job(job: Any, workdir: Path, as_json: bool) -> int:
     spec = load_model_spec(ckpt, dtype=job.dtype)
     tokens = list(job.tokens)
     log = (lambda *a: print(*a, file=sys.stderr)) if as_json else print
+    draft = job.speculative
     with local_cluster(spec, ckpt, job.training, job.vllm, job.refit, train={"lr": job.lr},
-                       async_engine=job.async_engine) as c:
+                       async_engine=job.async_engine,
+                       speculative_config=None if draft is None else {
+                           "method": draft.method, "num_speculative_tokens": draft.num_speculative_tokens}) as c:
         d = c.driver
         log(plan_report(d.plan).table(f"refit plan: {spec.name} ({spec.dtype}) {job.src.name if job.src else d.src.name}"
                                       f" -> {d.dst.name}"))

@@ -252,7 +252,7 @@ def plan_recipe(recipe: RecipeLayout) -> PlannedRecipe:
 def _plan_recipe(recipe: RecipeLayout) -> PlannedRecipe:
     src, dst = side_layouts(recipe.spec, recipe.training, recipe.vllm, recipe.refit, recipe.vllm_spec)
     if recipe.speculative is not None:  # the MTP draft: the same refit, the same vote
-        src, dst = _with_drafts(recipe, src, dst)
+        src, dst = with_drafts(recipe, src, dst)
     forms = {"training": dtensor_report(src), "vllm": dtensor_report(dst)}
     r, topology, placed = recipe.refit, recipe.topology, None
     if topology is None:
@@ -265,7 +265,7 @@ def _plan_recipe(recipe: RecipeLayout) -> PlannedRecipe:
     return PlannedRecipe(recipe, src, dst, plan, plan_report(plan), placed, forms, _lora_report(recipe))
 
 
-def _with_drafts(recipe: RecipeLayout, src: SideLayout, dst: SideLayout) -> tuple[SideLayout, SideLayout]:
+def with_drafts(recipe: RecipeLayout, src: SideLayout, dst: SideLayout) -> tuple[SideLayout, SideLayout]:
     """Both layouts with the MTP draft's parameters (``layout.mtp``): megatron's MTP block, the
     draft vLLM's speculative decoding builds on every worker."""
     spec, vspec, t, v = recipe.spec, recipe.vllm_spec or recipe.spec, recipe.training, recipe.vllm
@@ -316,6 +316,9 @@ class RefitJob:
     async_engine: bool = False
     #: The HF checkpoint directory; None for the built-in tiny models (written at run time).
     checkpoint: Path | None = None
+    #: ``vllm.speculative_config``: the engines draft with the model's MTP layers, the trainers
+    #: build megatron's MTP block, and every refit moves both in one vote (None: no draft).
+    speculative: Any = None
     src: SideLayout | None = field(default=None, repr=False, compare=False)
     dst: SideLayout | None = field(default=None, repr=False, compare=False)
     plan: Any = field(default=None, repr=False, compare=False)
@@ -381,6 +384,17 @@ def load_refit_job(overrides: Sequence[str] = ()) -> RefitJob:
         if not 0 <= t < spec.vocab:
             raise ConfigError(f"job.tokens[{i}]={t} is out of range: token ids are 0 <= t < {spec.vocab} "
                               f"(vocab of {model})")
+    speculative = read_section(data, k.speculative)
+    speculative = speculative if speculative.method else None
     src, dst, plan = plan_layouts(spec, training, vllm, refit)
+    if speculative is not None:  # the draft's layouts, planned with the target's: one refit
+        if job["compare_hf"]:
+            raise ConfigError("job.compare_hf=true with vllm.speculative_config: the HF-broadcast baseline loads the "
+                              "target through vLLM's loader and would leave the draft stale (set job.compare_hf=false)")
+        if vllm.tp != 1 or training.pp != 1:
+            raise ConfigError(f"vllm.speculative_config.method={speculative.method}: the local job drafts with "
+                              f"vllm.tp=1 and training.pp=1 (vLLM's DeepSeekMTP draft layout is described for pp=1)")
+        src, dst = with_drafts(RecipeLayout(spec, training, vllm, refit, speculative=speculative), src, dst)
+        plan = get_plan(src, dst, bucket_bytes=refit.bucket_bytes, allow_cast=refit.allow_cast)
     return RefitJob(model=model, spec=spec, dtype=dtype, seed=seed, training=training, vllm=vllm, refit=refit,
-                    checkpoint=checkpoint, src=src, dst=dst, plan=plan, **job)
+                    checkpoint=checkpoint, src=src, dst=dst, plan=plan, speculative=speculative, **job)

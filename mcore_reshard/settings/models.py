@@ -23,6 +23,7 @@ CONFIG_DIR = Path(os.environ.get("MCORE_RESHARD_CONFIG_DIR", Path(__file__).reso
 #: (written by the job at run time; settings only build their spec, from the same config dict).
 TINY_MODELS: dict[str, str] = {"tiny-moe": "qwen3_moe", "tiny-dense": "qwen3", "tiny-llama": "llama",
                                "tiny-qwen2": "qwen2", "tiny-deepseek-v3": "deepseek_v3",
+                               "tiny-deepseek-v3-mtp": "deepseek_v3_mtp",
                                "tiny-dense-128": "qwen3_128", "tiny-moe-128": "qwen3_moe_128"}
 #: Dtypes the local CPU job can train and serve in.
 LOCAL_DTYPES = ("float32", "bfloat16")  # what the CPU training stack builds (TrainSettings)

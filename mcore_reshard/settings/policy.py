@@ -146,7 +146,9 @@ def from_policy_config(cfg: Mapping[str, Any]) -> RecipeLayout:
         raise ConfigError(f"policy.megatron_cfg.mcore_reshard.transport={refit.transport!r} with "
                           f"policy.megatron_cfg.peft.enabled=true: only the reshard transport refits a LoRA policy's "
                           f"adapter (the HF broadcast goes through vLLM's loader, which has no adapter path)")
-    return RecipeLayout(spec, training, vllm, refit, topology=topology, peft=peft if peft.enabled else None)
+    speculative = read_section(cfg, RECIPE.speculative)
+    return RecipeLayout(spec, training, vllm, refit, topology=topology, peft=peft if peft.enabled else None,
+                        speculative=speculative if speculative.method else None)
 
 
 def load_recipe_file(path: str | Path) -> RecipeLayout:

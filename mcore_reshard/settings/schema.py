@@ -375,6 +375,7 @@ class RefitConfigKeys:
     compare_hf: Field = Field("job.compare_hf", bool)
     workdir: Field = Field("job.workdir", str | None)
     async_engine: Field = Field("job.async_engine", bool)
+    speculative: Section = Section("vllm.speculative_config", SpeculativeConfig, required=False)
 
 
 # --------------------------------------------------------------------------- recipes (NeMo RL shape)
@@ -394,6 +395,8 @@ class RecipeKeys:
     refit_enabled: Field = Field(_M + "mcore_reshard.enabled", bool, False)
     refit: Section = Section(_M + "mcore_reshard", RefitConfig, required=False, names="refit")
     peft: Section = Section(_M + "peft", PeftConfig, required=False, names="peft")
+    speculative: Section = Section(_V + "speculative_config", SpeculativeConfig, required=False,
+                                   names="vllm.speculative_config")
     model_config: Field = Field("policy.model_config", str, REQUIRED)
     model_name: Field = Field("policy.model_name", str, REQUIRED)
     precision: Field = Field("policy.precision", str, "bfloat16", choices=tuple(sorted(DTYPE_BYTES)))

@@ -12,7 +12,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 
-from ...settings.config import side_layouts
+from ...layout import DTYPE_BYTES, SideLayout
+from ...layout.mtp import draft_tensors
+from ...settings import RecipeLayout
+from ...settings.config import side_layouts, with_drafts
 from ...errors import ConfigError
 from ...layout import ModelSpec
 from ...plan.planner import gc_paused
@@ -155,6 +158,8 @@ class DryRunReport:
     overlap: bool = False
     #: A LoRA policy: the bytes of every refit after the first (the adapter only, at the minimum).
     lora_refit_bytes: int | None = None
+    #: Speculative decoding's MTP draft: its bytes of the refit's minimum (moved with the target).
+    draft_bytes: int | None = None
 
     def to_json(self) -> dict:
         p = self.placement
@@ -192,6 +197,8 @@ class DryRunReport:
                                                                    else f"  (minimum {format_bytes(r.bytes_min)})")
              + ("  (the base weights: the first refit moves them and the adapter)"
                 if self.lora_refit_bytes is not None else "")),
+            *([("MTP draft", f"{format_bytes(self.draft_bytes)} of it  ({100 * self.draft_bytes / max(r.bytes_min, 1):.2f} "
+                             f"%: moved and voted on with the target)")] if self.draft_bytes is not None else []),
             *([("adapter refits (LoRA)", f"{format_bytes(self.lora_refit_bytes)}  (every refit after the first: "
                                          f"{100 * self.lora_refit_bytes / max(r.bytes_planned, 1):.3f} % of the base)")]
               if self.lora_refit_bytes is not None else []),
@@ -256,6 +263,9 @@ def _dry_run(recipe: GrpoRecipe, intra_node_gbps: float, inter_node_gbps: float)
         modelled_refit_seconds(0, g)
     place = placement(recipe)
     src, dst = side_layouts(recipe.spec, recipe.training, recipe.vllm, recipe.refit)
+    if recipe.speculative is not None:  # the MTP draft: the same plan, the same vote
+        src, dst = with_drafts(RecipeLayout(recipe.spec, recipe.training, recipe.vllm, recipe.refit,
+                                            speculative=recipe.speculative), src, dst)
     # The one plan, the one the job runs on this placement (fan-out relays where they lower
     # the modelled time), and its modelled time over both link classes.
     where = TopologyConfig(gpus_per_node=recipe.cluster.gpus_per_node,
@@ -289,7 +299,13 @@ def _dry_run(recipe: GrpoRecipe, intra_node_gbps: float, inter_node_gbps: float)
         max_num_steps=recipe.grpo.max_num_steps, local_problem=recipe.local_problem,
         async_grpo=asdict(recipe.async_grpo), overlap=recipe.refit.overlap,
         lora_refit_bytes=None if recipe.peft is None else adapter_refit_bytes(recipe),
+        draft_bytes=None if recipe.speculative is None else held_bytes(dst, draft_tensors(recipe.spec)),
     )
+
+
+def held_bytes(side: SideLayout, tensors: dict) -> int:
+    """Bytes of ``tensors`` that ``side``'s ranks hold, every copy counted (a refit's minimum share)."""
+    return sum(q.box.numel * DTYPE_BYTES[tensors[q.canonical][1]] for q in side.pieces() if q.canonical in tensors)
 
 
 def adapter_refit_bytes(recipe: GrpoRecipe) -> int:

@@ -135,11 +135,15 @@ class GrpoRun:
         timeout = max(r.refit.timeout_s, 120.0)
         # Trainers are placed first (their PACK group fills whole nodes), engines next; both
         # sides build their models at the same time.
-        setup = TrainerSetup(r.spec, r.training, str(ckpt), port=0, timeout_s=timeout, train={"lr": r.lr}, peft=r.peft)
+        setup = TrainerSetup(r.spec, r.training, str(ckpt), port=0, timeout_s=timeout, train={"lr": r.lr}, peft=r.peft,
+                             mtp=r.speculative is not None)
         self.trainers = RayTrainerGroup.megatron(setup, timeout_s=timeout, wait=False)
         self._closers.append(self.trainers.close)
         engines, pgs = start_engines(str(ckpt), r.vllm.replicas, r.vllm.tp, r.dtype, r.refit.apply_mode,
-                                     timeout_s=timeout, async_engine=r.async_engine, peft=r.peft)
+                                     timeout_s=timeout, async_engine=r.async_engine, peft=r.peft,
+                                     speculative_config=None if r.speculative is None else {
+                                         "method": r.speculative.method,
+                                         "num_speculative_tokens": r.speculative.num_speculative_tokens})
         self.engines = engines
         self._closers.append(lambda: stop_engines(engines, pgs))
         self.trainers.started()

@@ -293,7 +293,7 @@ class EngineActor:
     diagnostics extension) in a Ray actor; its workers are the actor's child processes."""
 
     def __init__(self, model_dir: str, tp: int, dtype: str, apply_mode: str, env: dict[str, str],
-                 peft: PeftConfig | None = None) -> None:
+                 peft: PeftConfig | None = None, speculative_config: dict | None = None) -> None:
         os.environ.update(env)
         from ...adapters.vllm.engine import start_engine
         from ...adapters.vllm.worker import REFIT_EXTENSION
@@ -302,7 +302,8 @@ class EngineActor:
         self.peft = peft
         self.llm = start_engine(model_dir, tp=tp, dtype=dtype, direct=apply_mode == "direct",
                                 worker_extension_cls=REFIT_EXTENSION, weight_transfer_config={"backend": BACKEND},
-                                **extra, **lora_engine_args(peft))
+                                **extra, **lora_engine_args(peft),
+                                **({"speculative_config": speculative_config} if speculative_config else {}))
 
     def where(self) -> dict:
         from ...adapters.vllm.engine import engine_info
@@ -374,7 +375,7 @@ class AsyncEngineActor:
     versions that produced each token."""
 
     def __init__(self, model_dir: str, tp: int, dtype: str, apply_mode: str, env: dict[str, str],
-                 peft: PeftConfig | None = None) -> None:
+                 peft: PeftConfig | None = None, speculative_config: dict | None = None) -> None:
         os.environ.update(env)
         from ...adapters.vllm.engine import start_async_engine
         from ...adapters.vllm.worker import REFIT_EXTENSION
@@ -383,7 +384,8 @@ class AsyncEngineActor:
         self.peft = peft
         self.llm = start_async_engine(model_dir, tp=tp, dtype=dtype, direct=apply_mode == "direct",
                                       worker_extension_cls=REFIT_EXTENSION, weight_transfer_config={"backend": BACKEND},
-                                      **extra, **lora_engine_args(peft))
+                                      **extra, **lora_engine_args(peft),
+                                **({"speculative_config": speculative_config} if speculative_config else {}))
 
     async def where(self) -> dict:
         return {**node_of(), "engine": self.llm.engine_info}
@@ -453,7 +455,8 @@ class EngineHandle:
 def start_engines(model_dir: str, replicas: int, tp: int, dtype: str, apply_mode: str, *, timeout_s: float,
                   start_timeout_s: float = START_TIMEOUT_S, env: dict[str, str] | None = None,
                   name: str = "mr_engine", async_engine: bool = False,
-                  peft: PeftConfig | None = None) -> tuple[list[EngineHandle], list]:
+                  peft: PeftConfig | None = None,
+                  speculative_config: dict | None = None) -> tuple[list[EngineHandle], list]:
     """``replicas`` engine actors (:class:`AsyncEngineActor` with ``async_engine``, else
     :class:`EngineActor`), each in a placement group of one bundle of ``tp`` devices.
     Each must be up within ``start_timeout_s`` (a model load and a compile: slower than any
@@ -475,7 +478,7 @@ def start_engines(model_dir: str, replicas: int, tp: int, dtype: str, apply_mode
             cls = ray.remote(num_cpus=tp, num_gpus=device.get("GPU", 0), max_restarts=0)(
                 AsyncEngineActor if async_engine else EngineActor)
             actors.append(cls.options(scheduling_strategy=_strategy(pg, 0), name=f"{name}_{e}")
-                          .remote(model_dir, tp, dtype, apply_mode, env, peft))
+                          .remote(model_dir, tp, dtype, apply_mode, env, peft, speculative_config))
         infos = []
         for e, a in enumerate(actors):
             try:

@@ -71,6 +71,9 @@ class GrpoRecipe:
     local_problem: str | None
     #: ``policy.megatron_cfg.peft``: a LoRA policy (None: every weight trains).
     peft: PeftConfig | None = None
+    #: ``policy.generation.vllm_cfg.speculative_config``: the engines draft with the model's MTP
+    #: layers, which train and refit with it in one vote (None: no draft).
+    speculative: Any = None
 
     @property
     def checkpoint_family(self) -> str | None:
@@ -237,4 +240,4 @@ def load_grpo_recipe(path: str | Path, overrides: Sequence[str] = ()) -> GrpoRec
     return GrpoRecipe(path=str(path), model=model, spec=spec, dtype=spec.dtype, training=training, vllm=vllm,
                       refit=refit, colocated=colocated, async_engine=async_engine, **s,
                       local_problem=_lora_problem(layout.peft, spec) or _local_problem(model, spec.dtype, impl, training, vllm),
-                      peft=layout.peft)
+                      peft=layout.peft, speculative=layout.speculative)
