@@ -21,6 +21,7 @@ what they are on this machine.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_refit import BENCH_MODEL, bench_main  # noqa: E402
+from bench_refit import BENCH_MODEL, bench_main, bench_parser  # noqa: E402
 
 #: The bench model with a dense MLP of the same parameter count (16 experts x 512 = 8192).
 DENSE_MODEL: dict[str, Any] = {k: v for k, v in BENCH_MODEL.items()
@@ -37,13 +38,9 @@ DENSE_MODEL["intermediate_size"] = BENCH_MODEL["num_experts"] * BENCH_MODEL["moe
 
 
 def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    ap.add_argument("--repeats", type=int, default=3, help="rounds (step, adapter refit, full refit)")
+    ap = bench_parser(__doc__, 3, "rounds (step, adapter refit, full refit)")
     ap.add_argument("--dim", type=int, default=16, help="LoRA rank")
     ap.add_argument("--alpha", type=float, default=32.0, help="LoRA alpha")
-    ap.add_argument("--buffer-mib", type=int, default=128, help="refit.buffer_bytes in MiB")
-    ap.add_argument("--workdir", default=None, help="where the checkpoint goes (reused when it matches)")
     return ap.parse_args()
 
 
@@ -81,7 +78,7 @@ def run(args: argparse.Namespace, log: Callable[..., None]) -> dict[str, Any]:
             log(f"round {i}: adapter {adapter.seconds:.3f}s, full {full.seconds:.3f}s")
     adapter_bytes, full_bytes = rounds[-1]["adapter_bytes"], rounds[-1]["full_bytes"]
     return {
-        "model_params": sum(s for shape, _ in spec.tensor_table().values() for s in [_numel(shape)]),
+        "model_params": sum(math.prod(shape) for shape, _ in spec.tensor_table().values()),
         "peft": {"dim": args.dim, "alpha": args.alpha, "modules": list(peft.modules)},
         "first_refit": {"bytes": first.bytes_moved, "seconds": first.seconds},
         "adapter_bytes": adapter_bytes, "full_bytes": full_bytes, "byte_share": adapter_bytes / full_bytes,
@@ -93,13 +90,6 @@ def run(args: argparse.Namespace, log: Callable[..., None]) -> dict[str, Any]:
         "byte_ratio": full_bytes / adapter_bytes,
         "rounds": rounds,
     }
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def table(r: dict[str, Any]) -> str:

@@ -61,15 +61,21 @@ TARGET_VERIFY_COST = 0.10  # checksums cost <= 10 % of the refit's wall time
 
 # -- set-up ------------------------------------------------------------------------------------
 
-def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def bench_parser(doc: str, repeats: int, rounds: str) -> argparse.ArgumentParser:
+    """The options every benchmark here takes: --json, --repeats, --buffer-mib, --workdir."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    ap.add_argument("--repeats", type=int, default=5, help="timed rounds (one refit of each transport per round)")
+    ap.add_argument("--repeats", type=int, default=repeats, help=rounds)
+    ap.add_argument("--buffer-mib", type=int, default=128, help="refit.buffer_bytes in MiB")
+    ap.add_argument("--workdir", default=None, help="where the checkpoint goes (reused when it matches)")
+    return ap
+
+
+def parse_args() -> argparse.Namespace:
+    ap = bench_parser(__doc__, 5, "timed rounds (one refit of each transport per round)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed rounds first (first-touch and join costs)")
-    ap.add_argument("--buffer-mib", type=int, default=128, help="refit.buffer_bytes in MiB (both transports)")
     ap.add_argument("--layers", type=int, default=BENCH_MODEL["num_hidden_layers"], help="decoder layers")
     ap.add_argument("--experts", type=int, default=BENCH_MODEL["num_experts"], help="experts per layer")
-    ap.add_argument("--workdir", default=None, help="where the checkpoint goes (reused when it matches)")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides of configs/refit.yaml, e.g. refit.verify=off")
     return ap.parse_args()
 

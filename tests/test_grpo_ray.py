@@ -223,12 +223,8 @@ def test_async_run_trains_on_samples_of_the_previous_version_each_token_checked_
       samples are off-policy, and the check still proves each refit served what the trainer held;
     * every refit verified at the minimum bytes, ``verify=full`` on the last.
     """
-    r = BACKGROUND.result("grpo-async", _async_run)
-    assert r["returncode"] == 0, r["stderr"][-2000:]
-    steps = r["steps"]
-    assert [s["step"] for s in steps] == [0, 1, 2]
+    steps = _three_steps(BACKGROUND.result("grpo-async", _async_run))
     for s in steps:
-        assert s["refit_verified"] is True and _at_minimum(s)
         assert 1.0 <= s["token_mult_prob_error"] <= 1.001  # each token vs the version that made it
         assert s["policy_version"] == s["step"] and s["dropped_stale_samples"] == 0
         assert s["trajectory_age"] == s["policy_version"] - s["generation_versions"][0] <= 1
@@ -266,6 +262,16 @@ def test_async_run_two_versions_ahead_with_drained_blocking_refits():
     assert steps[-1]["refit_full_verified"]
 
 
+def _three_steps(r: dict) -> list[dict]:
+    """The steps a three-step run logged, once it ended cleanly with every refit verified at the
+    minimum bytes."""
+    assert r["returncode"] == 0, r["stderr"][-2000:]
+    steps = r["steps"]
+    assert [s["step"] for s in steps] == [0, 1, 2]
+    assert all(s["refit_verified"] is True and _at_minimum(s) for s in steps), steps
+    return steps
+
+
 def _lora_run(workdir: Path) -> dict:
     """``mcore-reshard grpo`` on the tiny LoRA recipe for three steps, ``verify=full`` on the last."""
     logs = workdir / "logs"
@@ -287,12 +293,8 @@ def test_lora_run_refits_the_adapter_only_every_refit_verified():
     recipe = load_grpo_recipe(LORA_RECIPE)
     slots = vllm_lora_layout(recipe.spec, VllmParallel(tp=1), recipe.peft)
     adapter_bytes = sum(p.numel - p.padding for p in slots.params) * 4  # fp32
-    r = BACKGROUND.result("grpo-lora", _lora_run)
-    assert r["returncode"] == 0, r["stderr"][-2000:]
-    steps = r["steps"]
-    assert [s["step"] for s in steps] == [0, 1, 2]
+    steps = _three_steps(BACKGROUND.result("grpo-lora", _lora_run))
     for s in steps:
-        assert s["refit_verified"] is True and _at_minimum(s)
         assert s["refit_bytes_min"] == s["refit_bytes_full"] == adapter_bytes  # the adapter only
         assert 1.0 <= s["token_mult_prob_error"] <= 1.001  # the served adapter is the trained one
     assert [s["refit_full_verified"] for s in steps] == [False, False, True]
