@@ -93,6 +93,26 @@ def test_attention_only_adapters_on_a_moe_model():
         assert torch.equal(d[p.rank][p.name], materialize_local(p, held)), p.name
 
 
+@pytest.mark.parametrize("mpar,vpar", [
+    (MegatronParallel(tp=2, ep=2, etp=1), VllmParallel(tp=2)),  # vLLM MoE-TP2: B rows / A columns per rank
+    (MegatronParallel(tp=1, ep=1, etp=1, dp=2), VllmParallel(tp=2, enable_ep=True)),  # vLLM EP2: half the experts each
+    (MegatronParallel(tp=2, ep=1, etp=2), VllmParallel(tp=1)),  # expert-TP2 adapters into one whole slot
+])
+def test_routed_expert_adapters_move_shard_to_shard_into_fused_moe_slots(mpar, vpar):
+    """Every routed expert's adapter (Bridge's adapters on each expert's linear_fc1/fc2 under
+    EP / expert TP) into vLLM's ``FusedMoEWithLoRA`` slots, with the attention's, bit for bit."""
+    spec = tiny_spec(moe=True, layers=2, dtype="bfloat16")
+    _, dst, plan, moved, d, held = _run(spec, mpar, vpar)
+    assert moved == plan.bytes_planned == plan.bytes_min
+    experts = [p for p in dst.params if ".mlp.experts." in p.name]
+    assert {p.name.rsplit(".", 3)[1] for p in experts} == {"w13_lora_a_stacked", "w13_lora_b_stacked",
+                                                            "w2_lora_a_stacked", "w2_lora_b_stacked"}
+    for p in dst.params:
+        assert torch.equal(d[p.rank][p.name], materialize_local(p, held)), (p.rank, p.name)
+    if vpar.enable_ep:  # each worker holds its half of the experts, whole
+        assert all(p.shape[0] == spec.num_experts // 2 for p in experts)
+
+
 def test_bad_lora_settings_are_one_line_before_anything_is_planned():
     dense, moe = tiny_spec(moe=False), tiny_spec(moe=True)
     with pytest.raises(LayoutError, match=r"peft.dim=16: the engine's max_lora_rank=8 cannot hold rank 16"):
@@ -105,8 +125,10 @@ def test_bad_lora_settings_are_one_line_before_anything_is_planned():
         PeftConfig(enabled=True, exclude_modules=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"))
     with pytest.raises(LayoutError, match=r"peft.dim=6: Megatron-Bridge splits the A of .* tensor_model_parallel_size=4"):
         megatron_lora_layout(dense, MegatronParallel(tp=4), PeftConfig(enabled=True, dim=6))
-    with pytest.raises(LayoutError, match=r"routed experts, which are not described yet"):
-        megatron_lora_layout(moe, MegatronParallel(tp=1), PEFT)
+    with pytest.raises(LayoutError, match=r"adapters on grouped experts \(TEGroupedMLP\) are not described"):
+        megatron_lora_layout(moe, MegatronParallel(tp=1, experts="grouped"), PEFT)
+    with pytest.raises(LayoutError, match=r"adapters on the experts with redundant experts \(EPLB\)"):
+        vllm_lora_layout(moe, VllmParallel(tp=2, enable_ep=True, num_redundant_experts=2), PEFT)
     with pytest.raises(LayoutError, match=r"LoRA adapters into an FP8 engine are not supported"):
         vllm_lora_layout(dense, VllmParallel(tp=1, quantization="fp8_per_block"), PEFT)
     # a rank or alpha that differs between the two sides: the layouts hold different tensors or scales

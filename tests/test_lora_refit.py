@@ -200,3 +200,49 @@ def test_settings_either_side_cannot_hold_are_refused_in_one_line(job):
         install_refit_adapter(torch.nn.Linear(2, 2), PEFT, job.spec, VllmParallel(tp=2), 0)
     job.driver.disconnect()  # the job's own driver takes the engine back at its next refit
     assert job.driver.refit().verified
+
+
+def test_a_moe_policys_expert_adapters_refit_into_fused_moe_slots_as_vllms_own_load(ckpt_cache, tmp_path):
+    """A MoE LoRA policy with adapters on every routed expert (megatron TP2 x EP2 x ETP1, Bridge's
+    adapters on each local expert's linear_fc1 / fc2) refits a TP2 engine's ``FusedMoEWithLoRA``
+    slots: the first refit base + adapter, after a step the adapter only. vLLM 0.32's CPU build
+    cannot run a MoE model's forward with LoRA (its MoE LoRA kernel needs Triton), so no request
+    runs here; instead vLLM's own loader puts the same trained adapter, exported as PEFT, into the
+    engine's other slot, and every slot tensor of every worker -- experts and attention -- equals
+    the refit's bit for bit."""
+    from vllm.lora.request import LoRARequest
+
+    from mcore_reshard.adapters.vllm.engine import start_engine, stop_engine
+    from mcore_reshard.adapters.vllm.lora_rules import vllm_lora_layout
+    from mcore_reshard.infra.checkpoint import save_peft_adapter
+    from mcore_reshard.jobs.refit import local_cluster
+    from mcore_reshard.transport.views import gather_canonical
+
+    ckpt = ckpt_cache.get(moe=True, dtype="bfloat16")
+    spec = load_model_spec(ckpt, dtype="bfloat16")
+    peft = PeftConfig(enabled=True, dim=4, alpha=12.0, max_lora_rank=8, max_loras=2)  # every module, experts too
+    llm = start_engine(str(ckpt), tp=2, dtype="bfloat16", enable_lora=True, max_lora_rank=8, max_loras=2,
+                       weight_transfer_config={"backend": "mcore_reshard"})
+    try:
+        with local_cluster(spec, ckpt, MegatronParallel(tp=2, ep=2, etp=1), VllmParallel(tp=2),
+                           RefitConfig(buffer_bytes=1 << 16, timeout_s=60.0), train={"lr": 0.05}, engines=[llm],
+                           peft=peft) as c:
+            d = c.driver
+            assert d.refit().verified and d.plan is d.adapter_plan  # base + adapter
+            c.pool.train_step([TOKENS, TOKENS[::-1]]).wait()
+            m = d.refit()
+            assert m.verified and m.bytes_moved == d.adapter_plan.bytes_min  # the adapter only
+            canon = gather_canonical(d.src.params, d.src.tensors, c.pool.local_tensors().wait(), only=is_adapter_tensor)
+        experts = [n for n in canon if ".mlp.experts." in n]
+        assert experts and len(experts) == 2 * 3 * spec.num_experts * len(spec.moe_layers)
+        save_peft_adapter(tmp_path / "trained", peft.peft_config_json(), canon)
+        assert llm.llm_engine.add_lora(LoRARequest("trained", 2, str(tmp_path / "trained")))  # slot 1, vLLM's own
+        mine = [p.name for p in vllm_lora_layout(spec, VllmParallel(tp=2), peft).for_rank(0)]
+        theirs = [n.replace(".slot0", ".slot1") for n in mine]
+        got = llm.collective_rpc("mr_lora_slots", args=(mine + theirs,))
+        for rank in (0, 1):
+            for a, b in zip(mine, theirs):
+                held = torch.tensor(got[rank][a])
+                assert held.abs().sum() > 0 and torch.equal(held, torch.tensor(got[rank][b])), (rank, a)
+    finally:
+        stop_engine(llm)

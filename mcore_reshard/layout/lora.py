@@ -22,7 +22,7 @@ from .descriptor import LayoutError, LocalParam, SideLayout
 from .spec import ModelSpec
 
 __all__ = ["PeftConfig", "MEGATRON_TARGETS", "HF_PROJECTIONS", "adapter_tensors", "lora_name", "VLLM_MAX_LORA_RANKS",
-           "is_adapter_tensor", "adapters_only", "with_adapter"]
+           "is_adapter_tensor", "adapters_only", "with_adapter", "expert_lora_name", "check_lora"]
 
 #: Megatron module -> the HF projections it fuses (in the fused order).
 MEGATRON_TARGETS: dict[str, tuple[str, ...]] = {
@@ -156,26 +156,38 @@ def _io(spec: ModelSpec, projection: str) -> tuple[int, int]:
 
 
 def check_lora(spec: ModelSpec, peft: PeftConfig) -> None:
-    """What the adapter layouts describe: GQA attention and dense MLPs. One line otherwise."""
+    """What the adapter layouts describe: GQA attention, dense MLPs and routed experts (without
+    shared experts). One line otherwise."""
     if spec.mla is not None:
         raise LayoutError("peft: LoRA on MLA attention (DeepSeek-V3) is not described yet")
     moe_mlp = [m for m in ("linear_fc1", "linear_fc2") if m in peft.modules]
-    if spec.moe_layers and moe_mlp:
-        raise LayoutError(
-            f"peft.target_modules: {moe_mlp} on a MoE model would adapt the routed experts, which are not "
-            f"described yet (and vLLM 0.32's CPU build cannot run MoE LoRA); set "
-            f"peft.exclude_modules={moe_mlp} to adapt attention only")
+    if spec.moe_layers and moe_mlp and spec.shared_intermediate:
+        raise LayoutError(f"peft.target_modules: {moe_mlp} on a MoE model with shared experts: their adapters are "
+                          f"not described yet; set peft.exclude_modules={moe_mlp}")
+
+
+def expert_lora_name(layer: int, expert: int, projection: str, part: str) -> str:
+    """Canonical name of one routed expert's adapter matrix (PEFT's, as vLLM loads it):
+    ``model.layers.{i}.mlp.experts.{e}.gate_proj.lora_A.weight``."""
+    return f"model.layers.{layer}.mlp.experts.{expert}.{projection}.{part}.weight"
 
 
 def adapter_tensors(spec: ModelSpec, peft: PeftConfig) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Every canonical adapter matrix: name -> (shape, dtype), in layer then projection order."""
+    """Every canonical adapter matrix: name -> (shape, dtype), in layer then projection order.
+    On a MoE layer ``linear_fc1`` / ``linear_fc2`` adapt every routed expert, each with its own
+    A and B (Megatron-Bridge's adapters on each expert's linears)."""
     check_lora(spec, peft)
     dt = peft.lora_dtype or spec.dtype
-    r = peft.dim
+    r, H, F = peft.dim, spec.hidden, spec.moe_intermediate
     out: dict[str, tuple[tuple[int, ...], str]] = {}
     for layer in range(spec.num_layers):
         for proj in peft.projections:
             if proj.startswith("mlp.") and spec.is_moe(layer):
+                short = proj.removeprefix("mlp.")
+                n_in, n_out = (F, H) if short == "down_proj" else (H, F)
+                for e in range(spec.num_experts):
+                    out[expert_lora_name(layer, e, short, "lora_A")] = ((r, n_in), dt)
+                    out[expert_lora_name(layer, e, short, "lora_B")] = ((n_out, r), dt)
                 continue
             n_in, n_out = _io(spec, proj)
             out[lora_name(layer, proj, "lora_A")] = ((r, n_in), dt)

@@ -47,8 +47,9 @@ def _init(method: str) -> Any:
     }[method]
 
 
-def _adapter(config: Any, base_in: int, base_out: int, peft: PeftConfig, column: bool) -> Any:
-    """One ``ParallelLinearAdapter`` (global ``in``/``out`` features of its base)."""
+def _adapter(config: Any, base_in: int, base_out: int, peft: PeftConfig, column: bool, is_expert: bool = False) -> Any:
+    """One ``ParallelLinearAdapter`` (global ``in``/``out`` features of its base; ``is_expert``:
+    a routed expert's linear, split over the expert-TP group as its base is)."""
     import torch
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
@@ -60,14 +61,14 @@ def _adapter(config: Any, base_in: int, base_out: int, peft: PeftConfig, column:
             a, b = _init(peft.lora_A_init_method), _init(peft.lora_B_init_method)
             if column:
                 self.linear_in = ColumnParallelLinear(base_in, peft.dim, config=config, init_method=a, bias=False,
-                                                      gather_output=True)
+                                                      gather_output=True, is_expert=is_expert)
                 self.linear_out = ColumnParallelLinear(peft.dim, base_out, config=config, init_method=b, bias=False,
-                                                       gather_output=False)
+                                                       gather_output=False, is_expert=is_expert)
             else:
                 self.linear_in = RowParallelLinear(base_in, peft.dim, config=config, init_method=a, bias=False,
-                                                   input_is_parallel=True, skip_bias_add=True)
+                                                   input_is_parallel=True, skip_bias_add=True, is_expert=is_expert)
                 self.linear_out = ColumnParallelLinear(peft.dim, base_out, config=config, init_method=b, bias=False,
-                                                       gather_output=True)
+                                                       gather_output=True, is_expert=is_expert)
             self.dropout = torch.nn.Dropout(peft.dropout)
             self.scale = peft.scaling
 
@@ -100,6 +101,17 @@ def _io(spec: ModelSpec, module: str) -> tuple[int, int]:
     }[module]
 
 
+def _adapt(base: Any, config: Any, io: tuple[int, int], peft: PeftConfig, module: str, is_expert: bool) -> None:
+    base.adapter = _adapter(config, *io, peft, module in _COLUMN, is_expert)
+    base.register_forward_hook(_add_adapter_output)
+
+
+def _expert_io(spec: ModelSpec, module: str) -> tuple[int, int]:
+    """Global (in, out) features of a routed expert's linear."""
+    H, F = spec.hidden, spec.moe_intermediate
+    return (H, 2 * F) if module == "linear_fc1" else (F, H)
+
+
 def add_lora(chunks: Sequence[Any], spec: ModelSpec, peft: PeftConfig) -> None:
     """Adapt every targeted linear of the bare ``GPTModel`` chunks (before ``Float16Module`` and
     DDP wrap them: the adapters then take the model dtype, and DDP and the optimizer see only
@@ -118,11 +130,11 @@ def add_lora(chunks: Sequence[Any], spec: ModelSpec, peft: PeftConfig) -> None:
             number = layer.layer_number - 1  # global, 1-based in megatron
             for module in peft.modules:
                 if module in ("linear_fc1", "linear_fc2") and spec.is_moe(number):
+                    for expert in layer.mlp.experts.local_experts:  # SequentialMLP (the rules refuse grouped)
+                        _adapt(getattr(expert, module), config, _expert_io(spec, module), peft, module, True)
                     continue
                 parent = layer.self_attention if module in ("linear_qkv", "linear_proj") else layer.mlp
-                base = getattr(parent, module)
-                base.adapter = _adapter(config, *_io(spec, module), peft, module in _COLUMN)
-                base.register_forward_hook(_add_adapter_output)
+                _adapt(getattr(parent, module), config, _io(spec, module), peft, module, False)
         setattr(chunk, PEFT_ATTR, peft)
 
 

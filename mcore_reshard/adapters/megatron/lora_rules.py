@@ -18,7 +18,7 @@ Pure metadata, like ``rules.py``; its templates and rank coordinates are reused 
 from __future__ import annotations
 
 from ...layout import LayoutError, LocalParam, ModelSpec, Piece, SideLayout
-from ...layout.lora import PeftConfig, adapter_tensors, lora_name
+from ...layout.lora import PeftConfig, adapter_tensors, expert_lora_name, lora_name
 from .rules import (MegatronParallel, _chunk_prefix, _col_parallel, _qkv_pieces, _row_parallel, _rows, _swiglu_fc1,
                     rank_coords, stage_layers)
 
@@ -43,7 +43,7 @@ def _layer(spec: ModelSpec, par: MegatronParallel, peft: PeftConfig, layer: int,
     out = []
     for module in peft.modules:
         if module in ("linear_fc1", "linear_fc2") and spec.is_moe(layer):
-            continue
+            continue  # the routed experts': ``_expert_adapters``
         base = prefix + ("self_attention." if module in ("linear_qkv", "linear_proj") else "mlp.") + module
         a_name, b_name = base + ".adapter.linear_in.weight", base + ".adapter.linear_out.weight"
         if module == "linear_qkv":
@@ -66,6 +66,38 @@ def _layer(spec: ModelSpec, par: MegatronParallel, peft: PeftConfig, layer: int,
     return out
 
 
+def _expert_adapters(spec: ModelSpec, par: MegatronParallel, peft: PeftConfig, layer: int, prefix: str, ep_r: int,
+                     etp_r: int):
+    """Templates of one MoE layer's routed-expert adapters on (ep_r, etp_r): each local expert's
+    ``linear_fc1`` / ``linear_fc2`` adapted as a dense module is, over the expert-TP group
+    (Bridge's adapters on expert linears: ``is_expert=True``); global expert = ep_r * E/ep + i."""
+    if par.experts != "sequential":
+        raise LayoutError("peft: adapters on grouped experts (TEGroupedMLP) are not described; use "
+                          "moe_grouped_gemm=false (SequentialMLP) or exclude linear_fc1/linear_fc2")
+    H, F, etp, r = spec.hidden, spec.moe_intermediate, par.etp_size, peft.dim
+    n_local = spec.num_experts // par.ep
+    out = []
+    for i in range(n_local):
+        e = ep_r * n_local + i
+        name = lambda proj, part: expert_lora_name(layer, e, proj, part)  # noqa: E731
+        base = f"{prefix}mlp.experts.local_experts.{i}."
+        if "linear_fc1" in peft.modules:
+            if r % etp:
+                raise LayoutError(f"peft.dim={r}: Megatron-Bridge splits the A of the experts' linear_fc1 along the "
+                                  f"rank over expert_tensor_parallel_size={etp}, which must divide it")
+            a = base + "linear_fc1.adapter.linear_in.weight"
+            out.append((a, (r // etp, H), tuple(_rows(0, name(p, "lora_A"), etp_r * (r // etp), r // etp, H)
+                                                for p in ("gate_proj", "up_proj"))))
+            out.append(_swiglu_fc1(base + "linear_fc1.adapter.linear_out.weight", name("gate_proj", "lora_B"),
+                                   name("up_proj", "lora_B"), F, r, etp, etp_r))
+        if "linear_fc2" in peft.modules:
+            out.append(_row_parallel(base + "linear_fc2.adapter.linear_in.weight", name("down_proj", "lora_A"),
+                                     r, F, etp, etp_r))
+            out.append(_col_parallel(base + "linear_fc2.adapter.linear_out.weight", name("down_proj", "lora_B"),
+                                     H, r, etp, etp_r))
+    return out
+
+
 def megatron_lora_rank_params(spec: ModelSpec, par: MegatronParallel, peft: PeftConfig, rank: int) -> list[LocalParam]:
     """The adapter parameters of one training rank (names as ``named_parameters`` gives them)."""
     _check(spec, par, peft)
@@ -74,8 +106,10 @@ def megatron_lora_rank_params(spec: ModelSpec, par: MegatronParallel, peft: Peft
     out: list[LocalParam] = []
     for v, chunk in enumerate(stage_layers(spec.num_layers, par)[c["pp"]]):
         for i, layer in enumerate(chunk):
-            for name, shape, pieces in _layer(spec, par, peft, layer, f"{_chunk_prefix(par, v)}decoder.layers.{i}.",
-                                              c["tp"]):
+            prefix = f"{_chunk_prefix(par, v)}decoder.layers.{i}."
+            experts = (_expert_adapters(spec, par, peft, layer, prefix, c["ep"], c["etp"]) if spec.is_moe(layer)
+                       else [])
+            for name, shape, pieces in _layer(spec, par, peft, layer, prefix, c["tp"]) + experts:
                 out.append(LocalParam(rank, name, shape, dt, tuple(Piece(rank, name, cn, b, vw)
                                                                    for cn, b, vw in pieces)))
     return out

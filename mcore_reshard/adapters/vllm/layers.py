@@ -19,8 +19,8 @@ from ...layout.descriptor import LayoutError, LocalParam
 from ...transport.views import TORCH_DTYPES
 from .lora_rules import is_slot_name, parse_slot_name
 
-__all__ = ["DIRECT", "RELOAD", "MLA_NOTE", "owner", "LoraSlot", "guarded", "TargetAndDraft", "plain_linear_enabled", "kernel_is_model_format",
-           "mla_absorbers", "reabsorb", "select_modes", "aliased", "swap_into", "shadow_module",
+__all__ = ["DIRECT", "RELOAD", "MLA_NOTE", "owner", "LoraSlot", "guarded", "TargetAndDraft", "plain_linear_enabled",
+           "kernel_is_model_format", "mla_absorbers", "reabsorb", "select_modes", "aliased", "swap_into", "shadow_module",
            "reprepack_cpu_moe", "MISSING", "open_shadow", "process_shadow", "commit_shadow"]
 
 #: Why MLA's kv_b_proj is never written in place (the plan report lists it with this reason).
@@ -48,7 +48,8 @@ def owner(model: torch.nn.Module, local_name: str) -> tuple["torch.nn.Module | L
     if is_slot_name(local_name):
         module, part, k, slot = parse_slot_name(local_name)
         layer = model.get_submodule(module)
-        return LoraSlot(layer, getattr(layer, f"{part}_stacked")[k][slot, 0]), "value"
+        stacked = getattr(layer, f"{part}_stacked")[k]  # dense [N, 1, ...]; a MoE layer's [N, E_local, ...]
+        return LoraSlot(layer, stacked[slot, 0] if part in ("lora_a", "lora_b") else stacked[slot]), "value"
     mname, _, pname = local_name.rpartition(".")
     return (model.get_submodule(mname) if mname else model), pname
 

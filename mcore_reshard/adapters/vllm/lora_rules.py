@@ -21,9 +21,11 @@ layout says so (``SideLayout.scale``), and the senders multiply while packing.
 
 from __future__ import annotations
 
+from typing import Any
+
 from ...layout import Box, LayoutError, LocalParam, ModelSpec, Piece, SideLayout, View
-from ...layout.lora import PeftConfig, adapter_tensors, lora_name
-from .parallel import VllmParallel, check_dims
+from ...layout.lora import PeftConfig, adapter_tensors, expert_lora_name, lora_name
+from .parallel import VllmParallel, check_dims, expert_slots
 
 __all__ = ["vllm_lora_layout", "vllm_lora_rank_params", "slot_name", "parse_slot_name", "is_slot_name", "LORA_MODULES"]
 
@@ -97,7 +99,10 @@ def vllm_lora_rank_params(spec: ModelSpec, par: VllmParallel, peft: PeftConfig, 
         out.append(LocalParam(rank, name, shape, dt, (Piece(rank, name, *piece),)))
 
     start, end = d.stages[pp_r]
+    moe_r = rank // (par.tp * par.pp) % par.dp * par.tp + tp_r  # flattened MoE rank (ep_rank with EP)
     for layer in range(start, end):
+        if spec.is_moe(layer) and {"linear_fc1", "linear_fc2"} & set(peft.modules):
+            out.extend(_expert_slots(spec, d, peft, layer, moe_r, rank))
         for module in peft.modules:
             vmod, projs = LORA_MODULES[module]
             if vmod.startswith("mlp.") and spec.is_moe(layer):
@@ -107,6 +112,40 @@ def vllm_lora_rank_params(spec: ModelSpec, par: VllmParallel, peft: PeftConfig, 
                 add(slot_name(layer, vmod, "lora_a", k, s), (R, cols), _a(lora_name(layer, proj, "lora_A"), col0, cols, r))
                 add(slot_name(layer, vmod, "lora_b", k, s), (rows, R), _rows(lora_name(layer, proj, "lora_B"), row0,
                                                                               rows, r, R))
+    return out
+
+
+def _expert_slots(spec: ModelSpec, d: Any, peft: PeftConfig, layer: int, moe_r: int, rank: int) -> list[LocalParam]:
+    """One worker's slot of a MoE layer's ``FusedMoEWithLoRA`` (``vllm/lora/layers/fused_moe.py``,
+    not ``fully_sharded_loras``): per local expert ``j``, ``w13_lora_a_stacked[k]`` ``[E_l, R, H]``
+    (gate, up: A whole), ``w13_lora_b_stacked[k]`` ``[E_l, f, R]`` (B's rows of this MoE-TP rank),
+    ``w2_lora_a_stacked[0]`` ``[E_l, R, f]`` (A's columns), ``w2_lora_b_stacked[0]`` ``[E_l, H, R]``
+    (B whole). Under EP each worker holds its linear share of the experts, whole (MoE TP 1)."""
+    if spec.num_experts != d.physical:
+        raise LayoutError("peft: adapters on the experts with redundant experts (EPLB) are not described: vLLM "
+                          "slices expert adapters linearly at load")
+    H, f, r, R, s = spec.hidden, d.moe_rows, peft.dim, peft.engine_rank, peft.slot
+    first, n = expert_slots(d, moe_r) if d.ep > 1 else (0, spec.num_experts)
+    row0 = 0 if d.ep > 1 else moe_r * f
+    module = f"model.layers.{layer}.mlp.experts"
+    name = lambda e, proj, part: expert_lora_name(layer, e, proj, part)  # noqa: E731
+    dt = spec.dtype
+    out: list[LocalParam] = []
+
+    def add(stacked: str, k: int, shape: tuple[int, int], per_expert) -> None:
+        local = f"{module}.{stacked}_stacked.{k}.slot{s}"
+        size = shape[0] * shape[1]
+        pieces = tuple(Piece(rank, local, c, box, View(j * size + v.offset, v.shape, v.stride))
+                       for j in range(n) for c, box, v in [per_expert(first + j)])
+        out.append(LocalParam(rank, local, (n, *shape), dt, pieces))
+
+    if "linear_fc1" in peft.modules:
+        for k, proj in enumerate(("gate_proj", "up_proj")):
+            add("w13_lora_a", k, (R, H), lambda e, p=proj: _a(name(e, p, "lora_A"), 0, H, r))
+            add("w13_lora_b", k, (f, R), lambda e, p=proj: _rows(name(e, p, "lora_B"), row0, f, r, R))
+    if "linear_fc2" in peft.modules:
+        add("w2_lora_a", 0, (R, f), lambda e: _a(name(e, "down_proj", "lora_A"), row0, f, r))
+        add("w2_lora_b", 0, (H, R), lambda e: _rows(name(e, "down_proj", "lora_B"), 0, H, r, R))
     return out
 
 

@@ -38,7 +38,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from ...errors import RefitError
 from ...layout.descriptor import DTYPE_BYTES, LocalParam
-from ...layout.spec import spec_from_hf_config
+from ...layout.spec import ModelSpec, spec_from_hf_config
 from ...wire.protocol import (EngineInitInfo, EngineUpdateInfo, RankReport, RefitRequest, VerifyMode, WorkerStatus,
                               first_error_line)
 from ...wire.slice_store import fetch_slice
@@ -63,10 +63,15 @@ class Unreadable:
     error: str
 
 
+def served_spec(vllm_config: Any) -> ModelSpec:
+    """The served model's spec, from its HF config, in the engine's dtype."""
+    mc = vllm_config.model_config
+    return spec_from_hf_config(mc.hf_config, dtype=str(mc.dtype).replace("torch.", ""))
+
+
 def canonical_tensors(vllm_config: Any) -> dict[str, tuple[tuple[int, ...], str]]:
     """Canonical HF tensors (name -> shape, dtype) of the served model, from its HF config."""
-    mc = vllm_config.model_config
-    return spec_from_hf_config(mc.hf_config, dtype=str(mc.dtype).replace("torch.", "")).tensor_table()
+    return served_spec(vllm_config).tensor_table()
 
 
 def rebind_commits(vllm_config: Any, device: torch.device) -> bool:
@@ -148,8 +153,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUpd
         from ...layout import Piece
         from ...layout.mtp import draft_tensors
 
-        mc = self.vllm_config.model_config
-        spec = spec_from_hf_config(mc.hf_config, dtype=str(mc.dtype).replace("torch.", ""))
+        spec = served_spec(self.vllm_config)
         shared = {id(t) for t in self._default_model.parameters()}  # the same Parameter objects
         own = {n for n, t in self.draft.named_parameters() if id(t) not in shared}
         recorded = record_local_params(self.draft, draft_tensors(spec), self.local_rank, vllm_config=self.vllm_config,
@@ -173,17 +177,16 @@ class ReshardWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUpd
 
     def install_adapter(self, peft: PeftConfig) -> None:
         """A LoRA policy's refit adapter in this worker's LoRA slots (``lora_slots``; once)."""
-        mc, par = self.vllm_config.model_config, self.vllm_config.parallel_config
-        spec = spec_from_hf_config(mc.hf_config, dtype=str(mc.dtype).replace("torch.", ""))
+        par = self.vllm_config.parallel_config
         self.adapter_params = install_refit_adapter(
-            self._default_model, peft, spec, VllmParallel(tp=int(par.tensor_parallel_size),
-                                                          pp=int(par.pipeline_parallel_size)),
-            self.local_rank)
+            self._default_model, peft, served_spec(self.vllm_config),
+            VllmParallel(tp=int(par.tensor_parallel_size), pp=int(par.pipeline_parallel_size)), self.local_rank)
 
     def applier(self, atomic: bool) -> VllmApplier:
         ap = self._applier
-        if ap is None or ap.atomic != atomic or len(ap.params) != len(self.params()):
-            new = VllmApplier(self._served, self.params(), atomic=atomic, device=self.device,
+        params = self.params()
+        if ap is None or ap.atomic != atomic or set(ap.params) != {p.name for p in params}:
+            new = VllmApplier(self._served, params, atomic=atomic, device=self.device,
                               rebind=rebind_commits(self.vllm_config, self.device))
             if ap is not None:
                 new.inherit(ap)  # a torn model stays gated across a change of mode

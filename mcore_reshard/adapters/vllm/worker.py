@@ -29,7 +29,7 @@ from ...transport.views import ReceivedWeights
 from ...wire.protocol import WorkerLayout, WorkerStatus
 from ...transport.views import box_slices
 from .apply import RefitIncomplete, VllmApplier, select_modes
-from .lora_rules import parse_slot_name
+from .layers import owner
 from .record import record_local_params
 
 __all__ = ["ReshardWorkerExtension", "REFIT_EXTENSION", "PLAIN_LINEAR_ENV", "install_plain_linear"]
@@ -241,12 +241,7 @@ class ReshardWorkerExtension:
         layers hold them, as nested lists (diagnostics: the layouts checked against vLLM's own
         ``set_lora``)."""
         model = self._mr_model()
-        out: dict[str, list] = {}
-        for name in names:
-            module, part, k, slot = parse_slot_name(name)
-            stacked = getattr(model.get_submodule(module), f"{part}_stacked")[k]
-            out[name] = stacked[slot, 0].detach().float().cpu().tolist()
-        return out
+        return {name: owner(model, name)[0].value.detach().float().cpu().tolist() for name in names}
 
     def mr_draft_layout(self) -> dict[str, Any]:
         """The speculative-decoding draft model this worker holds (diagnostics: the draft's
