@@ -223,7 +223,7 @@ def test_async_run_trains_on_samples_of_the_previous_version_each_token_checked_
       samples are off-policy, and the check still proves each refit served what the trainer held;
     * every refit verified at the minimum bytes, ``verify=full`` on the last.
     """
-    steps = _three_steps(BACKGROUND.result("grpo-async", _async_run))
+    steps = _steps(BACKGROUND.result("grpo-async", _async_run), 3)
     for s in steps:
         assert 1.0 <= s["token_mult_prob_error"] <= 1.001  # each token vs the version that made it
         assert s["policy_version"] == s["step"] and s["dropped_stale_samples"] == 0
@@ -262,21 +262,21 @@ def test_async_run_two_versions_ahead_with_drained_blocking_refits():
     assert steps[-1]["refit_full_verified"]
 
 
-def _three_steps(r: dict) -> list[dict]:
-    """The steps a three-step run logged, once it ended cleanly with every refit verified at the
-    minimum bytes."""
+def _steps(r: dict, n: int) -> list[dict]:
+    """The steps an ``n``-step run logged, once it ended cleanly with every refit verified at
+    the minimum bytes."""
     assert r["returncode"] == 0, r["stderr"][-2000:]
     steps = r["steps"]
-    assert [s["step"] for s in steps] == [0, 1, 2]
+    assert [s["step"] for s in steps] == list(range(n))
     assert all(s["refit_verified"] is True and _at_minimum(s) for s in steps), steps
     return steps
 
 
 def _lora_run(workdir: Path) -> dict:
-    """``mcore-reshard grpo`` on the tiny LoRA recipe for three steps, ``verify=full`` on the last."""
+    """``mcore-reshard grpo`` on the tiny LoRA recipe for two steps, ``verify=full`` on the last."""
     logs = workdir / "logs"
-    cmd = [sys.executable, "-m", "mcore_reshard.cli", "grpo", str(LORA_RECIPE), "grpo.max_num_steps=3",
-           "grpo.verify_full_every_n_steps=3", f"logger.log_dir={logs}"]
+    cmd = [sys.executable, "-m", "mcore_reshard.cli", "grpo", str(LORA_RECIPE), "grpo.max_num_steps=2",
+           "grpo.verify_full_every_n_steps=2", f"logger.log_dir={logs}"]
     return _cli(cmd, logs, 400)
 
 
@@ -293,11 +293,11 @@ def test_lora_run_refits_the_adapter_only_every_refit_verified():
     recipe = load_grpo_recipe(LORA_RECIPE)
     slots = vllm_lora_layout(recipe.spec, VllmParallel(tp=1), recipe.peft)
     adapter_bytes = sum(p.numel - p.padding for p in slots.params) * 4  # fp32
-    steps = _three_steps(BACKGROUND.result("grpo-lora", _lora_run))
+    steps = _steps(BACKGROUND.result("grpo-lora", _lora_run), 2)
     for s in steps:
         assert s["refit_bytes_min"] == s["refit_bytes_full"] == adapter_bytes  # the adapter only
         assert 1.0 <= s["token_mult_prob_error"] <= 1.001  # the served adapter is the trained one
-    assert [s["refit_full_verified"] for s in steps] == [False, False, True]
+    assert [s["refit_full_verified"] for s in steps] == [False, True]
 
 
 #: Runs ``conftest.py`` starts when the session starts (one at a time, on a background thread)
