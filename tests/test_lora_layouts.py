@@ -84,10 +84,11 @@ def test_adapter_bytes_are_a_small_share_of_a_full_refit():
     assert len(adapter_tensors(spec, PEFT)) == 2 * 2 * 7  # A and B of 7 projections on 2 layers
 
 
-def test_attention_only_adapters_on_a_moe_model():
+@pytest.mark.parametrize("experts", ["sequential", "grouped"])  # grouped: no expert adapter to describe
+def test_attention_only_adapters_on_a_moe_model(experts):
     spec = tiny_spec(moe=True, layers=2)
     peft = PeftConfig(enabled=True, dim=8, alpha=16.0, target_modules=("linear_qkv", "linear_proj"))
-    _, dst, plan, moved, d, held = _run(spec, MegatronParallel(tp=2, ep=2), VllmParallel(tp=2), peft)
+    _, dst, plan, moved, d, held = _run(spec, MegatronParallel(tp=2, ep=2, experts=experts), VllmParallel(tp=2), peft)
     assert moved == plan.bytes_min and {p.name.split(".")[3] for p in dst.params} == {"self_attn"}
     for p in dst.params:
         assert torch.equal(d[p.rank][p.name], materialize_local(p, held)), p.name

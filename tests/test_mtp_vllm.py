@@ -139,7 +139,7 @@ def test_target_and_draft_refit_in_one_vote_and_keep_the_drafts_acceptance(engin
         # ...and each greedy token is the trainer's argmax (the target without a draft)
         seq = (PATTERN * 3)[0:8] + joint_out[0]
         lp = c.pool.logprobs([seq]).wait()[0][0]
-        assert all(v > -0.5 for v in lp[7:]), lp  # every generated token is the trainer's likely one
+        assert all(v > -0.5 for v in lp[7:]), lp  # p > 0.6: each is the trainer's argmax, drafting off
 
         # a refit that fails for the draft keeps both old: a bit flipped where a draft box landed
         served = llm.collective_rpc("mr_draft_checksums")[0]

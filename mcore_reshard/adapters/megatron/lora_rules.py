@@ -107,8 +107,8 @@ def megatron_lora_rank_params(spec: ModelSpec, par: MegatronParallel, peft: Peft
     for v, chunk in enumerate(stage_layers(spec.num_layers, par)[c["pp"]]):
         for i, layer in enumerate(chunk):
             prefix = f"{_chunk_prefix(par, v)}decoder.layers.{i}."
-            experts = (_expert_adapters(spec, par, peft, layer, prefix, c["ep"], c["etp"]) if spec.is_moe(layer)
-                       else [])
+            experts = (_expert_adapters(spec, par, peft, layer, prefix, c["ep"], c["etp"])
+                       if spec.is_moe(layer) and {"linear_fc1", "linear_fc2"} & set(peft.modules) else [])
             for name, shape, pieces in _layer(spec, par, peft, layer, prefix, c["tp"]) + experts:
                 out.append(LocalParam(rank, name, shape, dt, tuple(Piece(rank, name, cn, b, vw)
                                                                    for cn, b, vw in pieces)))
