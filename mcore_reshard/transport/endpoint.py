@@ -17,7 +17,7 @@ close-on-failure, the pair lookup of the bandwidth probe and the report format l
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 import torch
 
@@ -140,13 +140,16 @@ class RefitEndpoint:
                                        nonce=info.nonce)
         return me
 
-    def set_plan(self, wire: Mapping[str, Any], plan_digest: str) -> str:
+    def set_plan(self, wire: Mapping[str, Any], plan_digest: str,
+                 check: Callable[[RankPlan], None] | None = None) -> str:
         """Keep this rank's slice (sent once per layout; refits then name the plan by digest).
         The slice is decoded and re-hashed here: what this rank runs is provably what the
-        driver cut for it."""
+        driver cut for it. ``check(slice)`` may refuse it (raises) before it is kept."""
         s = slice_from_wire(wire)
         if s.side != self.side or s.rank != self.rank:
             raise RefitError(f"{self.who}: was sent the slice of {s.side} rank {s.rank}")
+        if check is not None:
+            check(s)
         self._slice, self._digest, self.refusal = s, plan_digest, ""
         return s.digest()
 

@@ -68,18 +68,18 @@ class TrainerEndpoint:
         return self._endpoint.join(info)
 
     def set_plan(self, slice_wire: Mapping[str, Any], plan_digest: str) -> str:
-        """Keep this rank's slice; a LoRA policy checks the scaling the plan sends its B with
-        against its own ``alpha / r`` (the engine folds the plan's into its slots)."""
-        digest = self._endpoint.set_plan(slice_wire, plan_digest)
+        """Keep this rank's slice; a LoRA policy first checks the scaling the plan sends its B
+        with against its own ``alpha / r`` (the engine folds the plan's into its slots)."""
+        return self._endpoint.set_plan(slice_wire, plan_digest, check=self._check_scale)
+
+    def _check_scale(self, rank_plan: Any) -> None:
         peft = policy_peft(_unwrap(self.chunks[0]))
-        scale = self._endpoint._slice.get("lora")
+        scale = rank_plan.get("lora")
         for name, factor in (scale.locals if scale is not None else ()):
             if peft is None or abs(factor - peft.scaling) > 1e-12 * peft.scaling:
-                self._endpoint._slice = None
                 mine = "no adapters" if peft is None else f"peft.alpha={peft.alpha:g}, peft.dim={peft.dim}"
                 raise LayoutError(f"training rank {self.rank}: the plan scales {name} by {factor:g} (the engine's "
                                   f"alpha / r); this policy has {mine}")
-        return digest
 
     def local_tensors(self) -> dict[str, Any]:
         """The live local parameters by descriptor name (read, never copied)."""
