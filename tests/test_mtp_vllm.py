@@ -150,6 +150,7 @@ def test_target_and_draft_refit_in_one_vote_and_keep_the_drafts_acceptance(engin
                     faults=Faults(engine=EngineFault(0, Fault(tensor="draft.model.layers.4.eh_proj.weight"))))
         assert llm.collective_rpc("mr_draft_checksums")[0] == served  # the draft...
         assert prompt_logprobs(llm, (PATTERN * 3)[:16]) == served_lp  # ...and the target, both old
+        assert _greedy(llm, enqueue=True) == joint_out  # on the engine's queue too (another client)
         pending = d.begin_refit()  # overlapped: the old pair serves while the new one arrives
         assert _greedy(llm) == joint_out
         assert pending.finish().verified
@@ -174,9 +175,20 @@ def test_target_and_draft_refit_in_one_vote_and_keep_the_drafts_acceptance(engin
             stop_engine(fresh)
 
 
-def _greedy(llm) -> list[list[int]]:
+def _greedy(llm, enqueue: bool = False) -> list[list[int]]:
+    """Greedy continuations of the pattern, through ``generate`` or ``enqueue`` + ``wait_for_completion``."""
+    import threading
+
     from vllm import SamplingParams
 
     prompts = [{"prompt_token_ids": (PATTERN * 3)[s:s + 8]} for s in range(4)]
-    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0),
-                                                               use_tqdm=False)]
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    if not enqueue:
+        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    llm.enqueue(prompts, params, use_tqdm=False)
+    got: dict = {}
+    waiter = threading.Thread(target=lambda: got.update(out=llm.wait_for_completion(use_tqdm=False)), daemon=True)
+    waiter.start()
+    waiter.join(60)
+    assert "out" in got, "enqueued requests did not complete"
+    return [list(o.outputs[0].token_ids) for o in got["out"]]  # in request order, as vLLM sorts them
