@@ -60,13 +60,24 @@ def _enqueued(llm, lora) -> list[float]:
 
 @pytest.fixture(scope="module")
 def job(ckpt_cache):
-    from mcore_reshard.jobs.refit import local_cluster
+    """The LoRA policy, a TP2 ``LLM`` engine (``engines[0]``: ``generate``, ``enqueue``) and a TP1
+    ``AsyncLLM`` engine (``engines[1]``: the async client path), refit together."""
+    from mcore_reshard.adapters.vllm.engine import start_async_engine, start_engine, stop_engine
+    from mcore_reshard.jobs.refit import lora_engine_args, local_cluster
 
     ckpt = ckpt_cache.get(family="qwen3", dtype="bfloat16")
     spec = load_model_spec(ckpt, dtype="bfloat16")
-    with local_cluster(spec, ckpt, MegatronParallel(tp=2), VllmParallel(tp=2),
-                       RefitConfig(buffer_bytes=1 << 16, timeout_s=60.0), train={"lr": 0.05}, peft=PEFT) as c:
-        yield c
+    kw = dict(dtype="bfloat16", weight_transfer_config={"backend": "mcore_reshard"}, **lora_engine_args(PEFT))
+    engines = [start_engine(str(ckpt), tp=2, **kw)]
+    try:
+        engines.append(start_async_engine(str(ckpt), tp=1, **kw))
+        with local_cluster(spec, ckpt, MegatronParallel(tp=2), VllmParallel(tp=2),
+                           RefitConfig(buffer_bytes=1 << 16, timeout_s=60.0), train={"lr": 0.05}, engines=engines,
+                           peft=PEFT) as c:
+            yield c
+    finally:
+        for llm in engines:
+            stop_engine(llm)
 
 
 def test_the_first_refit_moves_the_base_and_every_later_one_the_adapter_only(job):
@@ -137,20 +148,22 @@ def test_a_fresh_engine_loading_the_trained_adapter_from_peft_serves_bit_identic
 def test_a_failed_adapter_refit_keeps_the_old_adapter_then_deltas_and_overlap_carry_it(job):
     from mcore_reshard.adapters.vllm.lora_slots import refit_lora_request
 
-    llm, d = job.engines[0], job.driver
+    (llm, aeng), d = job.engines, job.driver
     lora = refit_lora_request(PEFT)
     assert d.plan is d.adapter_plan
-    before, base = _logprobs(llm, lora), _logprobs(llm)
+    before, base, async_before = _logprobs(llm, lora), _logprobs(llm), _logprobs(aeng, lora)
     job.pool.train_step([TOKENS]).wait()
     with pytest.raises(RefitFailed, match="checksum"):  # a corrupted adapter box: every worker votes no
         d.refit(faults=Faults(TrainerFault(1, Fault("bitflip", bucket=0))))
-    assert _logprobs(llm, lora) == before and _enqueued(llm, lora) == before  # the old adapter, whole
+    # the old adapter, whole, on every client path: generate, the engine's queue, the async engine
+    assert _logprobs(llm, lora) == before and _enqueued(llm, lora) == before
+    assert _logprobs(aeng, lora) == async_before
     assert _logprobs(llm) == base
 
     m = d.refit()  # after a failure: full adapter boxes, on a new group
     assert m.verified and m.at_minimum and not m.delta
     after = _logprobs(llm, lora)
-    assert after != before
+    assert after != before and _logprobs(aeng, lora) != async_before
     job.pool.train_step([TOKENS[::-1]]).wait()
     m = d.refit()  # the same plan, every rank holds the last refit: a delta of the adapter
     assert m.verified and m.at_minimum and m.delta and m.bytes_moved <= d.adapter_plan.bytes_min + m.bytes_headers
