@@ -63,11 +63,11 @@ def job(ckpt_cache):
     """The LoRA policy, a TP2 ``LLM`` engine (``engines[0]``: ``generate``, ``enqueue``) and a TP1
     ``AsyncLLM`` engine (``engines[1]``: the async client path), refit together."""
     from mcore_reshard.adapters.vllm.engine import start_async_engine, start_engine, stop_engine
-    from mcore_reshard.jobs.refit import lora_engine_args, local_cluster
+    from mcore_reshard.jobs.refit import local_cluster, policy_engine_args
 
     ckpt = ckpt_cache.get(family="qwen3", dtype="bfloat16")
     spec = load_model_spec(ckpt, dtype="bfloat16")
-    kw = dict(dtype="bfloat16", weight_transfer_config={"backend": "mcore_reshard"}, **lora_engine_args(PEFT))
+    kw = dict(dtype="bfloat16", weight_transfer_config={"backend": "mcore_reshard"}, **policy_engine_args(PEFT))
     engines = [start_engine(str(ckpt), tp=2, **kw)]
     try:
         engines.append(start_async_engine(str(ckpt), tp=1, **kw))

@@ -148,11 +148,15 @@ def colocated_placement(num_src: int, num_dst: int) -> Any:
     return RankPlacement.colocated(num_src, num_dst, gpus_per_node=max(num_src, num_dst, 1))
 
 
-def lora_engine_args(peft: Any) -> dict[str, Any]:
-    """vLLM engine arguments for a LoRA policy's engines (none for a full policy)."""
-    if peft is None or not peft.enabled:
-        return {}
-    return {"enable_lora": True, "max_lora_rank": peft.engine_rank, "max_loras": peft.max_loras}
+def policy_engine_args(peft: Any = None, speculative_config: dict | None = None) -> dict[str, Any]:
+    """vLLM engine arguments a policy's engines need: LoRA slots for a LoRA policy's adapter,
+    ``speculative_config`` for an MTP draft (none for a full policy without a draft)."""
+    out: dict[str, Any] = {}
+    if peft is not None and peft.enabled:
+        out.update(enable_lora=True, max_lora_rank=peft.engine_rank, max_loras=peft.max_loras)
+    if speculative_config:
+        out["speculative_config"] = dict(speculative_config)
+    return out
 
 
 @contextmanager
@@ -186,8 +190,8 @@ def local_cluster(spec: ModelSpec, checkpoint: Path, training: Any, vllm: Any, r
         for _ in range(vllm.replicas if own else 0):
             c.engines.append(start(str(checkpoint), tp=vllm.tp, dtype=spec.dtype, enable_ep=vllm.enable_ep,
                                    direct=refit.apply_mode == "direct", worker_extension_cls=extension,
-                                   weight_transfer_config={"backend": BACKEND}, **lora_engine_args(peft),
-                                   **({"speculative_config": dict(speculative_config)} if speculative_config else {})))
+                                   weight_transfer_config={"backend": BACKEND},
+                                   **policy_engine_args(peft, speculative_config)))
         c.setup = TrainerSetup(spec, training, str(checkpoint), free_port(), timeout_s=max(refit.timeout_s, 120.0),
                                train=dict(train or {}), sync_before_refit=sync_before_refit, peft=peft,
                                mtp=bool(speculative_config))
@@ -231,11 +235,9 @@ def _run_job(job: Any, workdir: Path, as_json: bool) -> int:
     spec = load_model_spec(ckpt, dtype=job.dtype)
     tokens = list(job.tokens)
     log = (lambda *a: print(*a, file=sys.stderr)) if as_json else print
-    draft = job.speculative
     with local_cluster(spec, ckpt, job.training, job.vllm, job.refit, train={"lr": job.lr},
                        async_engine=job.async_engine,
-                       speculative_config=None if draft is None else {
-                           "method": draft.method, "num_speculative_tokens": draft.num_speculative_tokens}) as c:
+                       speculative_config=None if job.speculative is None else job.speculative.to_vllm()) as c:
         d = c.driver
         log(plan_report(d.plan).table(f"refit plan: {spec.name} ({spec.dtype}) {job.src.name if job.src else d.src.name}"
                                       f" -> {d.dst.name}"))

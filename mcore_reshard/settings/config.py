@@ -202,8 +202,7 @@ class PlannedRecipe:
         """The MTP draft's part of the refit (its bytes at every destination rank)."""
         sp = self.recipe.speculative
         draft = draft_tensors(self.recipe.vllm_spec or self.recipe.spec)
-        held = sum(q.box.numel * DTYPE_BYTES[draft[q.canonical][1]] for p in self.dst.params for q in p.pieces
-                   if q.canonical in draft)
+        held = held_bytes(self.dst, draft)
         return {"method": sp.method, "num_speculative_tokens": sp.num_speculative_tokens, "tensors": len(draft),
                 "bytes_min": held, "fraction_of_refit": held / self.report.bytes_min}
 
@@ -262,7 +261,7 @@ def _plan_recipe(recipe: RecipeLayout) -> PlannedRecipe:
         plan = plan_for_placement(src, dst, where, topology.links, bucket_bytes=r.bucket_bytes,
                                   allow_cast=r.allow_cast)
         placed = placement_report(plan, src, dst, where, topology.links)
-    return PlannedRecipe(recipe, src, dst, plan, plan_report(plan), placed, forms, _lora_report(recipe))
+    return PlannedRecipe(recipe, src, dst, plan, plan_report(plan), placed, forms, lora_report(recipe))
 
 
 def with_drafts(recipe: RecipeLayout, src: SideLayout, dst: SideLayout) -> tuple[SideLayout, SideLayout]:
@@ -280,13 +279,19 @@ def with_drafts(recipe: RecipeLayout, src: SideLayout, dst: SideLayout) -> tuple
     return src, dst
 
 
-def _lora_report(recipe: RecipeLayout) -> PlanReport | None:
+def lora_report(recipe: RecipeLayout) -> PlanReport | None:
     """A LoRA policy's adapter refit, planned direct (``layout.lora``; None: not a LoRA policy)."""
     if recipe.peft is None:
         return None
     src = megatron_lora_layout(recipe.spec, recipe.training, recipe.peft)
     dst = vllm_lora_layout(recipe.vllm_spec or recipe.spec, recipe.vllm, recipe.peft)
     return plan_report(get_plan(src, dst, bucket_bytes=recipe.refit.bucket_bytes))
+
+
+def held_bytes(side: SideLayout, tensors: Mapping[str, tuple]) -> int:
+    """Bytes of ``tensors`` that ``side``'s ranks hold, every copy counted (their share of a
+    refit's minimum)."""
+    return sum(q.box.numel * DTYPE_BYTES[tensors[q.canonical][1]] for q in side.pieces() if q.canonical in tensors)
 
 
 # --------------------------------------------------------------------------- refit job

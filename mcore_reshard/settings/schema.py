@@ -343,6 +343,10 @@ class SpeculativeConfig:
         _check(self.num_speculative_tokens >= 1,
                f"vllm.speculative_config.num_speculative_tokens={self.num_speculative_tokens} must be >= 1")
 
+    def to_vllm(self) -> dict[str, Any]:
+        """vLLM's ``speculative_config`` argument."""
+        return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens}
+
 
 @dataclass(frozen=True)
 class PlanConfigKeys:

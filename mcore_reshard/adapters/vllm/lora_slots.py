@@ -63,10 +63,9 @@ def install_refit_adapter(model: torch.nn.Module, peft: PeftConfig, spec: ModelS
     held: PeftConfig | None = getattr(mgr, "_mcore_reshard_peft", None)
     lid = peft.lora_int_id
     if held is not None and _slots(held) != _slots(peft):
-        diff = [k for k, a, b in zip(_SLOT_KEYS, _slots(held), _slots(peft)) if a != b]
-        raise RefitError(f"peft: this engine's refit adapter was installed with other settings ({', '.join(diff)}: "
-                         f"{[_slots(held)[_SLOT_KEYS.index(k)] for k in diff]} != "
-                         f"{[_slots(peft)[_SLOT_KEYS.index(k)] for k in diff]})")
+        diff = [(k, a, b) for k, a, b in zip(_SLOT_KEYS, _slots(held), _slots(peft)) if a != b]
+        raise RefitError(f"peft: this engine's refit adapter was installed with other settings "
+                         f"({', '.join(k for k, _, _ in diff)}: {[a for _, a, _ in diff]} != {[b for _, _, b in diff]})")
     if held is None:
         if lid in mgr.list_adapters():
             raise RefitError(f"peft.slot={peft.slot}: LoRA id {lid} is already an adapter loaded from a request")

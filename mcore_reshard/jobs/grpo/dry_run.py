@@ -12,10 +12,9 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 
-from ...layout import DTYPE_BYTES, SideLayout
 from ...layout.mtp import draft_tensors
 from ...settings import RecipeLayout
-from ...settings.config import side_layouts, with_drafts
+from ...settings.config import held_bytes, lora_report, side_layouts, with_drafts
 from ...errors import ConfigError
 from ...layout import ModelSpec
 from ...plan.planner import gc_paused
@@ -263,9 +262,10 @@ def _dry_run(recipe: GrpoRecipe, intra_node_gbps: float, inter_node_gbps: float)
         modelled_refit_seconds(0, g)
     place = placement(recipe)
     src, dst = side_layouts(recipe.spec, recipe.training, recipe.vllm, recipe.refit)
+    layout = RecipeLayout(recipe.spec, recipe.training, recipe.vllm, recipe.refit, peft=recipe.peft,
+                          speculative=recipe.speculative)
     if recipe.speculative is not None:  # the MTP draft: the same plan, the same vote
-        src, dst = with_drafts(RecipeLayout(recipe.spec, recipe.training, recipe.vllm, recipe.refit,
-                                            speculative=recipe.speculative), src, dst)
+        src, dst = with_drafts(layout, src, dst)
     # The one plan, the one the job runs on this placement (fan-out relays where they lower
     # the modelled time), and its modelled time over both link classes.
     where = TopologyConfig(gpus_per_node=recipe.cluster.gpus_per_node,
@@ -298,22 +298,6 @@ def _dry_run(recipe: GrpoRecipe, intra_node_gbps: float, inter_node_gbps: float)
         published=published_figure(recipe), samples_per_step=recipe.grpo.samples_per_step,
         max_num_steps=recipe.grpo.max_num_steps, local_problem=recipe.local_problem,
         async_grpo=asdict(recipe.async_grpo), overlap=recipe.refit.overlap,
-        lora_refit_bytes=None if recipe.peft is None else adapter_refit_bytes(recipe),
+        lora_refit_bytes=None if recipe.peft is None else lora_report(layout).bytes_planned,
         draft_bytes=None if recipe.speculative is None else held_bytes(dst, draft_tensors(recipe.spec)),
     )
-
-
-def held_bytes(side: SideLayout, tensors: dict) -> int:
-    """Bytes of ``tensors`` that ``side``'s ranks hold, every copy counted (a refit's minimum share)."""
-    return sum(q.box.numel * DTYPE_BYTES[tensors[q.canonical][1]] for q in side.pieces() if q.canonical in tensors)
-
-
-def adapter_refit_bytes(recipe: GrpoRecipe) -> int:
-    """A LoRA policy's adapter refit, planned direct: its bytes (the minimum)."""
-    from ...adapters.megatron.lora_rules import megatron_lora_layout
-    from ...adapters.vllm.lora_rules import vllm_lora_layout
-    from ...plan import get_plan
-
-    src = megatron_lora_layout(recipe.spec, recipe.training, recipe.peft)
-    dst = vllm_lora_layout(recipe.spec, recipe.vllm, recipe.peft)
-    return get_plan(src, dst, bucket_bytes=recipe.refit.bucket_bytes, allow_cast=recipe.refit.allow_cast).bytes_planned

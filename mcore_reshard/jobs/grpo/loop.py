@@ -141,9 +141,7 @@ class GrpoRun:
         self._closers.append(self.trainers.close)
         engines, pgs = start_engines(str(ckpt), r.vllm.replicas, r.vllm.tp, r.dtype, r.refit.apply_mode,
                                      timeout_s=timeout, async_engine=r.async_engine, peft=r.peft,
-                                     speculative_config=None if r.speculative is None else {
-                                         "method": r.speculative.method,
-                                         "num_speculative_tokens": r.speculative.num_speculative_tokens})
+                                     speculative_config=None if r.speculative is None else r.speculative.to_vllm())
         self.engines = engines
         self._closers.append(lambda: stop_engines(engines, pgs))
         self.trainers.started()

@@ -34,7 +34,7 @@ from ...infra.ports import free_port
 from ...wire.protocol import first_error_line
 from ...training.ranks import RankCall, TrainerGroup
 from ...training.pool import MegatronTrainerRank
-from ..refit import lora_engine_args
+from ..refit import policy_engine_args
 
 __all__ = ["RayJob", "RayTrainerGroup", "EngineActor", "AsyncEngineActor", "EngineHandle",
            "Completion", "completions", "start_engines", "node_of"]
@@ -302,8 +302,7 @@ class EngineActor:
         self.peft = peft
         self.llm = start_engine(model_dir, tp=tp, dtype=dtype, direct=apply_mode == "direct",
                                 worker_extension_cls=REFIT_EXTENSION, weight_transfer_config={"backend": BACKEND},
-                                **extra, **lora_engine_args(peft),
-                                **({"speculative_config": speculative_config} if speculative_config else {}))
+                                **extra, **policy_engine_args(peft, speculative_config))
 
     def where(self) -> dict:
         from ...adapters.vllm.engine import engine_info
@@ -384,8 +383,7 @@ class AsyncEngineActor:
         self.peft = peft
         self.llm = start_async_engine(model_dir, tp=tp, dtype=dtype, direct=apply_mode == "direct",
                                       worker_extension_cls=REFIT_EXTENSION, weight_transfer_config={"backend": BACKEND},
-                                      **extra, **lora_engine_args(peft),
-                                **({"speculative_config": speculative_config} if speculative_config else {}))
+                                      **extra, **policy_engine_args(peft, speculative_config))
 
     async def where(self) -> dict:
         return {**node_of(), "engine": self.llm.engine_info}
