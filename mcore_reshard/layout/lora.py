@@ -22,7 +22,8 @@ from .descriptor import LayoutError, LocalParam, SideLayout
 from .spec import ModelSpec
 
 __all__ = ["PeftConfig", "MEGATRON_TARGETS", "HF_PROJECTIONS", "adapter_tensors", "lora_name", "VLLM_MAX_LORA_RANKS",
-           "is_adapter_tensor", "adapters_only", "with_adapter", "expert_lora_name", "check_lora"]
+           "is_adapter_tensor", "adapters_only", "with_adapter", "expert_lora_name", "check_lora",
+           "projection_io", "module_io"]
 
 #: Megatron module -> the HF projections it fuses (in the fused order).
 MEGATRON_TARGETS: dict[str, tuple[str, ...]] = {
@@ -141,9 +142,12 @@ def lora_name(layer: int, projection: str, part: str) -> str:
     return f"model.layers.{layer}.{projection}.{part}.weight"
 
 
-def _io(spec: ModelSpec, projection: str) -> tuple[int, int]:
-    """(in, out) features of an HF projection."""
+def projection_io(spec: ModelSpec, projection: str, expert: bool = False) -> tuple[int, int]:
+    """(in, out) features of an HF projection (``expert``: a routed expert's ``mlp.*_proj``)."""
     H, D = spec.hidden, spec.head_dim
+    if expert:
+        F = spec.moe_intermediate
+        return (F, H) if projection == "mlp.down_proj" else (H, F)
     return {
         "self_attn.q_proj": (H, spec.num_heads * D),
         "self_attn.k_proj": (H, spec.num_kv_heads * D),
@@ -153,6 +157,12 @@ def _io(spec: ModelSpec, projection: str) -> tuple[int, int]:
         "mlp.up_proj": (H, spec.intermediate),
         "mlp.down_proj": (spec.intermediate, H),
     }[projection]
+
+
+def module_io(spec: ModelSpec, module: str, expert: bool = False) -> tuple[int, int]:
+    """(in, out) features of a Megatron module: the projections it fuses stack their outputs."""
+    projs = MEGATRON_TARGETS[module]
+    return projection_io(spec, projs[0], expert)[0], sum(projection_io(spec, p, expert)[1] for p in projs)
 
 
 def check_lora(spec: ModelSpec, peft: PeftConfig) -> None:
@@ -178,18 +188,18 @@ def adapter_tensors(spec: ModelSpec, peft: PeftConfig) -> dict[str, tuple[tuple[
     A and B (Megatron-Bridge's adapters on each expert's linears)."""
     check_lora(spec, peft)
     dt = peft.lora_dtype or spec.dtype
-    r, H, F = peft.dim, spec.hidden, spec.moe_intermediate
+    r = peft.dim
     out: dict[str, tuple[tuple[int, ...], str]] = {}
     for layer in range(spec.num_layers):
         for proj in peft.projections:
             if proj.startswith("mlp.") and spec.is_moe(layer):
                 short = proj.removeprefix("mlp.")
-                n_in, n_out = (F, H) if short == "down_proj" else (H, F)
+                n_in, n_out = projection_io(spec, proj, expert=True)
                 for e in range(spec.num_experts):
                     out[expert_lora_name(layer, e, short, "lora_A")] = ((r, n_in), dt)
                     out[expert_lora_name(layer, e, short, "lora_B")] = ((n_out, r), dt)
                 continue
-            n_in, n_out = _io(spec, proj)
+            n_in, n_out = projection_io(spec, proj)
             out[lora_name(layer, proj, "lora_A")] = ((r, n_in), dt)
             out[lora_name(layer, proj, "lora_B")] = ((n_out, r), dt)
     return out

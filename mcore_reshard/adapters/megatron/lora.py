@@ -25,7 +25,7 @@ import math
 from typing import Any, Sequence
 
 from ...layout import LayoutError, ModelSpec
-from ...layout.lora import PeftConfig
+from ...layout.lora import PeftConfig, module_io
 
 __all__ = ["add_lora", "policy_peft", "PEFT_ATTR"]
 
@@ -90,26 +90,9 @@ def _add_adapter_output(module: Any, args: tuple, output: Any) -> Any:
     return out + module.adapter(args[0]), bias
 
 
-def _io(spec: ModelSpec, module: str) -> tuple[int, int]:
-    """Global (in, out) features of a megatron linear."""
-    H, D = spec.hidden, spec.head_dim
-    return {
-        "linear_qkv": (H, (spec.num_heads + 2 * spec.num_kv_heads) * D),
-        "linear_proj": (spec.num_heads * D, H),
-        "linear_fc1": (H, 2 * spec.intermediate),
-        "linear_fc2": (spec.intermediate, H),
-    }[module]
-
-
 def _adapt(base: Any, config: Any, io: tuple[int, int], peft: PeftConfig, module: str, is_expert: bool) -> None:
     base.adapter = _adapter(config, *io, peft, module in _COLUMN, is_expert)
     base.register_forward_hook(_add_adapter_output)
-
-
-def _expert_io(spec: ModelSpec, module: str) -> tuple[int, int]:
-    """Global (in, out) features of a routed expert's linear."""
-    H, F = spec.hidden, spec.moe_intermediate
-    return (H, 2 * F) if module == "linear_fc1" else (F, H)
 
 
 def add_lora(chunks: Sequence[Any], spec: ModelSpec, peft: PeftConfig) -> None:
@@ -131,10 +114,11 @@ def add_lora(chunks: Sequence[Any], spec: ModelSpec, peft: PeftConfig) -> None:
             for module in peft.modules:
                 if module in ("linear_fc1", "linear_fc2") and spec.is_moe(number):
                     for expert in layer.mlp.experts.local_experts:  # SequentialMLP (the rules refuse grouped)
-                        _adapt(getattr(expert, module), config, _expert_io(spec, module), peft, module, True)
+                        _adapt(getattr(expert, module), config, module_io(spec, module, expert=True), peft,
+                               module, True)
                     continue
                 parent = layer.self_attention if module in ("linear_qkv", "linear_proj") else layer.mlp
-                _adapt(getattr(parent, module), config, _io(spec, module), peft, module, False)
+                _adapt(getattr(parent, module), config, module_io(spec, module), peft, module, False)
         setattr(chunk, PEFT_ATTR, peft)
 
 
