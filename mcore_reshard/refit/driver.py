@@ -202,12 +202,15 @@ class RefitDriver:
         sent): from then on it describes the draft beside the target, and every refit moves both
         in one vote. An engine whose draft the training side does not hold is refused at plan
         time (the planner names the draft tensor no rank holds)."""
-        def name(llm: Any, info: Any) -> None:
-            if info.draft:
-                llm.start_draft_weight_update()
-                llm.finish_weight_update()
+        def name(llm: Any, _: Any) -> None:
+            llm.start_draft_weight_update()
+            llm.finish_weight_update()
 
-        errors = self.on_engines(name, self.engine_infos, what="start_draft_weight_update", deadline_s=60.0)
+        # Only the engines that draft: one without a draft is not called at all (an unresponsive
+        # one is refused by the refit itself, not here).
+        drafts = [e for e, info in enumerate(self.engine_infos) if info.draft]
+        errors = [err for e in drafts for err in self.on_engines(name, what="start_draft_weight_update", only=e,
+                                                                   deadline_s=60.0)]
         if errors:
             raise RefitFailed("naming the engines' draft models failed: " + "; ".join(errors))
 
