@@ -21,7 +21,8 @@ from ..transport.group import RankMap, RefitGroup
 
 __all__ = ["Attack", "local_group", "close_group", "decide_held", "garbage_over_the_decision",
            "replayed_decision_and_no_copy", "deleted_decision", "deleted_vote", "deleted_exchange_value",
-           "deleted_abort", "garbage_hint", "STORE_ATTACKS"]
+           "deleted_abort", "garbage_hint", "Deleter", "persistent_deleter_and_late_reader", "deleted_hints_and_a_raising_rank",
+           "STORE_ATTACKS"]
 
 
 @dataclass
@@ -35,6 +36,9 @@ class Attack:
     errors: list[str] = field(default_factory=list)
     seconds: list[float | None] = field(default_factory=list)
     rejected: dict[str, int] = field(default_factory=dict)
+    #: Every rank must be done within this (the attacks that only fail a refit: at once; one
+    #: that leaves ranks unsure: the refit's deadline plus the decision's grace).
+    limit_s: float = 10.0
 
     @property
     def slowest(self) -> float | None:
@@ -234,7 +238,119 @@ def garbage_hint(n: int = 2) -> Attack:
         close_group(groups)
 
 
+class Deleter:
+    """An outside writer that lists the store and deletes every key of the given kinds as soon
+    as it appears, for as long as it runs (a thread; ``with Deleter(store, ("vote",)):``). It
+    needs no secret: key names are listed, never guessed."""
+
+    def __init__(self, store: Any, kinds: tuple[str, ...]) -> None:
+        self.store, self.kinds = store, tuple(f"{k}/" for k in kinds)
+        self.deleted = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="store-deleter")
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                keys = self.store.list_keys()
+            except Exception:  # noqa: BLE001 - the store went away: nothing left to attack
+                return
+            for k in keys:
+                if any(kind in k for kind in self.kinds):
+                    try:
+                        self.deleted += bool(self.store.delete_key(k))
+                    except Exception:  # noqa: BLE001
+                        return
+            time.sleep(0.0005)
+
+    def __enter__(self) -> "Deleter":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+def persistent_deleter_and_late_reader(n: int = 4, late: int = 3, late_s: float = 3.0,
+                                       timeout_s: float = 6.0) -> Attack:
+    """A writer deletes every vote, decision and signed copy of it as soon as each is written,
+    for the whole refit, and rank ``late`` reads the decision ``late_s`` late (it voted ok at
+    once). The split this once made: ranks that read the coordinator's commit in time committed,
+    the late ones timed out and wrote an abort over the emptied key. Now every rank that voted
+    ok either read the commit or ends unsure -- no rank decides abort on its own."""
+    groups = local_group(n, timeout_s)
+    try:
+        out: dict[int, tuple[Decision, float]] = {}
+        t0 = time.monotonic()
+
+        def rank(r: int) -> None:
+            hook = (lambda: time.sleep(late_s)) if r == late else None
+            out[r] = (groups[r].decide(True, {"r": r}, timeout_s=timeout_s, after_vote=hook), time.monotonic() - t0)
+
+        with Deleter(groups[0]._tcp_store, ("vote", "decision", "decided")) as deleter:
+            threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(n)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout_s + late_s + 10)
+        a = _result("a persistent writer deletes every vote, decision and copy; one rank reads 3 s late", groups,
+                    [out.get(r, (None, None)) for r in range(n)])
+        a.rejected["deleted"] = deleter.deleted
+        a.limit_s = timeout_s + late_s + 2.0 + 1.0
+        return a
+    finally:
+        close_group(groups)
+
+
+def deleted_hints_and_a_raising_rank(n: int = 4, timeout_s: float = 20.0) -> Attack:
+    """Every abort hint is deleted as it appears; rank 1 raises inside its transfer (posts its
+    abort, votes no) while every other rank is blocked in a receive that will never complete.
+    Each must learn of the abort from the slow scan within about a second, not at its timeout.
+    Per rank: "aborted" (its wait stopped at the abort) or what ended it, and the seconds."""
+    import torch
+
+    from ..errors import RefitAborted
+
+    groups = local_group(n, timeout_s)
+    try:
+        got: dict[int, tuple[str, str, float]] = {}
+        t0 = time.monotonic()
+
+        def blocked(r: int) -> None:  # a rank inside its transfer: waiting for bytes from rank 1
+            try:
+                groups[r].wait_work(groups[r].recv(torch.empty(4), 1, 7), timeout_s)
+                got[r] = ("received", "", time.monotonic() - t0)
+            except RefitAborted as exc:
+                got[r] = ("aborted", str(exc), time.monotonic() - t0)
+            except Exception as exc:  # noqa: BLE001 - any other end is named
+                got[r] = (type(exc).__name__, str(exc), time.monotonic() - t0)
+
+        with Deleter(groups[0]._tcp_store, ("hint",)) as deleter:
+            threads = [threading.Thread(target=blocked, args=(r,), daemon=True) for r in range(n) if r != 1]
+            for t in threads:
+                t.start()
+            time.sleep(0.3)
+            groups[1].post_abort("source rank 1: raised on purpose")
+            d = groups[1].decide(False, None, "source rank 1: raised on purpose", timeout_s=timeout_s)
+            got[1] = ("abort" if d.known and not d.commit else "commit" if d.commit else "unknown",
+                      d.errors[0] if d.errors else "", time.monotonic() - t0)
+            for t in threads:
+                t.join(timeout_s + 5)
+        a = Attack("every abort hint deleted as it appears; a rank raises while the others wait for its bytes")
+        a.outcomes = [got.get(r, ("hung", "", None))[0] for r in range(n)]
+        a.errors = [got.get(r, ("", "", None))[1].splitlines()[0] if got.get(r, ("", "", None))[1] else ""
+                    for r in range(n)]
+        a.seconds = [got.get(r, ("", "", None))[2] for r in range(n)]
+        a.rejected["deleted"] = deleter.deleted
+        a.limit_s = 1.5  # the slow scan, not the timeout
+        return a
+    finally:
+        close_group(groups)
+
+
 #: Every store attack, for the fault matrix.
 STORE_ATTACKS: tuple[Callable[[], Attack], ...] = (
     garbage_over_the_decision, replayed_decision_and_no_copy, deleted_decision, deleted_vote,
-    deleted_exchange_value, deleted_abort, garbage_hint)
+    deleted_exchange_value, deleted_abort, garbage_hint, persistent_deleter_and_late_reader,
+    deleted_hints_and_a_raising_rank)

@@ -39,11 +39,24 @@ host, an attacker on the network) can list every key (``TCPStore`` has no access
 The decision
 ------------
 ``decide`` is a two-phase commit with one durable decision per refit: every rank writes its
-vote; the first rank that can decide (all votes ok -> commit; any "no", an abort signal, a
-peer known dead, or its own deadline -> abort) writes the signed decision with
-``compare_set`` (first writer wins); every rank commits only on reading a commit decision. A
-rank that cannot read the decision (the store's host died) gets ``known=False`` and must not
-serve what it staged.
+vote, then waits for the signed decision, and commits only on reading a commit decision.
+Who may write one is two-phase commit's rule, and it is what keeps the decision single even
+when a writer on the store keeps deleting it (``compare_set`` guards an empty key only once):
+
+* **commit**: only the coordinator, group rank 0 (the store's host, which also watches every
+  peer's socket), after reading every rank's "ok";
+* **abort**: a rank that voted no, a rank that read another rank's signed "no" (a "no" means
+  no rank can have read all votes "ok"), or the coordinator, which decides commit alone and
+  has not.
+
+A rank that voted "ok" never decides abort on its own, however long it waits: the decision
+may exist and have been deleted before it could read it. At its deadline, or at an abort
+signal, it asks the coordinator to abort (``post_abort``) and keeps reading; if no decision
+reaches it by the deadline plus ``_DECISION_GRACE_S`` it gets ``known=False`` -- unsure --
+and must not serve what it staged (an engine worker stays gated until a later refit commits
+on it). So no two ranks are ever sure of outcomes that contradict each other: every
+authentic decision of a refit says the same thing. A rank that cannot read the decision
+because the store's host died is unsure the same way.
 
 Every rank that learns the decision posts a signed copy under its own key (``decided``)
 *before* it acts on it. The shared key can be overwritten or deleted once it exists; the
@@ -74,7 +87,7 @@ import torch.distributed as dist
 from ..errors import RefitAborted, RefitTimeout
 from ..wire.protocol import RankMap
 
-__all__ = ["ControlPlane", "Decision", "SignedStore", "StoreGone"]
+__all__ = ["COORDINATOR", "ControlPlane", "Decision", "SignedStore", "StoreGone"]
 
 _log = logging.getLogger("mcore_reshard.transport")
 _POLL_S = 0.005
@@ -90,6 +103,13 @@ _REFUSALS_WAIT_S = 0.3
 _REPOST_EVERY_S = 0.1
 #: With the abort hint present but no authentic abort found: how often to look again.
 _RESCAN_S = 0.1
+#: With no abort hint (none posted, or an outside writer deleted it): how often a rank looks
+#: for an abort all the same -- the coordinator at every rank's abort key, every other rank at
+#: the coordinator's abort and the decision -- so a rank that raises reaches every other within
+#: about two of these even when each hint is deleted as it appears.
+_SCAN_S = 0.5
+#: The group rank that alone may decide commit (two-phase commit's coordinator).
+COORDINATOR = 0
 #: What ``_read``'s ``compare_set`` expects and writes: no real value is ever this.
 _ABSENT = b"\x00absent"
 
@@ -243,9 +263,11 @@ class ControlPlane(SignedStore):
         self.rank_map, self.timeout_s = rank_map, timeout_s
         self._seq = 0  # exchanges within the group (every rank calls them in step)
         self._posted_abort = False
+        self._reposted: list[tuple[str, str]] = []  # this rank's abort and hint: (slot, value) to keep there
         self._abort: str | None = None
         self._abort_seen: float | None = None
         self._rescan_at = 0.0  # the abort hint is present: when to look at the aborts again
+        self._scan_at = 0.0  # with no hint: when to look for an abort all the same (``_SCAN_S``)
         #: Called by every poll: peers known dead (rank -> reason); set by the data plane.
         self.dead_peers: Callable[[], dict[int, str]] = dict
 
@@ -259,15 +281,24 @@ class ControlPlane(SignedStore):
                   if self.rank == 0 and self.epoch else [])
         self._next_epoch(epoch, shared)
         self._posted_abort, self._abort, self._abort_seen, self._rescan_at = False, None, None, 0.0
+        self._scan_at, self._reposted = 0.0, []
 
     def post_abort(self, message: str) -> None:
-        """Tell every rank to stop: this rank's own abort key, then the hint pollers watch."""
+        """Tell every rank to stop: this rank's own abort key, then the hint pollers watch. Both
+        are written again while this rank waits for the decision (``_repost_abort``), should an
+        outside writer delete them; the slow scan (``_SCAN_S``) finds the abort without the hint."""
         self._posted_abort = True
+        self._reposted = [(self._slot("abort", self.epoch, 0, self.rank), self._sign("abort", 0, message)),
+                          (self._slot("hint", self.epoch, 0, -1), self._sign("hint", 0, self.rank))]
         try:
-            self._put(self._slot("abort", self.epoch, 0, self.rank), self._sign("abort", 0, message))
-            self._store("set", self._slot("hint", self.epoch, 0, -1), self._sign("hint", 0, self.rank))
+            self._put(*self._reposted[0])
+            self._store("set", *self._reposted[1])
         except StoreGone:
             pass  # nobody can read it; every rank learns from the store's death instead
+
+    def _repost_abort(self) -> None:
+        for slot, value in self._reposted:
+            self._repost(slot, value)
 
     def stop_everyone(self, message: str) -> None:
         """Abort this refit for a failure outside this rank's own refit loop (another thread of
@@ -282,7 +313,9 @@ class ControlPlane(SignedStore):
 
         One store call per poll while nothing happens: the hint's presence. Present, the
         aborts are read (every ``_RESCAN_S`` while none is authentic: an outside writer's
-        hint costs a little polling, never a stall)."""
+        hint costs a little polling, never a stall). Absent, every ``_SCAN_S`` all the same:
+        the coordinator reads every rank's abort, any other rank the coordinator's abort and
+        the decision -- a few reads a second per rank, every rank's abort on one rank only."""
         if self._abort is not None:
             return self._abort
         dead = self.dead_peers()
@@ -297,28 +330,34 @@ class ControlPlane(SignedStore):
         if self._posted_abort:
             return None
         try:
-            hint_slot = self._slot("hint", self.epoch, 0, -1)
             now = time.monotonic()
-            if now < self._rescan_at:
-                return None
-            raw = self._read(hint_slot)
-            if raw is None:
-                return None
-            self._open(hint_slot, raw, "hint", 0, None)  # counted when it is not a rank's own
-            self._rescan_at = now + _RESCAN_S
-            for r in range(self.world_size):
-                ok, value = self._read_msg("abort", 0, r) if r != self.rank else (False, None)
-                if ok:
-                    self._abort = str(value)
-                    return self._abort
-            decided = self._read_decision(self._slot("decision", self.epoch, 0, -1))
-            if decided is not None and not decided["commit"]:  # decided abort: stop, whoever posted
-                self._abort = "; ".join(decided["errors"]) or "the refit was decided: abort"
-                return self._abort
+            if now >= self._rescan_at:
+                hint_slot = self._slot("hint", self.epoch, 0, -1)
+                raw = self._read(hint_slot)
+                if raw is not None:
+                    self._open(hint_slot, raw, "hint", 0, None)  # counted when it is not a rank's own
+                    self._rescan_at = now + _RESCAN_S
+                    return self._scan(range(self.world_size))
+            if now >= self._scan_at:
+                self._scan_at = now + _SCAN_S
+                return self._scan(range(self.world_size) if self.rank == COORDINATOR else (COORDINATOR,))
         except StoreGone as exc:
             self._abort = str(exc)
             return self._abort
         return None
+
+    def _scan(self, ranks: Any) -> str | None:
+        """The first authentic abort of ``ranks`` (this rank's own aside), else a decided
+        abort, else None; kept as this rank's reason to stop."""
+        for r in ranks:
+            ok, value = self._read_msg("abort", 0, r) if r != self.rank else (False, None)
+            if ok:
+                self._abort = str(value)
+                return self._abort
+        decided = self._read_decision(self._slot("decision", self.epoch, 0, -1))
+        if decided is not None and not decided["commit"]:  # decided abort: stop, whoever posted
+            self._abort = "; ".join(decided["errors"]) or "the refit was decided: abort"
+        return self._abort
 
     def raise_if_aborted(self) -> None:
         msg = self.abort_message()
@@ -384,8 +423,10 @@ class ControlPlane(SignedStore):
         votes: dict[int, Any] = {}
         try:
             vote_slot = self._slot("vote", self.epoch, 0, self.rank)
-            vote = self._sign("vote", 0, {"ok": ok, "payload": payload, "error": error})
+            mine = {"ok": ok, "payload": payload, "error": error}
+            vote = self._sign("vote", 0, mine)
             self._put(vote_slot, vote)
+            votes[self.rank] = mine
             if after_vote is not None:
                 after_vote()  # fault injection: stop or die with the vote written, the decision unread
             decided = self._await_decision(votes, vote_slot, vote, timeout_s)
@@ -414,6 +455,11 @@ class ControlPlane(SignedStore):
         deadline, repost_at = start + timeout_s, start + _REPOST_EVERY_S
         hard = deadline + _DECISION_GRACE_S
         spoiled_at: float | None = None  # when the shared key was first found holding a bad value
+        # The coordinator reads every vote at every poll (it decides on them); any other rank
+        # only needs a "no" among them (or a copy of the decision, should its key be deleted
+        # after some rank read it), read every ``_SCAN_S``: a refit's store load grows with
+        # the world size, not with its square.
+        coordinator, scan_at = self.rank == COORDINATOR, start
         while True:
             raw = self._read(decision_slot)
             if raw is not None:
@@ -425,7 +471,13 @@ class ControlPlane(SignedStore):
                 if decided is not None:
                     return decided
             else:
-                self._read_votes(votes)
+                if coordinator or time.monotonic() >= scan_at:
+                    self._read_votes(votes)
+                    if not coordinator:
+                        scan_at = time.monotonic() + _SCAN_S
+                        decided = self._read_copies()
+                        if decided is not None:
+                            return decided
                 proposal = self._proposal(votes, deadline, timeout_s)
                 if proposal is not None:
                     decided = self._read_copies()  # the shared key was deleted after some rank read it
@@ -451,6 +503,7 @@ class ControlPlane(SignedStore):
                         f"where this rank could read it (deleted, or no rank could write it)")
             if now > repost_at:
                 self._repost(vote_slot, vote)
+                self._repost_abort()
                 repost_at = now + _REPOST_EVERY_S
             time.sleep(_POLL_S)
 
@@ -492,15 +545,24 @@ class ControlPlane(SignedStore):
                 votes[r] = value
 
     def _proposal(self, votes: dict[int, Any], deadline: float, timeout_s: float) -> dict | None:
-        """What this rank would decide now, or None while it must keep waiting."""
+        """What this rank may decide now, or None while it must keep waiting: the module
+        docstring's rule. Any "no" (this rank's own included) is an abort anyone may write;
+        all "ok" is a commit only the coordinator writes; an abort signal, a peer known dead or
+        the deadline make the coordinator abort, while any other rank (it voted "ok") asks
+        the coordinator to, once, and keeps waiting for the decision."""
         errors = [v["error"] or f"{self.rank_map.name_at(r)}: voted no"
                   for r, v in sorted(votes.items()) if not v["ok"]]
         if errors:
             return {"commit": False, "errors": errors}
+        coordinator = self.rank == COORDINATOR
         if len(votes) == self.world_size:
-            return {"commit": True, "errors": []}
+            return {"commit": True, "errors": []} if coordinator else None
         why = self.abort_message()
-        if why is not None and not self.store_dead:
+        if self.store_dead:
+            raise StoreGone(why or "the refit store is unreachable")
+        if why is not None:
+            if not coordinator:
+                return None  # the coordinator reads the same signal and decides
             # The rank that posted the abort votes "no" with its full error a moment later:
             # wait briefly for it, so the decision names the failure as that rank saw it.
             if self._abort_seen is None:
@@ -508,10 +570,11 @@ class ControlPlane(SignedStore):
             if time.monotonic() - self._abort_seen < _VOTE_AFTER_ABORT_S:
                 return None
             return {"commit": False, "errors": [why]}
-        if self.store_dead:
-            raise StoreGone(why or "the refit store is unreachable")
         if time.monotonic() > deadline:
             silent = [f"{self.rank_map.name_at(r)}: no vote within {timeout_s}s (dead or silent)"
                       for r in range(self.world_size) if r not in votes]
-            return {"commit": False, "errors": silent}
+            if coordinator:
+                return {"commit": False, "errors": silent}
+            if not self._posted_abort:
+                self.post_abort("; ".join(silent)[:500])  # asks the coordinator to abort
         return None
