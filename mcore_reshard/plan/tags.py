@@ -7,6 +7,7 @@ gloo tags are C ints, so every kind of message has its own band below ``2**31``:
 ``(B, 2**29)``           relayed messages: per (bucket, relay group, sent/forwarded, rank)
 ``[2**29, 2**30)``       zero-copy boxes: per (bucket, box of the pair), and the headers
                          of delta refits (which send no zero-copy box): per (bucket, relay group)
+``2**30``                the teardown's receive, never sent (``DataPlane.shutdown``)
 ``2**30 + 1``            the group's connect handshake
 ``2**30 + 2 + ...``      consumed-buffer acknowledgements: per (bucket, relay group)
 ``2**31 - 4096 + e``     the liveness watch of refit epoch ``e`` (mod 4096)
@@ -21,7 +22,7 @@ from __future__ import annotations
 from .types import PlanError
 
 __all__ = [
-    "MAX_RANKS", "CONNECT_TAG", "ACK_TAG", "LIVE_TAG",
+    "MAX_RANKS", "CLOSE_TAG", "CONNECT_TAG", "ACK_TAG", "LIVE_TAG",
     "message_tag", "direct_tag", "header_tag", "ack_tag", "live_tag", "relayed_tags_fit",
 ]
 
@@ -29,6 +30,7 @@ __all__ = [
 MAX_RANKS = 4096
 _RELAY_LIMIT = 1 << 29
 _DIRECT_BASE = 1 << 29
+CLOSE_TAG = 1 << 30
 CONNECT_TAG = (1 << 30) + 1
 ACK_TAG = (1 << 30) + 2
 LIVE_TAG = (1 << 31) - 4096

@@ -8,6 +8,18 @@ reused for every refit.
 
 Failure model: every wait has a timeout. Gloo closes a pair after a timeout or a peer's
 death, so after any ``RefitError`` the group is broken: ``close()`` it and create a new one.
+
+Two facts of gloo (torch 2.13) shape the teardown:
+
+* a posted receive whose ``Work`` is dropped before it completes leaves the pair waiting for
+  a buffer that is gone: the bytes that then arrive stay unread in the socket, and gloo's
+  event loop wakes on them forever, a full core (a failed refit unwinds with receives still
+  posted). So every posted receive is held here until it completes or the group closes;
+* ``ProcessGroupGloo.shutdown`` and ``abort`` do nothing, and the pairs live as long as any
+  ``Work`` does (a wait abandoned at an abort signal holds one until its timeout). A receive
+  whose wait times out closes every pair of its context at once, so ``shutdown`` posts one
+  receive nobody sends to and waits 1 ms: every socket of the group closes, every wait on it
+  (here and at the peers) fails at once, and nothing is left to wake the loop.
 """
 
 from __future__ import annotations
@@ -21,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import RefitError, RefitTimeout
-from ..plan.tags import CONNECT_TAG
+from ..plan.tags import CLOSE_TAG, CONNECT_TAG
 from ..wire.protocol import RankMap
 
 __all__ = ["DataPlane", "backend", "error_class"]
@@ -75,6 +87,9 @@ class DataPlane:
         #: refit, at the price of holding them); ``release_buffers()`` frees them.
         self.keep_buffers = True
         self._connected: set[int] = set()
+        #: Posted receives not known to have completed (see the module docstring): held until
+        #: they complete or the group closes.
+        self._posted: list[dist.Work] = []
 
     # -- wire buffers ----------------------------------------------------------------------
 
@@ -97,7 +112,11 @@ class DataPlane:
         return self.pg.send([_bytes_if_fp8(tensor)], dst, tag)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int) -> dist.Work:
-        return self.pg.recv([_bytes_if_fp8(tensor)], src, tag)
+        work = self.pg.recv([_bytes_if_fp8(tensor)], src, tag)
+        if len(self._posted) >= _PRUNE_AT:
+            self._posted = [w for w in self._posted if not w.is_completed()]
+        self._posted.append(work)  # the work keeps its tensor: nothing else needs holding
+        return work
 
     def broadcast(self, tensor: torch.Tensor, root: int, timeout_s: float | None = None) -> torch.Tensor:
         opts = dist.BroadcastOptions()
@@ -129,14 +148,26 @@ class DataPlane:
             self._connected.add(g)
 
     def shutdown(self) -> None:
-        """Release the backend (best effort on every backend); safe to call twice."""
+        """Tear the backend down now (see the module docstring): on gloo every pair's socket
+        closes in milliseconds, so no receive is left to wake its event loop and every peer's
+        pending wait on this rank fails at once; NCCL is aborted. Safe to call twice."""
         pg, self.pg = self.pg, None
         if pg is None:
             return
         try:
-            pg.shutdown()
-        except Exception:  # noqa: BLE001 -- shutdown is best-effort on every backend
+            if self.device.type == "cpu":
+                if self.world_size > 1:
+                    probe = pg.recv([torch.zeros(1, dtype=torch.uint8)], (self.rank + 1) % self.world_size, CLOSE_TAG)
+                    probe.wait(timedelta(milliseconds=1))
+            else:
+                pg.abort()
+        except Exception:  # noqa: BLE001 -- the probe's timeout is what closes the pairs
             pass
+        self._posted.clear()
+
+
+#: Posted receives held before the completed ones among them are dropped.
+_PRUNE_AT = 256
 
 
 def _nccl_group(store: dist.Store, rank: int, world: int, timeout: timedelta, device: torch.device) -> Any:

@@ -160,7 +160,15 @@ class RefitControl:
             pass  # rank 0 is gone; nothing to release
 
     def close(self) -> None:
-        """Forget this rank's control keys; stop watching."""
+        """Forget this rank's control keys; stop watching. The byte that released rank 0's
+        watch is flushed first: the data plane's teardown closes every socket at once, and
+        rank 0 would otherwise read this rank's leaving as its death."""
+        for work in self._live_sent:
+            try:
+                work.wait(timedelta(seconds=1))
+            except RuntimeError:
+                pass  # rank 0 is gone, or the wait closed the pairs: leaving either way
+        self._live_sent = []
         self.control.forget()
         if self._watch is not None:
             self._watch.shutdown(wait=False, cancel_futures=True)
