@@ -324,3 +324,82 @@ def test_every_engine_fault_survives_the_wire():
                   EngineFault(0, Fault(tensor="draft.model.layers.4.eh_proj.weight", offset=64)),
                   EngineFault((1, 3), exit_after_writes=5), EngineFault(2, alter_baseline="model.norm.weight")):
         assert EngineFault.from_wire(fault.to_wire()) == fault
+
+
+# -- two-phase commit's rule: only the coordinator commits; a rank that voted ok never aborts alone --
+
+def test_a_persistent_deleting_writer_and_a_late_reader_cannot_split_the_decision():
+    """Every vote, decision and signed copy is deleted as soon as it is written, for the whole
+    refit, and one rank reads 3 s late. Once, the ranks that read the coordinator's commit in
+    time committed while the late ones timed out and wrote an abort over the emptied key (the
+    key written twice, both outcomes "known"). Now a rank that voted ok either read the commit
+    or ends unsure: none aborts, every rank ends by its deadline plus the grace."""
+    a = attacks.persistent_deleter_and_late_reader(4, late=3, late_s=3.0, timeout_s=6.0)
+    assert a.rejected["deleted"] > 0, a  # the writer did delete
+    assert "hung" not in a.outcomes and "abort" not in a.outcomes, a
+    assert a.outcomes[0] == "commit", a  # the coordinator read every ok vote (each rank re-posts its own)
+    assert set(a.outcomes) <= {"commit", "unknown"}, a
+    assert all(s is not None and s < 6.0 + 3.0 + 2.0 + 1.0 for s in a.seconds), a
+    for outcome, e in zip(a.outcomes, a.errors):
+        assert outcome == "commit" or "could not learn the refit's decision" in e, a.errors
+
+
+def test_a_rank_that_voted_ok_asks_the_coordinator_to_abort_at_its_deadline():
+    """Rank 2 never votes; rank 1 voted ok and meets its (short) deadline first: it does not
+    decide abort itself, it asks the coordinator (rank 0, whose own deadline is far off), which
+    aborts at once; both read that one decision, naming the silent rank."""
+    groups = attacks.local_group(3, timeout_s=30.0)
+    try:
+        out: dict = {}
+        t = threading.Thread(target=lambda: out.update(d0=groups[0].decide(True, None, timeout_s=30.0)))
+        t.start()
+        t0 = time.monotonic()
+        d1 = groups[1].decide(True, None, timeout_s=1.0)
+        seconds = time.monotonic() - t0
+        t.join(10)
+        assert d1.known and not d1.commit and seconds < 3.0, (d1, seconds)
+        assert out["d0"].known and not out["d0"].commit, out
+        assert "destination rank 1 (group rank 2): no vote within 1.0s" in d1.errors[0], d1.errors
+        assert d1.errors == out["d0"].errors[:len(d1.errors)]  # one decision
+    finally:
+        attacks.close_group(groups)
+
+
+def test_a_rank_that_raises_reaches_every_rank_within_a_second_with_every_hint_deleted():
+    """Ranks inside their transfer once read the aborts only while the hint existed: with each
+    hint deleted as it appeared they learned at their timeout (20 s). The slow scan finds the
+    abort without it: every rank stops within about a second."""
+    a = attacks.deleted_hints_and_a_raising_rank(4, timeout_s=20.0)
+    assert a.outcomes == ["aborted", "abort", "aborted", "aborted"], a
+    assert all(s is not None and s < 1.5 for s in a.seconds), a
+    assert all("raised on purpose" in e for e in a.errors), a.errors
+
+
+def test_a_receive_dropped_by_a_failed_refit_leaves_no_thread_spinning_and_close_tears_down_at_once():
+    """A failed refit unwinds with receives still posted. Gloo left such a receive's pair
+    waiting for a buffer that was gone: the bytes that then arrived stayed unread and its event
+    loop woke on them forever, a full core (a vLLM worker after a killed trainer, for more than
+    ten minutes). The data plane holds every posted receive until it completes or the group
+    closes; closing tears every socket down at once, so a peer's pending wait fails at once."""
+    import os
+
+    import torch
+
+    from mcore_reshard.testing.idle import busy
+
+    groups = attacks.local_group(2, timeout_s=60.0)
+    try:
+        g0, g1 = groups[0], groups[1]
+        g1.recv(torch.zeros(60_000, dtype=torch.uint8), 0, 8)  # posted, its Work dropped at once
+        g0.send(torch.ones(60_000, dtype=torch.uint8), 1, 8)  # ... and then its bytes arrive
+        time.sleep(0.5)
+        assert busy([os.getpid()], seconds=1.5) == {}
+        pending = g0.recv(torch.zeros(4, dtype=torch.uint8), 1, 9)  # rank 1 never sends this
+        t0 = time.monotonic()
+        g1.close(barrier=False)
+        with pytest.raises(RuntimeError, match="(?i)closed|reset"):
+            pending.wait(timedelta(seconds=30))
+        assert time.monotonic() - t0 < 2.0
+        assert busy([os.getpid()], seconds=1.0) == {}
+    finally:
+        attacks.close_group(groups)
