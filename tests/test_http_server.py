@@ -7,9 +7,10 @@ each the server's clients are checked: ``/v1/completions`` waits (the server sta
 resumed by hand after an atomic refit failed it serves the last committed weights whole, and
 resumed by hand on the weights a failed streaming refit tore, its workers refuse the step. That
 server is TP2 (``MCORE_RESHARD_HTTP_TEST_TP=1`` runs it at TP1): with more than one worker,
-closing a failed session matters (vLLM leaves it open on all but the worker that raised, and
-the retry's ``/start_weight_update`` would be refused). A second server, TP1, takes two refits
-in one group and ends bit for bit on its own fresh load."""
+a failed refit's session must be closed on every worker, the one that raised included, for a
+plain controller's retry (``/start_weight_update`` first) to be accepted; and once the trainers
+are gone no server process stays busy. A second server, TP1, takes two refits in one group and
+ends bit for bit on its own fresh load."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from mcore_reshard.testing.worlds import run_world
@@ -37,6 +39,7 @@ from mcore_reshard.jobs.serve import server_env
 from mcore_reshard.refit.verify import token_mult_prob_error
 
 from _http_jobs import http_refit_job, http_two_refits_job, vllm_trainer_api_job
+from support.live import assert_idle
 
 pytestmark = pytest.mark.slow
 
@@ -47,8 +50,8 @@ TIMEOUTS = Timeouts(call_s=60.0, pause_s=120.0, init_s=300.0, update_s=300.0)
 
 @contextlib.contextmanager
 def _serving(root: Path, tp: int, seed: int):
-    """(base URL, model name, log path): a real server process of TP ``tp`` with the backend,
-    on a tiny MoE checkpoint of ``seed``; always killed."""
+    """(base URL, model name, log path, pid): a real server process of TP ``tp`` with the
+    backend, on a tiny MoE checkpoint of ``seed``; always killed."""
     ckpt = make_tiny_checkpoint(root / f"tiny-moe-{seed}", moe=True, seed=seed)
     port = free_port()
     log_path = root / f"server-tp{tp}.log"
@@ -66,7 +69,7 @@ def _serving(root: Path, tp: int, seed: int):
             wait_healthy(url, 600.0, alive=lambda: proc.poll() is None)
         except RefitFailed:
             pytest.fail(f"server did not come up:\n{log_path.read_text(errors='replace')[-4000:]}")
-        yield url, str(ckpt), log_path
+        yield url, str(ckpt), log_path, proc.pid
     finally:
         _stop(proc)
         log.close()
@@ -129,7 +132,7 @@ def _completion_hangs(url: str, model: str, wait_s: float = 5.0) -> bool:
 def test_http_server_refit_then_refused_refit_keeps_it_paused(server):
     import torch.multiprocessing as mp
 
-    url, model, log_path = server
+    url, model, log_path, server_pid = server
     api = ServerClient(url, TIMEOUTS)
     assert api.weight_version() == "default"
     before = prompt_logprobs(url, model, TOKENS)
@@ -174,10 +177,17 @@ def test_http_server_refit_then_refused_refit_keeps_it_paused(server):
 
         # 5. The same flipped bit in a streaming refit (atomic=false; a new group, as after
         # every failure): layers went live as they completed, so the workers hold a mix.
-        # Left paused (not resumed).
+        # Left paused (not resumed). Driven by a plain controller, call by call, right after
+        # refit 4's failed /finish_weight_update: its /start_weight_update is accepted (vLLM
+        # once left the raising worker's session open: "already active", and a controller
+        # that stopped at that 500 never recovered).
         msg = q.get(timeout=600)
+        api.pause("wait")
+        api.init_weight_transfer(msg["init_info"])
+        api.start_weight_update()
+        api.update_weights(msg["update_info"])
         with pytest.raises(RefitFailed) as torn:
-            refit_servers([url], msg["update_info"], "refit-5", init_info=msg["init_info"], timeouts=TIMEOUTS)
+            api.finish_weight_update("refit-5")
         print(f"streaming refit refused: {torn.value}")
         torn_state, torn_hangs = (api.weight_version(), api.is_paused()), _completion_hangs(url, model)
 
@@ -189,6 +199,9 @@ def test_http_server_refit_then_refused_refit_keeps_it_paused(server):
         kill_s = time.monotonic() - t6
         kill_state, kill_hangs = (api.weight_version(), api.is_paused()), _completion_hangs(url, model)
         t.join(timeout=900)
+        # the trainers are gone (one killed, the other left): no server process stays busy
+        server_procs = [server_pid] + [c.pid for c in psutil.Process(server_pid).children(recursive=True)]
+        assert_idle(server_procs)
         # Resumed by hand, bypassing the gate: the torn model (refit 5; refit 6 did not heal
         # it) must refuse to compute, in the workers themselves.
         api.resume()
@@ -232,7 +245,8 @@ def test_http_server_refit_then_refused_refit_keeps_it_paused(server):
     for exc in (flipped.value, torn.value, killed.value):
         msg_line = str(exc)
         assert "\n" not in msg_line and msg_line.startswith(f"{url} POST /finish_weight_update: HTTP 500"), msg_line
-        assert "kept paused" in msg_line and re.search(r"rank [0-9]+", msg_line), msg_line
+        assert re.search(r"rank [0-9]+", msg_line), msg_line
+        assert exc is torn.value or "kept paused" in msg_line, msg_line  # refit_servers' note
     assert "checksum" in str(flipped.value) and "checksum" in ranks[0]["flip_error"], (flipped.value, ranks[0])
     assert flip_state == ("refit-3", True) and flip_hangs
     assert token_mult_prob_error(flip_served, ranks[0]["logprobs_2"]) < 1.001
@@ -262,7 +276,7 @@ def test_http_server_tp1_two_refits_equal_the_trainers_then_its_own_fresh_load(t
     serves the trained weights, exactly."""
     import torch.multiprocessing as mp
 
-    url, model, _log = tp1_server
+    url, model, _log, _pid = tp1_server
     api = ServerClient(url, TIMEOUTS)
     fresh = prompt_logprobs(url, model, TOKENS)
     q = mp.get_context("spawn").Queue()
@@ -310,7 +324,7 @@ def test_trainers_refit_a_server_through_vllms_own_trainer_api_only(tp1_server):
     minimum, every rank of both sides verifies it, the server's version is the refit's
     identity, and it serves what megatron computes within fp32's bound (and not what it served
     before the step)."""
-    url, model, _log = tp1_server
+    url, model, _log, _pid = tp1_server
     api = ServerClient(url, TIMEOUTS)
     before = prompt_logprobs(url, model, TOKENS)
     ranks = run_world(vllm_trainer_api_job, 2, (model, "float32", MegatronParallel(tp=2, ep=2, etp=1),

@@ -108,22 +108,10 @@ def finish_quietly(llm: Any) -> None:
 
 def finish_update(llm: Any) -> None:
     """``finish_weight_update``: the commit (or roll back) of what ``update_weights`` received
-    and voted on. When it did not commit it raises on the engine's last worker, whose session
-    vLLM then leaves open (it closes a session only when the engine's finish returns); the
-    others closed theirs. To close that one without an error from any other worker (which
-    would poison vLLM's next call): ``start_weight_update`` opens a session on every worker
-    but the last (which refuses: the error comes from the last worker only), then
-    ``finish_weight_update`` closes all."""
-    try:
-        llm.finish_weight_update()
-    except BaseException as exc:
-        if not engine_is_dead(exc):
-            try:
-                llm.start_weight_update()
-            except Exception:  # noqa: BLE001 - the last worker's "already active": expected
-                pass
-            finish_quietly(llm)
-        raise
+    and voted on. When it did not commit it raises on the engine's last worker only; every
+    worker's session is closed either way (``adapters.vllm.session``), so the next refit's
+    ``start_weight_update`` is accepted."""
+    llm.finish_weight_update()
 
 
 def engine_is_dead(exc: BaseException) -> bool:

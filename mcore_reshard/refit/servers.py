@@ -166,17 +166,6 @@ class ServerClient:
             if _NO_SESSION not in str(exc):
                 raise
 
-    def close_failed_swap(self) -> None:
-        """After ``/finish_weight_update`` of an overlapped refit failed: that error came from
-        the engine's last worker, whose session vLLM leaves open (the others closed theirs).
-        ``/start_weight_update`` opens one on every other worker (the last refuses: expected),
-        then ``/finish_weight_update`` closes all of them."""
-        for step in (self.start_weight_update, lambda: self.finish_weight_update(None)):
-            try:
-                step()
-            except RefitFailed:
-                pass
-
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> None:
         """``reset_running_requests``: preempt running requests (their KV is recomputed)."""
         params = {"reset_running_requests": "true"} if reset_running_requests else None
@@ -290,10 +279,9 @@ def _finish(clients: list[ServerClient], updated: list[RefitFailed | None], weig
                        is None else c.close_failed_session())
         both = [RefitFailed(f"{u}; then {f}") if u and f else (u or f) for u, f in zip(updated, closed)]
         _raise(both, " (servers kept paused: retry the refit or replace them)")
-    finished = _each(clients, lambda c: c.finish_weight_update(weight_version))
-    if any(finished):  # an overlapped refit (``request.overlap``) fails here, at its swap
-        _each([c for c, e in zip(clients, finished) if e is not None], lambda c: c.close_failed_swap())
-    _raise(finished, " (servers kept paused)")
+    # A refit that did not commit fails here (its outcome is the vote's); the engine closes
+    # every worker's session either way, so the next /start_weight_update is accepted.
+    _raise(_each(clients, lambda c: c.finish_weight_update(weight_version)), " (servers kept paused)")
 
 
 def _refit_overlapped(servers: Sequence[str], update_info: Mapping[str, Any], weight_version: str,

@@ -56,7 +56,6 @@ from ..plan.types import TransferPlan
 from ..plan.wire import slice_to_wire
 from ..wire.protocol import EngineInitInfo, EngineUpdateInfo, JoinInfo, RankMap, RefitRequest, VerifyMode, WorkerLayout, first_error_line
 from ..wire.slice_store import publish_slices, slice_digests
-from .engines import finish_update
 
 __all__ = ["MegatronShards", "ReshardTrainerInitInfo", "ReshardTrainerEngine", "register"]
 
@@ -218,7 +217,7 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
             version = request.label(outcome.refit) if committed else None
             try:  # an open session is always closed (its refit concluded as voted), unless a call still hangs
                 if started and updating.done:
-                    finish_update(_VersionedClient(self.client, version))
+                    self.client.finish_weight_update(weight_version=version)  # closes the session either way
             except Exception as exc:  # noqa: BLE001 - reported with the refit's own error
                 client_error = client_error or f"finish_weight_update: {first_error_line(exc)}"
             if client_error and error is None:
@@ -246,22 +245,6 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
 
     def shutdown(self) -> None:
         self.endpoint.leave()
-
-
-class _VersionedClient:
-    """``client`` whose ``finish_weight_update`` sets ``version`` (None: closes the session
-    only), so ``engines.finish_update`` (which closes a failed session) drives it as it
-    drives an ``LLM``."""
-
-    def __init__(self, client: Any, version: str | None) -> None:
-        self.client, self.version = client, version
-
-    def start_weight_update(self) -> None:
-        self.client.start_weight_update()
-
-    def finish_weight_update(self) -> None:
-        version, self.version = self.version, None  # a second finish only closes a failed session
-        self.client.finish_weight_update(weight_version=version)
 
 
 class _Call:

@@ -25,6 +25,7 @@ def register() -> None:
     if BACKEND not in WeightTransferTrainerFactory._registry:  # the trainer side (``refit.trainer_engine``)
         WeightTransferTrainerFactory.register_engine(
             BACKEND, "mcore_reshard.refit.trainer_engine", "ReshardTrainerEngine")
-    from .fast_start import install
+    from . import fast_start, session
 
-    install()
+    fast_start.install()
+    session.install()

@@ -100,6 +100,8 @@ class ReshardWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUpd
     supports_draft_weight_update = True
     #: ``update_weights`` votes; the weights go live at ``finish_weight_update`` (or ``drain_pending``).
     defers_processing = True
+    #: vLLM closes this engine's session when its ``finish_weight_update`` raises (``session.py``).
+    closes_failed_sessions = True
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
