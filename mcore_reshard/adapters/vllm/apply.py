@@ -343,7 +343,7 @@ class VllmApplier:
         self._staged.clear()
         self.copies.commit()
         self._kept = {}
-        self.state = "serving"
+        self.state, self.reason = "serving", ""  # an earlier failure's text is not this worker's state
 
     def invalidate(self, reason: str) -> None:
         """A refit this worker finished (streaming) was aborted by another rank: if it changed

@@ -115,6 +115,7 @@ class ReshardWorkerExtension:
 
         par = self.vllm_config.parallel_config  # type: ignore[attr-defined]
         return {
+            "pid": os.getpid(),
             "rank": int(self.rank),  # type: ignore[attr-defined]
             "local_rank": int(getattr(self, "local_rank", 0)),
             "tp_rank": ps.get_tp_group().rank_in_group, "tp_size": ps.get_tp_group().world_size,
