@@ -117,6 +117,8 @@ class RefitDriver:
         self.engine_grace_s = ENGINE_GRACE_S
         #: Engines kept paused after a refit they could not confirm (index -> why).
         self.gated: dict[int, str] = {}
+        #: The current refit group's join info (its store's address; None before the first join).
+        self.join_info: JoinInfo | None = None
 
     # -- set-up ----------------------------------------------------------------------------
     def __enter__(self) -> "RefitDriver":
@@ -228,7 +230,7 @@ class RefitDriver:
         rank_map = RankMap.disaggregated(self.src.world_size, self.dst.world_size)
         info = JoinInfo(self.host, self._port(), rank_map.world_size, rank_map, self.refit_config.timeout_s,
                         secret=self.secret, nonce=secrets.token_hex(16))
-        self._nonce = info.nonce
+        self._nonce, self.join_info = info.nonce, info
         joining = self.trainers.join(info)
         inits = []
         for lo, eng in zip(self.engine_offsets, self.engine_infos):
@@ -461,7 +463,9 @@ class ReshardTransport:
         updating = driver.start_on_engines(update, what="update_weights")
         replies, trainer_error = None, None
         try:
-            replies = refitting.wait(trainers_deadline(request))
+            # every trainer, not the first that fails: the grace below starts only once no
+            # trainer is still waiting for the decision (nor, then, any worker that is alive)
+            replies = refitting.wait(trainers_deadline(request), every=True)
         except Exception as exc:  # noqa: BLE001 - the trainers' error names every failing rank
             trainer_error = "; ".join(driver.trainers.dead() + [first_error_line(exc)])
         # Every trainer has read the decision (or died): a worker that read it too answers
@@ -602,7 +606,7 @@ class PendingRefit:
         driver, request = self.driver, self.request
         replies, trainer_error = None, None
         try:
-            replies = self._refitting.wait(trainers_deadline(request))
+            replies = self._refitting.wait(trainers_deadline(request), every=True)
         except Exception as exc:  # noqa: BLE001 - the trainers' error names every failing rank
             trainer_error = "; ".join(driver.trainers.dead() + [first_error_line(exc)])
         seconds = time.perf_counter() - self._t0

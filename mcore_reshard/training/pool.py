@@ -221,34 +221,39 @@ class LocalTrainerGroup(TrainerGroup):
             self.close()  # never leave half a pool running
             raise
 
-    def _send(self, what: str, calls: Sequence[RankCall[Any]]) -> Callable[[float], list[Any]]:
+    def _send(self, what: str, calls: Sequence[RankCall[Any]]) -> Callable[[float, bool], list[Any]]:
         self._seq += 1
         seq = self._seq
         for q, call in zip(self._commands, calls, strict=True):
             q.put(_Command(seq, call))
-        return lambda timeout_s: self._collect(what, seq, timeout_s)
+        return lambda timeout_s, every: self._collect(what, seq, timeout_s, every)
 
-    def _collect(self, what: str, seq: int, timeout_s: float) -> list[Any]:
+    def _collect(self, what: str, seq: int, timeout_s: float, every: bool = False) -> list[Any]:
         out: dict[int, Any] = {}
+        failed: dict[int, str] = {}  # rank -> its failure, in the order they came
         deadline = time.monotonic() + timeout_s
-        while len(out) < self.world_size:
+        while len(out) + len(failed) < self.world_size and not (failed and not every):
             left = deadline - time.monotonic()
             if left <= 0:
-                missing = sorted(set(range(self.world_size)) - set(out))
+                missing = sorted(set(range(self.world_size)) - set(out) - set(failed))
+                if failed:
+                    break  # the first failure is the error; the late ranks are named with it
                 raise TrainerError(f"training rank(s) {missing} did not finish {what!r} within {timeout_s:.0f}s")
             try:
                 reply: _Reply = self._replies.get(timeout=min(left, 0.5))
             except queue_mod.Empty:
-                dead = [r for r, p in enumerate(self.procs) if r not in out and not p.is_alive()]
-                if dead:
-                    raise TrainerError(f"training rank {dead[0]} died (exit code {self.procs[dead[0]].exitcode}) "
-                                       f"during {what!r}") from None
+                for r, p in enumerate(self.procs):
+                    if r not in out and r not in failed and not p.is_alive():
+                        failed[r] = f"training rank {r} died (exit code {p.exitcode}) during {what!r}"
                 continue
             if reply.seq != seq:
                 continue  # a reply to an earlier command that failed elsewhere first
             if not reply.ok:
-                raise TrainerError(f"training rank {reply.rank} failed {reply.value}")
+                failed[reply.rank] = f"training rank {reply.rank} failed {reply.value}"
+                continue
             out[reply.rank] = reply.value
+        if failed:
+            raise TrainerError(next(iter(failed.values())))
         return [out[r] for r in range(self.world_size)]
 
     def dead(self) -> list[str]:

@@ -305,17 +305,20 @@ class RawBandwidth(RankCall["float | None"]):
 class Pending(Generic[T]):
     """One call on its way on every rank; :meth:`wait` collects it once."""
 
-    def __init__(self, what: str, collect: Callable[[float], list[Any]], timeout_s: float) -> None:
+    def __init__(self, what: str, collect: Callable[[float, bool], list[Any]], timeout_s: float) -> None:
         self.what, self._collect, self._timeout_s = what, collect, timeout_s
         self.done = False
 
-    def wait(self, timeout_s: float | None = None) -> list[T]:
+    def wait(self, timeout_s: float | None = None, *, every: bool = False) -> list[T]:
         """Every rank's reply in rank order; ``TrainerError`` naming the first rank that failed,
-        died or missed the deadline (default: the group's)."""
+        died or missed the deadline (default: the group's). ``every``: after a failure, wait
+        for every other rank too (its reply, its failure or its death, within the deadline)
+        before raising: when this returns or raises, no rank is still at work -- e.g. a refit
+        whose other ranks are still learning its decision."""
         if self.done:
             raise RuntimeError(f"{self.what!r} was already collected")
         self.done = True
-        return self._collect(timeout_s or self._timeout_s)
+        return self._collect(timeout_s or self._timeout_s, every)
 
 
 class TrainerGroup:
@@ -327,9 +330,10 @@ class TrainerGroup:
     timeout_s: float = 300.0
     _in_flight: Pending[Any] | None = None
 
-    def _send(self, what: str, calls: Sequence[RankCall[Any]]) -> Callable[[float], list[Any]]:
+    def _send(self, what: str, calls: Sequence[RankCall[Any]]) -> Callable[[float, bool], list[Any]]:
         """Start ``calls[r]`` on rank ``r`` without waiting; return what collects every reply
-        within a deadline (raising ``TrainerError`` naming a failed, dead or late rank)."""
+        within a deadline (raising ``TrainerError`` naming a failed, dead or late rank; with
+        its second argument true, only once every rank is done: ``Pending.wait(every=)``)."""
         raise NotImplementedError
 
     def start(self, calls: Sequence[RankCall[T]]) -> Pending[T]:

@@ -228,12 +228,13 @@ class RayTrainerGroup(TrainerGroup):
         """A port free on training rank 0's node (each refit group's master listens there)."""
         return self._get([self.actors[0].free_port.remote(self.host)], "a free port")[0]
 
-    def _send(self, what: str, calls: Sequence[RankCall[Any]]) -> Callable[[float], list[Any]]:
+    def _send(self, what: str, calls: Sequence[RankCall[Any]]) -> Callable[[float, bool], list[Any]]:
         refs = [a.run.remote(c) for a, c in zip(self.actors, calls, strict=True)]
-        return lambda timeout_s: self._get(refs, what, timeout_s)
+        return lambda timeout_s, every: self._get(refs, what, timeout_s, every)
 
-    def _get(self, refs: list, what: str, timeout_s: float | None = None) -> list[Any]:
-        """Every reply, or the first failure as one ``TrainerError`` naming the rank."""
+    def _get(self, refs: list, what: str, timeout_s: float | None = None, every: bool = False) -> list[Any]:
+        """Every reply, or the first failure as one ``TrainerError`` naming the rank (with
+        ``every``, raised once every other rank is done too: ``Pending.wait``)."""
         import ray
         from ray.exceptions import RayActorError
 
@@ -241,9 +242,12 @@ class RayTrainerGroup(TrainerGroup):
         index = {ref: r for r, ref in enumerate(refs)}
         left = list(refs)
         deadline = time.monotonic() + timeout_s
-        while left:
+        failed: list[str] = []
+        while left and not (failed and not every):
             wait = deadline - time.monotonic()
             if wait <= 0:
+                if failed:
+                    break
                 missing = sorted(index[r] for r in left)
                 raise TrainerError(f"training rank(s) {missing} did not finish {what!r} within {timeout_s:.0f}s")
             done, left = ray.wait(left, num_returns=1, timeout=wait)
@@ -253,11 +257,12 @@ class RayTrainerGroup(TrainerGroup):
                 except RayActorError as exc:
                     r = index[ref]
                     self._dead[r] = f"training rank {r} (Ray actor {self.actors[r]._actor_id.hex()[:12]}) died"
-                    raise TrainerError(f"{self._dead[r]} during {what!r}: {first_error_line(exc)}") from None
+                    failed.append(f"{self._dead[r]} during {what!r}: {first_error_line(exc)}")
                 except Exception as exc:  # noqa: BLE001 - the rank's own error, named
                     cause = getattr(exc, "cause", None) or exc
-                    raise TrainerError(f"training rank {index[ref]} failed in {what!r}: "
-                                       f"{first_error_line(cause)}") from None
+                    failed.append(f"training rank {index[ref]} failed in {what!r}: {first_error_line(cause)}")
+        if failed:
+            raise TrainerError(failed[0])
         return ray.get(list(refs))
 
     def dead(self) -> list[str]:
