@@ -332,3 +332,92 @@ def test_a_stopped_worker_is_refused_at_once_everywhere_then_readmitted_when_it_
     finally:
         d.refit_config, d.engine_grace_s = cluster.refit, 10.0
     assert cluster.logprob_error(TOKENS) < 1.02
+
+
+def test_a_persistent_store_writer_and_a_late_reader_never_leave_two_engines_serving_different_weights(
+        cluster, ckpt_cache, engine_cache):
+    """The probe's split, on two engines of TP1 (an ``LLM`` and an ``AsyncLLM``: a split shows
+    as two engines serving different weights). An outside writer on the refit store deletes
+    every vote, the decision and every signed copy of it as soon as each is written, and
+    engine 1's worker reads the decision 3 s late. Once, the ranks that read the coordinator's
+    commit in time committed while the late ones timed out and wrote an abort over the
+    emptied key, and the driver said "aborted on every rank". Now a rank that voted ok never
+    decides abort on its own: every engine serves the new weights or is gated (``unsure``),
+    on every client path, the driver never claims an abort, and every rank is done by the
+    deadline plus the grace. The next refit (the writer gone) restores both engines."""
+    import concurrent.futures
+    from dataclasses import replace
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from vllm import SamplingParams
+
+    from mcore_reshard.adapters.vllm.engine import start_async_engine, stop_engine
+    from mcore_reshard.adapters.vllm.plugin import BACKEND
+    from mcore_reshard.refit.verify import token_mult_prob_error
+    from mcore_reshard.testing.attacks import Deleter
+    from support.live import engine_extension
+    from test_overlap import _async_prompt_logprobs
+
+    ckpt = ckpt_cache.get(moe=True, dtype="bfloat16", seed=13)
+    llm = engine_cache.get(ckpt, tp=1, dtype="bfloat16")
+    aeng = start_async_engine(str(ckpt), tp=1, dtype="bfloat16", worker_extension_cls=engine_extension(),
+                              weight_transfer_config={"backend": BACKEND})
+    timeout_s, late_s = 6.0, 3.0
+    try:
+        d = _new_driver(cluster, [llm, aeng])
+        d.refit()  # both engines and the trainers in step
+        old = prompt_logprobs(llm, TOKENS)
+        cluster.step(TOKENS)
+        new = cluster.pool.logprobs([TOKENS]).wait()[0][0]
+        d.refit_config = replace(cluster.refit, timeout_s=timeout_s)
+        store = dist.TCPStore(d.join_info.host, d.join_info.port, is_master=False, timeout=timedelta(seconds=10))
+        t0 = time.monotonic()
+        with Deleter(store, ("vote", "decision", "decided")) as deleter:
+            with pytest.raises(RefitFailed) as err:
+                d.refit(faults=Faults(engine=EngineFault(1, Fault("sleep", at="after_vote", seconds=late_s))))
+        seconds = time.monotonic() - t0
+        msg = str(err.value)
+        assert deleter.deleted > 0
+        assert seconds < timeout_s + late_s + 2.0 + DEATH_S, (seconds, msg)
+        assert "aborted on every rank" not in msg, msg  # the coordinator committed: no one may say abort
+        st = d.status()
+        assert all(s.state in ("serving", "unsure") for s in st), st
+        committed = {s.refit for s in st if s.state == "serving" and s.committed}
+        assert len(committed) <= 1, st  # whoever committed, committed the one decision
+        served = {}
+        for e, eng in enumerate((llm, aeng)):
+            if e in d.gated:  # every client path: nothing runs
+                assert _served(eng) == "refused"
+                served[e] = "gated"
+            else:
+                got = prompt_logprobs(eng, TOKENS)
+                assert token_mult_prob_error(got, new) < 1.02 and got != old, e  # the new weights, whole
+                served[e] = "new"
+        print(f"persistent writer + late reader: {seconds:.1f}s, engines {served}: {msg[:600]}")
+        assert "gated" in served.values(), served  # the late reader cannot have learned the decision
+        if served[0] == "gated":  # queued on the offline engine: no model step until a refit commits
+            llm.enqueue([{"prompt_token_ids": TOKENS}], SamplingParams(temperature=0.0, max_tokens=1,
+                                                                       prompt_logprobs=0), use_tqdm=False)
+            got: dict = {}
+            waiter = threading.Thread(target=lambda: got.update(out=llm.wait_for_completion(use_tqdm=False)),
+                                      daemon=True)
+            waiter.start()
+            waiter.join(2.0)
+            assert waiter.is_alive() and "out" not in got
+        pending = aeng.submit(_async_prompt_logprobs(aeng.engine, TOKENS))
+        with pytest.raises(concurrent.futures.TimeoutError):
+            pending.result(timeout=1.0)  # engine 1 is gated
+        d.refit_config = cluster.refit
+        m = d.refit()  # the writer gone: both engines whole again, on the trainers' weights
+        assert m.verified and m.at_minimum and not d.gated
+        assert token_mult_prob_error(pending.result(timeout=60), new) < 1.02
+        if served[0] == "gated":
+            waiter.join(30)
+            assert not waiter.is_alive()
+        for eng in (llm, aeng):
+            assert token_mult_prob_error(prompt_logprobs(eng, TOKENS), new) < 1.02
+        assert all(s.state == "serving" and s.reason == "" for s in d.status())  # no earlier failure's text
+    finally:
+        _new_driver(cluster, [cluster.engines[0]])
+        stop_engine(aeng)

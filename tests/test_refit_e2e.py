@@ -24,6 +24,7 @@ from mcore_reshard.layout import load_model_spec
 from mcore_reshard.settings.policy import RefitConfig
 from mcore_reshard.wire.protocol import VerifyMode
 from mcore_reshard.jobs.refit import local_cluster
+from support.live import assert_idle, refit_pids
 from support.live import cluster as shared_cluster
 
 pytestmark = pytest.mark.slow
@@ -173,6 +174,9 @@ def test_trainer_dying_mid_refit_aborts_every_rank_and_the_engine_keeps_the_old_
         cluster.driver.refit(faults=Faults(TrainerFault(1, die_after_reads=5)))
     assert time.monotonic() - t0 < 10  # the peer that saw the connection close aborted every rank
     assert "training rank 1 died" in str(err.value)
+    # nothing the failed refit touched is left running: no receive it posted and dropped keeps
+    # a worker's or a trainer's event loop awake (the refit group is torn down on every rank)
+    assert_idle(refit_pids(cluster.engines, cluster.pool))
     # atomic (the default): every worker voted abort, none committed -> generation serves the
     # old model exactly, not a half-written one
     for st in cluster.driver.status():

@@ -32,7 +32,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-__all__ = ["Checkpoints", "EngineCache", "PoolCache", "cluster", "POOLS", "engine_healthy", "rss_mib"]
+__all__ = ["Checkpoints", "EngineCache", "PoolCache", "cluster", "POOLS", "engine_healthy", "rss_mib", "refit_pids",
+           "assert_idle"]
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -101,6 +102,23 @@ def engine_healthy(llm: Any) -> str:
     except Exception as exc:  # noqa: BLE001 - a dead engine core or worker
         return f"{type(exc).__name__}: {exc}"
     return ""
+
+
+def refit_pids(engines: Any, pool: Any = None) -> list[int]:
+    """Every process that takes part in a refit: each engine's workers, and the trainer pool's
+    ranks that are alive."""
+    pids = [int(info["pid"]) for llm in engines for info in llm.collective_rpc("mr_rank_info")]
+    return pids + [p.pid for p in getattr(pool, "procs", []) if p.is_alive()]
+
+
+def assert_idle(pids: list[int], settle_s: float = 2.0) -> None:
+    """After a failure: once it settled (vLLM's workers poll their queue for a second after each
+    call), no thread of ``pids`` uses CPU (``testing.idle``)."""
+    from mcore_reshard.testing.idle import busy
+
+    time.sleep(settle_s)
+    hot = busy(pids)
+    assert hot == {}, f"busy while idle after the failure: {hot}"
 
 
 def rss_mib(pid: int | None = None) -> float:
