@@ -222,6 +222,8 @@ def _cases() -> list[FaultCase]:
                   _persistent_writer, lambda m: "aborted on every rank" not in m and (
                       "could not learn the refit's decision" in m or "engine 0 is gated" in m),
                   lambda t: WRITER_TIMEOUT_S + 3.0 + 2.0 + FAST_ERROR_S),
+        FaultCase("every abort hint deleted as written; training rank 1 raises mid-transfer",
+                  _raising_trainer_without_hints, lambda m: "injected failure" in m and "unresponsive" not in m, fast),
         FaultCase("a refit fails at finish_weight_update; a plain caller's start_weight_update right after",
                   _start_after_failed_finish, lambda m: "checksum mismatch" in m and "already active" not in m, fast),
         # last: the engine is gone afterwards and is replaced
@@ -244,19 +246,35 @@ def _persistent_writer(c: Any) -> None:
     """An outside writer on the refit store (a client of training rank 0's store: no secret)
     deletes every vote, decision and signed copy as soon as each is written, and vLLM worker 1
     reads the decision 3 s late (``testing.attacks.Deleter``)."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
     from mcore_reshard.testing.attacks import Deleter
     from mcore_reshard.wire.faults import EngineFault, Fault, Faults
 
     d = c.driver
-    d.ensure_connected()
-    store = dist.TCPStore(d.join_info.host, d.join_info.port, is_master=False, timeout=timedelta(seconds=10))
-    with Deleter(store, ("vote", "decision", "decided")):
+    with Deleter(_store_client(c), ("vote", "decision", "decided")):
         d.refit(request=replace(d.request(), timeout_s=WRITER_TIMEOUT_S),
                 faults=Faults(engine=EngineFault(1, Fault("sleep", at="after_vote", seconds=3.0))))
+
+
+def _raising_trainer_without_hints(c: Any) -> None:
+    """Training rank 1's refit fails mid-transfer (it posts its abort and votes no) while an
+    outside writer deletes every abort hint as it appears: the ranks still waiting for its bytes
+    find the abort by the slow scan, and the engine, which answers, is not named unresponsive."""
+    from mcore_reshard.testing.attacks import Deleter
+    from mcore_reshard.wire.faults import Faults, TrainerFault
+
+    with Deleter(_store_client(c), ("hint",)):
+        c.driver.refit(faults=Faults(TrainerFault(1, raise_after_reads=5)))
+
+
+def _store_client(c: Any) -> Any:
+    """A client of the refit group's store, as any process on the network can open one."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    d = c.driver
+    d.ensure_connected()
+    return dist.TCPStore(d.join_info.host, d.join_info.port, is_master=False, timeout=timedelta(seconds=10))
 
 
 def _start_after_failed_finish(c: Any) -> None:

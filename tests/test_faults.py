@@ -80,6 +80,7 @@ def _restored(cluster) -> None:
     m = cluster.refit_once()
     assert m.verified and m.at_minimum
     assert cluster.logprob_error(TOKENS) < 1.02  # bf16 bound
+    assert all(s.state == "serving" and s.reason == "" for s in cluster.driver.status())  # no earlier failure's text
 
 
 def test_trainer_dying_between_its_last_byte_and_its_vote_is_known_at_once(cluster):
@@ -97,6 +98,44 @@ def test_trainer_dying_between_its_last_byte_and_its_vote_is_known_at_once(clust
     assert all(p.exitcode == 0 for r, p in enumerate(procs) if r != 1), [p.exitcode for p in procs]
     cluster.restart_trainers()
     _restored(cluster)
+
+
+def test_a_trainer_that_raises_mid_transfer_with_every_hint_deleted_is_known_in_seconds(cluster):
+    """Training rank 1's refit fails mid-transfer (it posts its abort, votes no) while an outside
+    writer deletes every abort hint as it appears. The ranks still waiting for its bytes once
+    read the aborts only while the hint existed and learned at their timeout; the driver, which
+    stopped at the first trainer's failure, then gave the engine its grace and named it
+    unresponsive. Now every rank finds the abort within about a second, the driver waits for
+    every trainer, and the engine -- which answered -- keeps its old weights, resumed."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from mcore_reshard.testing.attacks import Deleter
+
+    llm = cluster.engines[0]
+    old, _ = _armed(cluster)
+    d = cluster.driver
+    d.ensure_connected()
+    store = dist.TCPStore(d.join_info.host, d.join_info.port, is_master=False, timeout=timedelta(seconds=10))
+    with Deleter(store, ("hint",)):
+        msg, seconds = _fault(cluster, faults=Faults(TrainerFault(1, raise_after_reads=5)))
+    assert seconds < DEATH_S, (seconds, msg)  # not the 10 s timeout
+    assert "training rank 1" in msg and "injected failure" in msg, msg
+    assert "unresponsive" not in msg and not d.dead and not d.gated, msg
+    assert _served(llm) == old
+    assert _through_enqueue(llm) == old
+    _restored(cluster)
+
+
+def _through_enqueue(llm) -> list[float]:
+    """``enqueue`` + ``wait_for_completion``, no helper in between: the prompt's logprobs."""
+    from vllm import SamplingParams
+
+    llm.enqueue([{"prompt_token_ids": TOKENS}], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0),
+                use_tqdm=False)
+    out = llm.wait_for_completion(use_tqdm=False)[0]
+    return [float(lp[t].logprob) for t, lp in zip(TOKENS[1:], out.prompt_logprobs[1:])]
 
 
 def test_vllm_worker_stalled_before_its_vote_aborts_and_the_engine_keeps_the_old_weights(cluster):

@@ -117,7 +117,8 @@ class TrainerRank:
         injection (tests, ``scripts/soak.py``); only rank ``fault.rank`` acts on it."""
         mine = fault if fault is not None and fault.rank == self.rank else None
         report = self.endpoint.refit(request, fault=mine.fault if mine is not None else None,
-                                     die_after_reads=mine.die_after_reads if mine is not None else None)
+                                     die_after_reads=mine.die_after_reads if mine is not None else None,
+                                     raise_after_reads=mine.raise_after_reads if mine is not None else None)
         return RefitReply(report, tuple(self.endpoint.last_reports) if self.rank == 0 else ())
 
     def leave(self) -> None:

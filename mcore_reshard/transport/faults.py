@@ -9,6 +9,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from ..errors import RefitError
 from ..wire.faults import Fault
 from .views import BIT_VIEWS
 
@@ -33,15 +34,18 @@ def flip_first(x: torch.Tensor) -> None:
 
 class ExitAfterReads(dict):
     """A rank's local tensors, by name, whose process exits abruptly at the n-th lookup: a
-    trainer dying mid-refit (``TrainerFault.die_after_reads``)."""
+    trainer dying mid-refit (``TrainerFault.die_after_reads``); with ``raises``, the lookup
+    raises instead: a trainer whose refit fails mid-transfer (``raise_after_reads``)."""
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], n: int) -> None:
+    def __init__(self, tensors: Mapping[str, torch.Tensor], n: int, raises: bool = False) -> None:
         super().__init__(tensors)
-        self._left = n
+        self._left, self._raises = n, raises
 
     def __getitem__(self, key: str) -> torch.Tensor:
         self._left -= 1
         if self._left < 0:
+            if self._raises:
+                raise RefitError(f"injected failure reading {key!r} (TrainerFault.raise_after_reads)")
             os._exit(17)
         return super().__getitem__(key)
 

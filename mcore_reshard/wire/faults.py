@@ -74,11 +74,14 @@ class Fault:
 class TrainerFault:
     """On training rank ``rank``: ``fault`` in its executor and vote, and/or its process exits
     abruptly after its packer read ``die_after_reads`` source tensors (a trainer dying
-    mid-refit). Every rank receives it; only ``rank`` acts."""
+    mid-refit), and/or its packer raises at its ``raise_after_reads``-th read (a trainer whose
+    refit fails mid-transfer: it posts its abort and votes no). Every rank receives it; only
+    ``rank`` acts."""
 
     rank: int
     fault: Fault | None = None
     die_after_reads: int | None = None
+    raise_after_reads: int | None = None
 
 
 @dataclass(frozen=True)

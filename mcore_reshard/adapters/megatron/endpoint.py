@@ -86,15 +86,18 @@ class TrainerEndpoint:
         return {name: p.data for name, p in named_local_params(self.chunks).items()}
 
     def refit(self, request: RefitRequest, progress: bool = False, fault: Fault | None = None,
-              die_after_reads: int | None = None) -> RankReport:
+              die_after_reads: int | None = None, raise_after_reads: int | None = None) -> RankReport:
         """Send this rank's boxes, vote, and return this rank's report. Raises ``RefitFailed``
         naming every failing rank of either side when the refit did not commit. Fault
         injection for tests: ``fault`` (``transport.faults.Fault``); ``die_after_reads``: this
-        rank's process exits abruptly at its n-th read of a local tensor (dying mid-refit)."""
+        rank's process exits abruptly at its n-th read of a local tensor (dying mid-refit);
+        ``raise_after_reads``: that read raises instead (a failure mid-transfer)."""
         self._sync()
         tensors: Mapping[str, Any] = self.local_tensors()
         if die_after_reads is not None:
             tensors = ExitAfterReads(tensors, die_after_reads)
+        elif raise_after_reads is not None:
+            tensors = ExitAfterReads(tensors, raise_after_reads, raises=True)
         outcome, report = self._endpoint.refit(request, tensors, None, IN_PLACE, progress=progress, fault=fault)
         self.last_outcome, self.last_reports = outcome, outcome.reports
         outcome.raise_if_failed()
