@@ -217,10 +217,9 @@ def _cases() -> list[FaultCase]:
         FaultCase("three new drivers each label their refit 1 'refit-1'; the second is split by the store host's death",
                   _three_drivers, lambda m: "engine 0 is gated" in m, lambda t: 3 * FAST_ERROR_S + 2 * 60.0),
         FaultCase("a store writer deletes every vote, decision and copy as written; vLLM worker 1 reads 3 s late",
-                  # the coordinator commits; a rank that voted ok and cannot read that is unsure
-                  # (gated), never aborted: no "aborted on every rank" while a rank committed
-                  _persistent_writer, lambda m: "aborted on every rank" not in m and (
-                      "could not learn the refit's decision" in m or "engine 0 is gated" in m),
+                  # the coordinator decides (commit once it caught every "ok", else abort at its
+                  # deadline); a rank that voted ok and cannot read that is unsure (gated)
+                  _persistent_writer, lambda m: "could not learn the refit's decision" in m or "engine 0 is gated" in m,
                   lambda t: WRITER_TIMEOUT_S + 3.0 + 2.0 + FAST_ERROR_S),
         FaultCase("every abort hint deleted as written; training rank 1 raises mid-transfer",
                   _raising_trainer_without_hints, lambda m: "injected failure" in m and "unresponsive" not in m, fast),

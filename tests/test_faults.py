@@ -380,10 +380,12 @@ def test_a_persistent_store_writer_and_a_late_reader_never_leave_two_engines_ser
     every vote, the decision and every signed copy of it as soon as each is written, and
     engine 1's worker reads the decision 3 s late. Once, the ranks that read the coordinator's
     commit in time committed while the late ones timed out and wrote an abort over the
-    emptied key, and the driver said "aborted on every rank". Now a rank that voted ok never
-    decides abort on its own: every engine serves the new weights or is gated (``unsure``),
-    on every client path, the driver never claims an abort, and every rank is done by the
-    deadline plus the grace. The next refit (the writer gone) restores both engines."""
+    emptied key, and the driver said "aborted on every rank". Now only the coordinator
+    decides (commit once it caught every "ok", else abort at its deadline) and a rank that voted
+    ok never decides abort on its own: no two engines serve different weights -- each serves
+    the one decision's weights or is gated (``unsure``), on every client path -- the driver
+    says "aborted" only where no rank committed, and every rank is done by the deadline plus
+    the grace. The next refit (the writer gone) restores both engines."""
     import concurrent.futures
     from dataclasses import replace
     from datetime import timedelta
@@ -419,7 +421,6 @@ def test_a_persistent_store_writer_and_a_late_reader_never_leave_two_engines_ser
         msg = str(err.value)
         assert deleter.deleted > 0
         assert seconds < timeout_s + late_s + 2.0 + DEATH_S, (seconds, msg)
-        assert "aborted on every rank" not in msg, msg  # the coordinator committed: no one may say abort
         st = d.status()
         assert all(s.state in ("serving", "unsure") for s in st), st
         committed = {s.refit for s in st if s.state == "serving" and s.committed}
@@ -431,10 +432,11 @@ def test_a_persistent_store_writer_and_a_late_reader_never_leave_two_engines_ser
                 served[e] = "gated"
             else:
                 got = prompt_logprobs(eng, TOKENS)
-                assert token_mult_prob_error(got, new) < 1.02 and got != old, e  # the new weights, whole
-                served[e] = "new"
+                served[e] = "old" if got == old else "new" if token_mult_prob_error(got, new) < 1.02 else "MIXED"
         print(f"persistent writer + late reader: {seconds:.1f}s, engines {served}: {msg[:600]}")
-        assert "gated" in served.values(), served  # the late reader cannot have learned the decision
+        assert "MIXED" not in served.values() and not {"old", "new"} <= set(served.values()), served
+        if "aborted on every rank" in msg:  # the coordinator decided abort: then no rank committed
+            assert not committed and "new" not in served.values(), (st, served)
         if served[0] == "gated":  # queued on the offline engine: no model step until a refit commits
             llm.enqueue([{"prompt_token_ids": TOKENS}], SamplingParams(temperature=0.0, max_tokens=1,
                                                                        prompt_logprobs=0), use_tqdm=False)
@@ -444,13 +446,20 @@ def test_a_persistent_store_writer_and_a_late_reader_never_leave_two_engines_ser
             waiter.start()
             waiter.join(2.0)
             assert waiter.is_alive() and "out" not in got
+        else:
+            assert _through_enqueue(llm) == prompt_logprobs(llm, TOKENS)
         pending = aeng.submit(_async_prompt_logprobs(aeng.engine, TOKENS))
-        with pytest.raises(concurrent.futures.TimeoutError):
-            pending.result(timeout=1.0)  # engine 1 is gated
+        if served[1] == "gated":
+            with pytest.raises(concurrent.futures.TimeoutError):
+                pending.result(timeout=1.0)  # queued: no model step until a refit commits
+        else:
+            assert pending.result(timeout=60) == prompt_logprobs(aeng, TOKENS)
+            pending = None
         d.refit_config = cluster.refit
         m = d.refit()  # the writer gone: both engines whole again, on the trainers' weights
         assert m.verified and m.at_minimum and not d.gated
-        assert token_mult_prob_error(pending.result(timeout=60), new) < 1.02
+        if pending is not None:  # it ran after the restoring refit, on its weights only
+            assert token_mult_prob_error(pending.result(timeout=60), new) < 1.02
         if served[0] == "gated":
             waiter.join(30)
             assert not waiter.is_alive()
