@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .descriptor import DTYPE_BYTES, LayoutError
+from .hybrid import HYBRID_ARCHS, Hybrid, hybrid_from_config, hybrid_layer_tensors
 
 __all__ = ["ModelSpec", "MLA", "CanonicalTensor", "ROUTER_BIAS_DTYPE", "load_model_spec", "spec_from_hf_config"]
 
@@ -28,11 +29,13 @@ _SUPPORTED = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    **HYBRID_ARCHS,
 }
 #: ``model_type`` -> arch, for configs without ``architectures`` (Kimi-K2 names its type
 #: ``kimi_k2`` but is a DeepseekV3ForCausalLM with other sizes).
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
-                "deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3"}
+                "deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3", "nemotron_h": "nemotron_h",
+                "qwen3_next": "qwen3_next"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +94,9 @@ class ModelSpec:
     #: Multi-token-prediction layers after the decoder (``num_nextn_predict_layers``): in the
     #: HF checkpoint as ``model.layers.{L+i}``, not described (no side below holds them).
     mtp_layers: int = 0
+    #: Hybrid families (Nemotron-H, Qwen3-Next): each layer's mixers and their sizes
+    #: (``layout.hybrid``); None: every layer is attention + MLP/MoE.
+    hybrid: Hybrid | None = None
     dtype: str = "bfloat16"
     rope_theta: float = 1_000_000.0
     rms_eps: float = 1e-6
@@ -143,6 +149,8 @@ class ModelSpec:
 
     def layer_tensors(self, layer: int) -> list[CanonicalTensor]:
         """HF tensors of decoder layer ``layer``, in HF order."""
+        if self.hybrid is not None:
+            return [CanonicalTensor(*t) for t in hybrid_layer_tensors(self, layer)]
         H, D, dt = self.hidden, self.head_dim, self.dtype
         p = f"model.layers.{layer}."
         out = [CanonicalTensor(p + "input_layernorm.weight", (H,), dt)]
@@ -184,11 +192,11 @@ class ModelSpec:
 
     def tensors(self) -> dict[str, CanonicalTensor]:
         """All HF tensors of the model, keyed by name, in HF order (lm_head absent if tied)."""
-        dt = self.dtype
-        items = [CanonicalTensor("model.embed_tokens.weight", (self.vocab, self.hidden), dt)]
+        dt, h = self.dtype, self.hybrid
+        items = [CanonicalTensor(h.embedding if h else "model.embed_tokens.weight", (self.vocab, self.hidden), dt)]
         for layer in range(self.num_layers):
             items.extend(self.layer_tensors(layer))
-        items.append(CanonicalTensor("model.norm.weight", (self.hidden,), dt))
+        items.append(CanonicalTensor(h.final_norm if h else "model.norm.weight", (self.hidden,), dt))
         if not self.tied:
             items.append(CanonicalTensor("lm_head.weight", (self.vocab, self.hidden), dt))
         return {t.name: t for t in items}
@@ -217,6 +225,8 @@ def spec_from_hf_config(cfg: Mapping[str, Any], *, dtype: str | None = None, nam
     nH = int(cfg["num_attention_heads"])
     nKV = int(cfg.get("num_key_value_heads") or nH)
     D = int(cfg.get("head_dim") or H // nH)
+    if arch in HYBRID_ARCHS.values():
+        return _hybrid_spec(arch, cfg, dtype, name, H, nH, nKV, D)
     L = int(cfg["num_hidden_layers"])
     moe_layers: tuple[int, ...] = ()
     E = F_moe = topk = 0
@@ -274,6 +284,19 @@ def spec_from_hf_config(cfg: Mapping[str, Any], *, dtype: str | None = None, nam
         name=name or str(cfg.get("_name_or_path", "")),
         hf_config=dict(cfg),
     )
+
+
+def _hybrid_spec(arch: str, cfg: Mapping[str, Any], dtype: str | None, name: str, H: int, nH: int, nKV: int,
+                 D: int) -> ModelSpec:
+    """A hybrid family's spec: its layers from ``layout.hybrid``, the rest as every spec."""
+    hybrid, extra = hybrid_from_config(arch, cfg)
+    torch_dtype = dtype or str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").replace("torch.", "")
+    rope = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    return ModelSpec(arch=arch, hidden=H, num_heads=nH, num_kv_heads=nKV, head_dim=D,
+                     intermediate=int(cfg.get("intermediate_size") or 0), vocab=int(cfg["vocab_size"]),
+                     tied=bool(cfg.get("tie_word_embeddings", False)), hybrid=hybrid, dtype=torch_dtype,
+                     rope_theta=float(rope), rms_eps=float(cfg.get("rms_norm_eps") or cfg.get("layer_norm_epsilon") or 1e-6),
+                     name=name or str(cfg.get("_name_or_path", "")), hf_config=dict(cfg), **extra)
 
 
 def load_model_spec(path: str | Path, *, dtype: str | None = None) -> ModelSpec:

@@ -478,6 +478,11 @@ _EXPERT_BIAS = ".mlp.router.expert_bias"
 
 # --------------------------------------------------------------------------- public API
 
+#: Layout rules of the families whose layers are not all attention + MLP (``spec.hybrid``):
+#: ``(rank_params, layout)``, registered by ``hybrid_rules`` when the package is imported
+#: (a module of its own: it builds on the helpers above).
+HYBRID_RULES: list = []
+
 
 def megatron_rank_params(spec: ModelSpec, par: MegatronParallel, rank: int) -> list[LocalParam]:
     """Every parameter ``rank`` holds, named as ``GPTModel.named_parameters()`` names it
@@ -485,6 +490,8 @@ def megatron_rank_params(spec: ModelSpec, par: MegatronParallel, rank: int) -> l
 
     The tied last-stage ``output_layer.weight`` copy (pp > 1) is left out: never a sender.
     """
+    if spec.hybrid is not None:
+        return HYBRID_RULES[0][0](spec, par, rank)
     _check(spec, par)
     c = rank_coords(par, rank)
     pre, layers, post = _dense_templates(spec, par, c["pp"], c["tp"])
@@ -500,6 +507,8 @@ def megatron_rank_params(spec: ModelSpec, par: MegatronParallel, rank: int) -> l
 
 def megatron_layout(spec: ModelSpec, par: MegatronParallel) -> SideLayout:
     """All ranks of the training world; every DP / CP / expert-DP replica is listed."""
+    if spec.hybrid is not None:
+        return HYBRID_RULES[0][1](spec, par)
     _check(spec, par)
     params: list[LocalParam] = []
     for rank in range(par.world_size):

@@ -128,6 +128,37 @@ def _refuse_rebalanced_experts(model: torch.nn.Module, vllm_config: Any) -> None
     )
 
 
+_FAKE: list[type] = []
+
+
+def _fake_class() -> type:
+    """vLLM's ``FakeRDTTensor`` taught two loader idioms it refuses, both still plain windows
+    of the checkpoint tensor: ``x.view_as(t)`` (``view(t.shape)``) and ``param[idx] = x``
+    (``param[idx].copy_(x)``). Mamba2's ``mamba_v2_sharded_weight_loader`` (the group-
+    replicating loader of ``n_groups % tp != 0``) writes with exactly these."""
+    if _FAKE:
+        return _FAKE[0]
+    from vllm.distributed.weight_transfer.sharded_rdt_fake import FakeRDTTensor
+
+    class WindowFake(FakeRDTTensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.Tensor.view_as and isinstance(args[0], FakeRDTTensor):
+                return args[0].view(tuple(args[1].shape))
+            if func is torch.Tensor.__setitem__ and isinstance(args[2], FakeRDTTensor) \
+                    and not isinstance(args[0], FakeRDTTensor):
+                return args[0][args[1]].copy_(args[2])
+            return super().__torch_function__(func, types, args, kwargs)
+
+        def _make_child(self, new_shape, new_dtype, *new_ops):
+            return WindowFake(name=self._name, shape=new_shape, dtype=new_dtype, device=self.device,
+                              ops=self._ops + new_ops, sink=self._sink)
+
+    _FAKE.append(WindowFake)
+    return WindowFake
+
+
 def record_local_params(
     model: torch.nn.Module,
     tensors: Mapping[str, tuple[Sequence[int], str]],
@@ -141,7 +172,7 @@ def record_local_params(
     ``tensors``: canonical (HF) name -> (shape, dtype name) of every checkpoint tensor.
     The model's parameters are put back untouched (kernel tensors restored).
     """
-    from vllm.distributed.weight_transfer.sharded_rdt_fake import BakeSink, FakeRDTTensor
+    from vllm.distributed.weight_transfer.sharded_rdt_fake import BakeSink
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO, initialize_layerwise_reload
     from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
 
@@ -152,8 +183,9 @@ def record_local_params(
     sink = BakeSink()
     meta_shapes: dict[str, tuple[tuple[int, ...], str]] = {}
     live_only: dict[str, tuple[tuple[int, ...], str]] = {}
+    fake_cls = _fake_class()
     fakes = [
-        (name, FakeRDTTensor(name=name, shape=torch.Size(tuple(shape)), dtype=TORCH_DTYPES[dt],
+        (name, fake_cls(name=name, shape=torch.Size(tuple(shape)), dtype=TORCH_DTYPES[dt],
                              device=torch.device(device), sink=sink))
         for name, (shape, dt) in tensors.items()
     ]

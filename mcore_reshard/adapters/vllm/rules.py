@@ -286,15 +286,24 @@ class _Builder:
 
 # ----------------------------------------------------------------------------- public API
 
+#: Layout rules of the hybrid families (``spec.hybrid``): ``(rank_params, layout)``,
+#: registered by ``hybrid_rules`` (a module of its own, built on ``_Builder``).
+HYBRID_RULES: list = []
+
+
 
 def vllm_rank_params(spec: ModelSpec, par: VllmParallel, rank: int) -> list[LocalParam]:
     """The model-format parameters of one vLLM rank, each with its canonical (HF) pieces
     (of an FP8 engine: in bf16, as its loaders take them; ``vllm_layout`` describes the FP8 form)."""
+    if spec.hybrid is not None:
+        return HYBRID_RULES[0][0](spec, par, rank)
     return _Builder(spec, par).rank_params(rank)
 
 
 def vllm_layout(spec: ModelSpec, par: VllmParallel) -> SideLayout:
     """Every rank's parameters: the inference side of a refit plan."""
+    if spec.hybrid is not None:
+        return HYBRID_RULES[0][1](spec, par)
     b = _Builder(spec, par)
     d = b.d
     params: list[LocalParam] = []
