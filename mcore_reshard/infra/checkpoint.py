@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TINY_DENSE", "TINY_MOE", "TINY_DEEPSEEK_V3", "TINY_DENSE_128", "TINY_MOE_128", "TINY_FAMILIES", "tiny_config", "make_tiny_checkpoint", "load_canonical"]
+__all__ = ["TINY_HYBRIDS", "TINY_DENSE", "TINY_MOE", "TINY_DEEPSEEK_V3", "TINY_DENSE_128", "TINY_MOE_128", "TINY_FAMILIES", "tiny_config", "make_tiny_checkpoint", "load_canonical"]
 
 #: Small enough for seconds-long CPU tests, shaped so that every layout rule is exercised:
 #: GQA with P = 4 query heads per group, qk-norm, vocab not a multiple of 64 (vLLM pads it).
@@ -93,6 +93,34 @@ TINY_DENSE_128: dict[str, Any] = dict(
 TINY_MOE_128: dict[str, Any] = dict(TINY_MOE, **{k: v for k, v in TINY_DENSE_128.items() if k != "architectures"},
                                     moe_intermediate_size=256)
 
+#: Hybrid families (``layout.hybrid``). Nemotron-H: Mamba2 (8 heads of 16, 2 groups) + MLP +
+#: attention, fp32-servable by the vLLM CPU engine (prompts < 64 tokens); ``nemotron_h_g1``
+#: has one group, which vLLM replicates on every TP rank; ``nemotron_h_moe`` adds a MoE layer
+#: (non-gated relu2 experts: vLLM's CPU FusedMoE refuses them, ``is_act_and_mul=False``).
+#: Qwen3-Next: GDN (2 key heads, 4 value heads, dims 64: the CPU GDN kernel needs 64 or 128) +
+#: gated attention + MoE with a shared expert, and one dense layer; served in bf16 only.
+TINY_NEMOTRON_H: dict[str, Any] = dict(
+    architectures=["NemotronHForCausalLM"], vocab_size=1000, hidden_size=64,
+    layers_block_type=["mamba", "mlp", "attention", "mamba", "mlp"], num_attention_heads=4,
+    num_key_value_heads=2, head_dim=32, intermediate_size=128, ssm_state_size=16, mamba_num_heads=8,
+    mamba_head_dim=16, n_groups=2, conv_kernel=4, use_conv_bias=True, max_position_embeddings=512,
+    tie_word_embeddings=False, n_routed_experts=4, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48,
+    num_experts_per_tok=2, n_shared_experts=1)
+TINY_QWEN3_NEXT: dict[str, Any] = dict(
+    architectures=["Qwen3NextForCausalLM"], vocab_size=1000, hidden_size=64, num_hidden_layers=4,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
+    linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4, intermediate_size=128,
+    moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2,
+    decoder_sparse_step=1, mlp_only_layers=[3], max_position_embeddings=512, tie_word_embeddings=False,
+    norm_topk_prob=True)
+TINY_HYBRIDS: dict[str, dict[str, Any]] = {
+    "nemotron_h": TINY_NEMOTRON_H,
+    "nemotron_h_g1": dict(TINY_NEMOTRON_H, n_groups=1),
+    "nemotron_h_moe": dict(TINY_NEMOTRON_H, layers_block_type=["mamba", "moe", "attention", "mamba", "mlp"]),
+    "qwen3_next": TINY_QWEN3_NEXT,
+}
+
 #: The same tiny shape in every dense family the specs support (Llama-3: no qk-norm; Qwen2:
 #: qkv bias, no qk-norm). Keys the family's config class does not know are dropped.
 TINY_FAMILIES: dict[str, dict[str, Any]] = {
@@ -105,6 +133,7 @@ TINY_FAMILIES: dict[str, dict[str, Any]] = {
     # with one MTP layer (speculative decoding's draft, ``layout.mtp``)
     "deepseek_v3_mtp": dict(TINY_DEEPSEEK_V3, num_nextn_predict_layers=1),
     "qwen3_128": TINY_DENSE_128,
+    **TINY_HYBRIDS,
     "qwen3_moe_128": TINY_MOE_128,
 }
 
@@ -114,6 +143,8 @@ _CONFIG_CLASSES = {
     "LlamaForCausalLM": "LlamaConfig",
     "Qwen2ForCausalLM": "Qwen2Config",
     "DeepseekV3ForCausalLM": "DeepseekV3Config",
+    "NemotronHForCausalLM": "NemotronHConfig",
+    "Qwen3NextForCausalLM": "Qwen3NextConfig",
 }
 
 
