@@ -21,7 +21,7 @@ from typing import Any, Mapping
 from .descriptor import LayoutError
 
 __all__ = ["Mamba", "GDN", "Hybrid", "HYBRID_ARCHS", "hybrid_from_config", "hybrid_layer_tensors",
-           "megatron_pattern", "megatron_layer_role", "FFN_ONLY"]
+           "megatron_pattern", "megatron_layer_role", "FFN_ONLY", "A_LOG_DTYPE"]
 
 #: HF architecture -> family name (``ModelSpec.arch``).
 HYBRID_ARCHS = {"NemotronHForCausalLM": "nemotron_h", "Qwen3NextForCausalLM": "qwen3_next"}
@@ -205,8 +205,14 @@ def megatron_layer_role(spec: Any, j: int) -> tuple[int, str]:
     return i, (h.mixers[i] if j % 2 == 0 else ("E" if spec.is_moe(i) else "-"))
 
 
+#: ``A_log``'s element type whatever the model dtype: vLLM keeps it in fp32 (Mamba's derived
+#: ``A``, GDN's raw ``A_log``) and megatron-core's ``MambaMixer`` keeps it in fp32 ("Keep A_log
+#: in fp32"); a plan in another wire dtype carries it as its bits, as the router bias.
+A_LOG_DTYPE = "float32"
+
+
 def _mamba(p: str, m: Mamba, H: int, dt: str) -> list[_T]:
-    out = [(p + "A_log", (m.heads,), dt), (p + "D", (m.heads,), dt),
+    out = [(p + "A_log", (m.heads,), A_LOG_DTYPE), (p + "D", (m.heads,), dt),
            (p + "conv1d.weight", (m.conv_dim, 1, m.conv_kernel), dt)]
     if m.conv_bias:
         out.append((p + "conv1d.bias", (m.conv_dim,), dt))
@@ -216,7 +222,7 @@ def _mamba(p: str, m: Mamba, H: int, dt: str) -> list[_T]:
 
 
 def _gdn(p: str, g: GDN, H: int, dt: str) -> list[_T]:
-    return [(p + "A_log", (g.v_heads,), dt), (p + "conv1d.weight", (g.conv_dim, 1, g.conv_kernel), dt),
+    return [(p + "A_log", (g.v_heads,), A_LOG_DTYPE), (p + "conv1d.weight", (g.conv_dim, 1, g.conv_kernel), dt),
             (p + "dt_bias", (g.v_heads,), dt), (p + "in_proj_ba.weight", (2 * g.v_heads, H), dt),
             (p + "in_proj_qkvz.weight", (g.k_heads * g.group_rows, H), dt), (p + "norm.weight", (g.v_dim,), dt),
             (p + "out_proj.weight", (H, g.v_heads * g.v_dim), dt)]

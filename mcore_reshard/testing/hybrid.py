@@ -20,7 +20,6 @@ from typing import Any, Mapping
 import torch
 
 from ..layout import load_model_spec
-from ..layout.descriptor import LocalParam
 from .vllm_inproc import build_vllm_model, kernel_state, load_hf
 
 __all__ = ["megatron_hybrid_job", "refit_inproc", "reference_states"]
@@ -49,9 +48,9 @@ def megatron_hybrid_job(ctx: Any, ckpt: str, dtype: str, par_kwargs: dict) -> di
     with torch.no_grad():
         for lp in want:
             if lp.name in live:
-                t = materialize_local(lp, canon).to(live[lp.name].dtype)
+                t = materialize_local(lp, canon)
                 live[lp.name].copy_(t)
-                out[lp.name] = live[lp.name].detach().clone()
+                out[lp.name] = t  # in the described dtype (A_log: fp32, whatever the live one)
     return dict(rank=ctx.rank, tensors=out, shapes_equal=got_shapes == want_shapes,
                 only_megatron=sorted(set(got_shapes) - set(want_shapes)),
                 only_rules=sorted(set(want_shapes) - set(got_shapes)),
@@ -88,7 +87,9 @@ def refit_inproc(ckpt: str | Path, stale: str | Path, dtype: str, tp: int, src_l
         with m.active():
             params.append(record_local_params(m.model, spec.tensor_table(), r))
         models.append(m)
-    dst = SideLayout("vllm-inproc", tp, tuple(p for ps in params for p in ps), spec.tensor_table(), ())
+    from ..adapters.vllm.hybrid_rules import hybrid_vllm_tensors
+
+    dst = SideLayout("vllm-inproc", tp, tuple(p for ps in params for p in ps), hybrid_vllm_tensors(spec), ())
     plan = build_plan(src_layout, dst, allow_cast=True)
     buffers = {r: {lp.name: torch.zeros(lp.shape, dtype=TORCH_DTYPES[lp.dtype]) for lp in params[r]} for r in range(tp)}
     moved = run_plan_locally(plan, src_tensors, buffers)

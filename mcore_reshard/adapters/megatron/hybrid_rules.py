@@ -31,10 +31,11 @@ linear (``layer_norm_weight``), except a MoE layer's ``pre_mlp_layernorm``.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import lru_cache
 
 from ...layout import LayoutError, LocalParam, ModelSpec, SideLayout
-from ...layout.hybrid import megatron_layer_role, megatron_pattern
+from ...layout.hybrid import A_LOG_DTYPE, megatron_layer_role, megatron_pattern
 from .rules import (HYBRID_RULES, MegatronParallel, _full, _qkv_pieces, _row_parallel, _rows, _stamp, _swiglu_fc1, _Tmpl, _vocab_rows,
                     padded_vocab, rank_coords, stage_layers)
 
@@ -289,7 +290,9 @@ def hybrid_rank_params(spec: ModelSpec, par: MegatronParallel, rank: int) -> lis
     c = rank_coords(par, rank)
     out: list[LocalParam] = []
     _stamp(rank, spec.dtype, _templates(spec, par, c["pp"], c["tp"], c["ep"], c["etp"]), out)
-    return out
+    # A_log in fp32 (``layout.hybrid.A_LOG_DTYPE``): MambaMixer keeps it so; a GDN in a bf16
+    # policy holds it in params_dtype and is described as fp32 here (a cast not built yet).
+    return [replace(lp, dtype=A_LOG_DTYPE) if lp.name.endswith(".A_log") else lp for lp in out]
 
 
 def hybrid_layout(spec: ModelSpec, par: MegatronParallel) -> SideLayout:

@@ -26,7 +26,7 @@ from ...layout import Box, LayoutError, LocalParam, ModelSpec, Piece, SideLayout
 from ...layout.spec import ROUTER_BIAS_DTYPE
 from .rules import HYBRID_RULES, VllmParallel, _Builder, _cols, _full, _rows
 
-__all__ = ["hybrid_vllm_rank_params", "hybrid_vllm_layout", "DERIVED_NOTE"]
+__all__ = ["hybrid_vllm_rank_params", "hybrid_vllm_layout", "hybrid_vllm_tensors", "DERIVED_NOTE"]
 
 #: What the plan report says about the parameters vLLM computes from the checkpoint at load.
 DERIVED_NOTE = ("Mamba mixer.A: vLLM derives A = -exp(A_log) in its weight loader; the refit writes A_log's bytes into "
@@ -243,6 +243,13 @@ def _check(spec: ModelSpec, par: VllmParallel) -> None:
         raise LayoutError(f"{fam}: FP8 rollout of non-gated experts is not supported")
 
 
+def hybrid_vllm_tensors(spec: ModelSpec) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The destination's table: vLLM keeps every ``A_log`` in fp32 (Mamba's derived ``A`` and
+    GDN's raw ``A_log``) whatever the model dtype, so a bf16 plan casts them while packing
+    (``refit.allow_cast``) -- the cast vLLM's own ``copy_`` makes at load."""
+    return spec.tensor_table()
+
+
 def hybrid_vllm_rank_params(spec: ModelSpec, par: VllmParallel, rank: int) -> list[LocalParam]:
     return _HybridBuilder(spec, par).rank_params(rank)
 
@@ -262,7 +269,10 @@ def hybrid_vllm_layout(spec: ModelSpec, par: VllmParallel) -> SideLayout:
                          "and C rows (mamba_v2_sharded_weight_loader), sent to each")
     if par.fp8 is not None:
         raise LayoutError(f"{spec.arch}: FP8 rollout of a hybrid family is not built")
-    return SideLayout("vllm", par.world_size, tuple(params), spec.tensor_table(), tuple(notes))
+    if spec.dtype != "float32":
+        notes.append(f"A_log: float32 on both sides (vLLM and megatron's MambaMixer keep it so), carried as its "
+                     f"bits in a {spec.dtype} plan")
+    return SideLayout("vllm", par.world_size, tuple(params), hybrid_vllm_tensors(spec), tuple(notes))
 
 
 HYBRID_RULES[:] = [(hybrid_vllm_rank_params, hybrid_vllm_layout)]
