@@ -1,0 +1,163 @@
+"""Hybrid families (Nemotron-H: Mamba2 + attention + MLP/MoE; Qwen3-Next: GDN + gated attention
++ MoE with a shared expert): layout facts on both sides, refusals in one line, plans at the
+per-rank minimum (uneven hybrid PP, EP, vLLM's group replication), full-size plans; then, in
+processes, megatron-core's real HybridModel ranks refitting vLLM's own model class, bit for bit
+against vLLM's own load (``mcore_reshard.testing.hybrid``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mcore_reshard.adapters.megatron.rules import MegatronParallel, megatron_layout, megatron_rank_params
+from mcore_reshard.adapters.vllm.rules import VllmParallel, vllm_layout, vllm_rank_params
+from mcore_reshard.infra.checkpoint import TINY_HYBRIDS
+from mcore_reshard.layout import Box, LayoutError, load_model_spec, spec_from_hf_config
+from mcore_reshard.layout.hybrid import megatron_pattern
+from mcore_reshard.plan.planner import build_plan
+from mcore_reshard.settings.config import CONFIG_DIR
+
+
+def _spec(family, dtype="float32", **kw):
+    return spec_from_hf_config(dict(TINY_HYBRIDS[family], **kw), dtype=dtype)
+
+
+def _p(params):
+    return {p.name: p for p in params}
+
+
+def test_patterns_and_canonical_names():
+    nh, qn = _spec("nemotron_h"), _spec("qwen3_next", "bfloat16")
+    assert megatron_pattern(nh) == "M-*M-" and megatron_pattern(qn) == "GE*EGE*-"
+    t = nh.tensor_table()
+    assert t["backbone.layers.0.mixer.in_proj.weight"][0] == (2 * 128 + 2 * 2 * 16 + 8, 64)  # [z|x|B|C|dt]
+    assert t["backbone.layers.0.mixer.conv1d.weight"][0] == (128 + 2 * 2 * 16, 1, 4)
+    q = qn.tensor_table()
+    assert q["model.layers.0.linear_attn.in_proj_qkvz.weight"][0] == (2 * (2 * 64 + 2 * 2 * 64), 64)
+    assert q["model.layers.1.self_attn.q_proj.weight"][0] == (2 * 4 * 64, 64)  # [q_h; gate_h] per head
+    assert q["model.layers.0.linear_attn.A_log"][1] == "float32"  # as both libraries hold it
+
+
+def test_megatron_mamba_in_proj_is_five_row_runs_per_rank():
+    spec = _spec("nemotron_h")
+    for r in range(2):
+        ip = _p(megatron_rank_params(spec, MegatronParallel(tp=2), r))["decoder.layers.0.mixer.in_proj.weight"]
+        # z_r, x_r, B_r, C_r, dt_r: a plain gather of the ranks would interleave them
+        assert [x.box.offsets[0] for x in ip.pieces] == [64 * r, 128 + 64 * r, 256 + 16 * r, 288 + 16 * r, 320 + 4 * r]
+        assert [x.view.offset // 64 for x in ip.pieces] == [0, 64, 128, 144, 160]
+
+
+def test_megatron_gdn_in_proj_against_hf_key_head_groups():
+    spec = _spec("qwen3_next", "bfloat16")
+    ip = _p(megatron_rank_params(spec, MegatronParallel(tp=2), 1))["decoder.layers.0.self_attention.in_proj.weight"]
+    # rank 1 holds key head 1: [q | k | v | z | b | a], from group 1 of in_proj_qkvz (rows 384..767) and ba
+    runs = [(x.canonical.rsplit(".", 2)[-2], x.box.offsets[0], x.box.sizes[0]) for x in ip.pieces]
+    assert runs == [("in_proj_qkvz", 384, 64), ("in_proj_qkvz", 448, 64), ("in_proj_qkvz", 512, 128),
+                    ("in_proj_qkvz", 640, 128), ("in_proj_ba", 4, 2), ("in_proj_ba", 6, 2)]
+
+
+def test_vllm_replicates_a_single_group_on_every_rank():
+    spec = _spec("nemotron_h_g1")
+    for r in range(4):
+        ip = _p(vllm_rank_params(spec, VllmParallel(tp=4), r))["model.layers.0.mixer.in_proj.weight"]
+        B = ip.pieces[2]
+        assert B.box == Box((256, 0), (16, 64))  # the whole group, on every rank
+
+
+@pytest.mark.parametrize("mpar, vpar", [
+    (MegatronParallel(tp=2), VllmParallel(tp=1)),
+    (MegatronParallel(tp=1, pp=2, first_stage_layers=2), VllmParallel(tp=2)),  # uneven hybrid stages
+    (MegatronParallel(tp=2, pp=2, last_stage_layers=3), VllmParallel(tp=2, replicas=2)),
+])
+def test_nemotron_h_plans_at_the_minimum(mpar, vpar):
+    spec = _spec("nemotron_h")
+    plan = build_plan(megatron_layout(spec, mpar), vllm_layout(spec, vpar))
+    assert plan.bytes_planned == plan.bytes_min
+
+
+@pytest.mark.parametrize("mpar, vpar", [
+    (MegatronParallel(tp=2, ep=2, etp=1), VllmParallel(tp=2)),
+    (MegatronParallel(tp=1, pp=2, first_stage_layers=3, ep=2, dp=2), VllmParallel(tp=2, enable_ep=True)),  # cut inside HF layer 1
+])
+def test_qwen3_next_plans_at_the_minimum(mpar, vpar):
+    spec = _spec("qwen3_next", "bfloat16")
+    plan = build_plan(megatron_layout(spec, mpar), vllm_layout(spec, vpar))
+    assert plan.bytes_planned == plan.bytes_min
+
+
+def test_group_replication_plans_at_the_minimum():
+    spec = _spec("nemotron_h_g1")
+    plan = build_plan(megatron_layout(spec, MegatronParallel()), vllm_layout(spec, VllmParallel(tp=4)))
+    assert plan.bytes_planned == plan.bytes_min
+    assert any("whole group" in n for n in vllm_layout(spec, VllmParallel(tp=4)).notes)
+
+
+@pytest.mark.parametrize("family, side, par, match", [
+    ("nemotron_h", "vllm", VllmParallel(tp=4), r"nemotron_h: mixer.in_proj B/C: n_groups=2 .* vLLM tp=4"),
+    ("nemotron_h", "megatron", MegatronParallel(tp=4), r"nemotron_h: mixer.in_proj B/C: n_groups=2 .* megatron tp=4"),
+    ("nemotron_h", "vllm", VllmParallel(tp=3), r"mamba_num_heads=8 is not divisible by vLLM tp=3"),
+    ("qwen3_next", "megatron", MegatronParallel(tp=4), r"linear_attn.in_proj_qkvz: linear_num_key_heads=2 .* tp=4"),
+    ("qwen3_next", "vllm", VllmParallel(tp=4), r"linear_attn.in_proj_qkvz: linear_num_key_heads=2 .* vLLM tp=4"),
+    ("nemotron_h", "megatron", MegatronParallel(pp=2, vpp=2), r"virtual pipeline stages need '\|'"),
+])
+def test_layouts_one_side_cannot_hold_are_refused_in_one_line(family, side, par, match):
+    spec = _spec(family)
+    with pytest.raises(LayoutError, match=match) as exc:
+        (vllm_layout if side == "vllm" else megatron_layout)(spec, par)
+    assert "\n" not in str(exc.value)
+
+
+def test_unsupported_hybrid_configs_are_named():
+    with pytest.raises(LayoutError, match="latent MoE"):
+        _spec("nemotron_h", moe_latent_size=32)
+    with pytest.raises(LayoutError, match="layers_block_type 'mamba3'"):
+        _spec("nemotron_h", layers_block_type=["mamba3"])
+
+
+@pytest.mark.heavy  # full-size plans (~1 s and ~10 s here)
+@pytest.mark.parametrize("name, mpar, vpar", [
+    ("nemotron-nano-9b-v2", MegatronParallel(tp=4), VllmParallel(tp=2)),
+    ("qwen3-next-80b-a3b", MegatronParallel(tp=2, pp=2, ep=8, etp=1, dp=8, first_stage_layers=47),
+     VllmParallel(tp=4, enable_ep=True)),
+])
+def test_full_size_hybrids_plan_at_the_minimum(name, mpar, vpar):
+    spec = load_model_spec(CONFIG_DIR / "models" / f"{name}.json")
+    plan = build_plan(megatron_layout(spec, mpar), vllm_layout(spec, vpar))
+    assert plan.bytes_planned == plan.bytes_min
+    assert plan.bytes_min < plan.bytes_hf_broadcast  # below the HF broadcast
+
+
+# --------------------------------------------------------------------------- in processes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, dtype, mtp, vtp", [
+    ("nemotron_h", "float32", 2, 2),
+    ("nemotron_h_g1", "float32", 1, 4),  # vLLM replicates the one group on 4 ranks
+    ("qwen3_next", "bfloat16", 2, 2),
+])
+def test_megatron_hybrid_refit_equals_vllms_own_load(ckpt_cache, family, dtype, mtp, vtp):
+    """megatron-core's HybridModel (real modules, CPU) holds exactly the predicted parameters;
+    its ranks refit vLLM's model class (loaded from another checkpoint first) and every
+    parameter, buffer, processed-kernel probe and derived tensor (Mamba's A, conv views) equals
+    vLLM's own load of the checkpoint, bit for bit."""
+    from support.megatron import run_world
+
+    from mcore_reshard.testing.hybrid import megatron_hybrid_job, refit_inproc, reference_states
+    from mcore_reshard.testing.vllm_inproc import compare_states
+
+    ckpt = ckpt_cache.get(family=family, dtype=dtype, seed=0)
+    stale = ckpt_cache.get(family=family, dtype=dtype, seed=1)
+    spec = load_model_spec(ckpt, dtype=dtype)
+    par = MegatronParallel(tp=mtp)
+    ranks = run_world(megatron_hybrid_job, par.world_size, (str(ckpt), dtype, dict(tp=mtp)))
+    for r in ranks:
+        assert r["shapes_equal"], (r["only_megatron"][:3], r["only_rules"][:3], r["shape_diff"][:3])
+    ref = reference_states(ckpt, dtype, vtp)
+    out = refit_inproc(ckpt, stale, dtype, vtp, megatron_layout(spec, par), {r["rank"]: r["tensors"] for r in ranks})
+    assert out["moved"] == out["plan"].bytes_planned == out["plan"].bytes_min
+    for r in range(vtp):
+        assert "model.embed_tokens.weight" in compare_states(ref[r], out["before"][r])  # the stale load really differs
+        assert compare_states(ref[r], out["after"][r]) == []
+        if spec.hybrid.mamba is not None:
+            assert out["modes"][r]["model.layers.0.mixer.A"] == "reload"  # re-derived, never raw A_log bytes
+            assert "buffer:model.layers.0.mixer.conv_weights" in ref[r]  # the conv view compared too
