@@ -302,5 +302,7 @@ def commit_shadow(live: torch.nn.Module, shadow: torch.nn.Module, written: set[s
             continue  # vLLM's reload keeps such buffers (e.g. rotary caches) as they are
         swap_into(buf, new, False)
     for k, v in shadow.__dict__.items():
-        if not k.startswith("_") and live.__dict__.get(k, MISSING) is not v:
+        # ``_cpu_*``: CPU processing's private copies (Qwen3-Next's conv1d keeps
+        # ``_cpu_unpacked_conv_weight`` beside the packed weight): stale if not carried over.
+        if (not k.startswith("_") or k.startswith("_cpu_")) and live.__dict__.get(k, MISSING) is not v:
             live.__dict__[k] = v
