@@ -243,12 +243,10 @@ def _mlp(p: str, F: int, H: int, plain: bool, dt: str) -> list[_T]:
 
 
 def _moe(p: str, spec: Any, h: Hybrid, dt: str) -> list[_T]:
-    from .spec import ROUTER_BIAS_DTYPE
-
     H, E, F, S = spec.hidden, spec.num_experts, spec.moe_intermediate, spec.shared_intermediate
     out = [(p + "gate.weight", (E, H), dt)]
     if spec.router_bias:
-        out.append((p + "gate.e_score_correction_bias", (E,), ROUTER_BIAS_DTYPE))
+        out.append((p + "gate.e_score_correction_bias", (E,), "float32"))  # spec.ROUTER_BIAS_DTYPE
     for e in range(E):
         out += _mlp(f"{p}experts.{e}.", F, H, h.plain_mlp, dt)
     if S:
