@@ -10,15 +10,14 @@ import pytest
 
 from mcore_reshard.adapters.megatron.rules import MegatronParallel, megatron_layout, megatron_rank_params
 from mcore_reshard.adapters.vllm.rules import VllmParallel, vllm_layout, vllm_rank_params
-from mcore_reshard.infra.checkpoint import TINY_HYBRIDS
+from mcore_reshard.infra.checkpoint import TINY_FAMILIES
 from mcore_reshard.layout import Box, LayoutError, load_model_spec, spec_from_hf_config
-from mcore_reshard.layout.hybrid import megatron_pattern
 from mcore_reshard.plan.planner import build_plan
 from mcore_reshard.settings.config import CONFIG_DIR
 
 
 def _spec(family, dtype="float32", **kw):
-    return spec_from_hf_config(dict(TINY_HYBRIDS[family], **kw), dtype=dtype)
+    return spec_from_hf_config(dict(TINY_FAMILIES[family], **kw), dtype=dtype)
 
 
 def _p(params):
@@ -27,7 +26,7 @@ def _p(params):
 
 def test_patterns_and_canonical_names():
     nh, qn = _spec("nemotron_h"), _spec("qwen3_next", "bfloat16")
-    assert megatron_pattern(nh) == "M-*M-" and megatron_pattern(qn) == "GE*EGE*-"
+    assert nh.family.megatron_pattern(nh) == "M-*M-" and qn.family.megatron_pattern(qn) == "GE*EGE*-"
     t = nh.tensor_table()
     assert t["backbone.layers.0.mixer.in_proj.weight"][0] == (2 * 128 + 2 * 2 * 16 + 8, 64)  # [z|x|B|C|dt]
     assert t["backbone.layers.0.mixer.conv1d.weight"][0] == (128 + 2 * 2 * 16, 1, 4)
@@ -48,11 +47,20 @@ def test_megatron_mamba_in_proj_is_five_row_runs_per_rank():
 
 def test_megatron_gdn_in_proj_against_hf_key_head_groups():
     spec = _spec("qwen3_next", "bfloat16")
-    ip = _p(megatron_rank_params(spec, MegatronParallel(tp=2), 1))["decoder.layers.0.self_attention.in_proj.weight"]
-    # rank 1 holds key head 1: [q | k | v | z | b | a], from group 1 of in_proj_qkvz (rows 384..767) and ba
-    runs = [(x.canonical.rsplit(".", 2)[-2], x.box.offsets[0], x.box.sizes[0]) for x in ip.pieces]
-    assert runs == [("in_proj_qkvz", 384, 64), ("in_proj_qkvz", 448, 64), ("in_proj_qkvz", 512, 128),
-                    ("in_proj_qkvz", 640, 128), ("in_proj_ba", 4, 2), ("in_proj_ba", 6, 2)]
+
+    def runs(par, rank):
+        ip = _p(megatron_rank_params(spec, par, rank))["decoder.layers.0.self_attention.in_proj.weight"]
+        return [(x.canonical.rsplit(".", 2)[-2], x.box.offsets[0], x.box.sizes[0], x.view.offset // 64) for x in ip.pieces]
+
+    # TP1 holds both key heads as [q0 q1 | k0 k1 | v0 v1 | z0 z1 | b0 b1 | a0 a1]; HF groups rows
+    # per key head: in_proj_qkvz [q_g; k_g; v_g; z_g] (384 rows each), in_proj_ba [b_g; a_g]
+    assert runs(MegatronParallel(), 0) == [
+        ("in_proj_qkvz", 0, 64, 0), ("in_proj_qkvz", 384, 64, 64), ("in_proj_qkvz", 64, 64, 128),
+        ("in_proj_qkvz", 448, 64, 192), ("in_proj_qkvz", 128, 128, 256), ("in_proj_qkvz", 512, 128, 384),
+        ("in_proj_qkvz", 256, 128, 512), ("in_proj_qkvz", 640, 128, 640), ("in_proj_ba", 0, 2, 768),
+        ("in_proj_ba", 4, 2, 770), ("in_proj_ba", 2, 2, 772), ("in_proj_ba", 6, 2, 774)]
+    # TP2 rank 1 holds key head 1 alone: its [q | k | v | z] is HF's group 1 as it is, then [b | a]
+    assert runs(MegatronParallel(tp=2), 1) == [("in_proj_qkvz", 384, 384, 0), ("in_proj_ba", 4, 4, 384)]
 
 
 def test_vllm_replicates_a_single_group_on_every_rank():
@@ -154,6 +162,10 @@ def test_megatron_hybrid_refit_equals_vllms_own_load(ckpt_cache, family, dtype, 
         assert r["shapes_equal"], (r["only_megatron"][:3], r["only_rules"][:3], r["shape_diff"][:3])
     ref = reference_states(ckpt, dtype, vtp)
     out = refit_inproc(ckpt, stale, dtype, vtp, megatron_layout(spec, par), {r["rank"]: r["tensors"] for r in ranks})
+    # what vLLM's own loaders wrote, recorded, is what the family's table predicts
+    for r in range(vtp):
+        assert sorted(out["params"][r], key=lambda p: p.name) == sorted(
+            vllm_rank_params(spec, VllmParallel(tp=vtp), r), key=lambda p: p.name)
     assert out["moved"] == out["plan"].bytes_planned == out["plan"].bytes_min
     for r in range(vtp):
         assert "model.embed_tokens.weight" in compare_states(ref[r], out["before"][r])  # the stale load really differs
@@ -161,3 +173,29 @@ def test_megatron_hybrid_refit_equals_vllms_own_load(ckpt_cache, family, dtype, 
         if spec.hybrid.mamba is not None:
             assert out["modes"][r]["model.layers.0.mixer.A"] == "reload"  # re-derived, never raw A_log bytes
             assert "buffer:model.layers.0.mixer.conv_weights" in ref[r]  # the conv view compared too
+
+
+@pytest.mark.slow  # vLLM's model classes built in this process (about 10 s)
+@pytest.mark.parametrize("family, dtype", [("nemotron_h", "float32"), ("qwen3_next", "bfloat16")])
+def test_vllm_pp_stages_record_as_the_table_predicts(ckpt_cache, family, dtype):
+    """vLLM's own loaders, recorded on each stage of PP2, hold what the table predicts: the
+    decoder layers ``get_pp_indices`` gives the stage, and the embedding and head wherever vLLM
+    builds them (Nemotron-H: embedding, final norm and head on every stage; Qwen3-Next: the
+    embedding and the head on every stage, the final norm on the last)."""
+    from mcore_reshard.adapters.vllm.record import record_local_params
+    from mcore_reshard.testing.vllm_inproc import build_vllm_model
+
+    ckpt = ckpt_cache.get(family=family, dtype=dtype, seed=0)
+    spec = load_model_spec(ckpt, dtype=dtype)
+    got = []
+    for r in range(2):
+        m = build_vllm_model(ckpt, dtype, 1, 0, pp=2, pp_rank=r)
+        with m.active():
+            got.append(_p(record_local_params(m.model, spec.tensor_table(), r)))
+        assert sorted(got[r].values(), key=lambda p: p.name) == sorted(
+            vllm_rank_params(spec, VllmParallel(pp=2), r), key=lambda p: p.name)
+    first, last = got
+    assert {"model.embed_tokens.weight", "lm_head.weight"} <= set(first) & set(last)
+    norm = "model.norm_f.weight" if family == "nemotron_h" else "model.norm.weight"
+    assert norm in last and (norm in first) == (family == "nemotron_h")
+    assert not any(".layers.0." in n for n in last) and not any(f".layers.{spec.num_layers - 1}." in n for n in first)

@@ -10,6 +10,7 @@ from typing import Any, Sequence
 from ..infra.checkpoint import tiny_config
 from ..errors import ConfigError
 from ..layout import DTYPE_BYTES, LayoutError, ModelSpec, load_model_spec, spec_from_hf_config
+from ..layout.families import FAMILIES
 from ..wire.protocol import one_line
 from .reader import check_type
 
@@ -20,11 +21,14 @@ __all__ = ["CONFIG_DIR", "TINY_MODELS", "LOCAL_DTYPES", "check_dtype", "resolve_
 CONFIG_DIR = Path(os.environ.get("MCORE_RESHARD_CONFIG_DIR", Path(__file__).resolve().parents[2] / "configs"))
 
 #: Built-in random-weight models of the local jobs -> their family in ``mcore_reshard.infra.checkpoint``
-#: (written by the job at run time; settings only build their spec, from the same config dict).
+#: (written by the job at run time; settings only build their spec, from the same config dict):
+#: the names below, then ``tiny-<family>`` for every other family's table (``tiny-gpt-oss``,
+#: ``tiny-glm4-moe``, ...).
 TINY_MODELS: dict[str, str] = {"tiny-moe": "qwen3_moe", "tiny-dense": "qwen3", "tiny-llama": "llama",
                                "tiny-qwen2": "qwen2", "tiny-deepseek-v3": "deepseek_v3",
                                "tiny-deepseek-v3-mtp": "deepseek_v3_mtp",
                                "tiny-dense-128": "qwen3_128", "tiny-moe-128": "qwen3_moe_128"}
+TINY_MODELS.update({"tiny-" + name.replace("_", "-"): name for name in FAMILIES if name not in TINY_MODELS.values()})
 #: Dtypes the local CPU job can train and serve in.
 LOCAL_DTYPES = ("float32", "bfloat16")  # what the CPU training stack builds (TrainSettings)
 

@@ -4,7 +4,7 @@ own load of the same checkpoint.
 
 ``megatron_hybrid_job`` runs on each rank of a megatron world (``run_world``): it builds the
 family's real megatron-core modules on CPU (``adapters.megatron.hybrid_build``), checks that
-they hold exactly the parameters ``hybrid_rules`` predicts (names, shapes), loads the HF
+they hold exactly the parameters the family's table predicts (names, shapes), loads the HF
 checkpoint into them through those predictions, and returns the rank's tensors.
 ``refit_inproc`` builds vLLM's model class for each TP rank (``vllm_inproc``), loads it from
 another checkpoint (so every stale value is real), records its layout with vLLM's own
@@ -87,9 +87,7 @@ def refit_inproc(ckpt: str | Path, stale: str | Path, dtype: str, tp: int, src_l
         with m.active():
             params.append(record_local_params(m.model, spec.tensor_table(), r))
         models.append(m)
-    from ..adapters.vllm.hybrid_rules import hybrid_vllm_tensors
-
-    dst = SideLayout("vllm-inproc", tp, tuple(p for ps in params for p in ps), hybrid_vllm_tensors(spec), ())
+    dst = SideLayout("vllm-inproc", tp, tuple(p for ps in params for p in ps), spec.tensor_table(), ())
     plan = build_plan(src_layout, dst, allow_cast=True)
     buffers = {r: {lp.name: torch.zeros(lp.shape, dtype=TORCH_DTYPES[lp.dtype]) for lp in params[r]} for r in range(tp)}
     moved = run_plan_locally(plan, src_tensors, buffers)

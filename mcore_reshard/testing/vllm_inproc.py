@@ -45,16 +45,22 @@ def vllm_world(port: int | None = None) -> None:
 
 
 @contextlib.contextmanager
-def tp_rank(tp: int, rank: int) -> Iterator[None]:
-    """Rank ``rank`` of a TP-``tp`` group, as the layers see it, on a world of one."""
+def tp_rank(tp: int, rank: int, pp: int = 1, pp_rank: int = 0) -> Iterator[None]:
+    """Rank ``rank`` of a TP-``tp`` group (and stage ``pp_rank`` of ``pp``), as the layers see
+    it, on a world of one: the PP group's size, rank and members are what ``make_layers``
+    (``get_pp_indices``) and ``is_first_rank`` / ``is_last_rank`` read."""
     ps = _WORLD["ps"]
-    group = ps.get_tp_group()
+    group, pipe = ps.get_tp_group(), ps.get_pp_group()
     saved = group.world_size, group.rank_in_group
+    saved_pp = pipe.world_size, pipe.rank_in_group, pipe.ranks, pipe.rank
     group.world_size, group.rank_in_group = tp, rank
+    if pp > 1:
+        pipe.world_size, pipe.rank_in_group, pipe.ranks, pipe.rank = pp, pp_rank, list(range(pp)), pp_rank
     try:
         yield
     finally:
         group.world_size, group.rank_in_group = saved
+        pipe.world_size, pipe.rank_in_group, pipe.ranks, pipe.rank = saved_pp
 
 
 @dataclass
@@ -65,12 +71,15 @@ class InprocModel:
     vllm_config: Any
     tp: int
     rank: int
+    pp: int = 1
+    pp_rank: int = 0
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
         from vllm.config import set_current_vllm_config
 
-        with set_current_vllm_config(self.vllm_config), tp_rank(self.tp, self.rank), torch.device("cpu"):
+        with set_current_vllm_config(self.vllm_config), tp_rank(self.tp, self.rank, self.pp, self.pp_rank), \
+                torch.device("cpu"):
             yield
 
 
@@ -83,9 +92,11 @@ def _engine_config(model_dir: str | Path, dtype: str, tp: int) -> Any:
     return cfg
 
 
-def build_vllm_model(model_dir: str | Path, dtype: str, tp: int = 1, rank: int = 0) -> InprocModel:
-    """vLLM's model class for ``model_dir`` as TP rank ``rank`` of ``tp`` builds it (weights
-    uninitialised: load them with :func:`load_hf` or a refit)."""
+def build_vllm_model(model_dir: str | Path, dtype: str, tp: int = 1, rank: int = 0, pp: int = 1,
+                     pp_rank: int = 0) -> InprocModel:
+    """vLLM's model class for ``model_dir`` as TP rank ``rank`` of ``tp`` (of PP stage
+    ``pp_rank`` of ``pp``) builds it (weights uninitialised: load them with :func:`load_hf` or
+    a refit)."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
@@ -96,7 +107,7 @@ def build_vllm_model(model_dir: str | Path, dtype: str, tp: int = 1, rank: int =
         ps = _WORLD["ps"]
         if not ps.model_parallel_is_initialized():
             ps.initialize_model_parallel(1, 1)
-    out = InprocModel(None, cfg, tp, rank)  # type: ignore[arg-type]
+    out = InprocModel(None, cfg, tp, rank, pp, pp_rank)  # type: ignore[arg-type]
     with out.active(), set_default_torch_dtype(cfg.model_config.dtype):
         out.model = initialize_model(vllm_config=cfg)
     return out

@@ -2,7 +2,6 @@
 a multi-process harness, and the live adapter. Importing the package imports neither torch nor
 megatron: those are imported inside the functions that need them."""
 
-from . import hybrid_rules  # noqa: F401  (registers the hybrid families' rules)
 from .build import build_gpt, init_megatron, megatron_config
 from .live import describe, describe_world, live_parallel, named_local_params
 from .rules import (

@@ -6,7 +6,7 @@ The stock ``hybrid_stack_spec`` needs Transformer Engine, mamba-ssm and FLA. The
 (``ColumnParallelLinear`` / ``RowParallelLinear`` / ``WrappedTorchNorm``), after the CPU
 patches of ``runtime.apply_hybrid_cpu_patches``. The parameters are megatron's own; what the
 local spec changes is only where each layer's input norm lives (a module of its own instead of
-fused into the first linear), which ``hybrid_rules`` describes for both specs.
+fused into the first linear), which the family's table describes for both specs.
 
 What runs: every module builds and is described on CPU; GDN runs forward with
 ``deterministic_mode=True`` (torch conv1d and ``torch_chunk_gated_delta_rule``); Mamba has no
@@ -18,47 +18,42 @@ from __future__ import annotations
 from typing import Any
 
 from ...layout import ModelSpec
-from ...layout.hybrid import megatron_pattern
 from .build import megatron_config
 from .rules import MegatronParallel, padded_vocab
 
 __all__ = ["build_hybrid", "hybrid_config"]
 
 
-def hybrid_config(spec: ModelSpec, par: MegatronParallel, dtype: str | None = None):
-    """``megatron_config`` plus the hybrid families' fields (Mamba / GDN sizes, gated
-    attention, non-gated relu2 MLPs, the shared-expert gate, the router bias)."""
+def _relu2(x):
+    """Nemotron-H's squared ReLU (HF ``relu2``)."""
     import torch
-    import torch.nn.functional as F
 
-    h = spec.hybrid
-    assert h is not None
+    return torch.square(torch.relu(x))
+
+
+#: Named activations a family's ``megatron_config`` may give (pure data in the table).
+_ACTIVATIONS = {"relu2": _relu2}
+
+
+def hybrid_config(spec: ModelSpec, par: MegatronParallel, dtype: str | None = None):
+    """``megatron_config`` plus the hybrid family's own fields (its table's ``megatron_config``:
+    Mamba / GDN sizes, gated attention, non-gated relu2 MLPs, the shared-expert gate, the router
+    bias) and the pattern's layer count and MoE layers."""
+    fam = spec.family
+    pattern = fam.megatron_pattern(spec)
+    assert pattern, f"{fam.title} is not a hybrid family"
     cfg = megatron_config(spec, par, dtype)
-    pattern = megatron_pattern(spec)
     cfg.num_layers = len(pattern)
     if spec.moe_layers:
         cfg.moe_layer_freq = [1 if c == "E" else 0 for c in pattern]
         cfg.moe_shared_expert_intermediate_size = spec.shared_intermediate or None
-        cfg.moe_shared_expert_gate = h.shared_gate
-        if spec.router_bias:
-            cfg.moe_router_score_function = "sigmoid"
-            cfg.moe_router_enable_expert_bias = True
-    if h.plain_mlp:  # Nemotron-H: relu2, not gated
-        cfg.gated_linear_unit = False
-        cfg.activation_func = lambda x: torch.square(F.relu(x))
-    if h.mamba is not None:
-        m = h.mamba
-        cfg.mamba_state_dim, cfg.mamba_head_dim, cfg.mamba_num_groups = m.state, m.head_dim, m.groups
-        cfg.mamba_num_heads = m.heads
-    if h.gdn is not None:
-        g = h.gdn
-        cfg.linear_conv_kernel_dim, cfg.linear_key_head_dim, cfg.linear_value_head_dim = g.conv_kernel, g.k_dim, g.v_dim
-        cfg.linear_num_key_heads, cfg.linear_num_value_heads = g.k_heads, g.v_heads
-        cfg.deterministic_mode = True  # torch conv1d + torch_chunk_gated_delta_rule (no FLA)
+    for k, v in (fam.megatron_config(spec) if fam.megatron_config else {}).items():
+        setattr(cfg, k, _ACTIVATIONS[v] if k == "activation_func" else v)
+    if spec.hybrid.gdn is not None:
+        cfg.deterministic_mode = True  # torch conv1d + torch_chunk_gated_delta_rule (no FLA) on CPU
         # Qwen3-Next's RMSNorms scale by (1 + w) (``layernorm_zero_centered_gamma``), which
         # megatron's torch norm refuses: the same bytes are held and moved; a CPU forward here
         # scales by w (layouts are what this build is for).
-    cfg.attention_output_gate = h.attn_gate
     return cfg
 
 
@@ -116,7 +111,7 @@ def build_hybrid(spec: ModelSpec, par: MegatronParallel, dtype: str | None = Non
     h = spec.hybrid
     model = HybridModel(
         config=config, hybrid_stack_spec=_stack_spec(spec, config), vocab_size=padded_vocab(spec, par),
-        max_sequence_length=max_seq, hybrid_layer_pattern=megatron_pattern(spec),
+        max_sequence_length=max_seq, hybrid_layer_pattern=spec.family.megatron_pattern(spec),
         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=spec.tied,
         position_embedding_type="rope" if "*" in h.mixers else "none",
