@@ -98,13 +98,17 @@ def live_parallel(model_chunks: Sequence) -> tuple[MegatronParallel, int]:
 
 
 def _check_spec(spec: ModelSpec, cfg) -> None:
-    """The HF spec and the live config must describe the same architecture."""
+    """The HF spec and the live config must describe the same architecture (a hybrid's layer
+    count is its megatron pattern's; its table's ``megatron_config`` says whether MLPs are gated)."""
+    fam = spec.family
+    pattern = fam.megatron_pattern(spec)
+    table_cfg = fam.megatron_config(spec) if fam.megatron_config is not None else {}
     pairs = {
-        "num_layers": (spec.num_layers, cfg.num_layers),
+        "num_layers": (len(pattern) if pattern else spec.num_layers, cfg.num_layers),
         "hidden_size": (spec.hidden, cfg.hidden_size),
         "num_attention_heads": (spec.num_heads, cfg.num_attention_heads),
         "num_moe_experts": (spec.num_experts or None, cfg.num_moe_experts),
-        "gated_linear_unit": (True, cfg.gated_linear_unit),
+        "gated_linear_unit": (table_cfg.get("gated_linear_unit", True), cfg.gated_linear_unit),
         "multi_latent_attention": (spec.mla is not None, bool(getattr(cfg, "multi_latent_attention", False))),
     }
     if spec.mla is None:
