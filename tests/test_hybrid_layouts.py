@@ -6,6 +6,8 @@ against vLLM's own load (``mcore_reshard.testing.hybrid``)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from mcore_reshard.adapters.megatron.rules import MegatronParallel, megatron_layout, megatron_rank_params
@@ -124,6 +126,7 @@ def test_unsupported_hybrid_configs_are_named():
 @pytest.mark.heavy  # full-size plans (~1 s and ~10 s here)
 @pytest.mark.parametrize("name, mpar, vpar", [
     ("nemotron-nano-9b-v2", MegatronParallel(tp=4), VllmParallel(tp=2)),
+    ("nemotron-h-8b", MegatronParallel(tp=8, pp=2, last_stage_layers=28, dp=2), VllmParallel(tp=8, replicas=2)),
     ("qwen3-next-80b-a3b", MegatronParallel(tp=2, pp=2, ep=8, etp=1, dp=8, first_stage_layers=47),
      VllmParallel(tp=4, enable_ep=True)),
 ])
@@ -132,6 +135,44 @@ def test_full_size_hybrids_plan_at_the_minimum(name, mpar, vpar):
     plan = build_plan(megatron_layout(spec, mpar), vllm_layout(spec, vpar))
     assert plan.bytes_planned == plan.bytes_min
     assert plan.bytes_min < plan.bytes_hf_broadcast  # below the HF broadcast
+
+
+def test_nemotron_h_8b_config_is_the_published_shape():
+    """configs/models/nemotron-h-8b.json against Nemotron-H's published 8B shape: 52 layers, of
+    them 24 Mamba2, 24 MLP and 4 attention, about 8.1B parameters."""
+    spec = load_model_spec(CONFIG_DIR / "models" / "nemotron-h-8b.json")
+    mixers = "".join(spec.hybrid.mixers)
+    assert (len(mixers), mixers.count("M"), mixers.count("-"), mixers.count("*")) == (52, 24, 24, 4)
+    params = sum(math.prod(t.shape) for t in spec.tensors().values())
+    assert 8.0e9 < params < 8.2e9
+
+
+@pytest.mark.heavy  # a full-size plan each (Qwen3-Next: ~12 s); the Nemotron-H ones twice, in < 1 s
+@pytest.mark.parametrize("name", ["nemotron-h-8b", "nemotron-nano-9b-v2", "qwen3-next-80b-a3b"])
+def test_hybrid_recipes_plan_and_dry_run(name, capsys):
+    """``grpo --dry-run`` of each hybrid recipe: a plan at the per-rank minimum, below the HF
+    broadcast, a modelled time, and the reason the local job cannot train it; for the
+    Nemotron-H recipes also ``mcore-reshard plan --recipe``: the same plan (digest, bytes), the
+    inter-node floor met. (The 30B recipes' tests compare the two at full size already; one
+    Qwen3-Next plan is ~12 s here.)"""
+    import json
+
+    from mcore_reshard.cli import main
+
+    recipe = str(CONFIG_DIR.parent / "recipes" / f"grpo-{name}-megatron-reshard.yaml")
+    assert main(["grpo", recipe, "--dry-run", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["bytes_planned"] == rep["bytes_min"] < rep["bytes_hf_broadcast"]
+    assert rep["modelled_refit_seconds"] > 0 and rep["bytes_inter_node"] >= rep["bytes_inter_node_min"] > 0
+    assert "the local job trains" in rep["local_problem"]
+    if name.startswith("qwen3-next"):
+        return
+    assert main(["plan", "--json", "--recipe", recipe]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["bytes_planned"] == plan["bytes_min"] == rep["bytes_min"]
+    assert plan["bytes_hf_broadcast"] == rep["bytes_hf_broadcast"] and plan["digest"] == rep["plan"]["digest"]
+    assert plan["bytes_inter_node"] == plan["bytes_inter_node_min"] > 0  # one copy per inference node
+    assert plan["modelled_seconds"] > 0
 
 
 # --------------------------------------------------------------------------- in processes

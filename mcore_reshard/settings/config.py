@@ -38,7 +38,7 @@ from ..wire.protocol import one_line
 from . import (CONFIG_DIR, LOCAL_DTYPES, MAX_LOCAL_PROCESSES, MAX_PLAN_TRANSFERS, MAX_WORLD, PLAN_CONFIG,
                        REFIT_CONFIG, TINY_MODELS, ConfigError, RecipeLayout, RefitConfig, build_dataclass, check_type,
                        check_world, compose, container, is_checkpoint_dir, load_config, load_spec, local_cpu_problem,
-                       read, read_recipe_file, read_section, resolve_model, resolve_recipe, sections, tiny_spec)
+                       local_train_problem, read, read_recipe_file, read_section, resolve_model, resolve_recipe, sections, tiny_spec)
 
 __all__ = [
     "CONFIG_DIR",
@@ -385,6 +385,9 @@ def load_refit_job(overrides: Sequence[str] = ()) -> RefitJob:
     if problem is not None:
         raise ConfigError(problem)
     spec, checkpoint = _job_model(model, dtype)
+    problem = local_train_problem(spec, model)
+    if problem is not None:
+        raise ConfigError(problem)
     for i, t in enumerate(job["tokens"]):
         if not 0 <= t < spec.vocab:
             raise ConfigError(f"job.tokens[{i}]={t} is out of range: token ids are 0 <= t < {spec.vocab} "
