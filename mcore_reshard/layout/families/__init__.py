@@ -12,12 +12,14 @@ from ..descriptor import LayoutError
 from ..family import Family
 from .deepseek_v3 import DEEPSEEK_V3
 from .dense import LLAMA, QWEN2, QWEN3
+from .glm4_moe import GLM4_MOE
+from .gpt_oss import GPT_OSS
 from .qwen3_moe import QWEN3_MOE
 
 __all__ = ["FAMILIES", "family", "family_of_config", "supported_architectures"]
 
 #: Every family by name (``ModelSpec.arch``).
-FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, DEEPSEEK_V3)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, DEEPSEEK_V3, GPT_OSS, GLM4_MOE)}
 
 
 def family(name: str) -> Family:
