@@ -60,22 +60,26 @@ def tiny_config(family: str = "qwen3", overrides: dict[str, Any] | None = None) 
 
 def make_tiny_checkpoint(path: str | Path, overrides: dict[str, Any] | None = None, *, moe: bool = False,
                          dtype: str = "float32", seed: int = 0, family: str | None = None,
-                         weight_std: float = 0.05) -> Path:
+                         weight_std: float | None = None) -> Path:
     """Write a random-weight HF checkpoint to ``path`` and return it.
 
     ``family``: qwen3 (default; qwen3_moe when ``moe``), llama, qwen2 or deepseek_v3. Norm
     weights are randomised too (HF initialises them to ones, which would hide a norm mapped to
     the wrong tensor), and so are biases and DeepSeek's router bias (a buffer, zero in HF).
-    Matrices are N(0, ``weight_std``): 0.05 by default (large enough that tests see every
-    element); 0.02 is the ``initializer_range`` of published Qwen3 / Llama configs, the spread
-    a delta refit's measurements use (how many bf16 elements a step changes depends on it).
+    Matrices are N(0, ``weight_std``): by default the family's ``tiny_std``, 0.05 for most
+    (large enough that tests see every element; gpt-oss 0.2: at 0.02 its tiny model repeats one
+    token under greedy decoding); 0.02 is the ``initializer_range`` of published Qwen3 / Llama
+    configs, the spread a delta refit's measurements use (how many bf16 elements a step changes
+    depends on it).
     """
     import torch
     import transformers
 
     cfg_kwargs = tiny_config(family or ("qwen3_moe" if moe else "qwen3"), overrides)
     arch = cfg_kwargs["architectures"][0]
-    model_type = family_of_config(cfg_kwargs).model_types[0]
+    fam = family_of_config(cfg_kwargs)
+    model_type = fam.model_types[0]
+    weight_std = fam.tiny_std if weight_std is None else weight_std
     config = transformers.AutoConfig.for_model(model_type, **{k: v for k, v in cfg_kwargs.items() if k != "architectures"})
     config.architectures = [arch]
     torch.manual_seed(seed)

@@ -213,8 +213,10 @@ class Family:
     #: TransformerConfig fields for megatron-core (pure data, ``adapters/megatron/build.py``
     #: resolves named callables such as ``"silu"``); None: the adapter's defaults.
     megatron_config: Callable[[Any], dict[str, Any]] | None = field(default=None, compare=False)
-    #: The tiny config the tests write locally (an HF ``config.json``'s contents).
+    #: The tiny config the tests write locally (an HF ``config.json``'s contents), and the
+    #: spread its random matrices are drawn with (``infra.checkpoint.make_tiny_checkpoint``).
     tiny: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    tiny_std: float = 0.05
 
     def __post_init__(self) -> None:
         for name, block in self.blocks.items():

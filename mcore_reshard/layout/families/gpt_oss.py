@@ -138,5 +138,5 @@ GPT_OSS = Family(
     name="gpt_oss", title="gpt-oss", architectures=("GptOssForCausalLM",), model_types=("gpt_oss",), read=_read,
     blocks={"attention": Block(gqa_attention("attn.", sinks=True)), "moe": Block(_router()), "experts": _experts()},
     layers=_layers, pre=embedding("model.embedding.weight"), post=final(), dims=_dims,
-    megatron_config=megatron_config, tiny=TINY_GPT_OSS,
+    megatron_config=megatron_config, tiny=TINY_GPT_OSS, tiny_std=0.2,
 )
