@@ -150,3 +150,22 @@ def test_refit_trains_and_equals_vllms_own_load(ckpts, family, training, tp, eng
     fresh = engine_cache.get(saved, tp=tp, fresh=True)
     assert prompt_logprobs(fresh, TOKENS) == trained  # a fresh engine on the trained checkpoint
     assert json.loads((saved / "config.json").read_text())["architectures"] == spec.hf_config["architectures"]
+
+
+def test_glm_bf16_router_weight_widened_on_the_way(tmp_path):
+    """A bf16 GLM-4.5 policy into a bf16 engine: vLLM holds the router weight in fp32 and
+    megatron-core in bf16; the trainers widen it when they send it (the table's ``widened``),
+    and it travels as fp32 bits beside the fp32 router bias. Verified with ``verify=full``, at
+    the minimum bytes, within NeMo RL's bf16 bound."""
+    ckpt = make_tiny_checkpoint(tmp_path / "glm-bf16", family="glm4_moe", seed=23, dtype="bfloat16")
+    spec = load_model_spec(ckpt, dtype="bfloat16")
+    with local_cluster(spec, ckpt, MegatronParallel(tp=2, etp=2), VllmParallel(tp=1), CFG, train={"lr": 0.01}) as c:
+        m = c.refit_once()
+        assert m.verified and m.at_minimum and any("full verification" in n for n in m.notes)
+        carried = dict(c.driver.plan.reinterpret)
+        assert carried["model.layers.1.mlp.gate.weight"] == carried["model.layers.1.mlp.gate.e_score_correction_bias"] \
+            == "float32"
+        assert c.logprob_error(TOKENS) < 1.05
+        c.step(TOKENS)
+        second = c.refit_once()
+        assert second.verified and second.at_minimum and c.logprob_error(TOKENS) < 1.05

@@ -92,8 +92,12 @@ class Placement:
     #: megatron's Transformer-Engine layer spec holds it as this placement instead (a norm
     #: fused into the following linear, an MLA down-projection replicated, ...).
     te: "Placement | None" = None
-    #: The local parameter's element type when it is not the model's (vLLM's fp32 router).
+    #: The local parameter's element type when it is not the row's.
     dtype: str | None = None
+    #: The library holds this tensor in the model's dtype although the row's is wider (the
+    #: other library's): its side describes the row's dtype and widens its copy when sending
+    #: (exact; megatron's bf16 router weight for vLLM's fp32 GLM-4.5 router).
+    widened: bool = False
 
 
 @dataclass(frozen=True)

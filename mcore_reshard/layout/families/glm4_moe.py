@@ -4,8 +4,10 @@ optional qk-norm, partial RoPE (no tensor of its own), dense first layers
 ``e_score_correction_bias`` both libraries keep in fp32, as DeepSeek-V3's; an MTP layer after
 the decoder (``num_nextn_predict_layers``) that vLLM's main model does not load.
 
-vLLM builds the router's weight in fp32 (``GateLinear(params_dtype=torch.float32)``): a bf16
-policy's router is widened on the way, a cast the plan records (``refit.allow_cast=true``).
+vLLM builds the router's weight in fp32 (``GateLinear(params_dtype=torch.float32)``), so the
+table carries it in fp32: megatron-core holds it in the model's dtype, and a bf16 policy's
+trainers widen it when they send it (exact; ``Placement.widened``), 2 bytes more per element of
+one ``(E, H)`` matrix per MoE layer.
 """
 
 from __future__ import annotations
@@ -50,8 +52,8 @@ TINY_GLM4_MOE: dict[str, Any] = dict(
 
 def _router() -> tuple[Row, ...]:
     return (post_attention_norm(dense=False),
-            Row("mlp.gate.weight", ("E", "H"), megatron=Rep("mlp.router.weight"),
-                vllm=Rep("mlp.gate.weight", dtype="float32")),
+            Row("mlp.gate.weight", ("E", "H"), megatron=Rep("mlp.router.weight", widened=True),
+                vllm=Rep("mlp.gate.weight"), dtype="float32"),
             Row("mlp.gate.e_score_correction_bias", ("E",), megatron=Rep("mlp.router.expert_bias"),
                 vllm=Rep("mlp.gate.e_score_correction_bias"), dtype="float32"))
 
