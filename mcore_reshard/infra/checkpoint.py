@@ -16,7 +16,8 @@ from ..layout.families.dense import TINY_QWEN3
 from ..layout.families.nemotron_h import TINY_NEMOTRON_H
 from ..layout.families.qwen3_moe import TINY_QWEN3_MOE
 
-__all__ = ["TINY_DENSE", "TINY_MOE", "TINY_DEEPSEEK_V3", "TINY_DENSE_128", "TINY_MOE_128", "TINY_FAMILIES", "tiny_config", "make_tiny_checkpoint", "load_canonical"]
+__all__ = ["TINY_DENSE", "TINY_MOE", "TINY_DEEPSEEK_V3", "TINY_DENSE_128", "TINY_MOE_128", "TINY_FAMILIES", "tiny_config", "make_tiny_checkpoint", "load_canonical", "checkpoint_form",
+           "plan_shapes"]
 
 #: Every family's tiny config is written with its table (``layout.families``): Qwen3 dense
 #: (GQA with P = 4, qk-norm, vocab not a multiple of 64), Qwen3-MoE, DeepSeek-V3 (MLA, shared
@@ -64,22 +65,26 @@ def tiny_config(family: str = "qwen3", overrides: dict[str, Any] | None = None) 
 
 def make_tiny_checkpoint(path: str | Path, overrides: dict[str, Any] | None = None, *, moe: bool = False,
                          dtype: str = "float32", seed: int = 0, family: str | None = None,
-                         weight_std: float = 0.05) -> Path:
+                         weight_std: float | None = None) -> Path:
     """Write a random-weight HF checkpoint to ``path`` and return it.
 
     ``family``: qwen3 (default; qwen3_moe when ``moe``), llama, qwen2 or deepseek_v3. Norm
     weights are randomised too (HF initialises them to ones, which would hide a norm mapped to
     the wrong tensor), and so are biases and DeepSeek's router bias (a buffer, zero in HF).
-    Matrices are N(0, ``weight_std``): 0.05 by default (large enough that tests see every
-    element); 0.02 is the ``initializer_range`` of published Qwen3 / Llama configs, the spread
-    a delta refit's measurements use (how many bf16 elements a step changes depends on it).
+    Matrices are N(0, ``weight_std``): by default the family's ``tiny_std``, 0.05 for most
+    (large enough that tests see every element; gpt-oss 0.2: at 0.02 its tiny model repeats one
+    token under greedy decoding); 0.02 is the ``initializer_range`` of published Qwen3 / Llama
+    configs, the spread a delta refit's measurements use (how many bf16 elements a step changes
+    depends on it).
     """
     import torch
     import transformers
 
     cfg_kwargs = tiny_config(family or ("qwen3_moe" if moe else "qwen3"), overrides)
     arch = cfg_kwargs["architectures"][0]
-    model_type = family_of_config(cfg_kwargs).model_types[0]
+    fam = family_of_config(cfg_kwargs)
+    model_type = fam.model_types[0]
+    weight_std = fam.tiny_std if weight_std is None else weight_std
     config = transformers.AutoConfig.for_model(model_type, **{k: v for k, v in cfg_kwargs.items() if k != "architectures"})
     config.architectures = [arch]
     torch.manual_seed(seed)
@@ -137,13 +142,37 @@ def _write_mtp_layers(out: Path, main: dict, weight_std: float) -> None:
 
 
 def load_canonical(path: str | Path) -> dict[str, "torch.Tensor"]:  # noqa: F821
-    """All tensors of a safetensors checkpoint directory, by HF name."""
+    """All tensors of a safetensors checkpoint directory, by HF name, in the plan's shapes: a
+    tensor the family's table addresses in a finer shape of the same storage (gpt-oss's
+    interleaved gate/up, ``ModelSpec.checkpoint_shapes``) is reshaped to it (a view)."""
     from safetensors.torch import load_file
 
     tensors: dict[str, Any] = {}
     for f in sorted(Path(path).glob("*.safetensors")):
         tensors.update(load_file(str(f)))
+    for name, shape in plan_shapes(path).items():
+        if name in tensors:
+            tensors[name] = tensors[name].reshape(shape)
     return tensors
+
+
+def plan_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Name -> the plan's shape of each tensor whose checkpoint shape differs (none when the
+    directory has no ``config.json``)."""
+    from ..layout.spec import load_model_spec
+
+    if not (Path(path) / "config.json").is_file():
+        return {}
+    spec = load_model_spec(path)
+    table = spec.tensor_table()
+    return {name: table[name][0] for name in spec.checkpoint_shapes()}
+
+
+def checkpoint_form(tensors: dict[str, "torch.Tensor"], spec: Any) -> dict[str, "torch.Tensor"]:  # noqa: F821
+    """``tensors`` (canonical, the plan's shapes) as an HF checkpoint holds them: the inverse
+    of :func:`load_canonical`'s reshape, before a save or vLLM's own ``load_weights``."""
+    shapes = spec.checkpoint_shapes()
+    return {n: (t.reshape(shapes[n]) if n in shapes else t) for n, t in tensors.items()}
 
 
 def save_peft_adapter(path: str | Path, config: dict, tensors: dict[str, "torch.Tensor"]) -> Path:  # noqa: F821

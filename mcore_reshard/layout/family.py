@@ -110,8 +110,12 @@ class Placement:
     #: megatron's Transformer-Engine layer spec holds it as this placement instead (a norm
     #: fused into the following linear, an MLA down-projection replicated, ...).
     te: "Placement | None" = None
-    #: The local parameter's element type when it is not the model's (vLLM's fp32 router).
+    #: The local parameter's element type when it is not the row's.
     dtype: str | None = None
+    #: The library holds this tensor in the model's dtype although the row's is wider (the
+    #: other library's): its side describes the row's dtype and widens its copy when sending
+    #: (exact; megatron's bf16 router weight for vLLM's fp32 GLM-4.5 router).
+    widened: bool = False
 
 
 @dataclass(frozen=True)
@@ -261,8 +265,10 @@ class Family:
     #: TransformerConfig fields for megatron-core (pure data, ``adapters/megatron/build.py``
     #: resolves named callables such as ``"silu"``); None: the adapter's defaults.
     megatron_config: Callable[[Any], dict[str, Any]] | None = field(default=None, compare=False)
-    #: The tiny config the tests write locally (an HF ``config.json``'s contents).
+    #: The tiny config the tests write locally (an HF ``config.json``'s contents), and the
+    #: spread its random matrices are drawn with (``infra.checkpoint.make_tiny_checkpoint``).
     tiny: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    tiny_std: float = 0.05
 
     def __post_init__(self) -> None:
         for name, block in self.blocks.items():

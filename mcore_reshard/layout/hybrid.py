@@ -13,8 +13,9 @@ from dataclasses import dataclass
 __all__ = ["Mamba", "GDN", "Hybrid", "A_LOG_DTYPE", "FFN_SYMBOLS"]
 
 #: ``A_log``'s element type whatever the model dtype: vLLM keeps it in fp32 (Mamba's derived
-#: ``A``, GDN's raw ``A_log``) and megatron-core's ``MambaMixer`` keeps it in fp32 ("Keep A_log
-#: in fp32"); a plan in another wire dtype carries it as its bits, as the router bias.
+#: ``A``, GDN's raw ``A_log``). megatron-core builds it in fp32 but a bf16 policy's
+#: ``Float16Module`` casts it with every other parameter, so the trainers widen their copy when
+#: sending (``Placement.widened``, exact); a plan in another wire dtype carries it as its bits.
 A_LOG_DTYPE = "float32"
 
 #: The mixers whose tensors an FFN-only reshard (NeMo RL's ``nccl_reshard``) moves shard to

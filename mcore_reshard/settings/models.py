@@ -15,7 +15,7 @@ from ..wire.protocol import one_line
 from .reader import check_type
 
 __all__ = ["CONFIG_DIR", "TINY_MODELS", "LOCAL_DTYPES", "check_dtype", "resolve_model", "load_spec", "tiny_spec",
-           "is_checkpoint_dir"]
+           "is_checkpoint_dir", "megatron_build_problem"]
 
 #: Top-level ``configs/`` of the repository (override with MCORE_RESHARD_CONFIG_DIR).
 CONFIG_DIR = Path(os.environ.get("MCORE_RESHARD_CONFIG_DIR", Path(__file__).resolve().parents[2] / "configs"))
@@ -69,6 +69,20 @@ def load_spec(path: Path, dtype: str | None, what: str, ref: str) -> ModelSpec:
 def tiny_spec(model: str, dtype: str) -> ModelSpec:
     """The spec of a built-in tiny model from its config dict: no file is written."""
     return spec_from_hf_config(tiny_config(TINY_MODELS[model]), dtype=dtype, name=model)
+
+
+def megatron_build_problem(spec: ModelSpec) -> str | None:
+    """Why the local job's megatron-core build cannot build ``spec``'s family as configured
+    (its table's ``megatron_config`` refuses: gpt-oss's YaRN RoPE, DeepSeek-V3's grouped
+    routing, ...), or None -- known before any process starts (the table is pure data)."""
+    fam = spec.family
+    if fam.megatron_config is None:
+        return None
+    try:
+        fam.megatron_config(spec)
+    except (LayoutError, ValueError) as exc:
+        return one_line(exc)
+    return None
 
 
 def is_checkpoint_dir(path: str | Path) -> bool:

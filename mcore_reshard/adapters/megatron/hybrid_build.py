@@ -24,21 +24,10 @@ from .rules import MegatronParallel, padded_vocab
 __all__ = ["build_hybrid", "hybrid_config"]
 
 
-def _relu2(x):
-    """Nemotron-H's squared ReLU (HF ``relu2``)."""
-    import torch
-
-    return torch.square(torch.relu(x))
-
-
-#: Named activations a family's ``megatron_config`` may give (pure data in the table).
-_ACTIVATIONS = {"relu2": _relu2}
-
-
 def hybrid_config(spec: ModelSpec, par: MegatronParallel, dtype: str | None = None):
-    """``megatron_config`` plus the hybrid family's own fields (its table's ``megatron_config``:
-    Mamba / GDN sizes, gated attention, non-gated relu2 MLPs, the shared-expert gate, the router
-    bias) and the pattern's layer count and MoE layers."""
+    """``megatron_config`` (which applies the table's own fields: Mamba / GDN sizes, gated
+    attention, non-gated relu2 MLPs, the shared-expert gate, the router bias) with the
+    pattern's layer count and MoE layers."""
     fam = spec.family
     pattern = fam.megatron_pattern(spec)
     assert pattern, f"{fam.title} is not a hybrid family"
@@ -47,8 +36,6 @@ def hybrid_config(spec: ModelSpec, par: MegatronParallel, dtype: str | None = No
     if spec.moe_layers:
         cfg.moe_layer_freq = [1 if c == "E" else 0 for c in pattern]
         cfg.moe_shared_expert_intermediate_size = spec.shared_intermediate or None
-    for k, v in (fam.megatron_config(spec) if fam.megatron_config else {}).items():
-        setattr(cfg, k, _ACTIVATIONS[v] if k == "activation_func" else v)
     if spec.hybrid.gdn is not None:
         cfg.deterministic_mode = True  # torch conv1d + torch_chunk_gated_delta_rule (no FLA) on CPU
         # Qwen3-Next's RMSNorms scale by (1 + w) (``layernorm_zero_centered_gamma``), which

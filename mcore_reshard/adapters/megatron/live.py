@@ -19,7 +19,7 @@ from .mtp_rules import megatron_mtp_rank_params
 from ...layout.mtp import draft_tensors
 from .rules import TIED_OUTPUT_NOTE, MegatronParallel, megatron_rank_params, rank_coords
 
-__all__ = ["live_parallel", "named_local_params", "describe", "describe_world", "side_tensors", "has_mtp"]
+__all__ = ["live_parallel", "named_local_params", "describe", "describe_world", "side_tensors", "has_mtp", "widened"]
 
 
 def _unwrap(module):
@@ -158,7 +158,7 @@ def describe(model_chunks: Sequence, spec: ModelSpec) -> list[LocalParam]:
             raise LayoutError(f"rank {rank}: live parameter {name!r} {tuple(tensor.shape)} is not described by the rules")
         if tuple(tensor.shape) != p.shape:
             raise LayoutError(f"rank {rank}: {name!r} has shape {tuple(tensor.shape)}, rules predict {p.shape}")
-        if str(tensor.dtype).removeprefix("torch.") != p.dtype:
+        if str(tensor.dtype).removeprefix("torch.") != p.dtype and not widened(spec, name, tensor.element_size(), p.dtype):
             raise LayoutError(f"rank {rank}: {name!r} has dtype {tensor.dtype}, spec says {p.dtype}")
         if not tensor.is_contiguous():
             raise LayoutError(f"rank {rank}: {name!r} is not contiguous; views address flat storage")
@@ -166,6 +166,19 @@ def describe(model_chunks: Sequence, spec: ModelSpec) -> list[LocalParam]:
     if missing:
         raise LayoutError(f"rank {rank}: predicted parameters missing from the live model: {missing[:5]}")
     return predicted
+
+
+def widened(spec: ModelSpec, name: str, live_itemsize: int, described: str) -> bool:
+    """Whether ``name`` is a parameter megatron holds narrower than the family's table carries
+    it (``Placement.widened``: the endpoint widens its copy when sending)."""
+    from ...layout.descriptor import DTYPE_BYTES
+
+    if live_itemsize >= DTYPE_BYTES.get(described, 0):
+        return False
+    fam = spec.family
+    names = {r.megatron.name for b in fam.blocks.values() for r in b.rows
+             if r.megatron is not None and r.megatron.widened}
+    return any(name.endswith("." + n) for n in names)
 
 
 def side_tensors(spec: ModelSpec, peft: "PeftConfig | None", mtp: bool = False) -> dict:

@@ -174,11 +174,27 @@ def _check(spec: ModelSpec, par: MegatronParallel) -> None:
             f"world_size={par.world_size} is not divisible by expert_tensor_model_pipeline_parallel size "
             f"etp*ep*pp={etp * par.ep * par.pp}"
         )
+    _check_family(spec, par)
     if par.vpp > 1 and par.pp == 1:
         raise LayoutError("pipeline-model-parallel size should be greater than 1 with interleaved schedule (vpp > 1)")
     if par.pp == 1 and (par.first_stage_layers is not None or par.last_stage_layers is not None):
         raise LayoutError("num_layers_in_first/last_pipeline_stage need pp > 1")
     stage_layers(len(_megatron_layers(spec)), par)  # raises on impossible PP / VPP splits
+
+
+def _check_family(spec: ModelSpec, par: MegatronParallel) -> None:
+    """What megatron-core 0.19.2 refuses for a family's table: biases on routed experts only
+    with expert-TP 1 (``TransformerConfig``: "Bias in Moe is only supported when ETP==1")."""
+    if par.etp_size == 1 or not spec.moe_layers:
+        return
+    fam = spec.family
+    flags = fam.flags(spec)
+    for block in fam.blocks.values():
+        for row in block.rows if block.experts else ():
+            if row.megatron is not None and row.megatron.name.endswith(".bias") and fam.present(row, flags):
+                raise LayoutError(f"{fam.title}: {row.hf.format(e='{e}')} (routed-expert bias): megatron-core 0.19.2 "
+                                  f"supports MoE biases only with expert_tensor_parallel_size=1 (got etp="
+                                  f"{par.etp_size}: 'Bias in Moe is only supported when ETP==1'); set etp=1")
 
 
 def _stage_sizes(num_layers: int, par: MegatronParallel) -> tuple[int, ...]:

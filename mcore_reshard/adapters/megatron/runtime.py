@@ -12,7 +12,8 @@ Model forward / backward
   2. The RNG tracker (``tensor_parallel.random``): CUDA RNG get/set state and
      ``CudaRNGStatesTracker.add`` use the CPU generator; ``torch.cuda.manual_seed`` seeds the
      CPU one (``model_parallel_cuda_manual_seed``).
-  3. ``get_default_causal_mask`` hard-codes ``device="cuda"``: a CPU mask where it is looked up.
+  3. ``get_default_causal_mask`` and ``get_sliding_window_causal_mask`` (gpt-oss's windowed
+     layers) hard-code ``device="cuda"``: CPU masks where they are looked up.
   4. MoE alltoall dispatcher: ``torch.cuda.Stream/Event/current_stream/stream`` become null
      objects (CPU work is synchronous), and ``maybe_move_tensor_to_cpu`` returns numpy split
      sizes for CPU tensors too (``all_to_all_single`` wants lists). The DDP grad-sync path uses
@@ -78,6 +79,7 @@ def apply_cpu_patches() -> bool:
     torch.cuda.manual_seed = torch.manual_seed
     # get_default_causal_mask hard-codes device="cuda": rebind it where it is looked up.
     tutils.get_default_causal_mask = fused_softmax.get_default_causal_mask = _cpu_causal_mask
+    tutils.get_sliding_window_causal_mask = fused_softmax.get_sliding_window_causal_mask = _cpu_window_mask
     # The alltoall dispatcher copies split sizes on a CUDA side stream: a null stream/event on CPU.
     torch.cuda.Stream = _NullStream
     torch.cuda.current_stream = lambda *a, **k: _NULL_STREAM
@@ -196,6 +198,15 @@ def _cpu_causal_mask(sq: int):
     import torch
 
     return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
+
+
+def _cpu_window_mask(sq: int, skv: int, window_size):
+    """``get_sliding_window_causal_mask`` on the CPU: True where a query may not attend."""
+    import torch
+
+    m = torch.ones(sq, skv, dtype=torch.bool)
+    mu = torch.triu(m, diagonal=skv - sq - window_size[0])
+    return ~torch.tril(mu, diagonal=skv - sq + window_size[1])
 
 
 class _NullStream:

@@ -39,7 +39,7 @@ from ...layout.family import Block, Col, Placement, Rep, Row, RowPar, Split, Voc
 from ...layout.quant import quantize_side
 from .parallel import QUANTIZATIONS, VllmParallel, check_dims, expert_slots
 
-__all__ = ["QUANTIZATIONS", "VllmParallel", "vllm_layout", "vllm_rank_params"]
+__all__ = ["QUANTIZATIONS", "VllmParallel", "vllm_layout", "vllm_rank_params", "vllm_tensors"]
 
 
 def _rows(offset: int, rows: int, cols: int, local_off: int) -> tuple[Box, View]:
@@ -259,15 +259,17 @@ class _Builder:
             name = local + self.fam.vllm_experts + lname
             slot = math.prod(slot_shape)
             pieces: list[Piece] = []
-            for j in range(n):
-                e = phys[first_slot + j]
-                if block.stacked:
-                    (row, pl, shape, gn, gr), = parts
-                    geo = split_window(row.hf, shape, pl, gn, gr, e, j * slot)
+            if block.stacked:  # one piece per run of slots holding consecutive experts, as vLLM copies them
+                (row, pl, shape, gn, gr), = parts
+                for j0, e0, run in _runs([phys[first_slot + j] for j in range(n)]):
+                    geo = split_window(row.hf, shape, pl, gn, gr, e0, j0 * slot)
                     if geo is not None:
-                        box, view = self._intern(geo.box, geo.view)
+                        b, v = geo.box, geo.view
+                        box, view = self._intern(Box((e0, *b.offsets[1:]), (run, *b.sizes[1:])),
+                                                 View(v.offset, (run, *v.shape[1:]), (slot, *v.stride[1:])))
                         pieces.append(Piece(rank, name, p + row.hf, box, view))
-                    continue
+            for j in range(0 if block.stacked else n):
+                e = phys[first_slot + j]
                 for c, box, view in parts:
                     v = self._views.setdefault((j * slot + view.offset, view.shape, view.stride),
                                                View(j * slot + view.offset, view.shape, view.stride))
@@ -275,8 +277,41 @@ class _Builder:
             out.append(LocalParam(rank, name, (n, *slot_shape), dtype or s.dtype, tuple(pieces)))
 
 
+def _runs(experts: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(first slot, first expert, length) of each run of slots holding consecutive experts."""
+    out: list[tuple[int, int, int]] = []
+    for j, e in enumerate(experts):
+        if out and out[-1][1] + out[-1][2] == e:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((j, e, 1))
+    return out
+
+
 # ----------------------------------------------------------------------------- public API
 
+
+def vllm_tensors(spec: ModelSpec) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The canonical tensor table as vLLM holds it: the spec's, with the element type of a
+    tensor vLLM keeps in another one (GLM-4.5's fp32 router weight, ``Placement.dtype``)."""
+    tensors = spec.tensor_table()
+    fam = spec.family
+    flags = fam.flags(spec)
+    wider: dict[str, str] = {}
+    for row in [r for b in fam.blocks.values() for r in b.rows] + [*fam.pre, *fam.post]:
+        if row.vllm is not None and row.vllm.dtype and fam.present(row, flags):
+            wider[row.hf] = row.vllm.dtype
+    if not wider:
+        return tensors
+    return {n: (shape, wider.get(_relative(n, fam.hf_layers), dt)) for n, (shape, dt) in tensors.items()}
+
+
+def _relative(name: str, layers: str = "model.layers.") -> str:
+    """A canonical name relative to its layer (``model.layers.3.mlp.gate.weight`` ->
+    ``mlp.gate.weight``; ``layers``: the family's ``hf_layers``), as rows name tensors."""
+    if name.startswith(layers):
+        return name[len(layers):].split(".", 1)[1]
+    return name
 
 
 def vllm_rank_params(spec: ModelSpec, par: VllmParallel, rank: int) -> list[LocalParam]:
@@ -314,7 +349,7 @@ def vllm_layout(spec: ModelSpec, par: VllmParallel) -> SideLayout:
         notes.append(f"MTP layers {spec.num_layers}..{spec.num_layers + spec.mtp_layers - 1} "
                      f"(num_nextn_predict_layers={spec.mtp_layers}) are not held by the destination: vLLM's "
                      "main model skips them (only an MTP speculative-decoding draft loads them); not refit")
-    tensors = spec.tensor_table()
+    tensors = vllm_tensors(spec)
     side = SideLayout("vllm", par.world_size, tuple(params), tensors, tuple(notes))
     fp8 = par.fp8
     if fp8 is None:

@@ -143,10 +143,44 @@ def _layers(spec: Any, layer: int) -> tuple[str, ...]:
     return ("attention", "moe", "experts", "shared") if spec.is_moe(layer) else ("attention", "mlp")
 
 
+def megatron_config(spec: Any) -> dict[str, Any]:
+    """MLA and DeepSeek-V3 router settings from the HF config (``MLATransformerConfig``).
+
+    Plain RoPE only (HF ``rope_scaling`` null): megatron's MLA de-interleaves the rope dims as
+    HF's ``rope_interleave`` does. Routing as HF's ``DeepseekV3TopkRouter``: sigmoid scores,
+    top-k on scores + bias, weights renormalised then scaled; group-limited routing only with
+    one group (megatron scores a group by its top ``topk/group_topk`` experts, HF by its top 2).
+    """
+    m, hf = spec.mla, spec.hf_config
+    if (hf.get("rope_scaling") or {}).get("type", "default") not in ("default",):
+        raise ValueError("the CPU build supports DeepSeek-V3 with plain RoPE only (rope_scaling null)")
+    kw: dict[str, Any] = dict(
+        multi_latent_attention=True,
+        q_lora_rank=m.q_lora_rank,
+        kv_lora_rank=m.kv_lora_rank,
+        qk_head_dim=m.qk_nope_head_dim,
+        qk_pos_emb_head_dim=m.qk_rope_head_dim,
+        v_head_dim=m.v_head_dim,
+        rope_type="rope",
+        rotary_scaling_factor=1.0,
+    )
+    if spec.moe_layers:
+        if int(hf.get("n_group") or 1) != 1:
+            raise ValueError("the CPU build supports n_group=1 only (megatron and HF score groups differently)")
+        kw.update(
+            moe_router_score_function=str(hf.get("scoring_func", "sigmoid")),
+            moe_router_enable_expert_bias=spec.router_bias,
+            moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+            moe_shared_expert_intermediate_size=spec.shared_intermediate or None,
+        )
+    return kw
+
+
 DEEPSEEK_V3 = Family(
     name="deepseek_v3", title="DeepSeek-V3", architectures=("DeepseekV3ForCausalLM",),
     model_types=("deepseek_v3", "kimi_k2"), read=_read,
     blocks={"attention": Block(_mla_rows()), "mlp": Block(dense_mlp()), "moe": Block(moe_router()),
             "experts": Block(routed_experts(), experts=True), "shared": Block(shared_experts())},
-    layers=_layers, pre=embedding(), post=final(), dims=_dims, flags=_flags, tiny=TINY_DEEPSEEK_V3,
+    layers=_layers, pre=embedding(), post=final(), dims=_dims, flags=_flags, megatron_config=megatron_config,
+    tiny=TINY_DEEPSEEK_V3,
 )

@@ -14,7 +14,7 @@ parallel. vLLM replicates B and C on every rank when there is one group (``units
 ``mamba_v2_sharded_weight_loader``) and refuses other ``n_groups % tp``; megatron asserts
 ``n_groups % tp == 0``. vLLM stores ``A = -exp(A_log)`` under the name ``A`` (its loader
 computes; the applier re-derives it in the layer's reload shadow, ``adapters/vllm/layers.py``),
-in fp32 as megatron keeps ``A_log``.
+in fp32 (megatron's bf16 policy holds ``A_log`` in bf16: its ranks widen it when sending).
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ def _mamba_rows() -> tuple[Row, ...]:
     ip, conv = (m + "in_proj.weight", ("MIN", "H")), ("MCONV", 1, "MK")
     rows = [Row("norm.weight", ("H",), megatron=Rep("norm.weight", te=Rep(m + "in_proj.layer_norm_weight")),
                 vllm=Rep("norm.weight")),
-            Row(m + "A_log", ("MH",), megatron=Col(m + "A_log"), vllm=Col(m + "A"), dtype=A_LOG_DTYPE),
+            Row(m + "A_log", ("MH",), megatron=Col(m + "A_log", widened=True), vllm=Col(m + "A"),
+                dtype=A_LOG_DTYPE),
             Row(m + "D", ("MH",), megatron=Col(m + "D"), vllm=Col(m + "D"))]
     for hf, shape, mega, when in ((m + "conv1d.weight", conv, m + "conv1d_weight", None),
                                   (m + "conv1d.bias", ("MCONV",), m + "conv1d_bias", "conv_bias")):
@@ -195,8 +196,8 @@ def _check(spec: Any, library: str, tp: int) -> tuple[str, ...]:
         notes.append(f"Mamba n_groups={m.groups} < tp={tp}: every vLLM rank holds the whole group's B and C rows "
                      "(mamba_v2_sharded_weight_loader), sent to each")
     if spec.dtype != A_LOG_DTYPE:
-        notes.append(f"A_log: float32 on both sides (vLLM and megatron's MambaMixer keep it so), carried as its bits "
-                     f"in a {spec.dtype} plan")
+        notes.append(f"A_log: float32 as vLLM holds it (megatron's {spec.dtype} copy widened by its ranks when "
+                     f"sending, exact), carried as its bits in a {spec.dtype} plan")
     return tuple(notes)
 
 

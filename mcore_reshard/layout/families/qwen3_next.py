@@ -48,7 +48,8 @@ def _gdn_rows() -> tuple[Row, ...]:
     rows = [Row("input_layernorm.weight", ("H",), megatron=Rep("input_layernorm.weight",
                                                                te=Rep(_SA + "in_proj.layer_norm_weight")),
                 vllm=Rep("input_layernorm.weight")),
-            Row(a + "A_log", ("VH",), megatron=Col(_SA + "A_log"), vllm=Col(a + "A_log"), dtype=A_LOG_DTYPE)]
+            Row(a + "A_log", ("VH",), megatron=Col(_SA + "A_log", widened=True), vllm=Col(a + "A_log"),
+                dtype=A_LOG_DTYPE)]
     rows += [Row(*conv, megatron=Col(_SA + "conv1d.weight"), vllm=Col(conv[0]), part=part)
              for part in ((0, "GQK"), ("GQK", "GQK"), ("GQK2", "GVV"))]  # q, k, v
     rows += [Row(a + "dt_bias", ("VH",), megatron=Col(_SA + "dt_bias"), vllm=Col(a + "dt_bias")),
@@ -145,7 +146,8 @@ def _check(spec: Any, library: str, tp: int) -> tuple[str, ...]:
         raise LayoutError(f"qwen3_next: self_attn.q_proj (gated): num_key_value_heads={spec.num_kv_heads} < tp={tp} "
                           "splits a KV group's [q | gate | k | v] block; not supported")
     if library == "vllm" and spec.dtype != A_LOG_DTYPE:
-        return (f"A_log: float32 on both sides (vLLM keeps GDN's A_log so), carried as its bits in a {spec.dtype} plan",)
+        return (f"A_log: float32 as vLLM holds GDN's (megatron's {spec.dtype} copy widened by its ranks when sending, "
+                f"exact), carried as its bits in a {spec.dtype} plan",)
     return ()
 
 
