@@ -201,6 +201,7 @@ def test_megatron_hybrid_refit_equals_vllms_own_load(ckpt_cache, family, dtype, 
     ranks = run_world(megatron_hybrid_job, par.world_size, (str(ckpt), dtype, dict(tp=mtp)))
     for r in ranks:
         assert r["shapes_equal"], (r["only_megatron"][:3], r["only_rules"][:3], r["shape_diff"][:3])
+        assert r["described"]  # live.describe accepts the model: a bf16 A_log where the table widens it
     ref = reference_states(ckpt, dtype, vtp)
     out = refit_inproc(ckpt, stale, dtype, vtp, megatron_layout(spec, par), {r["rank"]: r["tensors"] for r in ranks})
     # what vLLM's own loaders wrote, recorded, is what the family's table predicts

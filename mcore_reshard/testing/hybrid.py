@@ -29,6 +29,7 @@ def megatron_hybrid_job(ctx: Any, ckpt: str, dtype: str, par_kwargs: dict) -> di
     """One megatron rank: build, check names against the rules, load the checkpoint."""
     from ..adapters.megatron.build import init_megatron
     from ..adapters.megatron.hybrid_build import build_hybrid
+    from ..adapters.megatron.live import describe
     from ..adapters.megatron.rules import MegatronParallel, megatron_rank_params
     from ..infra.checkpoint import load_canonical
     from ..transport.views import TORCH_DTYPES, materialize_local
@@ -48,10 +49,12 @@ def megatron_hybrid_job(ctx: Any, ckpt: str, dtype: str, par_kwargs: dict) -> di
     with torch.no_grad():
         for lp in want:
             if lp.name in live:
-                t = materialize_local(lp, canon)
-                live[lp.name].copy_(t)
-                out[lp.name] = t  # in the described dtype (A_log: fp32, whatever the live one)
-    return dict(rank=ctx.rank, tensors=out, shapes_equal=got_shapes == want_shapes,
+                live[lp.name].copy_(materialize_local(lp, canon))
+                # what the endpoint sends: the described dtype (A_log fp32: a bf16 model's copy widened)
+                out[lp.name] = live[lp.name].detach().to(TORCH_DTYPES[lp.dtype]).clone()
+    # the live adapter's own check (names, shapes, dtypes: A_log narrower only where the table widens it)
+    described = describe([model], spec) if got_shapes == want_shapes else None
+    return dict(rank=ctx.rank, tensors=out, shapes_equal=got_shapes == want_shapes, described=described == want,
                 only_megatron=sorted(set(got_shapes) - set(want_shapes)),
                 only_rules=sorted(set(want_shapes) - set(got_shapes)),
                 shape_diff=sorted(n for n in set(got_shapes) & set(want_shapes) if got_shapes[n] != want_shapes[n]))
