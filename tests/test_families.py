@@ -161,6 +161,10 @@ def test_layouts_megatron_cannot_hold_are_one_line(tmp_path, capsys):
                    "mlp.experts.gate_up_proj_bias (routed-expert bias)")
     check_one_line(capsys, ["refit", "model=tiny-gpt-oss", "training.ep=1", "training.etp=2"],
                    "expert_tensor_parallel_size=1")
+    # LoRA adapters are described for the GQA families without biases on their experts
+    check_one_line(capsys, ["plan", "model=gpt-oss-120b", "training.tp=2", "training.pp=4", "training.ep=8",
+                            "training.dp=8", "training.experts=sequential", "vllm.tp=4", "vllm.replicas=4",
+                            "peft.enabled=true"], "peft: LoRA on gpt-oss (gpt_oss) is not described yet")
     # a RoPE the CPU build does not build: refused before any rank starts
     from mcore_reshard.infra.checkpoint import make_tiny_checkpoint
 

@@ -87,6 +87,8 @@ class _Builder:
         self._slots: dict[tuple[str, int], tuple[tuple[str, tuple[int, ...], tuple, str | None], ...]] = {}
         self._boxes: dict[tuple, Box] = {}
         self._views: dict[tuple, View] = {}
+        self._views_by_slot: dict[tuple, list] = {}
+        self._names: dict[tuple[int, str], tuple[str, ...]] = {}
         #: HF's layer prefixes (the canonical names); vLLM names its layers ``model.layers.{i}.``.
         self._prefix = [f"{self.fam.hf_layers}{i}." for i in range(spec.num_layers + spec.mtp_layers)]
 
@@ -246,6 +248,23 @@ class _Builder:
                 out.append(LocalParam(rank, name, shape, dtype or s.dtype,
                                       tuple(Piece(rank, name, p + c, b, v) for c, b, v in pieces)))
 
+    def _slot_views(self, bname: str, mr: int, lname: str, parts: tuple, slot: int, n: int) -> list:
+        """Per slot, each part's view (slot ``j``'s part at ``j * slot`` + its offset), shared
+        by every layer and rank of the block."""
+        views = self._views_by_slot.setdefault((bname, mr, lname), [])
+        for j in range(len(views), n):
+            views.append(tuple(self._views.setdefault((j * slot + v.offset, v.shape, v.stride),
+                                                      View(j * slot + v.offset, v.shape, v.stride)) for _, _, v in parts))
+        return views
+
+    def _expert_names(self, layer: int, suffix: str) -> tuple[str, ...]:
+        """Canonical names of ``suffix`` (with ``{e}``) for every expert of ``layer``."""
+        key = (layer, suffix)
+        if key not in self._names:
+            p = self._prefix[layer]
+            self._names[key] = tuple(p + suffix.format(e=e) for e in range(self.spec.num_experts))
+        return self._names[key]
+
     def _add_experts(self, out: list[LocalParam], rank: int, layer: int, bname: str, block: Block, mr: int,
                      local: str) -> None:
         s, d = self.spec, self.d
@@ -268,12 +287,13 @@ class _Builder:
                         box, view = self._intern(Box((e0, *b.offsets[1:]), (run, *b.sizes[1:])),
                                                  View(v.offset, (run, *v.shape[1:]), (slot, *v.stride[1:])))
                         pieces.append(Piece(rank, name, p + row.hf, box, view))
-            for j in range(0 if block.stacked else n):
-                e = phys[first_slot + j]
-                for c, box, view in parts:
-                    v = self._views.setdefault((j * slot + view.offset, view.shape, view.stride),
-                                               View(j * slot + view.offset, view.shape, view.stride))
-                    pieces.append(Piece(rank, name, p + c.format(e=e), box, v))
+            if not block.stacked:
+                views = self._slot_views(bname, mr, lname, parts, slot, n)
+                names = [self._expert_names(layer, c) for c, _, _ in parts]
+                for j in range(n):
+                    e = phys[first_slot + j]
+                    for k, (_, box, _) in enumerate(parts):
+                        pieces.append(Piece(rank, name, names[k][e], box, views[j][k]))
             out.append(LocalParam(rank, name, (n, *slot_shape), dtype or s.dtype, tuple(pieces)))
 
 
