@@ -65,6 +65,17 @@ def test_megatron_gdn_in_proj_against_hf_key_head_groups():
     assert runs(MegatronParallel(tp=2), 1) == [("in_proj_qkvz", 384, 384, 0), ("in_proj_ba", 4, 4, 384)]
 
 
+def test_megatron_gated_qkv_chunks_inside_a_kv_group():
+    """Qwen3-Next's gated linear_qkv holds per KV group [q (its heads) | gate (its heads) | k | v];
+    HF's q_proj holds [q_h; gate_h] per head. With 2 KV groups over TP4 each rank holds half a
+    group's block (megatron's num_query_groups < tp path): rank 1 holds head 1's gate, k_0, v_0."""
+    spec = _spec("qwen3_next", "bfloat16", linear_num_key_heads=4, linear_num_value_heads=8)
+    qkv = _p(megatron_rank_params(spec, MegatronParallel(tp=4), 1))["decoder.layers.2.self_attention.linear_qkv.weight"]
+    runs = [(x.canonical.rsplit(".", 2)[-2], x.box.offsets[0], x.box.sizes[0], x.view.offset // 64) for x in qkv.pieces]
+    assert qkv.shape == (192, 64)
+    assert runs == [("q_proj", 192, 64, 0), ("k_proj", 0, 64, 64), ("v_proj", 0, 64, 128)]
+
+
 def test_vllm_replicates_a_single_group_on_every_rank():
     spec = _spec("nemotron_h_g1")
     for r in range(4):
@@ -178,13 +189,19 @@ def test_hybrid_recipes_plan_and_dry_run(name, capsys):
 # --------------------------------------------------------------------------- in processes
 
 
+#: Qwen3-Next with 4 GDN key heads and 2 KV heads: megatron TP4 chunks the gated linear_qkv
+#: inside each KV group's [q | gate | k | v] block; vLLM TP4 replicates each KV head on 2 ranks.
+QWEN3_NEXT_K4 = dict(linear_num_key_heads=4, linear_num_value_heads=8)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family, dtype, mtp, vtp", [
-    ("nemotron_h", "float32", 2, 2),
-    ("nemotron_h_g1", "float32", 1, 4),  # vLLM replicates the one group on 4 ranks
-    ("qwen3_next", "bfloat16", 2, 2),
-])
-def test_megatron_hybrid_refit_equals_vllms_own_load(ckpt_cache, family, dtype, mtp, vtp):
+@pytest.mark.parametrize("family, dtype, mtp, vtp, overrides", [
+    ("nemotron_h", "float32", 2, 2, None),
+    ("nemotron_h_g1", "float32", 1, 4, None),  # vLLM replicates the one group on 4 ranks
+    ("qwen3_next", "bfloat16", 2, 2, None),
+    ("qwen3_next", "bfloat16", 4, 4, QWEN3_NEXT_K4),
+], ids=["nemotron_h-tp2-tp2", "nemotron_h_g1-tp1-tp4", "qwen3_next-tp2-tp2", "qwen3_next_k4-tp4-tp4"])
+def test_megatron_hybrid_refit_equals_vllms_own_load(ckpt_cache, family, dtype, mtp, vtp, overrides):
     """megatron-core's HybridModel (real modules, CPU) holds exactly the predicted parameters;
     its ranks refit vLLM's model class (loaded from another checkpoint first) and every
     parameter, buffer, processed-kernel probe and derived tensor (Mamba's A, conv views) equals
@@ -194,8 +211,8 @@ def test_megatron_hybrid_refit_equals_vllms_own_load(ckpt_cache, family, dtype, 
     from mcore_reshard.testing.hybrid import megatron_hybrid_job, refit_inproc, reference_states
     from mcore_reshard.testing.vllm_inproc import compare_states
 
-    ckpt = ckpt_cache.get(family=family, dtype=dtype, seed=0)
-    stale = ckpt_cache.get(family=family, dtype=dtype, seed=1)
+    ckpt = ckpt_cache.get(family=family, dtype=dtype, seed=0, overrides=overrides)
+    stale = ckpt_cache.get(family=family, dtype=dtype, seed=1, overrides=overrides)
     spec = load_model_spec(ckpt, dtype=dtype)
     par = MegatronParallel(tp=mtp)
     ranks = run_world(megatron_hybrid_job, par.world_size, (str(ckpt), dtype, dict(tp=mtp)))

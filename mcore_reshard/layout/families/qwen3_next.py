@@ -132,8 +132,9 @@ def _dims(spec: Any) -> dict[str, int]:
 
 
 def _check(spec: Any, library: str, tp: int) -> tuple[str, ...]:
-    """Both libraries split GDN key and value heads by TP; megatron's gated ``linear_qkv``
-    needs whole KV groups per rank."""
+    """Both libraries split GDN key and value heads by TP. (Fewer KV heads than TP ranks is
+    fine on both sides: megatron chunks its gated ``linear_qkv`` inside a KV group's
+    ``[q | gate | k | v]`` block, as for plain GQA; vLLM replicates the KV heads.)"""
     g: GDN = spec.hybrid.gdn
     for what, n in (("linear_num_key_heads", g.k_heads), ("linear_num_value_heads", g.v_heads)):
         if "G" in spec.hybrid.mixers and n % tp:
@@ -142,9 +143,6 @@ def _check(spec: Any, library: str, tp: int) -> tuple[str, ...]:
                                   f"tp={tp} (GatedDeltaNet splits heads by TP)")
             raise LayoutError(f"qwen3_next: linear_attn.in_proj_qkvz: {what}={n} is not divisible by vLLM tp={tp}; "
                               "pick a tp that divides it")
-    if library == "megatron" and "*" in spec.hybrid.mixers and spec.num_kv_heads < tp:
-        raise LayoutError(f"qwen3_next: self_attn.q_proj (gated): num_key_value_heads={spec.num_kv_heads} < tp={tp} "
-                          "splits a KV group's [q | gate | k | v] block; not supported")
     if library == "vllm" and spec.dtype != A_LOG_DTYPE:
         return (f"A_log: float32 as vLLM holds GDN's (megatron's {spec.dtype} copy widened by its ranks when sending, "
                 f"exact), carried as its bits in a {spec.dtype} plan",)
