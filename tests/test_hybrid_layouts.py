@@ -119,6 +119,7 @@ def test_group_replication_plans_at_the_minimum():
     ("qwen3_next", "megatron", MegatronParallel(tp=4), r"linear_attn.in_proj_qkvz: linear_num_key_heads=2 .* tp=4"),
     ("qwen3_next", "vllm", VllmParallel(tp=4), r"linear_attn.in_proj_qkvz: linear_num_key_heads=2 .* vLLM tp=4"),
     ("nemotron_h", "megatron", MegatronParallel(pp=2, vpp=2), r"virtual pipeline stages need '\|'"),
+    ("qwen3_next", "vllm", VllmParallel(tp=2, quantization="fp8_per_block"), r"FP8 rollout of a hybrid family is not built"),
 ])
 def test_layouts_one_side_cannot_hold_are_refused_in_one_line(family, side, par, match):
     spec = _spec(family)

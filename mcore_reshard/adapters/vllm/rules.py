@@ -376,7 +376,7 @@ def vllm_layout(spec: ModelSpec, par: VllmParallel) -> SideLayout:
         return side
     if spec.hybrid is not None:
         raise LayoutError(f"{spec.family.title}: FP8 rollout of a hybrid family is not built (its Mamba / GDN "
-                          "mixers' block-FP8 layout is not described); use vllm.quantization=none")
+                          "mixers' block-FP8 layout is not described); leave vllm.quantization null")
     side = quantize_side(side, fp8, "vllm")
     return replace(side, notes=side.notes + (
         f"block FP8 ({fp8.block}x{fp8.block} {fp8.dtype} codes + fp32 weight_scale_inv; kept in {spec.dtype}: "
