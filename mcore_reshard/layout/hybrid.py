@@ -10,17 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Mamba", "GDN", "Hybrid", "A_LOG_DTYPE", "FFN_SYMBOLS"]
+__all__ = ["Mamba", "GDN", "Hybrid", "A_LOG_DTYPE"]
 
 #: ``A_log``'s element type whatever the model dtype: vLLM keeps it in fp32 (Mamba's derived
 #: ``A``, GDN's raw ``A_log``). megatron-core builds it in fp32 but a bf16 policy's
 #: ``Float16Module`` casts it with every other parameter, so the trainers widen their copy when
 #: sending (``Placement.widened``, exact); a plan in another wire dtype carries it as its bits.
 A_LOG_DTYPE = "float32"
-
-#: The mixers whose tensors an FFN-only reshard (NeMo RL's ``nccl_reshard``) moves shard to
-#: shard: MLPs and experts; everything else goes by broadcast there (docs/families.md).
-FFN_SYMBOLS = ("-", "E")
 
 
 @dataclass(frozen=True, slots=True)
