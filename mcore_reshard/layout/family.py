@@ -92,8 +92,6 @@ class Placement:
     #: megatron's Transformer-Engine layer spec holds it as this placement instead (a norm
     #: fused into the following linear, an MLA down-projection replicated, ...).
     te: "Placement | None" = None
-    #: The local parameter's element type when it is not the row's.
-    dtype: str | None = None
     #: The library holds this tensor in the model's dtype although the row's is wider (the
     #: other library's): its side describes the row's dtype and widens its copy when sending
     #: (exact; megatron's bf16 router weight for vLLM's fp32 GLM-4.5 router).
@@ -212,7 +210,8 @@ class Family:
     flags: Callable[[Any], frozenset[str]] = standard_flags
     #: vLLM builds the embedding, final norm and output head on every pipeline stage (Qwen3-MoE).
     vllm_top_on_every_stage: bool = False
-    #: Lines the plan report carries for this family (what it does not move, and why).
+    #: Lines the vLLM side's layout adds to the plan report for this family (what a refit of
+    #: it carries differently from its published checkpoints, and why).
     notes: tuple[str, ...] = ()
     #: TransformerConfig fields for megatron-core (pure data, ``adapters/megatron/build.py``
     #: resolves named callables such as ``"silu"``); None: the adapter's defaults.
@@ -328,7 +327,3 @@ def contiguous(shape: Sequence[int]) -> tuple[int, ...]:
         out.append(acc)
         acc *= s
     return tuple(reversed(out))
-
-
-def numel(shape: Sequence[int]) -> int:
-    return math.prod(shape)
