@@ -110,8 +110,6 @@ class Placement:
     #: megatron's Transformer-Engine layer spec holds it as this placement instead (a norm
     #: fused into the following linear, an MLA down-projection replicated, ...).
     te: "Placement | None" = None
-    #: The local parameter's element type when it is not the row's.
-    dtype: str | None = None
     #: The library holds this tensor in the model's dtype although the row's is wider (the
     #: other library's): its side describes the row's dtype and widens its copy when sending
     #: (exact; megatron's bf16 router weight for vLLM's fp32 GLM-4.5 router).
@@ -260,7 +258,8 @@ class Family:
     #: about how that library holds it there (vLLM replicating a single Mamba group). None:
     #: nothing to refuse or say.
     check: Callable[[Any, str, int], tuple[str, ...]] | None = field(default=None, compare=False)
-    #: Lines the plan report carries for this family (what it does not move, and why).
+    #: Lines the vLLM side's layout adds to the plan report for this family (what a refit of
+    #: it carries differently from its published checkpoints, and why).
     notes: tuple[str, ...] = ()
     #: TransformerConfig fields for megatron-core (pure data, ``adapters/megatron/build.py``
     #: resolves named callables such as ``"silu"``); None: the adapter's defaults.
@@ -445,7 +444,3 @@ def contiguous(shape: Sequence[int]) -> tuple[int, ...]:
         out.append(acc)
         acc *= s
     return tuple(reversed(out))
-
-
-def numel(shape: Sequence[int]) -> int:
-    return math.prod(shape)

@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 from typing import TYPE_CHECKING
 
 from ..adapters.vllm.lora_rules import vllm_lora_layout
-from ..adapters.vllm.rules import vllm_layout, vllm_tensors
+from ..adapters.vllm.rules import vllm_layout
 from ..layout import LocalParam, ModelSpec, Piece, SideLayout
 from ..layout.lora import PeftConfig, adapter_tensors, with_adapter
 from ..wire.protocol import first_error_line
@@ -75,7 +75,7 @@ def dst_layout_of(engines: Sequence[Any], spec: ModelSpec, name: str = "vllm") -
         for worker_params in per_worker:
             params.extend(_restamp(worker_params, offset))
         offset += len(per_worker)
-    return SideLayout(name, offset, tuple(params), vllm_tensors(spec))
+    return SideLayout(name, offset, tuple(params), spec.tensor_table())
 
 
 def adapter_slots_of(dst: SideLayout, infos: Sequence["EngineInfo"], spec: ModelSpec, peft: PeftConfig) -> SideLayout:

@@ -151,7 +151,7 @@ def _group(fam: Family, name: str, members: list[_Member], tp: int, tp_r: int, d
            padded_vocab: int, stacked_expert: int | None) -> Tmpl:
     kinds = {type(m.pl) for m in members}
     first = members[0]
-    dtype = first.pl.dtype or first.row.dtype
+    dtype = first.row.dtype
     if kinds == {QKV}:
         groups = int(dims["kv_heads"])
         cols = first.shape[1] if len(first.shape) == 2 else None

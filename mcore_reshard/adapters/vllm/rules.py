@@ -39,7 +39,7 @@ from ...layout.family import Block, Col, Placement, Rep, Row, RowPar, Split, Voc
 from ...layout.quant import quantize_side
 from .parallel import QUANTIZATIONS, VllmParallel, check_dims, expert_slots
 
-__all__ = ["QUANTIZATIONS", "VllmParallel", "vllm_layout", "vllm_rank_params", "vllm_tensors"]
+__all__ = ["QUANTIZATIONS", "VllmParallel", "vllm_layout", "vllm_rank_params"]
 
 
 def _rows(offset: int, rows: int, cols: int, local_off: int) -> tuple[Box, View]:
@@ -116,7 +116,7 @@ class _Builder:
     def _group(self, name: str, members: list, n: int, r: int) -> _Entry:
         fam, s = self.fam, self.spec
         row, pl = members[0]
-        dtype = pl.dtype or row.dtype
+        dtype = row.dtype
         shape = fam.resolve(row.shape, self.dims)
         kinds = {type(p) for _, p in members}
         if len(members) > 1 and not kinds <= {Rep, Col}:
@@ -190,7 +190,7 @@ class _Builder:
                 (row, pl), = members
                 shape = fam.resolve(row.shape, self.dims)
                 out.append((lname, split_shape(shape, pl, n, 0), ((row, pl, shape, n, r),),
-                            pl.dtype or row.dtype))
+                            row.dtype))
             else:
                 entry = self._group(lname, members, n, r)
                 out.append((lname, entry[1], entry[2], entry[3]))
@@ -311,29 +311,6 @@ def _runs(experts: Sequence[int]) -> list[tuple[int, int, int]]:
 # ----------------------------------------------------------------------------- public API
 
 
-def vllm_tensors(spec: ModelSpec) -> dict[str, tuple[tuple[int, ...], str]]:
-    """The canonical tensor table as vLLM holds it: the spec's, with the element type of a
-    tensor vLLM keeps in another one (GLM-4.5's fp32 router weight, ``Placement.dtype``)."""
-    tensors = spec.tensor_table()
-    fam = spec.family
-    flags = fam.flags(spec)
-    wider: dict[str, str] = {}
-    for row in [r for b in fam.blocks.values() for r in b.rows] + [*fam.pre, *fam.post]:
-        if row.vllm is not None and row.vllm.dtype and fam.present(row, flags):
-            wider[row.hf] = row.vllm.dtype
-    if not wider:
-        return tensors
-    return {n: (shape, wider.get(_relative(n, fam.hf_layers), dt)) for n, (shape, dt) in tensors.items()}
-
-
-def _relative(name: str, layers: str = "model.layers.") -> str:
-    """A canonical name relative to its layer (``model.layers.3.mlp.gate.weight`` ->
-    ``mlp.gate.weight``; ``layers``: the family's ``hf_layers``), as rows name tensors."""
-    if name.startswith(layers):
-        return name[len(layers):].split(".", 1)[1]
-    return name
-
-
 def vllm_rank_params(spec: ModelSpec, par: VllmParallel, rank: int) -> list[LocalParam]:
     """The model-format parameters of one vLLM rank, each with its canonical (HF) pieces
     (of an FP8 engine: in bf16, as its loaders take them; ``vllm_layout`` describes the FP8 form)."""
@@ -369,7 +346,8 @@ def vllm_layout(spec: ModelSpec, par: VllmParallel) -> SideLayout:
         notes.append(f"MTP layers {spec.num_layers}..{spec.num_layers + spec.mtp_layers - 1} "
                      f"(num_nextn_predict_layers={spec.mtp_layers}) are not held by the destination: vLLM's "
                      "main model skips them (only an MTP speculative-decoding draft loads them); not refit")
-    tensors = vllm_tensors(spec)
+    notes.extend(spec.family.notes)
+    tensors = spec.tensor_table()
     side = SideLayout("vllm", par.world_size, tuple(params), tensors, tuple(notes))
     fp8 = par.fp8
     if fp8 is None:

@@ -94,4 +94,6 @@ GLM4_MOE = Family(
     blocks={"attention": Block(gqa_attention()), "mlp": Block(dense_mlp()), "moe": Block(_router()),
             "experts": Block(routed_experts(), experts=True), "shared": Block(shared_experts())},
     layers=_layers, pre=embedding(), post=final(), megatron_config=megatron_config, tiny=TINY_GLM4_MOE,
+    notes=("GLM-4.5: mlp.gate.weight travels in fp32 as vLLM holds it; megatron-core holds it in the model dtype "
+           "and the trainers send a widened copy",),
 )

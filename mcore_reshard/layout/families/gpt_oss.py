@@ -139,4 +139,7 @@ GPT_OSS = Family(
     blocks={"attention": Block(gqa_attention("attn.", sinks=True)), "moe": Block(_router()), "experts": _experts()},
     layers=_layers, pre=embedding("model.embedding.weight"), post=final(), dims=_dims,
     megatron_config=megatron_config, tiny=TINY_GPT_OSS, tiny_std=0.2,
+    notes=("gpt-oss: the refit carries the policy's weights unquantized (the published checkpoints' experts are "
+           "MXFP4); mlp.experts.gate_up_proj(_bias) is addressed as (E, H, F, 2) [gate, up] pairs, the "
+           "checkpoint's (E, H, 2F) interleaved",),
 )
