@@ -210,6 +210,11 @@ class Family:
     flags: Callable[[Any], frozenset[str]] = standard_flags
     #: vLLM builds the embedding, final norm and output head on every pipeline stage (Qwen3-MoE).
     vllm_top_on_every_stage: bool = False
+    #: Where decoder layer ``{layer}``'s rows live: the HF checkpoint's prefix (Nemotron-H:
+    #: ``backbone.layers.{layer}.``) and vLLM's local one (megatron's is ``decoder.layers.{i}.``
+    #: with the stage-local index, its own rule).
+    hf_layer: str = "model.layers.{layer}."
+    vllm_layer: str = "model.layers.{layer}."
     #: Lines the vLLM side's layout adds to the plan report for this family (what a refit of
     #: it carries differently from its published checkpoints, and why).
     notes: tuple[str, ...] = ()

@@ -283,7 +283,7 @@ def _dense_layer(spec: ModelSpec, par: MegatronParallel, layer: int, prefix: str
     out: list[Tmpl] = []
     for _, block in fam.layer_blocks(spec, layer):
         if not block.experts:
-            out += row_templates(fam, block.rows, hf=f"model.layers.{layer}.", local=lambda n: prefix + n,
+            out += row_templates(fam, block.rows, hf=fam.hf_layer.format(layer=layer), local=lambda n: prefix + n,
                                  tp=par.tp, tp_r=tp_r, te=par.layer_spec == "te", dims=dims, flags=flags)
     return out
 
@@ -303,7 +303,7 @@ def _expert_layer(spec: ModelSpec, par: MegatronParallel, layer: int, prefix: st
                 local = lambda n, i=i: f"{prefix}mlp.experts.local_experts.{i}.{n}"
             else:
                 local = lambda n, i=i: f"{prefix}mlp.experts.{n}{i}"
-            out += row_templates(fam, block.rows, hf=f"model.layers.{layer}.", local=local, tp=par.etp_size,
+            out += row_templates(fam, block.rows, hf=fam.hf_layer.format(layer=layer), local=local, tp=par.etp_size,
                                  tp_r=etp_r, te=False, dims=dims, flags=flags, expert=ep_r * n_local + i,
                                  stacked=block.stacked)
     return out
