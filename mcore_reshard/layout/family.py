@@ -28,6 +28,9 @@ through gpt-oss):
 4. ``pre`` / ``post``: the rows outside the decoder layers (embedding on the first pipeline
    stage; final norm and output head on the last).
 5. ``flags(spec)``: the names a row's ``when`` may test (default :func:`standard_flags`).
+6. ``megatron_config(spec)``: the TransformerConfig fields megatron-core needs for the family,
+   as data (named activations); ``tiny``: the config the tests write locally (``tiny-<name>``);
+   ``hf_layer`` / ``vllm_layer``: a layer's prefix in the checkpoint and in vLLM; ``notes``.
 
 A row, e.g. the fused QKV weight's query part::
 
@@ -57,8 +60,10 @@ with one name; where the parts come from one HF tensor, each row carries ``part=
 rows)``: the HF rows it takes from that tensor.
 
 A ``Placement`` may carry ``te=``: megatron's Transformer-Engine spec holds it elsewhere (a
-norm fused into the next linear) or differently; None placements mean the library holds no
-such tensor (the adapter refuses a layout that needs it, in one line naming the tensor).
+norm fused into the next linear) or differently; ``widened=True``: the library holds the model's
+dtype where the row carries a wider one, and widens its copy when sending. None placements mean
+the library holds no such tensor (the adapter refuses a layout that needs it, in one line
+naming the tensor).
 
 Pure metadata: no torch, megatron or vllm import (``layout``'s contract).
 """
