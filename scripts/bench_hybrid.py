@@ -43,7 +43,7 @@ def tensor_classes(spec) -> dict[str, str]:
     fam, flags = spec.family, spec.family.flags(spec)
     out = {}
     for layer in range(spec.num_layers):
-        prefix = f"{fam.hf_layers}{layer}."
+        prefix = fam.hf_layer.format(layer=layer)
         for _, block in fam.layer_blocks(spec, layer):
             experts = range(spec.num_experts) if block.experts else (None,)
             for row in block.rows:

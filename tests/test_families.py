@@ -117,6 +117,35 @@ def test_glm_router_in_fp32_and_dense_first_layer():
     assert vllm_layout(spec, VllmParallel(tp=2)).tensors["model.layers.1.mlp.gate.weight"][1] == "float32"
 
 
+def test_a_fused_tensor_of_parts_both_sides(monkeypatch):
+    """The form's fused tensors, as a hybrid family's Mamba ``in_proj`` is one: one HF tensor
+    ``[z | x | B | C | dt]``, rows naming one local tensor with ``part=``. megatron chunks every
+    part over TP (``[z_r | x_r | B_r | C_r | dt_r]``); vLLM too, and replicates the groups of B
+    and C over ``tp // groups`` ranks when there are fewer groups than ranks (``units``). A toy
+    family on Qwen3's tiny sizes; planned and executed bit for bit."""
+    import dataclasses
+
+    from mcore_reshard.layout.families import common
+    from mcore_reshard.layout.family import Block, Col, Family, Row, standard_dims
+
+    parts = (("z", 0, 64, None), ("x", 64, 64, None), ("B", 128, 16, 2), ("C", 144, 16, 2), ("dt", 160, 4, None))
+    rows = tuple(Row("mixer.in_proj.weight", (164, "H"), part=(off, n), megatron=Col("mixer.in_proj.weight"),
+                     vllm=Col("mixer.in_proj.weight", units=units)) for _, off, n, units in parts)
+    toy = Family(name="toy_fused", title="toy", architectures=("ToyForCausalLM",), model_types=("toy_fused",),
+                 read=lambda cfg: {}, blocks={"mixer": Block(rows)}, layers=lambda spec, i: ("mixer",),
+                 pre=common.embedding(), post=common.final(), dims=standard_dims)
+    monkeypatch.setitem(FAMILIES, "toy_fused", toy)
+    spec = dataclasses.replace(_spec("qwen3"), arch="toy_fused")
+    assert [n for n in spec.tensor_table() if "layers.0." in n] == ["model.layers.0.mixer.in_proj.weight"]
+    m = _params(megatron_rank_params(spec, MegatronParallel(tp=2), 1))["decoder.layers.0.mixer.in_proj.weight"]
+    assert m.shape == (82, 64)
+    assert [(p.box.offsets[0], p.box.sizes[0], p.view.offset // 64) for p in m.pieces] == [
+        (32, 32, 0), (96, 32, 32), (136, 8, 64), (152, 8, 72), (162, 2, 80)]
+    v = _params(vllm_rank_params(spec, VllmParallel(tp=4), 3))["model.layers.0.mixer.in_proj.weight"]
+    assert [(p.box.offsets[0], p.box.sizes[0]) for p in v.pieces] == [(48, 16), (112, 16), (136, 8), (152, 8), (163, 1)]
+    simulate(spec, MegatronParallel(tp=2), VllmParallel(tp=4))
+
+
 # --------------------------------------------------------------------------- plans, both sides
 
 

@@ -28,6 +28,9 @@ through gpt-oss):
 4. ``pre`` / ``post``: the rows outside the decoder layers (embedding on the first pipeline
    stage; final norm and output head on the last).
 5. ``flags(spec)``: the names a row's ``when`` may test (default :func:`standard_flags`).
+6. ``megatron_config(spec)``: the TransformerConfig fields megatron-core needs for the family,
+   as data (named activations); ``tiny``: the config the tests write locally (``tiny-<name>``);
+   ``hf_layer`` / ``vllm_layer``: a layer's prefix in the checkpoint and in vLLM; ``notes``.
 
 A row, e.g. the fused QKV weight's query part::
 
@@ -69,14 +72,16 @@ a few more pieces of the form:
   of HF's per-key-head ``[q_g; k_g; v_g; z_g]`` and ``[b_g; a_g]``; ``QKV(units=, parts=)`` the
   same inside each KV group (a gated attention's ``q_proj``, ``[q_h; gate_h]`` per head).
 - rows of any rank concatenate (a conv weight ``[C, 1, k]``'s ``[x | B | C]`` parts).
-- ``Family.hf_layers`` (HF's layer prefix: Nemotron-H's ``backbone.layers.``),
+- ``Family.hf_layer`` (HF's layer prefix: Nemotron-H's ``backbone.layers.{layer}.``),
   ``vllm_experts`` (vLLM's expert container), ``vllm_every_stage`` (the ``pre``/``post`` rows
   vLLM builds on every PP stage) and ``check(spec, library, tp)``: a refusal in one line of a TP
   one library cannot shard, and the notes the plan report carries there.
 
 A ``Placement`` may carry ``te=``: megatron's Transformer-Engine spec holds it elsewhere (a
-norm fused into the next linear) or differently; None placements mean the library holds no
-such tensor (the adapter refuses a layout that needs it, in one line naming the tensor).
+norm fused into the next linear) or differently; ``widened=True``: the library holds the model's
+dtype where the row carries a wider one, and widens its copy when sending. None placements mean
+the library holds no such tensor (the adapter refuses a layout that needs it, in one line
+naming the tensor).
 
 Pure metadata: no torch, megatron or vllm import (``layout``'s contract).
 """
@@ -245,11 +250,14 @@ class Family:
     flags: Callable[[Any], frozenset[str]] = standard_flags
     #: vLLM builds the embedding, final norm and output head on every pipeline stage (Qwen3-MoE).
     vllm_top_on_every_stage: bool = False
+    #: Where decoder layer ``{layer}``'s rows live: the HF checkpoint's prefix (Nemotron-H:
+    #: ``backbone.layers.{layer}.``) and vLLM's local one (megatron's is ``decoder.layers.{i}.``
+    #: with the stage-local index, its own rule).
+    hf_layer: str = "model.layers.{layer}."
+    vllm_layer: str = "model.layers.{layer}."
     #: Of ``pre`` / ``post``, the rows (HF names) vLLM builds on every stage where it does not
     #: build them all there (Qwen3-Next: the embedding and the head, not the final norm).
     vllm_every_stage: tuple[str, ...] = ()
-    #: Where HF keeps decoder layer ``i``: ``{hf_layers}{i}.`` (Nemotron-H: ``backbone.layers.``).
-    hf_layers: str = "model.layers."
     #: vLLM's container of a MoE layer's routed experts, under the layer (FusedMoE's ``w13`` ...).
     vllm_experts: str = "mlp.experts.routed_experts."
     #: ``check(spec, library, tp)``: refuses, in one line naming the tensor, a TP that

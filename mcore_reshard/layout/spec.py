@@ -183,7 +183,7 @@ def _layer_tensors(spec: ModelSpec, layer: int) -> tuple[CanonicalTensor, ...]:
     fam = spec.family
     dims, flags = fam.dims(spec), fam.flags(spec)
     out: dict[str, CanonicalTensor] = {}
-    p = f"{fam.hf_layers}{layer}."
+    p = fam.hf_layer.format(layer=layer)
     for _, block in fam.layer_blocks(spec, layer):
         experts = range(spec.num_experts) if block.experts and not block.stacked else (None,)
         for e in experts:

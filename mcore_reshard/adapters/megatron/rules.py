@@ -305,11 +305,10 @@ def _dense_layer(spec: ModelSpec, par: MegatronParallel, layer: int, prefix: str
     """Non-expert parameters of one decoder layer on TP rank ``tp_r`` (names as named_parameters);
     ``blocks``: the HF layer's blocks this megatron layer holds (None: all)."""
     fam, dims, flags = _table(spec)
-    hf = f"{fam.hf_layers}{layer}."
     out: list[Tmpl] = []
     for _, block in _blocks(spec, layer, blocks):
         if not block.experts:
-            out += row_templates(fam, block.rows, hf=hf, local=lambda n: prefix + n,
+            out += row_templates(fam, block.rows, hf=fam.hf_layer.format(layer=layer), local=lambda n: prefix + n,
                                  tp=par.tp, tp_r=tp_r, te=par.layer_spec == "te", dims=dims, flags=flags)
     return out
 
@@ -329,7 +328,7 @@ def _expert_layer(spec: ModelSpec, par: MegatronParallel, layer: int, prefix: st
                 local = lambda n, i=i: f"{prefix}mlp.experts.local_experts.{i}.{n}"
             else:
                 local = lambda n, i=i: f"{prefix}mlp.experts.{n}{i}"
-            out += row_templates(fam, block.rows, hf=f"{fam.hf_layers}{layer}.", local=local, tp=par.etp_size,
+            out += row_templates(fam, block.rows, hf=fam.hf_layer.format(layer=layer), local=local, tp=par.etp_size,
                                  tp_r=etp_r, te=False, dims=dims, flags=flags, expert=ep_r * n_local + i,
                                  stacked=block.stacked)
     return out

@@ -89,8 +89,9 @@ class _Builder:
         self._views: dict[tuple, View] = {}
         self._views_by_slot: dict[tuple, list] = {}
         self._names: dict[tuple[int, str], tuple[str, ...]] = {}
-        #: HF's layer prefixes (the canonical names); vLLM names its layers ``model.layers.{i}.``.
-        self._prefix = [f"{self.fam.hf_layers}{i}." for i in range(spec.num_layers + spec.mtp_layers)]
+        layers = range(spec.num_layers + spec.mtp_layers)
+        self._prefix = [self.fam.hf_layer.format(layer=i) for i in layers]  # canonical names
+        self._local = [self.fam.vllm_layer.format(layer=i) for i in layers]  # vLLM's
 
     def _intern(self, box: Box, view: View) -> tuple[Box, View]:
         box = self._boxes.setdefault((box.offsets, box.sizes), box)
@@ -232,13 +233,13 @@ class _Builder:
 
     def layer_params(self, out: list[LocalParam], rank: int, layer: int, local: str | None = None) -> None:
         """Decoder layer ``layer``'s parameters on ``rank``, named under ``local`` (default
-        ``model.layers.{layer}.``; a draft's MTP layer: ``...mtp_block.``), boxes of
-        ``model.layers.{layer}.*``."""
+        the family's ``vllm_layer``; a draft's MTP layer: ``...mtp_block.``), boxes of its
+        ``hf_layer`` tensors."""
         s, par = self.spec, self.par
         tp_r = rank % par.tp
         mr = rank // (par.tp * par.pp) % par.dp * par.tp + tp_r  # flattened MoE rank (ep_rank with EP)
         p = self._prefix[layer]
-        q = f"model.layers.{layer}." if local is None else local
+        q = self._local[layer] if local is None else local
         for bname, block in self.fam.layer_blocks(s, layer):
             if block.experts:
                 self._add_experts(out, rank, layer, bname, block, mr, q)

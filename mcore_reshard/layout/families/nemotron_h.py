@@ -223,7 +223,7 @@ NEMOTRON_H = Family(
     post=(Row("backbone.norm_f.weight", ("H",), megatron=Rep("decoder.final_norm.weight"), vllm=Rep("model.norm_f.weight")),
           Row("lm_head.weight", ("V", "H"), megatron=Vocab("output_layer.weight"), vllm=Vocab("lm_head.weight"),
               when="!tied")),
-    dims=_dims, flags=_flags, vllm_top_on_every_stage=True, hf_layers="backbone.layers.",
+    dims=_dims, flags=_flags, vllm_top_on_every_stage=True, hf_layer="backbone.layers.{layer}.",
     vllm_experts="mixer.experts.routed_experts.", check=_check, megatron_config=_megatron_config,
     tiny=TINY_NEMOTRON_H,
 )
