@@ -3,8 +3,9 @@
     python scripts/bench_plan.py [--json]
 
 Targets, cheap enough to replan at every engine restart: Qwen3-30B-A3B's default layout
-(~300k transfers) under 1 s, Qwen3-235B-A22B (128 -> 64 ranks) under 2 s, DeepSeek-V3
-(256 -> 256 ranks) under 5 s and at its published training layout (1024 -> 64 ranks) under 30 s,
+(~300k transfers) under 1 s, Qwen3-235B-A22B (128 -> 64 ranks) and gpt-oss-120b under 2 s,
+DeepSeek-V3 (256 -> 256 ranks) and GLM-4.5 under 5 s and DeepSeek-V3 at its published training
+layout (1024 -> 64 ranks) under 30 s,
 each printed as a PASS/FAIL line on the plan's wall time. Each case also shows the busiest
 ranks' bytes and a modelled refit time (8 GPUs per node, trainers and engines on separate nodes).
 Not a test: machines are noisy; read the numbers, compare runs side by side
@@ -38,11 +39,23 @@ CASES = [
     ("deepseek-v3", "TP1.PP16(uneven).EP64 x DP64 -> 2 x vLLM DP-attention TP1xDP32 EP32",
      MegatronParallel(tp=1, pp=16, ep=64, etp=1, dp=64, first_stage_layers=3, last_stage_layers=2, layer_spec="te", experts="grouped"),
      VllmParallel(tp=1, dp=32, replicas=2, enable_ep=True)),
+    # gpt-oss and GLM-4.5 (layout/families/): their recipes' layouts and one more each.
+    ("gpt-oss-120b", "recipe: TP2.PP2.EP8 x DP8 -> 8 x vLLM TP4",
+     MegatronParallel(tp=2, pp=2, ep=8, etp=1, dp=8, layer_spec="te", experts="grouped"), VllmParallel(tp=4, replicas=8)),
+    ("gpt-oss-120b", "TP1.PP4.EP32 x DP32 -> 4 x vLLM TP8 EP",
+     MegatronParallel(tp=1, pp=4, ep=32, etp=1, dp=32, layer_spec="te", experts="grouped"),
+     VllmParallel(tp=8, replicas=4, enable_ep=True)),
+    ("glm-4.5", "recipe: TP2.PP8(uneven).EP16 x DP8 -> 8 x vLLM TP8xPP2 EP",
+     MegatronParallel(tp=2, pp=8, ep=16, etp=1, dp=8, first_stage_layers=10, last_stage_layers=10, layer_spec="te",
+                      experts="grouped"), VllmParallel(tp=8, pp=2, replicas=8, enable_ep=True)),
+    ("glm-4.5", "TP4.PP8(uneven).EP32 x DP8 -> vLLM TP8xDP8 EP",
+     MegatronParallel(tp=4, pp=8, ep=32, etp=1, dp=8, first_stage_layers=10, last_stage_layers=10, layer_spec="te",
+                      experts="grouped"), VllmParallel(tp=8, dp=8, enable_ep=True)),
 ]
 
 
 #: Plan-time targets (seconds, one core) printed as PASS/FAIL lines.
-TARGETS = {"qwen3-30b-a3b": 1.0, "qwen3-235b-a22b": 2.0, "deepseek-v3": 5.0}
+TARGETS = {"qwen3-30b-a3b": 1.0, "qwen3-235b-a22b": 2.0, "deepseek-v3": 5.0, "gpt-oss-120b": 2.0, "glm-4.5": 5.0}
 #: 1024 training ranks: the issue's bound for DeepSeek-V3 at its published layout.
 TARGETS_1024 = 30.0
 #: NCCL M2N's published DeepSeek-V3 refit (256 GB200, its own layouts): shown beside the model.

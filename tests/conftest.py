@@ -71,6 +71,8 @@ LIVE_ORDER: list[tuple[str, frozenset[str]]] = [
     # tiny DeepSeek-V3 engines, q_lora TP1 and plain q TP2 (engines only: the pools above close)
     ("test_deepseek_refit", frozenset({"engines"})),
     ("test_deepseek_vllm", frozenset({"engines"})),
+    # tiny gpt-oss and GLM-4.5: their own engines (cached, fresh) and trainer pools
+    ("test_family_refit", frozenset({"engines"})),
     # own engines and pools only (nothing of the above is reused)
     ("test_process_starts", frozenset()),
     ("test_http_server", frozenset()),

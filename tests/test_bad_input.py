@@ -352,11 +352,22 @@ def test_tiny_specs_match_the_written_checkpoints(tmp_path):
         from mcore_reshard.infra.checkpoint import make_tiny_checkpoint
     except ImportError:
         from mcore_reshard.infra.checkpoint import make_tiny_checkpoint
+    from mcore_reshard.settings import tiny_spec
+
     for name, family in TINY_MODELS.items():
-        job = load_refit_job([f"model={name}", *([] if family == "qwen3_moe" else ["training.ep=1"])])
+        args = [] if family == "qwen3_moe" else ["training.ep=1"]
+        if tiny_spec(name, "float32").hybrid is not None:  # planned, not trained by the local job
+            ckpt = make_tiny_checkpoint(tmp_path / name, family=family, dtype="float32")
+            assert load_model_spec(ckpt, dtype="float32") == tiny_spec(name, "float32"), name
+            for model in (name, ckpt):  # refused in one line, before anything starts
+                with pytest.raises(ConfigError, match=f"model={model}: the local job trains ") as exc:
+                    load_refit_job([f"model={model}", *args])
+                assert "\n" not in str(exc.value)
+            continue
+        job = load_refit_job([f"model={name}", *args])
         ckpt = make_tiny_checkpoint(tmp_path / name, family=family, dtype=job.dtype)
         assert load_model_spec(ckpt, dtype=job.dtype) == job.spec, name
-        assert load_refit_job([f"model={ckpt}", *([] if family == "qwen3_moe" else ["training.ep=1"])]).checkpoint == ckpt
+        assert load_refit_job([f"model={ckpt}", *args]).checkpoint == ckpt
 
 
 def test_refit_job_with_a_draft_plans_it_with_the_target_or_says_why_not_in_one_line():

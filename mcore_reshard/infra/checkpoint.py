@@ -1,7 +1,7 @@
 """HF checkpoints on disk: read one as canonical tensors, or write a tiny random one.
 
 ``load_canonical`` is how a refit job and the tests load weights by HF name. The tiny random
-checkpoints (Qwen3, Qwen3-MoE, Llama-3, Qwen2 with qkv bias, DeepSeek-V3), written by transformers, are the
+checkpoints (one per model family, ``layout.families``), written by transformers, are the
 built-in models of the demo job and the tests: no hub and no tokenizer, token ids in and out.
 """
 
@@ -10,72 +10,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TINY_DENSE", "TINY_MOE", "TINY_DEEPSEEK_V3", "TINY_DENSE_128", "TINY_MOE_128", "TINY_FAMILIES", "tiny_config", "make_tiny_checkpoint", "load_canonical"]
+from ..layout.families import FAMILIES, family_of_config
+from ..layout.families.deepseek_v3 import TINY_DEEPSEEK_V3
+from ..layout.families.dense import TINY_QWEN3
+from ..layout.families.nemotron_h import TINY_NEMOTRON_H
+from ..layout.families.qwen3_moe import TINY_QWEN3_MOE
 
-#: Small enough for seconds-long CPU tests, shaped so that every layout rule is exercised:
-#: GQA with P = 4 query heads per group, qk-norm, vocab not a multiple of 64 (vLLM pads it).
-TINY_DENSE: dict[str, Any] = dict(
-    architectures=["Qwen3ForCausalLM"],
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    head_dim=32,  # the vLLM CPU attention backend supports head_dim >= 32
-    vocab_size=1000,
-    max_position_embeddings=512,
-    rope_theta=1_000_000.0,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-)
+__all__ = ["TINY_DENSE", "TINY_MOE", "TINY_DEEPSEEK_V3", "TINY_DENSE_128", "TINY_MOE_128", "TINY_FAMILIES", "tiny_config", "make_tiny_checkpoint", "load_canonical", "checkpoint_form",
+           "plan_shapes"]
 
-TINY_MOE: dict[str, Any] = dict(
-    TINY_DENSE,
-    architectures=["Qwen3MoeForCausalLM"],
-    num_experts=8,
-    num_experts_per_tok=2,
-    moe_intermediate_size=32,
-    decoder_sparse_step=1,
-    mlp_only_layers=[],
-    norm_topk_prob=True,
-)
-
-#: DeepSeek-V3 shaped: MLA with q_lora (set ``q_lora_rank=None`` for a plain q_proj), one dense
-#: first layer, then MoE layers with a shared expert and a sigmoid router with
-#: e_score_correction_bias. vLLM's CPU MLA kernel compiles only for kv_lora_rank 512 + rope 64;
-#: one expert group (megatron and HF score groups differently).
-TINY_DEEPSEEK_V3: dict[str, Any] = dict(
-    architectures=["DeepseekV3ForCausalLM"],
-    hidden_size=64,
-    intermediate_size=128,
-    moe_intermediate_size=32,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    q_lora_rank=32,
-    kv_lora_rank=512,
-    qk_nope_head_dim=32,
-    qk_rope_head_dim=64,
-    v_head_dim=32,
-    n_routed_experts=8,
-    n_shared_experts=1,
-    num_experts_per_tok=2,
-    first_k_dense_replace=1,
-    moe_layer_freq=1,
-    n_group=1,
-    topk_group=1,
-    topk_method="noaux_tc",
-    scoring_func="sigmoid",
-    routed_scaling_factor=2.5,
-    norm_topk_prob=True,
-    num_nextn_predict_layers=0,
-    vocab_size=1000,
-    max_position_embeddings=512,
-    rope_theta=10000.0,
-    rope_scaling=None,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-)
+#: Every family's tiny config is written with its table (``layout.families``): Qwen3 dense
+#: (GQA with P = 4, qk-norm, vocab not a multiple of 64), Qwen3-MoE, DeepSeek-V3 (MLA, shared
+#: expert, router bias, a dense first layer) and the rest.
+TINY_DENSE: dict[str, Any] = TINY_QWEN3
+TINY_MOE: dict[str, Any] = TINY_QWEN3_MOE
 
 #: FP8 rollout's tiny models: every linear a whole number of 128x128 blocks, as vLLM's CPU
 #: block-FP8 kernels need (K-block 128; every merged shard but the last, and the MoE
@@ -93,27 +41,18 @@ TINY_DENSE_128: dict[str, Any] = dict(
 TINY_MOE_128: dict[str, Any] = dict(TINY_MOE, **{k: v for k, v in TINY_DENSE_128.items() if k != "architectures"},
                                     moe_intermediate_size=256)
 
-#: The same tiny shape in every dense family the specs support (Llama-3: no qk-norm; Qwen2:
-#: qkv bias, no qk-norm). Keys the family's config class does not know are dropped.
+#: Every family's tiny model by family name, and a few variants: DeepSeek-V3 with one MTP
+#: layer (speculative decoding's draft, ``layout.mtp``) and the FP8 rollout's 128-wide models.
+#: Keys the family's config class does not know are dropped.
 TINY_FAMILIES: dict[str, dict[str, Any]] = {
-    "qwen3": TINY_DENSE,
-    "qwen3_moe": TINY_MOE,
-    "llama": dict(TINY_DENSE, architectures=["LlamaForCausalLM"], attention_bias=False, mlp_bias=False),
-    # Qwen2's config has no head_dim (it is hidden / heads): 128 / 4 keeps it at 32.
-    "qwen2": dict(TINY_DENSE, architectures=["Qwen2ForCausalLM"], hidden_size=128, num_attention_heads=4),
-    "deepseek_v3": TINY_DEEPSEEK_V3,
-    # with one MTP layer (speculative decoding's draft, ``layout.mtp``)
+    **{name: dict(fam.tiny) for name, fam in FAMILIES.items()},
     "deepseek_v3_mtp": dict(TINY_DEEPSEEK_V3, num_nextn_predict_layers=1),
     "qwen3_128": TINY_DENSE_128,
     "qwen3_moe_128": TINY_MOE_128,
-}
-
-_CONFIG_CLASSES = {
-    "Qwen3ForCausalLM": "Qwen3Config",
-    "Qwen3MoeForCausalLM": "Qwen3MoeConfig",
-    "LlamaForCausalLM": "LlamaConfig",
-    "Qwen2ForCausalLM": "Qwen2Config",
-    "DeepseekV3ForCausalLM": "DeepseekV3Config",
+    # Nemotron-H with one Mamba group (vLLM replicates it on every TP rank), and with a MoE layer
+    # (non-gated relu2 experts: vLLM's CPU FusedMoE refuses them, ``is_act_and_mul=False``)
+    "nemotron_h_g1": dict(TINY_NEMOTRON_H, n_groups=1),
+    "nemotron_h_moe": dict(TINY_NEMOTRON_H, layers_block_type=["mamba", "moe", "attention", "mamba", "mlp"]),
 }
 
 
@@ -126,23 +65,27 @@ def tiny_config(family: str = "qwen3", overrides: dict[str, Any] | None = None) 
 
 def make_tiny_checkpoint(path: str | Path, overrides: dict[str, Any] | None = None, *, moe: bool = False,
                          dtype: str = "float32", seed: int = 0, family: str | None = None,
-                         weight_std: float = 0.05) -> Path:
+                         weight_std: float | None = None) -> Path:
     """Write a random-weight HF checkpoint to ``path`` and return it.
 
     ``family``: qwen3 (default; qwen3_moe when ``moe``), llama, qwen2 or deepseek_v3. Norm
     weights are randomised too (HF initialises them to ones, which would hide a norm mapped to
     the wrong tensor), and so are biases and DeepSeek's router bias (a buffer, zero in HF).
-    Matrices are N(0, ``weight_std``): 0.05 by default (large enough that tests see every
-    element); 0.02 is the ``initializer_range`` of published Qwen3 / Llama configs, the spread
-    a delta refit's measurements use (how many bf16 elements a step changes depends on it).
+    Matrices are N(0, ``weight_std``): by default the family's ``tiny_std``, 0.05 for most
+    (large enough that tests see every element; gpt-oss 0.2: at 0.02 its tiny model repeats one
+    token under greedy decoding); 0.02 is the ``initializer_range`` of published Qwen3 / Llama
+    configs, the spread a delta refit's measurements use (how many bf16 elements a step changes
+    depends on it).
     """
     import torch
     import transformers
 
     cfg_kwargs = tiny_config(family or ("qwen3_moe" if moe else "qwen3"), overrides)
     arch = cfg_kwargs["architectures"][0]
-    config_cls = getattr(transformers, _CONFIG_CLASSES[arch])
-    config = config_cls(**{k: v for k, v in cfg_kwargs.items() if k != "architectures"})
+    fam = family_of_config(cfg_kwargs)
+    model_type = fam.model_types[0]
+    weight_std = fam.tiny_std if weight_std is None else weight_std
+    config = transformers.AutoConfig.for_model(model_type, **{k: v for k, v in cfg_kwargs.items() if k != "architectures"})
     config.architectures = [arch]
     torch.manual_seed(seed)
     model_cls = getattr(transformers, arch)
@@ -199,13 +142,37 @@ def _write_mtp_layers(out: Path, main: dict, weight_std: float) -> None:
 
 
 def load_canonical(path: str | Path) -> dict[str, "torch.Tensor"]:  # noqa: F821
-    """All tensors of a safetensors checkpoint directory, by HF name."""
+    """All tensors of a safetensors checkpoint directory, by HF name, in the plan's shapes: a
+    tensor the family's table addresses in a finer shape of the same storage (gpt-oss's
+    interleaved gate/up, ``ModelSpec.checkpoint_shapes``) is reshaped to it (a view)."""
     from safetensors.torch import load_file
 
     tensors: dict[str, Any] = {}
     for f in sorted(Path(path).glob("*.safetensors")):
         tensors.update(load_file(str(f)))
+    for name, shape in plan_shapes(path).items():
+        if name in tensors:
+            tensors[name] = tensors[name].reshape(shape)
     return tensors
+
+
+def plan_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Name -> the plan's shape of each tensor whose checkpoint shape differs (none when the
+    directory has no ``config.json``)."""
+    from ..layout.spec import load_model_spec
+
+    if not (Path(path) / "config.json").is_file():
+        return {}
+    spec = load_model_spec(path)
+    table = spec.tensor_table()
+    return {name: table[name][0] for name in spec.checkpoint_shapes()}
+
+
+def checkpoint_form(tensors: dict[str, "torch.Tensor"], spec: Any) -> dict[str, "torch.Tensor"]:  # noqa: F821
+    """``tensors`` (canonical, the plan's shapes) as an HF checkpoint holds them: the inverse
+    of :func:`load_canonical`'s reshape, before a save or vLLM's own ``load_weights``."""
+    shapes = spec.checkpoint_shapes()
+    return {n: (t.reshape(shapes[n]) if n in shapes else t) for n, t in tensors.items()}
 
 
 def save_peft_adapter(path: str | Path, config: dict, tensors: dict[str, "torch.Tensor"]) -> Path:  # noqa: F821

@@ -165,11 +165,19 @@ def module_io(spec: ModelSpec, module: str, expert: bool = False) -> tuple[int, 
     return projection_io(spec, projs[0], expert)[0], sum(projection_io(spec, p, expert)[1] for p in projs)
 
 
+#: The families whose adapters the LoRA layouts describe (GQA attention, dense SwiGLU MLPs,
+#: per-expert routed experts without biases).
+LORA_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+
+
 def check_lora(spec: ModelSpec, peft: PeftConfig) -> None:
     """What the adapter layouts describe: GQA attention, dense MLPs and routed experts (without
     shared experts). One line otherwise."""
     if spec.mla is not None:
         raise LayoutError("peft: LoRA on MLA attention (DeepSeek-V3) is not described yet")
+    if spec.arch not in LORA_FAMILIES:
+        raise LayoutError(f"peft: LoRA on {spec.family.title} ({spec.arch}) is not described yet; the adapter "
+                          f"layouts describe {list(LORA_FAMILIES)}")
     moe_mlp = [m for m in ("linear_fc1", "linear_fc2") if m in peft.modules]
     if spec.moe_layers and moe_mlp and spec.shared_intermediate:
         raise LayoutError(f"peft.target_modules: {moe_mlp} on a MoE model with shared experts: their adapters are "

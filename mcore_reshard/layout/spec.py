@@ -9,10 +9,17 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from .descriptor import DTYPE_BYTES, LayoutError
+from .families import family, family_of_config
+from .families.deepseek_v3 import MLA
+from .hybrid import Hybrid
+
+if TYPE_CHECKING:
+    from .family import Family
 
 __all__ = ["ModelSpec", "MLA", "CanonicalTensor", "ROUTER_BIAS_DTYPE", "load_model_spec", "spec_from_hf_config"]
 
@@ -22,50 +29,20 @@ __all__ = ["ModelSpec", "MLA", "CanonicalTensor", "ROUTER_BIAS_DTYPE", "load_mod
 #: bits, reinterpreted (``TransferPlan.reinterpret``), never cast.
 ROUTER_BIAS_DTYPE = "float32"
 
-_SUPPORTED = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "DeepseekV3ForCausalLM": "deepseek_v3",
-}
-#: ``model_type`` -> arch, for configs without ``architectures`` (Kimi-K2 names its type
-#: ``kimi_k2`` but is a DeepseekV3ForCausalLM with other sizes).
-_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
-                "deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3"}
-
-
-@dataclass(frozen=True, slots=True)
-class MLA:
-    """Multi-head latent attention sizes (DeepSeek-V2/V3), in the HF config's names.
-
-    ``q_lora_rank`` None: queries come from one ``q_proj`` instead of ``q_a_proj`` ->
-    ``q_a_layernorm`` -> ``q_b_proj`` (Moonlight, DeepSeek-V2-Lite).
-    """
-
-    q_lora_rank: int | None
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-
 @dataclass(frozen=True, slots=True)
 class CanonicalTensor:
     name: str
     shape: tuple[int, ...]
     dtype: str
+    #: The HF checkpoint's shape where the plan addresses a finer view of the same storage.
+    checkpoint: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     """Architecture facts both layouts are derived from (no weights)."""
 
-    arch: str  # llama | qwen2 | qwen3 | qwen3_moe | deepseek_v3
+    arch: str  # the family's name (``layout.families.FAMILIES``): llama | qwen2 | qwen3 | qwen3_moe | deepseek_v3 | ...
     hidden: int
     num_layers: int
     num_heads: int
@@ -75,6 +52,8 @@ class ModelSpec:
     vocab: int
     tied: bool = False
     qkv_bias: bool = False
+    #: ``o_proj`` carries a bias (gpt-oss's ``attention_bias`` covers it; Llama's is refused).
+    o_bias: bool = False
     qk_norm: bool = False
     num_experts: int = 0
     moe_intermediate: int = 0
@@ -91,6 +70,9 @@ class ModelSpec:
     #: Multi-token-prediction layers after the decoder (``num_nextn_predict_layers``): in the
     #: HF checkpoint as ``model.layers.{L+i}``, not described (no side below holds them).
     mtp_layers: int = 0
+    #: Hybrid families (Nemotron-H, Qwen3-Next): each layer's mixer and the Mamba / GDN sizes
+    #: (``layout.hybrid``); None: every layer is attention + MLP/MoE.
+    hybrid: Hybrid | None = None
     dtype: str = "bfloat16"
     rope_theta: float = 1_000_000.0
     rms_eps: float = 1e-6
@@ -124,74 +106,23 @@ class ModelSpec:
     def with_dtype(self, dtype: str) -> "ModelSpec":
         return replace(self, dtype=dtype)
 
-    def _mla_tensors(self, p: str) -> list[CanonicalTensor]:
-        m, H, nH, dt = self.mla, self.hidden, self.num_heads, self.dtype
-        assert m is not None
-        a = p + "self_attn."
-        if m.q_lora_rank is None:
-            out = [CanonicalTensor(a + "q_proj.weight", (nH * m.qk_head_dim, H), dt)]
-        else:
-            out = [CanonicalTensor(a + "q_a_proj.weight", (m.q_lora_rank, H), dt),
-                   CanonicalTensor(a + "q_a_layernorm.weight", (m.q_lora_rank,), dt),
-                   CanonicalTensor(a + "q_b_proj.weight", (nH * m.qk_head_dim, m.q_lora_rank), dt)]
-        return out + [
-            CanonicalTensor(a + "kv_a_proj_with_mqa.weight", (m.kv_lora_rank + m.qk_rope_head_dim, H), dt),
-            CanonicalTensor(a + "kv_a_layernorm.weight", (m.kv_lora_rank,), dt),
-            CanonicalTensor(a + "kv_b_proj.weight", (nH * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank), dt),
-            CanonicalTensor(a + "o_proj.weight", (H, nH * m.v_head_dim), dt),
-        ]
+    @property
+    def family(self) -> "Family":
+        """The family table this spec is read by (``layout.families``)."""
+        return family(self.arch)
 
     def layer_tensors(self, layer: int) -> list[CanonicalTensor]:
-        """HF tensors of decoder layer ``layer``, in HF order."""
-        H, D, dt = self.hidden, self.head_dim, self.dtype
-        p = f"model.layers.{layer}."
-        out = [CanonicalTensor(p + "input_layernorm.weight", (H,), dt)]
-        if self.mla is not None:
-            out.extend(self._mla_tensors(p))
-        for proj, rows in (() if self.mla else
-                           (("q", self.num_heads * D), ("k", self.num_kv_heads * D), ("v", self.num_kv_heads * D))):
-            out.append(CanonicalTensor(f"{p}self_attn.{proj}_proj.weight", (rows, H), dt))
-            if self.qkv_bias:
-                out.append(CanonicalTensor(f"{p}self_attn.{proj}_proj.bias", (rows,), dt))
-        if self.mla is None:
-            out.append(CanonicalTensor(p + "self_attn.o_proj.weight", (H, self.num_heads * D), dt))
-        if self.qk_norm:
-            out.append(CanonicalTensor(p + "self_attn.q_norm.weight", (D,), dt))
-            out.append(CanonicalTensor(p + "self_attn.k_norm.weight", (D,), dt))
-        out.append(CanonicalTensor(p + "post_attention_layernorm.weight", (H,), dt))
-        if self.is_moe(layer):
-            F = self.moe_intermediate
-            out.append(CanonicalTensor(p + "mlp.gate.weight", (self.num_experts, H), dt))
-            if self.router_bias:
-                out.append(CanonicalTensor(p + "mlp.gate.e_score_correction_bias", (self.num_experts,),
-                                           ROUTER_BIAS_DTYPE))
-            for e in range(self.num_experts):
-                q = f"{p}mlp.experts.{e}."
-                out.append(CanonicalTensor(q + "gate_proj.weight", (F, H), dt))
-                out.append(CanonicalTensor(q + "up_proj.weight", (F, H), dt))
-                out.append(CanonicalTensor(q + "down_proj.weight", (H, F), dt))
-            if self.shared_intermediate:
-                S, q = self.shared_intermediate, p + "mlp.shared_experts."
-                out.append(CanonicalTensor(q + "gate_proj.weight", (S, H), dt))
-                out.append(CanonicalTensor(q + "up_proj.weight", (S, H), dt))
-                out.append(CanonicalTensor(q + "down_proj.weight", (H, S), dt))
-        else:
-            F = self.intermediate
-            out.append(CanonicalTensor(p + "mlp.gate_proj.weight", (F, H), dt))
-            out.append(CanonicalTensor(p + "mlp.up_proj.weight", (F, H), dt))
-            out.append(CanonicalTensor(p + "mlp.down_proj.weight", (H, F), dt))
-        return out
+        """HF tensors of decoder layer ``layer``, in HF order (the family's rows)."""
+        return list(_layer_tensors(self, layer))
 
     def tensors(self) -> dict[str, CanonicalTensor]:
         """All HF tensors of the model, keyed by name, in HF order (lm_head absent if tied)."""
-        dt = self.dtype
-        items = [CanonicalTensor("model.embed_tokens.weight", (self.vocab, self.hidden), dt)]
-        for layer in range(self.num_layers):
-            items.extend(self.layer_tensors(layer))
-        items.append(CanonicalTensor("model.norm.weight", (self.hidden,), dt))
-        if not self.tied:
-            items.append(CanonicalTensor("lm_head.weight", (self.vocab, self.hidden), dt))
-        return {t.name: t for t in items}
+        return dict(_tensors(self))
+
+    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The HF checkpoint's shape of every tensor the plan addresses in a finer shape of the
+        same row-major storage (gpt-oss's interleaved gate/up): loaders reshape by it."""
+        return {t.name: t.checkpoint for t in _tensors(self).values() if t.checkpoint is not None}
 
     def tensor_table(self) -> dict[str, tuple[tuple[int, ...], str]]:
         """name -> (global shape, dtype): the ``SideLayout.tensors`` form."""
@@ -202,78 +133,32 @@ class ModelSpec:
 
 
 def spec_from_hf_config(cfg: Mapping[str, Any], *, dtype: str | None = None, name: str = "") -> ModelSpec:
-    """Build a :class:`ModelSpec` from a transformers config (dict or ``PretrainedConfig``)."""
+    """Build a :class:`ModelSpec` from a transformers config (dict or ``PretrainedConfig``):
+    the fields every family shares, then the family's own reader (``Family.read``)."""
     if hasattr(cfg, "to_dict"):
         cfg = cfg.to_dict()
-    archs = cfg.get("architectures") or []
-    arch = next((_SUPPORTED[a] for a in archs if a in _SUPPORTED), None)
-    if arch is None:
-        arch = _MODEL_TYPES.get(cfg.get("model_type", ""))
-    if arch is None:
-        raise LayoutError(
-            f"unsupported architecture {archs or cfg.get('model_type')!r}; supported: {sorted(_SUPPORTED)}"
-        )
+    fam = family_of_config(cfg)
     H = int(cfg["hidden_size"])
     nH = int(cfg["num_attention_heads"])
-    nKV = int(cfg.get("num_key_value_heads") or nH)
-    D = int(cfg.get("head_dim") or H // nH)
-    L = int(cfg["num_hidden_layers"])
-    moe_layers: tuple[int, ...] = ()
-    E = F_moe = topk = 0
-    if arch == "qwen3_moe":
-        E = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)  # transformers 5 renamed it
-        F_moe = int(cfg["moe_intermediate_size"])
-        topk = int(cfg.get("num_experts_per_tok", 0))
-        step = int(cfg.get("decoder_sparse_step", 1) or 1)
-        only = set(cfg.get("mlp_only_layers") or [])
-        moe_layers = tuple(i for i in range(L) if i not in only and E > 0 and (i + 1) % step == 0)
-    mla, shared, router_bias, mtp = None, 0, False, 0
-    if arch == "deepseek_v3":
-        mla = MLA(
-            q_lora_rank=int(cfg["q_lora_rank"]) if cfg.get("q_lora_rank") else None,
-            kv_lora_rank=int(cfg["kv_lora_rank"]),
-            qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
-            qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
-            v_head_dim=int(cfg["v_head_dim"]),
-        )
-        nKV, D = nH, mla.qk_head_dim  # MLA has no KV heads; D only names the per-head q width
-        E = int(cfg.get("n_routed_experts") or 0)
-        F_moe = int(cfg.get("moe_intermediate_size") or 0)
-        topk = int(cfg.get("num_experts_per_tok") or 0)
-        # vLLM's DeepseekV2DecoderLayer rule (transformers 5 ignores moe_layer_freq; every
-        # published config has 1, where the two agree).
-        first, freq = int(cfg.get("first_k_dense_replace") or 0), int(cfg.get("moe_layer_freq") or 1)
-        moe_layers = tuple(i for i in range(L) if E > 0 and i >= first and i % freq == 0)
-        shared = F_moe * int(cfg.get("n_shared_experts") or 0)
-        router_bias = cfg.get("topk_method") == "noaux_tc"
-        mtp = int(cfg.get("num_nextn_predict_layers") or 0)
-    torch_dtype = dtype or str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").replace("torch.", "")
-    return ModelSpec(
-        arch=arch,
+    fields: dict[str, Any] = dict(
         hidden=H,
-        num_layers=L,
+        num_layers=int(cfg["num_hidden_layers"]) if "num_hidden_layers" in cfg else None,
         num_heads=nH,
-        num_kv_heads=nKV,
-        head_dim=D,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or nH),
+        head_dim=int(cfg.get("head_dim") or H // nH),
         intermediate=int(cfg.get("intermediate_size", 0)),
         vocab=int(cfg["vocab_size"]),
         tied=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=True if arch == "qwen2" else bool(cfg.get("attention_bias", False)),
-        qk_norm=arch in ("qwen3", "qwen3_moe"),
-        num_experts=E,
-        moe_intermediate=F_moe,
-        moe_topk=topk,
-        moe_layers=moe_layers,
-        mla=mla,
-        shared_intermediate=shared,
-        router_bias=router_bias,
-        mtp_layers=mtp,
-        dtype=torch_dtype,
+        qkv_bias=bool(cfg.get("attention_bias", False)),
         rope_theta=float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
         rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        name=name or str(cfg.get("_name_or_path", "")),
-        hf_config=dict(cfg),
     )
+    fields.update(fam.read(cfg))  # a family may read its depth elsewhere (Nemotron-H: its layer pattern)
+    if fields["num_layers"] is None:
+        raise LayoutError(f"{fam.title} config has no num_hidden_layers")
+    torch_dtype = dtype or str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").replace("torch.", "")
+    return ModelSpec(arch=fam.name, dtype=torch_dtype, name=name or str(cfg.get("_name_or_path", "")),
+                     hf_config=dict(cfg), **fields)
 
 
 def load_model_spec(path: str | Path, *, dtype: str | None = None) -> ModelSpec:
@@ -288,3 +173,47 @@ def load_model_spec(path: str | Path, *, dtype: str | None = None) -> ModelSpec:
     except json.JSONDecodeError as exc:
         raise LayoutError(f"model config {str(p)!r} is not valid JSON: {exc}") from exc
     return spec_from_hf_config(cfg, dtype=dtype, name=p.parent.name if p.name == "config.json" else p.stem)
+
+
+# ----------------------------------------------------------------------------- the family's rows
+
+
+@lru_cache(maxsize=4096)
+def _layer_tensors(spec: ModelSpec, layer: int) -> tuple[CanonicalTensor, ...]:
+    fam = spec.family
+    dims, flags = fam.dims(spec), fam.flags(spec)
+    out: dict[str, CanonicalTensor] = {}
+    p = fam.hf_layer.format(layer=layer)
+    for _, block in fam.layer_blocks(spec, layer):
+        experts = range(spec.num_experts) if block.experts and not block.stacked else (None,)
+        for e in experts:
+            for row in block.rows:
+                if fam.present(row, flags):
+                    _add(out, p + (row.hf if e is None else row.hf.format(e=e)), row, fam, dims, spec.dtype)
+    return tuple(out.values())
+
+
+@lru_cache(maxsize=16)
+def _tensors(spec: ModelSpec) -> dict[str, CanonicalTensor]:
+    fam = spec.family
+    dims, flags = fam.dims(spec), fam.flags(spec)
+    out: dict[str, CanonicalTensor] = {}
+    for row in fam.pre:
+        if fam.present(row, flags):
+            _add(out, row.hf, row, fam, dims, spec.dtype)
+    for layer in range(spec.num_layers):
+        for t in _layer_tensors(spec, layer):
+            out[t.name] = t
+    for row in fam.post:
+        if fam.present(row, flags):
+            _add(out, row.hf, row, fam, dims, spec.dtype)
+    return out
+
+
+def _add(out: dict[str, CanonicalTensor], name: str, row: Any, fam: Any, dims: Mapping[str, int], dtype: str) -> None:
+    """One row's canonical tensor (rows sharing a fused tensor name it once, alike)."""
+    t = CanonicalTensor(name, fam.resolve(row.shape, dims), row.dtype or dtype,
+                        None if row.checkpoint is None else fam.resolve(row.checkpoint, dims))
+    prev = out.setdefault(name, t)
+    if prev != t:
+        raise LayoutError(f"family {fam.name}: rows name {name} twice with different shapes ({prev.shape}, {t.shape})")

@@ -4,7 +4,8 @@ dict). Every bad setting raises :class:`~mcore_reshard.errors.ConfigError` with 
 naming the key, before anything starts."""
 
 from ..errors import ConfigError
-from .limits import MAX_LOCAL_PROCESSES, MAX_PLAN_TRANSFERS, MAX_WORLD, check_world, local_cpu_problem
+from .limits import (MAX_LOCAL_PROCESSES, MAX_PLAN_TRANSFERS, MAX_WORLD, check_world, local_cpu_problem,
+                     local_train_problem)
 from .models import (CONFIG_DIR, LOCAL_DTYPES, TINY_MODELS, check_dtype, is_checkpoint_dir, load_spec,
                      resolve_model, tiny_spec)
 from .reader import (REQUIRED, Field, Section, build_dataclass, check_type, container, keys, lookup, read,
@@ -17,7 +18,7 @@ from .sources import apply_overrides, compose, load_config, load_recipe, read_re
 __all__ = [
     "ConfigError",
     # limits
-    "MAX_LOCAL_PROCESSES", "MAX_PLAN_TRANSFERS", "MAX_WORLD", "check_world", "local_cpu_problem",
+    "MAX_LOCAL_PROCESSES", "MAX_PLAN_TRANSFERS", "MAX_WORLD", "check_world", "local_cpu_problem", "local_train_problem",
     # models
     "CONFIG_DIR", "LOCAL_DTYPES", "TINY_MODELS", "check_dtype", "is_checkpoint_dir", "load_spec", "resolve_model",
     "tiny_spec",

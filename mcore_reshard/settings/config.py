@@ -35,10 +35,11 @@ from ..plan.planner import gc_paused
 from ..plan.report import PlanReport, format_bytes
 from ..plan.topology import PlacementReport, placement_report, plan_for_placement
 from ..wire.protocol import one_line
+from .models import megatron_build_problem
 from . import (CONFIG_DIR, LOCAL_DTYPES, MAX_LOCAL_PROCESSES, MAX_PLAN_TRANSFERS, MAX_WORLD, PLAN_CONFIG,
                        REFIT_CONFIG, TINY_MODELS, ConfigError, RecipeLayout, RefitConfig, build_dataclass, check_type,
                        check_world, compose, container, is_checkpoint_dir, load_config, load_spec, local_cpu_problem,
-                       read, read_recipe_file, read_section, resolve_model, resolve_recipe, sections, tiny_spec)
+                       local_train_problem, read, read_recipe_file, read_section, resolve_model, resolve_recipe, sections, tiny_spec)
 
 __all__ = [
     "CONFIG_DIR",
@@ -385,6 +386,12 @@ def load_refit_job(overrides: Sequence[str] = ()) -> RefitJob:
     if problem is not None:
         raise ConfigError(problem)
     spec, checkpoint = _job_model(model, dtype)
+    build = megatron_build_problem(spec)
+    if build is not None:
+        raise ConfigError(f"model={model!r}: {build}")
+    problem = local_train_problem(spec, model)
+    if problem is not None:
+        raise ConfigError(problem)
     for i, t in enumerate(job["tokens"]):
         if not 0 <= t < spec.vocab:
             raise ConfigError(f"job.tokens[{i}]={t} is out of range: token ids are 0 <= t < {spec.vocab} "

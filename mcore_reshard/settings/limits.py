@@ -8,8 +8,10 @@ from typing import Mapping
 from ..adapters.megatron.rules import MegatronParallel
 from ..adapters.vllm.rules import VllmParallel
 from ..errors import ConfigError
+from ..layout import ModelSpec
 
-__all__ = ["MAX_WORLD", "MAX_LOCAL_PROCESSES", "MAX_PLAN_TRANSFERS", "check_world", "local_cpu_problem", "cpu_has_amx"]
+__all__ = ["MAX_WORLD", "MAX_LOCAL_PROCESSES", "MAX_PLAN_TRANSFERS", "check_world", "local_cpu_problem",
+           "local_train_problem", "cpu_has_amx"]
 
 #: Ranks per side the metadata planner describes. Layouts are built rank by rank in memory
 #: (about 1.6k pieces per rank for a large MoE), so a typo such as ``training.dp=100000000``
@@ -68,6 +70,23 @@ def local_cpu_problem(training: MegatronParallel, vllm: VllmParallel, *,
         return (f"training world {training.world_size} + vllm world {vllm.world_size} = {procs} processes: "
                 f"the local job starts at most {MAX_LOCAL_PROCESSES} on this machine")
     return None
+
+
+def local_train_problem(spec: ModelSpec, model: str) -> str | None:
+    """Why the local job cannot train ``spec`` in megatron-core on this CPU and compare its
+    logprobs with vLLM's (one line), or None. The hybrids' layouts plan and refit here (the
+    tests refit a live Nemotron-H engine without a training step), but their training forward
+    does not run: megatron-core's Mamba has no torch fallback for its scan (mamba-ssm's
+    kernels), and its Qwen3-Next build here lacks the (1 + w) RMSNorms
+    (``layernorm_zero_centered_gamma``), so its logprobs cannot match vLLM's."""
+    h = spec.hybrid
+    if h is None:
+        return None
+    why = ("megatron-core's Mamba mixer has no CPU forward (mamba-ssm's scan kernels, no torch fallback)"
+           if "M" in h.mixers else "megatron-core's CPU build here lacks Qwen3-Next's (1 + w) RMSNorms, so trained "
+           "logprobs cannot match vLLM's")
+    return (f"model={model}: the local job trains {spec.family.title} in megatron-core on CPU, but {why}; "
+            f"`mcore-reshard plan` plans its refits")
 
 
 def cpu_has_amx() -> bool:

@@ -10,21 +10,25 @@ from typing import Any, Sequence
 from ..infra.checkpoint import tiny_config
 from ..errors import ConfigError
 from ..layout import DTYPE_BYTES, LayoutError, ModelSpec, load_model_spec, spec_from_hf_config
+from ..layout.families import FAMILIES
 from ..wire.protocol import one_line
 from .reader import check_type
 
 __all__ = ["CONFIG_DIR", "TINY_MODELS", "LOCAL_DTYPES", "check_dtype", "resolve_model", "load_spec", "tiny_spec",
-           "is_checkpoint_dir"]
+           "is_checkpoint_dir", "megatron_build_problem"]
 
 #: Top-level ``configs/`` of the repository (override with MCORE_RESHARD_CONFIG_DIR).
 CONFIG_DIR = Path(os.environ.get("MCORE_RESHARD_CONFIG_DIR", Path(__file__).resolve().parents[2] / "configs"))
 
 #: Built-in random-weight models of the local jobs -> their family in ``mcore_reshard.infra.checkpoint``
-#: (written by the job at run time; settings only build their spec, from the same config dict).
+#: (written by the job at run time; settings only build their spec, from the same config dict):
+#: the names below, then ``tiny-<family>`` for every other family's table (``tiny-gpt-oss``,
+#: ``tiny-glm4-moe``, ...).
 TINY_MODELS: dict[str, str] = {"tiny-moe": "qwen3_moe", "tiny-dense": "qwen3", "tiny-llama": "llama",
                                "tiny-qwen2": "qwen2", "tiny-deepseek-v3": "deepseek_v3",
                                "tiny-deepseek-v3-mtp": "deepseek_v3_mtp",
                                "tiny-dense-128": "qwen3_128", "tiny-moe-128": "qwen3_moe_128"}
+TINY_MODELS.update({"tiny-" + name.replace("_", "-"): name for name in FAMILIES if name not in TINY_MODELS.values()})
 #: Dtypes the local CPU job can train and serve in.
 LOCAL_DTYPES = ("float32", "bfloat16")  # what the CPU training stack builds (TrainSettings)
 
@@ -65,6 +69,20 @@ def load_spec(path: Path, dtype: str | None, what: str, ref: str) -> ModelSpec:
 def tiny_spec(model: str, dtype: str) -> ModelSpec:
     """The spec of a built-in tiny model from its config dict: no file is written."""
     return spec_from_hf_config(tiny_config(TINY_MODELS[model]), dtype=dtype, name=model)
+
+
+def megatron_build_problem(spec: ModelSpec) -> str | None:
+    """Why the local job's megatron-core build cannot build ``spec``'s family as configured
+    (its table's ``megatron_config`` refuses: gpt-oss's YaRN RoPE, DeepSeek-V3's grouped
+    routing, ...), or None -- known before any process starts (the table is pure data)."""
+    fam = spec.family
+    if fam.megatron_config is None:
+        return None
+    try:
+        fam.megatron_config(spec)
+    except (LayoutError, ValueError) as exc:
+        return one_line(exc)
+    return None
 
 
 def is_checkpoint_dir(path: str | Path) -> bool:

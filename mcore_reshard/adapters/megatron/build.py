@@ -3,8 +3,9 @@
 
 ``build_gpt`` builds the same architecture as the HF checkpoint a :class:`ModelSpec` describes
 (Qwen3 / Qwen3-MoE / Llama: SwiGLU, RMSNorm, GQA, optional qk-norm, RoPE, no bias; DeepSeek-V3:
-MLA, shared experts, sigmoid router with expert bias, dense first layers), so that a
-checkpoint loaded through the descriptors must reproduce HF's logits. ``run_world`` spawns one
+MLA, shared experts, sigmoid router with expert bias, dense first layers; gpt-oss; GLM-4.5:
+each family's own TransformerConfig fields come from its table, ``Family.megatron_config``),
+so that a checkpoint loaded through the descriptors must reproduce HF's logits. ``run_world`` spawns one
 process per rank (torch.multiprocessing, spawn) for tests and the refit job.
 """
 
@@ -55,18 +56,23 @@ def init_megatron(par: MegatronParallel, rank: int, world: int, master_addr: str
     model_parallel_cuda_manual_seed(1234)
 
 
+#: Fields a family's ``megatron_config`` may return that are ``GPTModel`` arguments, not
+#: TransformerConfig fields.
+_MODEL_ARGS = ("rotary_percent", "rotary_base")
+
+
 def megatron_config(spec: ModelSpec, par: MegatronParallel, dtype: str | None = None):
-    """The TransformerConfig for ``spec`` (fusions off: they need CUDA kernels)."""
+    """The TransformerConfig for ``spec`` (fusions off: they need CUDA kernels): the fields
+    every family shares, then its table's own (``Family.megatron_config``: pure data, named
+    activations resolved here)."""
     import torch
-    import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     if par.layer_spec != "local" or par.experts != "sequential":
         raise ValueError("CPU builds support layer_spec='local' with sequential experts only")
     torch_dtype = getattr(torch, dtype or spec.dtype)
-    moe = bool(spec.moe_layers)
-    kw: dict[str, Any] = {}
-    if moe:
+    kw: dict[str, Any] = dict(activation_func="silu")
+    if spec.moe_layers:
         kw.update(
             num_moe_experts=spec.num_experts,
             moe_ffn_hidden_size=spec.moe_intermediate,
@@ -79,11 +85,12 @@ def megatron_config(spec: ModelSpec, par: MegatronParallel, dtype: str | None = 
             moe_aux_loss_coeff=0.0,
             moe_token_dispatcher_type="alltoall" if par.ep > 1 else "allgather",
         )
-    config_cls = TransformerConfig
-    if spec.mla is not None:
-        config_cls = MLATransformerConfig
-        kw.update(_deepseek_kwargs(spec))
-    return config_cls(
+    fam = spec.family
+    if fam.megatron_config is not None:
+        kw.update({k: v for k, v in fam.megatron_config(spec).items() if k not in _MODEL_ARGS})
+    kw["activation_func"] = _activation(kw["activation_func"])
+    config_cls = MLATransformerConfig if spec.mla is not None else TransformerConfig
+    return config_cls(**{**dict(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden,
         num_attention_heads=spec.num_heads,
@@ -93,7 +100,6 @@ def megatron_config(spec: ModelSpec, par: MegatronParallel, dtype: str | None = 
         normalization="RMSNorm",
         layernorm_epsilon=spec.rms_eps,
         gated_linear_unit=True,
-        activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=spec.qkv_bias,
         qk_layernorm=spec.qk_norm or spec.mla is not None,  # MLA: q/kv_a_layernorm (local spec)
@@ -118,42 +124,35 @@ def megatron_config(spec: ModelSpec, par: MegatronParallel, dtype: str | None = 
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
         bias_dropout_fusion=False,
-        **kw,
-    )
+    ), **kw})
 
 
-def _deepseek_kwargs(spec: ModelSpec) -> dict[str, Any]:
-    """MLA and DeepSeek-V3 router settings from the HF config (``MLATransformerConfig``).
+def _relu2(x):
+    """Nemotron-H's squared ReLU (HF ``relu2``)."""
+    import torch
 
-    Plain RoPE only (HF ``rope_scaling`` null): megatron's MLA de-interleaves the rope dims as
-    HF's ``rope_interleave`` does. Routing as HF's ``DeepseekV3TopkRouter``: sigmoid scores,
-    top-k on scores + bias, weights renormalised then scaled; group-limited routing only with
-    one group (megatron scores a group by its top ``topk/group_topk`` experts, HF by its top 2).
-    """
-    m, hf = spec.mla, spec.hf_config
-    assert m is not None
-    if (hf.get("rope_scaling") or {}).get("type", "default") not in ("default",):
-        raise ValueError("the CPU build supports DeepSeek-V3 with plain RoPE only (rope_scaling null)")
-    kw: dict[str, Any] = dict(
-        multi_latent_attention=True,
-        q_lora_rank=m.q_lora_rank,
-        kv_lora_rank=m.kv_lora_rank,
-        qk_head_dim=m.qk_nope_head_dim,
-        qk_pos_emb_head_dim=m.qk_rope_head_dim,
-        v_head_dim=m.v_head_dim,
-        rope_type="rope",
-        rotary_scaling_factor=1.0,
-    )
-    if spec.moe_layers:
-        if int(hf.get("n_group") or 1) != 1:
-            raise ValueError("the CPU build supports n_group=1 only (megatron and HF score groups differently)")
-        kw.update(
-            moe_router_score_function=str(hf.get("scoring_func", "sigmoid")),
-            moe_router_enable_expert_bias=spec.router_bias,
-            moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-            moe_shared_expert_intermediate_size=spec.shared_intermediate or None,
-        )
-    return kw
+    return torch.square(torch.relu(x))
+
+
+def _activation(name: Any):
+    """A family's activation by name (``"silu"``, ``"quick_gelu"``: gpt-oss's
+    ``x * sigmoid(1.702 x)``, ``"relu2"``: Nemotron-H's), or a callable as given."""
+    if callable(name):
+        return name
+    import torch.nn.functional as F
+    from megatron.core.activations import quick_gelu
+
+    known = {"silu": F.silu, "quick_gelu": quick_gelu, "relu2": _relu2}
+    if name not in known:
+        raise ValueError(f"activation {name!r} is not one of {sorted(known)}")
+    return known[name]
+
+
+def model_args(spec: ModelSpec) -> dict[str, Any]:
+    """``GPTModel`` arguments the family's table sets (``rotary_percent``, ``rotary_base``)."""
+    fam = spec.family
+    extra = fam.megatron_config(spec) if fam.megatron_config is not None else {}
+    return {"rotary_base": int(spec.rope_theta), **{k: v for k, v in extra.items() if k in _MODEL_ARGS}}
 
 
 def _mla_core_attention():
@@ -239,7 +238,7 @@ def build_gpt(spec: ModelSpec, par: MegatronParallel, dtype: str | None = None, 
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
             share_embeddings_and_output_weights=spec.tied,
             position_embedding_type="rope",
-            rotary_base=int(spec.rope_theta),
+            **model_args(spec),
             vp_stage=vp,
             mtp_block_spec=mtp_block,
         ))

@@ -82,8 +82,18 @@ class TrainerEndpoint:
                                   f"alpha / r); this policy has {mine}")
 
     def local_tensors(self) -> dict[str, Any]:
-        """The live local parameters by descriptor name (read, never copied)."""
-        return {name: p.data for name, p in named_local_params(self.chunks).items()}
+        """The live local parameters by descriptor name (read, never copied) -- but for a
+        parameter the family's table carries wider than megatron holds it (``widened``:
+        GLM-4.5's router weight, fp32 as vLLM holds it): a widened copy, made per refit."""
+        import torch
+
+        wide = {lp.name: lp.dtype for lp in self.describe()}
+        out = {}
+        for name, p in named_local_params(self.chunks).items():
+            want = wide.get(name)
+            held = str(p.dtype).removeprefix("torch.")
+            out[name] = p.data if want is None or held == want else p.data.to(getattr(torch, want))
+        return out
 
     def refit(self, request: RefitRequest, progress: bool = False, fault: Fault | None = None,
               die_after_reads: int | None = None, raise_after_reads: int | None = None) -> RankReport:

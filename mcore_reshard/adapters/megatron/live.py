@@ -19,7 +19,7 @@ from .mtp_rules import megatron_mtp_rank_params
 from ...layout.mtp import draft_tensors
 from .rules import TIED_OUTPUT_NOTE, MegatronParallel, megatron_rank_params, rank_coords
 
-__all__ = ["live_parallel", "named_local_params", "describe", "describe_world", "side_tensors", "has_mtp"]
+__all__ = ["live_parallel", "named_local_params", "describe", "describe_world", "side_tensors", "has_mtp", "widened"]
 
 
 def _unwrap(module):
@@ -98,13 +98,17 @@ def live_parallel(model_chunks: Sequence) -> tuple[MegatronParallel, int]:
 
 
 def _check_spec(spec: ModelSpec, cfg) -> None:
-    """The HF spec and the live config must describe the same architecture."""
+    """The HF spec and the live config must describe the same architecture (a hybrid's layer
+    count is its megatron pattern's; its table's ``megatron_config`` says whether MLPs are gated)."""
+    fam = spec.family
+    pattern = fam.megatron_pattern(spec)
+    table_cfg = fam.megatron_config(spec) if fam.megatron_config is not None else {}
     pairs = {
-        "num_layers": (spec.num_layers, cfg.num_layers),
+        "num_layers": (len(pattern) if pattern else spec.num_layers, cfg.num_layers),
         "hidden_size": (spec.hidden, cfg.hidden_size),
         "num_attention_heads": (spec.num_heads, cfg.num_attention_heads),
         "num_moe_experts": (spec.num_experts or None, cfg.num_moe_experts),
-        "gated_linear_unit": (True, cfg.gated_linear_unit),
+        "gated_linear_unit": (table_cfg.get("gated_linear_unit", True), cfg.gated_linear_unit),
         "multi_latent_attention": (spec.mla is not None, bool(getattr(cfg, "multi_latent_attention", False))),
     }
     if spec.mla is None:
@@ -154,7 +158,7 @@ def describe(model_chunks: Sequence, spec: ModelSpec) -> list[LocalParam]:
             raise LayoutError(f"rank {rank}: live parameter {name!r} {tuple(tensor.shape)} is not described by the rules")
         if tuple(tensor.shape) != p.shape:
             raise LayoutError(f"rank {rank}: {name!r} has shape {tuple(tensor.shape)}, rules predict {p.shape}")
-        if str(tensor.dtype).removeprefix("torch.") != p.dtype:
+        if str(tensor.dtype).removeprefix("torch.") != p.dtype and not widened(spec, name, tensor.element_size(), p.dtype):
             raise LayoutError(f"rank {rank}: {name!r} has dtype {tensor.dtype}, spec says {p.dtype}")
         if not tensor.is_contiguous():
             raise LayoutError(f"rank {rank}: {name!r} is not contiguous; views address flat storage")
@@ -162,6 +166,19 @@ def describe(model_chunks: Sequence, spec: ModelSpec) -> list[LocalParam]:
     if missing:
         raise LayoutError(f"rank {rank}: predicted parameters missing from the live model: {missing[:5]}")
     return predicted
+
+
+def widened(spec: ModelSpec, name: str, live_itemsize: int, described: str) -> bool:
+    """Whether ``name`` is a parameter megatron holds narrower than the family's table carries
+    it (``Placement.widened``: the endpoint widens its copy when sending)."""
+    from ...layout.descriptor import DTYPE_BYTES
+
+    if live_itemsize >= DTYPE_BYTES.get(described, 0):
+        return False
+    fam = spec.family
+    names = {r.megatron.name for b in fam.blocks.values() for r in b.rows
+             if r.megatron is not None and r.megatron.widened}
+    return any(name.endswith("." + n) for n in names)
 
 
 def side_tensors(spec: ModelSpec, peft: "PeftConfig | None", mtp: bool = False) -> dict:

@@ -26,6 +26,12 @@ Facts encoded here (megatron-core 0.19.2):
 * shared experts ``mlp.shared_experts.linear_fc1/fc2`` are a SwiGLU MLP on the dense TP group;
   the router's ``expert_bias`` (a persistent fp32 buffer, not a parameter) is HF's
   ``e_score_correction_bias``.
+* hybrid families (``HybridModel``: Nemotron-H, Qwen3-Next) build one decoder layer per symbol
+  of ``hybrid_layer_pattern`` (the table's ``Block.symbol`` / ``megatron_layer``); without
+  ``|`` in the pattern its stages are the same even or first/last-stage split of those layers,
+  and virtual stages need ``|``: refused. The family's ``check`` refuses what its mixers
+  cannot shard (``MambaMixer``: heads and groups divisible by TP; ``GatedDeltaNet``: key and
+  value heads).
 
 Layouts are computed once per (stage, tp rank) for dense parameters and once per
 (stage, ep rank, etp rank) for experts, then stamped with each rank: the immutable
@@ -38,8 +44,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Sequence
 
-from ...layout import Box, LayoutError, LocalParam, ModelSpec, Piece, SideLayout, View, contiguous_strides
-from ...layout.spec import ROUTER_BIAS_DTYPE
+from ...layout import LayoutError, LocalParam, ModelSpec, Piece, SideLayout
+from .table import (Tmpl, _col_parallel, _full, _qkv_pieces, _row_parallel, _rows, _swiglu_fc1, _vocab_rows,
+                    row_templates)
 
 __all__ = [
     "MegatronParallel",
@@ -123,6 +130,12 @@ def _check(spec: ModelSpec, par: MegatronParallel) -> None:
         raise LayoutError(f"layer_spec={par.layer_spec!r} is not 'local' or 'te'")
     if par.experts not in ("sequential", "grouped"):
         raise LayoutError(f"experts={par.experts!r} is not 'sequential' or 'grouped'")
+    fam = spec.family
+    if fam.check is not None:
+        fam.check(spec, "megatron", par.tp)  # the family's own refusals, one line naming the tensor
+    if par.vpp > 1 and fam.megatron_pattern(spec):
+        raise LayoutError(f"{fam.name}: virtual pipeline stages need '|' stage boundaries in megatron's "
+                          "hybrid_layer_pattern (select_pipeline_segment); use vpp=1")
     if par.ep > 1 and not spec.moe_layers:
         raise LayoutError(f"expert_model_parallel_size={par.ep} needs MoE layers: num_moe_experts must be "
                           f"non None to use expert-parallel (model {spec.name or spec.arch} is dense)")
@@ -161,11 +174,27 @@ def _check(spec: ModelSpec, par: MegatronParallel) -> None:
             f"world_size={par.world_size} is not divisible by expert_tensor_model_pipeline_parallel size "
             f"etp*ep*pp={etp * par.ep * par.pp}"
         )
+    _check_family(spec, par)
     if par.vpp > 1 and par.pp == 1:
         raise LayoutError("pipeline-model-parallel size should be greater than 1 with interleaved schedule (vpp > 1)")
     if par.pp == 1 and (par.first_stage_layers is not None or par.last_stage_layers is not None):
         raise LayoutError("num_layers_in_first/last_pipeline_stage need pp > 1")
-    stage_layers(spec.num_layers, par)  # raises on impossible PP / VPP splits
+    stage_layers(len(_megatron_layers(spec)), par)  # raises on impossible PP / VPP splits
+
+
+def _check_family(spec: ModelSpec, par: MegatronParallel) -> None:
+    """What megatron-core 0.19.2 refuses for a family's table: biases on routed experts only
+    with expert-TP 1 (``TransformerConfig``: "Bias in Moe is only supported when ETP==1")."""
+    if par.etp_size == 1 or not spec.moe_layers:
+        return
+    fam = spec.family
+    flags = fam.flags(spec)
+    for block in fam.blocks.values():
+        for row in block.rows if block.experts else ():
+            if row.megatron is not None and row.megatron.name.endswith(".bias") and fam.present(row, flags):
+                raise LayoutError(f"{fam.title}: {row.hf.format(e='{e}')} (routed-expert bias): megatron-core 0.19.2 "
+                                  f"supports MoE biases only with expert_tensor_parallel_size=1 (got etp="
+                                  f"{par.etp_size}: 'Bias in Moe is only supported when ETP==1'); set etp=1")
 
 
 def _stage_sizes(num_layers: int, par: MegatronParallel) -> tuple[int, ...]:
@@ -247,206 +276,88 @@ def rank_coords(par: MegatronParallel, rank: int) -> dict[str, int]:
 
 
 # --------------------------------------------------------------------------- templates
-
-# A template is (local name, local shape, ((canonical, box, view), ...)) -- rank-free.
-_Tmpl = tuple[str, tuple[int, ...], tuple[tuple[str, Box, View], ...]]
-
-
-def _full(name: str, canonical: str, shape: tuple[int, ...]) -> _Tmpl:
-    """A replicated parameter that is the whole canonical tensor."""
-    return (name, shape, ((canonical, Box.full(shape), View(0, shape, contiguous_strides(shape))),))
-
-
-def _rows(local_row: int, canonical: str, row0: int, nrows: int, cols: int | None) -> tuple[str, Box, View]:
-    """``nrows`` canonical rows from ``row0`` stored at local row ``local_row`` (dense, row-major)."""
-    if cols is None:
-        return (canonical, Box((row0,), (nrows,)), View(local_row, (nrows,), (1,)))
-    return (canonical, Box((row0, 0), (nrows, cols)), View(local_row * cols, (nrows, cols), (cols, 1)))
-
-
-def _qkv_pieces(spec: ModelSpec, tp: int, tp_r: int, attn: str, cols: int | None, suffix: str):
-    """Pieces of the local ``linear_qkv`` chunk: intersect the rank's row range with each
-    group's ``[q_g; k_g; v_g]`` runs of the interleaved global tensor."""
-    hn, ng = spec.head_dim, spec.num_kv_heads
-    P = spec.num_heads // ng
-    block = (P + 2) * hn
-    rows = ng * block // tp
-    lo, hi = tp_r * rows, (tp_r + 1) * rows
-    out = []
-    for g in range(lo // block, -(-hi // block)):
-        base = g * block
-        for proj, start, n, crow in (
-            ("q", base, P * hn, g * P * hn),
-            ("k", base + P * hn, hn, g * hn),
-            ("v", base + (P + 1) * hn, hn, g * hn),
-        ):
-            a, b = max(lo, start), min(hi, start + n)
-            if a < b:
-                out.append(_rows(a - lo, f"{attn}{proj}_proj.{suffix}", crow + a - start, b - a, cols))
-    return tuple(out), rows
-
-
-def _swiglu_fc1(name: str, gate: str, up: str, F: int, H: int, n: int, r: int) -> _Tmpl:
-    """Local ``[gate_r; up_r]``: the global ``[gate; up]`` sharded with stride 2."""
-    f = F // n
-    return (name, (2 * f, H), (_rows(0, gate, r * f, f, H), _rows(f, up, r * f, f, H)))
-
-
-def _row_parallel(name: str, canonical: str, rows: int, K: int, n: int, r: int) -> _Tmpl:
-    """RowParallel weight ``[rows, K/n]``: column slice ``r`` of the canonical ``[rows, K]``."""
-    k = K // n
-    return (name, (rows, k), ((canonical, Box((0, r * k), (rows, k)), View(0, (rows, k), (k, 1))),))
-
-
-def _col_parallel(name: str, canonical: str, rows: int, K: int, n: int, r: int) -> _Tmpl:
-    """ColumnParallel weight ``[rows/n, K]``: row chunk ``r`` of the canonical ``[rows, K]``."""
-    k = rows // n
-    return (name, (k, K), (_rows(0, canonical, r * k, k, K),))
-
-
-def _mla_attention(spec: ModelSpec, par: MegatronParallel, prefix: str, attn: str, tp_r: int) -> list[_Tmpl]:
-    """``MLASelfAttention``'s parameters on TP rank ``tp_r`` (input layernorm and o_proj aside).
-
-    Up-projections split by heads (row chunks keep whole heads: ``nH % tp == 0``). Down-
-    projections: TE spec ``TELinear(parallel_mode="duplicated")`` is whole on every rank; the
-    local spec builds them as ``ColumnParallelLinear(gather_output=False)``, row chunks.
-    """
-    m, H, nH, tp = spec.mla, spec.hidden, spec.num_heads, par.tp
-    assert m is not None
-    te = par.layer_spec == "te"
-    sa = prefix + "self_attention."
-    down_n, down_r = (1, 0) if te else (tp, tp_r)
-    out: list[_Tmpl] = []
-
-    def norm(fused_into: str, local: str, canonical: str, n: int) -> None:
-        out.append(_full(sa + (f"{fused_into}.layer_norm_weight" if te else f"{local}.weight"), attn + canonical, (n,)))
-
-    if m.q_lora_rank is None:
-        out.append(_col_parallel(sa + "linear_q_proj.weight", attn + "q_proj.weight", nH * m.qk_head_dim, H, tp, tp_r))
-    else:
-        out.append(_col_parallel(sa + "linear_q_down_proj.weight", attn + "q_a_proj.weight", m.q_lora_rank, H,
-                                 down_n, down_r))
-        norm("linear_q_up_proj", "q_layernorm", "q_a_layernorm.weight", m.q_lora_rank)
-        out.append(_col_parallel(sa + "linear_q_up_proj.weight", attn + "q_b_proj.weight", nH * m.qk_head_dim,
-                                 m.q_lora_rank, tp, tp_r))
-    out.append(_col_parallel(sa + "linear_kv_down_proj.weight", attn + "kv_a_proj_with_mqa.weight",
-                             m.kv_lora_rank + m.qk_rope_head_dim, H, down_n, down_r))
-    norm("linear_kv_up_proj", "kv_layernorm", "kv_a_layernorm.weight", m.kv_lora_rank)
-    out.append(_col_parallel(sa + "linear_kv_up_proj.weight", attn + "kv_b_proj.weight",
-                             nH * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank, tp, tp_r))
-    out.append(_row_parallel(sa + "linear_proj.weight", attn + "o_proj.weight", H, nH * m.v_head_dim, tp, tp_r))
-    return out
-
-
-def _vocab_rows(name: str, canonical: str, V: int, Vp: int, H: int, tp: int, r: int) -> _Tmpl:
-    """Vocab-parallel rows ``[r*Vp/tp, (r+1)*Vp/tp)``; rows >= V are padding (no piece)."""
-    n = Vp // tp
-    lo, hi = r * n, min((r + 1) * n, V)
-    pieces = (_rows(0, canonical, lo, hi - lo, H),) if hi > lo else ()
-    return (name, (n, H), pieces)
-
-
-def _dense_layer(spec: ModelSpec, par: MegatronParallel, layer: int, prefix: str, tp_r: int) -> list[_Tmpl]:
-    """Non-expert parameters of one decoder layer on TP rank ``tp_r`` (names as named_parameters)."""
-    H, tp = spec.hidden, par.tp
-    hf = f"model.layers.{layer}."
-    attn = hf + "self_attn."
-    te = par.layer_spec == "te"
-    moe = spec.is_moe(layer)
-    out: list[_Tmpl] = []
-    # The TE spec fuses the input norm into linear_qkv; MLA keeps it separate in both specs.
-    fused_input_norm = te and spec.mla is None
-    out.append(_full(prefix + ("self_attention.linear_qkv.layer_norm_weight" if fused_input_norm
-                               else "input_layernorm.weight"), hf + "input_layernorm.weight", (H,)))
-    if spec.mla is not None:
-        out.extend(_mla_attention(spec, par, prefix, attn, tp_r))
-    else:
-        out.extend(_gqa_attention(spec, par, prefix, attn, tp_r))
-    post = hf + "post_attention_layernorm.weight"
-    if moe:
-        out.append(_full(prefix + "pre_mlp_layernorm.weight", post, (H,)))
-        out.append(_full(prefix + "mlp.router.weight", hf + "mlp.gate.weight", (spec.num_experts, H)))
-        if spec.router_bias:
-            out.append(_full(prefix + "mlp.router.expert_bias", hf + "mlp.gate.e_score_correction_bias",
-                             (spec.num_experts,)))
-        if spec.shared_intermediate:
-            S, sh = spec.shared_intermediate, hf + "mlp.shared_experts."
-            out.append(_swiglu_fc1(prefix + "mlp.shared_experts.linear_fc1.weight", sh + "gate_proj.weight",
-                                   sh + "up_proj.weight", S, H, tp, tp_r))
-            out.append(_row_parallel(prefix + "mlp.shared_experts.linear_fc2.weight", sh + "down_proj.weight",
-                                     H, S, tp, tp_r))
-    else:
-        F = spec.intermediate
-        if te:
-            out.append(_full(prefix + "mlp.linear_fc1.layer_norm_weight", post, (H,)))
-        else:
-            out.append(_full(prefix + "pre_mlp_layernorm.weight", post, (H,)))
-        out.append(_swiglu_fc1(prefix + "mlp.linear_fc1.weight", hf + "mlp.gate_proj.weight",
-                               hf + "mlp.up_proj.weight", F, H, tp, tp_r))
-        out.append(_row_parallel(prefix + "mlp.linear_fc2.weight", hf + "mlp.down_proj.weight", H, F, tp, tp_r))
-    return out
-
-
-def _gqa_attention(spec: ModelSpec, par: MegatronParallel, prefix: str, attn: str, tp_r: int) -> list[_Tmpl]:
-    """``SelfAttention``: interleaved ``linear_qkv`` (+ bias, qk-norm) and ``linear_proj``."""
-    H, hn, tp = spec.hidden, spec.head_dim, par.tp
-    out = [_row_parallel(prefix + "self_attention.linear_proj.weight", attn + "o_proj.weight",
-                         H, spec.num_heads * hn, tp, tp_r)]
-    pieces, rows = _qkv_pieces(spec, tp, tp_r, attn, H, "weight")
-    out.append((prefix + "self_attention.linear_qkv.weight", (rows, H), pieces))
-    if spec.qkv_bias:
-        bpieces, _ = _qkv_pieces(spec, tp, tp_r, attn, None, "bias")
-        out.append((prefix + "self_attention.linear_qkv.bias", (rows,), bpieces))
-    if spec.qk_norm:
-        out.append(_full(prefix + "self_attention.q_layernorm.weight", attn + "q_norm.weight", (hn,)))
-        out.append(_full(prefix + "self_attention.k_layernorm.weight", attn + "k_norm.weight", (hn,)))
-    return out
-
-
-def _expert_layer(spec: ModelSpec, par: MegatronParallel, layer: int, prefix: str, ep_r: int, etp_r: int
-                  ) -> list[_Tmpl]:
-    """Routed experts of one MoE layer on (ep_r, etp_r): global expert = ep_r * E/ep + i."""
-    H, F, etp = spec.hidden, spec.moe_intermediate, par.etp_size
-    n_local = spec.num_experts // par.ep
-    out: list[_Tmpl] = []
-    for i in range(n_local):
-        hf = f"model.layers.{layer}.mlp.experts.{ep_r * n_local + i}."
-        if par.experts == "sequential":
-            fc1 = f"{prefix}mlp.experts.local_experts.{i}.linear_fc1.weight"
-            fc2 = f"{prefix}mlp.experts.local_experts.{i}.linear_fc2.weight"
-        else:
-            fc1 = f"{prefix}mlp.experts.linear_fc1.weight{i}"
-            fc2 = f"{prefix}mlp.experts.linear_fc2.weight{i}"
-        out.append(_swiglu_fc1(fc1, hf + "gate_proj.weight", hf + "up_proj.weight", F, H, etp, etp_r))
-        out.append(_row_parallel(fc2, hf + "down_proj.weight", H, F, etp, etp_r))
-    return out
+# The family's table (``layout.family``) read with megatron's placements (``table.py``); a
+# template is (local name, local shape, ((canonical, box, view), ...), dtype or None), rank-free.
 
 
 def _chunk_prefix(par: MegatronParallel, v: int) -> str:
     return f"chunk{v}." if par.vpp > 1 else ""
 
 
+def _table(spec: ModelSpec):
+    fam = spec.family
+    return fam, fam.dims(spec), fam.flags(spec)
+
+
+@lru_cache(maxsize=64)
+def _megatron_layers(spec: ModelSpec) -> tuple[tuple[int, tuple[str, ...]], ...]:
+    """megatron-core's decoder layers: (HF layer, its blocks there) each (``Family.megatron_layers``)."""
+    return spec.family.megatron_layers(spec)
+
+
+def _blocks(spec: ModelSpec, layer: int, blocks: tuple[str, ...] | None):
+    fam = spec.family
+    return fam.layer_blocks(spec, layer) if blocks is None else tuple((b, fam.blocks[b]) for b in blocks)
+
+
+def _dense_layer(spec: ModelSpec, par: MegatronParallel, layer: int, prefix: str, tp_r: int,
+                 blocks: tuple[str, ...] | None = None) -> list[Tmpl]:
+    """Non-expert parameters of one decoder layer on TP rank ``tp_r`` (names as named_parameters);
+    ``blocks``: the HF layer's blocks this megatron layer holds (None: all)."""
+    fam, dims, flags = _table(spec)
+    out: list[Tmpl] = []
+    for _, block in _blocks(spec, layer, blocks):
+        if not block.experts:
+            out += row_templates(fam, block.rows, hf=fam.hf_layer.format(layer=layer), local=lambda n: prefix + n,
+                                 tp=par.tp, tp_r=tp_r, te=par.layer_spec == "te", dims=dims, flags=flags)
+    return out
+
+
+def _expert_layer(spec: ModelSpec, par: MegatronParallel, layer: int, prefix: str, ep_r: int, etp_r: int,
+                  blocks: tuple[str, ...] | None = None) -> list[Tmpl]:
+    """Routed experts of one MoE layer on (ep_r, etp_r): global expert = ep_r * E/ep + i, each in
+    ``SequentialMLP``'s ``local_experts.{i}`` (or ``TEGroupedMLP``'s ``linear_fc1.weight{i}``)."""
+    fam, dims, flags = _table(spec)
+    n_local = spec.num_experts // par.ep
+    out: list[Tmpl] = []
+    for _, block in _blocks(spec, layer, blocks):
+        if not block.experts:
+            continue
+        for i in range(n_local):
+            if par.experts == "sequential":
+                local = lambda n, i=i: f"{prefix}mlp.experts.local_experts.{i}.{n}"
+            else:
+                local = lambda n, i=i: f"{prefix}mlp.experts.{n}{i}"
+            out += row_templates(fam, block.rows, hf=fam.hf_layer.format(layer=layer), local=local, tp=par.etp_size,
+                                 tp_r=etp_r, te=False, dims=dims, flags=flags, expert=ep_r * n_local + i,
+                                 stacked=block.stacked)
+    return out
+
+
 @lru_cache(maxsize=4096)
 def _dense_templates(spec: ModelSpec, par: MegatronParallel, pp_r: int, tp_r: int):
     """(pre, per-layer lists, post) of non-expert templates for one (stage, tp rank)."""
-    chunks = stage_layers(spec.num_layers, par)[pp_r]
-    H, tp = spec.hidden, par.tp
-    V, Vp = spec.vocab, padded_vocab(spec, par)
-    pre: list[_Tmpl] = []
-    post: list[_Tmpl] = []
+    fam, dims, flags = _table(spec)
+    mlayers = _megatron_layers(spec)
+    chunks = stage_layers(len(mlayers), par)[pp_r]
+    Vp = padded_vocab(spec, par)
+    te = par.layer_spec == "te"
+    pre: list[Tmpl] = []
+    post: list[Tmpl] = []
     if pp_r == 0:
-        pre.append(_vocab_rows(_chunk_prefix(par, 0) + "embedding.word_embeddings.weight",
-                               "model.embed_tokens.weight", V, Vp, H, tp, tp_r))
+        first = _chunk_prefix(par, 0)
+        pre += row_templates(fam, fam.pre, hf="", local=lambda n: first + n, tp=par.tp, tp_r=tp_r, te=te, dims=dims,
+                             flags=flags, padded_vocab=Vp)
     layers = []
     for v, chunk in enumerate(chunks):
-        for i, layer in enumerate(chunk):
+        for i, j in enumerate(chunk):
+            layer, blocks = mlayers[j]
             prefix = f"{_chunk_prefix(par, v)}decoder.layers.{i}."
-            layers.append(_dense_layer(spec, par, layer, prefix, tp_r))
+            layers.append(_dense_layer(spec, par, layer, prefix, tp_r, blocks))
     if pp_r == par.pp - 1:
         last = _chunk_prefix(par, par.vpp - 1)
-        post.append(_full(last + "decoder.final_layernorm.weight", "model.norm.weight", (H,)))
-        if not spec.tied:
-            post.append(_vocab_rows(last + "output_layer.weight", "lm_head.weight", V, Vp, H, tp, tp_r))
+        post += row_templates(fam, fam.post, hf="", local=lambda n: last + n, tp=par.tp, tp_r=tp_r, te=te, dims=dims,
+                              flags=flags, padded_vocab=Vp)
     return tuple(pre), tuple(tuple(l) for l in layers), tuple(post)
 
 
@@ -454,26 +365,28 @@ def _dense_templates(spec: ModelSpec, par: MegatronParallel, pp_r: int, tp_r: in
 def _expert_templates(spec: ModelSpec, par: MegatronParallel, pp_r: int, ep_r: int, etp_r: int):
     """Per-layer expert templates for one (stage, ep rank, etp rank); empty for dense layers."""
     out = []
-    for v, chunk in enumerate(stage_layers(spec.num_layers, par)[pp_r]):
-        for i, layer in enumerate(chunk):
-            if spec.is_moe(layer):
+    mlayers = _megatron_layers(spec)
+    fam = spec.family
+    for v, chunk in enumerate(stage_layers(len(mlayers), par)[pp_r]):
+        for i, j in enumerate(chunk):
+            layer, blocks = mlayers[j]
+            if spec.is_moe(layer) and any(fam.blocks[b].experts for b in blocks):
                 out.append(tuple(_expert_layer(spec, par, layer, f"{_chunk_prefix(par, v)}decoder.layers.{i}.",
-                                               ep_r, etp_r)))
+                                               ep_r, etp_r, blocks)))
             else:
                 out.append(())
     return tuple(out)
 
 
 def _stamp(rank: int, dtype: str, tmpls, out: list[LocalParam]) -> None:
-    for name, shape, pieces in tmpls:
-        # The router's expert_bias stays fp32 under a bf16 Float16Module (megatron casts it
-        # back at every forward, load and save; ``live.named_local_params`` does the same).
-        dt = ROUTER_BIAS_DTYPE if name.endswith(_EXPERT_BIAS) else dtype
+    for t in tmpls:
+        name, shape, pieces = t[0], t[1], t[2]
+        # A template's own dtype where the table gives one: the router's expert_bias stays fp32
+        # under a bf16 Float16Module (megatron casts it back at every forward, load and save;
+        # ``live.named_local_params`` does the same).
+        dt = t[3] if len(t) > 3 and t[3] else dtype
         out.append(LocalParam(rank, name, shape, dt,
                               tuple(Piece(rank, name, c, b, v) for c, b, v in pieces)))
-
-
-_EXPERT_BIAS = ".mlp.router.expert_bias"
 
 
 # --------------------------------------------------------------------------- public API
@@ -507,6 +420,11 @@ def megatron_layout(spec: ModelSpec, par: MegatronParallel) -> SideLayout:
     notes = []
     if spec.tied and par.pp > 1:
         notes.append(TIED_OUTPUT_NOTE)
+    if spec.family.check is not None:
+        notes.extend(spec.family.check(spec, "megatron", par.tp))
+    pattern = spec.family.megatron_pattern(spec)
+    if pattern:
+        notes.append(f"{spec.family.title}: megatron-core HybridModel, hybrid_layer_pattern {pattern!r}")
     return SideLayout(
         name=f"megatron(tp={par.tp},pp={par.pp},vpp={par.vpp},ep={par.ep},etp={par.etp_size},cp={par.cp},dp={par.dp})",
         world_size=par.world_size,

@@ -12,7 +12,8 @@ Model forward / backward
   2. The RNG tracker (``tensor_parallel.random``): CUDA RNG get/set state and
      ``CudaRNGStatesTracker.add`` use the CPU generator; ``torch.cuda.manual_seed`` seeds the
      CPU one (``model_parallel_cuda_manual_seed``).
-  3. ``get_default_causal_mask`` hard-codes ``device="cuda"``: a CPU mask where it is looked up.
+  3. ``get_default_causal_mask`` and ``get_sliding_window_causal_mask`` (gpt-oss's windowed
+     layers) hard-code ``device="cuda"``: CPU masks where they are looked up.
   4. MoE alltoall dispatcher: ``torch.cuda.Stream/Event/current_stream/stream`` become null
      objects (CPU work is synchronous), and ``maybe_move_tensor_to_cpu`` returns numpy split
      sizes for CPU tensors too (``all_to_all_single`` wants lists). The DDP grad-sync path uses
@@ -78,6 +79,7 @@ def apply_cpu_patches() -> bool:
     torch.cuda.manual_seed = torch.manual_seed
     # get_default_causal_mask hard-codes device="cuda": rebind it where it is looked up.
     tutils.get_default_causal_mask = fused_softmax.get_default_causal_mask = _cpu_causal_mask
+    tutils.get_sliding_window_causal_mask = fused_softmax.get_sliding_window_causal_mask = _cpu_window_mask
     # The alltoall dispatcher copies split sizes on a CUDA side stream: a null stream/event on CPU.
     torch.cuda.Stream = _NullStream
     torch.cuda.current_stream = lambda *a, **k: _NULL_STREAM
@@ -198,6 +200,15 @@ def _cpu_causal_mask(sq: int):
     return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
 
 
+def _cpu_window_mask(sq: int, skv: int, window_size):
+    """``get_sliding_window_causal_mask`` on the CPU: True where a query may not attend."""
+    import torch
+
+    m = torch.ones(sq, skv, dtype=torch.bool)
+    mu = torch.triu(m, diagonal=skv - sq - window_size[0])
+    return ~torch.tril(mu, diagonal=skv - sq + window_size[1])
+
+
 class _NullStream:
     """Stands in for torch.cuda.Stream: CPU work is synchronous."""
 
@@ -231,3 +242,49 @@ class _NullEvent:
 
     def synchronize(self) -> None:
         pass
+
+
+_HYBRID_APPLIED = False
+
+
+def apply_hybrid_cpu_patches() -> None:
+    """What megatron-core's hybrid stack needs on CPU, beyond ``apply_cpu_patches``:
+
+    9. ``HybridStack.final_norm`` is hard-wired to ``TENorm`` (Transformer Engine): the
+       module's ``TENorm`` name is rebound to ``WrappedTorchNorm`` (torch RMSNorm, the same
+       ``weight``).
+    10. ``MambaMixer`` refuses to build without mamba-ssm (``HAVE_MAMBA_SSM``): set True,
+        since building needs none of its kernels; and it asserts ``RMSNormGated`` (mamba-ssm's Triton norm) exists when
+        ``rmsnorm=True``; without mamba-ssm it is a ``MagicMock`` whose ``ExtendedRMSNorm``
+        subclass builds no ``weight``: both are replaced by a torch gated RMSNorm with the same
+        parameter (``weight`` over the rank's channels), enough to build and describe the
+        mixer (its forward needs mamba-ssm's scan kernels, which have no torch fallback).
+    11. ``GatedDeltaNet`` refuses to build without FLA (``HAVE_FLA``); with
+        ``deterministic_mode=True`` it runs torch's conv1d and ``torch_chunk_gated_delta_rule``
+        but calls FLA's ``l2norm``: ``HAVE_FLA`` set True and a torch L2 norm.
+    """
+    global _HYBRID_APPLIED
+    if _HYBRID_APPLIED:
+        return
+    import torch
+    from megatron.core.models.hybrid import hybrid_block
+    from megatron.core.ssm import mamba_mixer
+    from megatron.core.ssm.gated_delta_net import common as gdn_common
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    hybrid_block.TENorm = WrappedTorchNorm
+
+    class GatedRMSNorm(torch.nn.Module):
+        def __init__(self, hidden_size, eps=1e-5, group_size=None, norm_before_gate=False, device=None, dtype=None,
+                     **_):
+            super().__init__()
+            self.eps, self.group_size, self.norm_before_gate = eps, group_size, norm_before_gate
+            self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+
+    mamba_mixer.HAVE_MAMBA_SSM = True
+    mamba_mixer.RMSNormGated = GatedRMSNorm
+    mamba_mixer.ExtendedRMSNorm = GatedRMSNorm
+    gdn_common.HAVE_FLA = True
+    if getattr(gdn_common, "l2norm", None) is None:
+        gdn_common.l2norm = lambda x, eps=1e-6: x * torch.rsqrt((x.float() * x.float()).sum(-1, keepdim=True) + eps).to(x.dtype)
+    _HYBRID_APPLIED = True

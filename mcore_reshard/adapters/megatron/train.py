@@ -326,7 +326,8 @@ def build_policy(spec: ModelSpec, par: MegatronParallel, settings: TrainSettings
                  max_seq: int = 512, peft: "PeftConfig | None" = None, mtp: bool = False) -> Policy:
     """Build the policy on this rank (call after :func:`.build.init_megatron`; collective).
 
-    Megatron-LM's ``get_model`` + ``setup_model_and_optimizer``: ``GPTModel`` chunks in
+    Megatron-LM's ``get_model`` + ``setup_model_and_optimizer``: ``GPTModel`` (a hybrid
+    family's ``HybridModel``, ``hybrid_build``) chunks in
     ``settings.dtype`` -> ``Float16Module`` (bf16) -> ``DistributedDataParallel`` (bucketing
     only on the first chunk) -> ``broadcast_params`` -> ``get_megatron_optimizer``; the schedule
     hooks (``grad_scale_func``, ``no_sync_func``, ``grad_sync_func``,
@@ -345,13 +346,19 @@ def build_policy(spec: ModelSpec, par: MegatronParallel, settings: TrainSettings
     from megatron.core.transformer.module import Float16Module
 
     from .build import build_gpt
+    from .hybrid_build import build_hybrid
     from .runtime import apply_cpu_patches
 
     apply_cpu_patches()
     torch.manual_seed(settings.seed)
     model_parallel_cuda_manual_seed(settings.seed, force_reset_rng=True)
     bf16 = settings.dtype == "bfloat16"
-    raw = build_gpt(spec, par, dtype=settings.dtype, max_seq=max_seq, mtp=mtp)
+    if spec.hybrid is not None:  # Nemotron-H, Qwen3-Next: megatron-core's HybridModel
+        if mtp or (peft is not None and peft.enabled):
+            raise ValueError(f"{spec.family.title}: MTP and LoRA policies of a hybrid family are not built")
+        raw = build_hybrid(spec, par, dtype=settings.dtype, max_seq=max_seq)
+    else:
+        raw = build_gpt(spec, par, dtype=settings.dtype, max_seq=max_seq, mtp=mtp)
     config = raw[0].config
     if peft is not None and peft.enabled:
         from .lora import add_lora

@@ -49,7 +49,8 @@ from ...transport.views import copy_unless_same, local_view, zero_padding
 from ...wire.protocol import RefitRequest
 from .baselines import ModelFormatCopies
 from .layers import (DIRECT, MLA_NOTE, RELOAD, aliased, commit_shadow, guarded, mla_absorbers, open_shadow, owner,
-                     plain_linear_enabled, process_shadow, reabsorb, reprepack_cpu_moe, select_modes, swap_into)
+                     plain_linear_enabled, process_shadow, reabsorb, reprepack_cpu_moe, select_modes, swap_into,
+                     viewed_storages)
 
 __all__ = ["VllmApplier", "RefitIncomplete", "select_modes", "plain_linear_enabled", "mla_absorbers", "DIRECT",
            "RELOAD", "MLA_NOTE", "reprepack_cpu_moe"]
@@ -127,6 +128,7 @@ class VllmApplier:
         self.unsure = ""
         self._torn = False
         self._absorbers = mla_absorbers(model)
+        self._viewed = viewed_storages(model)
         #: Delta refits: the model-format values of every reload-mode parameter as last
         #: committed (its live tensor is kernel format, so a delta cannot start from it). Kept
         #: only while refits ask for deltas (``copies.keep``).
@@ -489,7 +491,7 @@ class VllmApplier:
         """The shadow's processed tensors into the live layer (``commit_shadow``), then MLA's
         absorbed weights rebuilt from the new ``kv_b_proj``."""
         self._live_changed = True
-        commit_shadow(st.layer, st.shadow, set(st.names), self.rebind)
+        commit_shadow(st.layer, st.shadow, set(st.names), self.rebind, self._viewed)
         st.committed = True
         st.shadow = st.layer  # the shadow's tensors are released with it
         with self.device:

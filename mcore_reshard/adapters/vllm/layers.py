@@ -11,7 +11,7 @@ on reload (``reprepack_cpu_moe``). ``VllmApplier`` (``apply.py``) drives them.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -19,8 +19,8 @@ from ...layout.descriptor import LayoutError, LocalParam
 from ...transport.views import TORCH_DTYPES
 from .lora_rules import is_slot_name, parse_slot_name
 
-__all__ = ["DIRECT", "RELOAD", "MLA_NOTE", "owner", "LoraSlot", "guarded", "TargetAndDraft", "plain_linear_enabled",
-           "kernel_is_model_format", "mla_absorbers", "reabsorb", "select_modes", "aliased", "swap_into", "shadow_module",
+__all__ = ["derivations", "DIRECT", "RELOAD", "MLA_NOTE", "owner", "LoraSlot", "guarded", "TargetAndDraft", "plain_linear_enabled",
+           "kernel_is_model_format", "mla_absorbers", "reabsorb", "select_modes", "aliased", "swap_into", "shadow_module", "viewed_storages",
            "reprepack_cpu_moe", "MISSING", "open_shadow", "process_shadow", "commit_shadow"]
 
 #: Why MLA's kv_b_proj is never written in place (the plan report lists it with this reason).
@@ -119,6 +119,26 @@ def reabsorb(attn: torch.nn.Module) -> None:
     attn.process_weights_after_loading(attn.kv_b_proj.weight.dtype)
 
 
+def derivations(layer: torch.nn.Module) -> dict[str, Any]:
+    """``{attribute: fn}`` for the tensors of ``layer`` whose weight loader computes: vLLM's
+    ``composed_weight_loader(loader, fn)`` stores ``fn(loaded slice)``, not the slice (Mamba2's
+    ``A = -exp(A_log)``). Read from the loader's own closure, so a refit re-derives with
+    vLLM's function, never a copy of it."""
+    import inspect
+
+    out: dict[str, Any] = {}
+    for name, t in list(layer._parameters.items()):
+        loader = getattr(t, "weight_loader", None) if t is not None else None
+        while loader is not None and hasattr(loader, "_rdt_stamp_inner"):
+            loader = loader._rdt_stamp_inner
+        if loader is None or getattr(loader, "__name__", "") != "composed_loader":
+            continue
+        fn = inspect.getclosurevars(loader).nonlocals.get("fn")
+        if fn is not None:
+            out[name] = fn
+    return out
+
+
 def select_modes(model: torch.nn.Module, params: Sequence[LocalParam]) -> dict[str, str]:
     """``{local_name: "direct" | "reload"}``: direct only where the live tensor is the
     model-format tensor (same shape/dtype, contiguous) and the kernel uses it as such."""
@@ -132,6 +152,9 @@ def select_modes(model: torch.nn.Module, params: Sequence[LocalParam]) -> dict[s
             modes[lp.name] = DIRECT
             continue
         if id(layer) in absorbed:  # MLA_NOTE
+            modes[lp.name] = RELOAD
+            continue
+        if derivations(layer):  # a loader computes (DERIVED_NOTE): its whole module re-derives in a shadow
             modes[lp.name] = RELOAD
             continue
         live = getattr(layer, pname, None)
@@ -217,6 +240,7 @@ def open_shadow(layer: torch.nn.Module, prefix: str, names: dict[str, str], para
     if live_info.can_load() or live_info.kernel_tensors is not None:
         raise RuntimeError(f"{prefix}: a vLLM layerwise reload is already in progress on this layer")
     shadow = shadow_module(layer)
+    shadow.__dict__["_mr_derivations"] = derivations(layer)  # from the live loaders, before the restore
     # The shadow's own reload bookkeeping, from the metadata vLLM recorded at load (the live
     # layer's entry in vLLM's LAYERWISE_INFO is never touched).
     info = LayerReloadingInfo(restore_metadata=live_info.restore_metadata, restore_device=live_info.restore_device)
@@ -240,7 +264,12 @@ def process_shadow(shadow: torch.nn.Module, device: torch.device) -> None:
     if hasattr(shadow, "_already_called_process_weights_after_loading"):
         delattr(shadow, "_already_called_process_weights_after_loading")
     qm = getattr(shadow, "quant_method", None)
-    with device:
+    with device, torch.no_grad():
+        # What vLLM's loader computes at load (``derivations``), from the raw values the refit
+        # wrote, before any kernel processing -- the order of vLLM's own load.
+        for name, fn in shadow.__dict__.get("_mr_derivations", {}).items():
+            t = shadow._parameters[name]
+            t.data.copy_(fn(t))
         if isinstance(qm, QuantizeMethodBase):
             qm.process_weights_after_loading(shadow)
             if hasattr(shadow, "update_param_tp_status"):
@@ -248,7 +277,15 @@ def process_shadow(shadow: torch.nn.Module, device: torch.device) -> None:
         reprepack_cpu_moe(shadow)
 
 
-def commit_shadow(live: torch.nn.Module, shadow: torch.nn.Module, written: set[str], rebind: bool) -> None:
+def viewed_storages(model: torch.nn.Module) -> frozenset[int]:
+    """Storages some buffer of ``model`` views (Mamba2's ``conv_weights`` views its conv1d's
+    ``weight``, a parameter of another module): a tensor there is copied into, never rebound,
+    or the view would keep serving the old values."""
+    return frozenset(b.untyped_storage().data_ptr() for b in model.buffers() if b is not None and b.numel())
+
+
+def commit_shadow(live: torch.nn.Module, shadow: torch.nn.Module, written: set[str], rebind: bool,
+                  viewed: frozenset[int] = frozenset()) -> None:
     """A processed shadow's tensors into the live kernel tensors (copied in place, as vLLM's
     ``_copy_and_restore_kernel_tensors``; ``rebind``: the live tensors take the shadow's
     storages), then what processing set on the module (kernel handles such as the CPU
@@ -256,7 +293,7 @@ def commit_shadow(live: torch.nn.Module, shadow: torch.nn.Module, written: set[s
     for name, param in live._parameters.items():
         new = shadow._parameters.get(name)
         if param is not None and new is not None and new is not param:
-            swap_into(param, new, rebind and not aliased(live, name))
+            swap_into(param, new, rebind and not aliased(live, name) and param.untyped_storage().data_ptr() not in viewed)
     for name, buf in live._buffers.items():
         new = shadow._buffers.get(name)
         if buf is None or new is None or new is buf:
@@ -265,5 +302,7 @@ def commit_shadow(live: torch.nn.Module, shadow: torch.nn.Module, written: set[s
             continue  # vLLM's reload keeps such buffers (e.g. rotary caches) as they are
         swap_into(buf, new, False)
     for k, v in shadow.__dict__.items():
-        if not k.startswith("_") and live.__dict__.get(k, MISSING) is not v:
+        # ``_cpu_*``: CPU processing's private copies (Qwen3-Next's conv1d keeps
+        # ``_cpu_unpacked_conv_weight`` beside the packed weight): stale if not carried over.
+        if (not k.startswith("_") or k.startswith("_cpu_")) and live.__dict__.get(k, MISSING) is not v:
             live.__dict__[k] = v

@@ -35,14 +35,17 @@ def chain_geometry(shape: Sequence[int], ops: Sequence[tuple], *, what: str) -> 
     """
     root = torch.empty(tuple(shape), device="meta")
     cur: Any = root
-    for op, args, kwargs in ops:
+    for i, (op, args, kwargs) in enumerate(ops):
         if isinstance(cur, (tuple, list)):
             if op != "__getitem__":
                 raise LayoutError(f"{what}: op {op!r} applied to a multi-output result")
             cur = cur[args[0]]
             continue
         if op == "contiguous":
-            if not cur.is_contiguous():
+            # A copy of a strided slice, then copied elementwise into the destination: the
+            # same elements land in the same places (gpt-oss's ``permute(...).contiguous()``).
+            # Only as the chain's last op: a view of the copy would not be a view of the window.
+            if not cur.is_contiguous() and i != len(ops) - 1:
                 raise LayoutError(f"{what}: .contiguous() on a strided slice copies; not a window")
             continue
         name = "view" if op == "reshape" else op
@@ -60,6 +63,22 @@ def chain_geometry(shape: Sequence[int], ops: Sequence[tuple], *, what: str) -> 
     if not isinstance(cur, torch.Tensor):
         raise LayoutError(f"{what}: op chain ends in a multi-output result")
     return cur.storage_offset(), tuple(cur.shape), tuple(cur.stride())
+
+
+def _refined(sizes: Sequence[int], strides: Sequence[int], dst_strides: Sequence[int], cshape: tuple[int, ...],
+             cstride: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """Source dims, each split where it walks past the end of the canonical dim it starts in
+    (a checkpoint dim the plan addresses as several: gpt-oss's ``2F`` as ``(F, 2)``)."""
+    out = []
+    for n, st, ds in zip(sizes, strides, dst_strides):
+        while n > 1:
+            d = next((d for d in range(len(cshape)) if cstride[d] == st and cshape[d] > 1), None)
+            if d is None or n <= cshape[d] or n % cshape[d]:
+                break
+            out.append((cshape[d], st, ds))
+            n, st, ds = n // cshape[d], st * cshape[d], ds * cshape[d]
+        out.append((n, st, ds))
+    return out
 
 
 def _natural_strides(sizes: Sequence[int], strides: list[int | None]) -> tuple[int, ...]:
@@ -86,7 +105,7 @@ def pieces_from_copy(canonical_shape: Sequence[int], src: Geometry, dst: Geometr
     if sshape != dshape:
         raise LayoutError(f"{what}: copy_ source shape {sshape} != destination shape {dshape}")
     groups: dict[int, list[tuple[int, int, int]]] = {}  # canon dim -> [(multiplier, size, dst stride)]
-    for size, st, dst_st in zip(sshape, sstride, dstride):
+    for size, st, dst_st in _refined(sshape, sstride, dstride, cshape, cstride):
         if size == 1:
             continue
         for d in range(len(cshape) - 1, -1, -1):
@@ -135,15 +154,20 @@ def record_local_params(
     *,
     vllm_config: Any = None,
     device: torch.device | str = "cpu",
+    checkpoint: Mapping[str, Sequence[int]] | None = None,
 ) -> list[LocalParam]:
     """The worker's destination pieces in model format, learnt from ``model.load_weights``.
 
-    ``tensors``: canonical (HF) name -> (shape, dtype name) of every checkpoint tensor.
+    ``tensors``: canonical (HF) name -> (shape, dtype name) of every checkpoint tensor;
+    ``checkpoint``: the checkpoint's own shape of those the plan addresses in a finer shape
+    of the same storage (``ModelSpec.checkpoint_shapes``): the loaders see that shape.
     The model's parameters are put back untouched (kernel tensors restored).
     """
-    from vllm.distributed.weight_transfer.sharded_rdt_fake import BakeSink, FakeRDTTensor
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO, initialize_layerwise_reload
     from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
+
+    BakeSink, FakeRDTTensor = _recording_types()
+    checkpoint = checkpoint or {}
 
     _refuse_rebalanced_experts(model, vllm_config)
     if any(info.can_load() for info in LAYERWISE_INFO.values()):
@@ -153,7 +177,7 @@ def record_local_params(
     meta_shapes: dict[str, tuple[tuple[int, ...], str]] = {}
     live_only: dict[str, tuple[tuple[int, ...], str]] = {}
     fakes = [
-        (name, FakeRDTTensor(name=name, shape=torch.Size(tuple(shape)), dtype=TORCH_DTYPES[dt],
+        (name, FakeRDTTensor(name=name, shape=torch.Size(tuple(checkpoint.get(name, shape))), dtype=TORCH_DTYPES[dt],
                              device=torch.device(device), sink=sink))
         for name, (shape, dt) in tensors.items()
     ]
@@ -174,6 +198,7 @@ def record_local_params(
                     # loaders write it.
                     into = live_only if pname in SKIP_LOAD_TENSORS else meta_shapes
                     into[full] = (tuple(p.shape), dtype_names.get(p.dtype, str(p.dtype)))
+                    sink.owners[p.untyped_storage()._cdata] = (module, pname)
             model.load_weights(fakes)
         finally:
             restore_after_recording(model)
@@ -195,10 +220,10 @@ def record_local_params(
             canon, ops = sc.src
             cshape = tuple(tensors[canon][0])
             what = f"{local} <- {canon}"
-            src = chain_geometry(cshape, ops, what=what)
+            src = chain_geometry(tuple(checkpoint.get(canon, cshape)), ops, what=what)
             box, view = pieces_from_copy(cshape, src, (sc.offset, sc.shape, sc.stride), what=what)
             pieces[local].append(Piece(rank, local, canon, box, view))
-    unattributed = sink.copied_names - {c.src[0] for s in sink.copies_by_layer.values() for c in s if c}
+    unattributed = sink.copied_names - {c.src[0] for s in sink.copies_by_layer.values() for c in s if c} - sink.zeroed
     if unattributed:
         raise LayoutError(f"copies of {sorted(unattributed)[:3]} could not be attributed to a parameter")
     out = []
@@ -209,3 +234,62 @@ def record_local_params(
             raise LayoutError(f"{local}: recorded pieces cover more elements ({-lp.padding} extra) than it holds")
         out.append(lp)
     return out
+
+
+def _recording_types():
+    """vLLM's bake sink and fake tensor, extended for loaders that bypass a weight loader.
+
+    gpt-oss's unquantized loader copies straight into parameters (``param.copy_``, no
+    ``weight_loader`` to stamp) and zeroes its row-parallel expert bias on MoE-TP ranks other
+    than 0 (``weight.zero_()``). The sink attributes an unstamped copy by the destination's
+    storage (every loadable parameter's, noted before loading); a fake that was zeroed records
+    no piece: that part of the destination holds zeros, not a box of the tensor.
+
+    The fake also takes two idioms vLLM's refuses, both still plain windows of the checkpoint
+    tensor: ``x.view_as(t)`` (``view(t.shape)``) and ``param[idx] = x`` (``param[idx].copy_(x)``).
+    Mamba2's ``mamba_v2_sharded_weight_loader`` (the group-replicating loader of
+    ``n_groups % tp != 0``) writes with exactly these.
+    """
+    from vllm.distributed.weight_transfer.sharded_rdt_fake import BakeSink, FakeRDTTensor, _meta_copy_
+
+    class Sink(BakeSink):
+        def __init__(self) -> None:
+            super().__init__()
+            self.owners: dict[int, tuple[Any, str]] = {}
+            self.zeroed: set[str] = set()
+
+        def accept_copy(self, dest: torch.Tensor, src: Any) -> torch.Tensor:
+            if getattr(src, "_zeroed", False):
+                self.zeroed.add(src._name)
+                return _meta_copy_(dest, src)
+            if self.current is None:
+                owner = self.owners.get(dest.untyped_storage()._cdata)
+                if owner is not None:
+                    self.current = owner
+                    try:
+                        return super().accept_copy(dest, src)
+                    finally:
+                        self.current = None
+            return super().accept_copy(dest, src)
+
+    class Fake(FakeRDTTensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.Tensor.zero_ and isinstance(args[0], FakeRDTTensor):
+                args[0]._zeroed = True
+                return args[0]
+            if func is torch.Tensor.view_as and isinstance(args[0], FakeRDTTensor):
+                return args[0].view(tuple(args[1].shape))
+            if func is torch.Tensor.__setitem__ and isinstance(args[2], FakeRDTTensor) \
+                    and not isinstance(args[0], FakeRDTTensor):
+                return args[0][args[1]].copy_(args[2])
+            return super().__torch_function__(func, types, args, kwargs)
+
+        def _make_child(self, new_shape, new_dtype, *new_ops):
+            child = Fake(name=self._name, shape=new_shape, dtype=new_dtype, device=self.device,
+                         ops=self._ops + new_ops, sink=self._sink)
+            child._zeroed = getattr(self, "_zeroed", False)
+            return child
+
+    return Sink, Fake

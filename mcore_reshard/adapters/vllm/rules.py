@@ -8,6 +8,10 @@ vLLM source:
 - ``layers/linear.py``: ``QKVParallelLinear`` local ``[q_r; k_s; v_s]`` (KV heads replicated
   over ``tp // nKV`` ranks when ``tp > nKV``), ``MergedColumnParallelLinear`` ``[gate_r; up_r]``,
   ``RowParallelLinear`` column slices;
+- ``layers/mamba/mamba_mixer2.py`` (Nemotron-H): ``in_proj`` ``[z_r | x_r | B_r | C_r | dt_r]``
+  and ``conv1d`` ``[x_r | B_r | C_r]``, a single group held whole by every rank
+  (``mamba_v2_sharded_weight_loader``); ``models/qwen3_next.py``: ``in_proj_qkvz`` /
+  ``in_proj_ba`` chunks of whole key-head groups (the families' tables say which rows);
 - ``layers/vocab_parallel_embedding.py``: vocab padded to a multiple of 64 globally, rank r
   owns padded rows ``[r*P/tp, (r+1)*P/tp)``, real rows first and zero rows after;
 - ``layers/fused_moe/``: ``mlp.experts.routed_experts.w13_weight`` ``[E_l, 2*Ie_l, H]`` and
@@ -26,17 +30,16 @@ No vllm or torch import: plans for full-size models are computed from metadata a
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
+from typing import Sequence
 
-from ...layout import Box, LayoutError, LocalParam, ModelSpec, Piece, SideLayout, View
+from ...layout import Box, LayoutError, LocalParam, ModelSpec, Piece, SideLayout, View, contiguous_strides
+from ...layout.family import Block, Col, Placement, Rep, Row, RowPar, Split, Vocab, col_runs, split_shape, split_window
 from ...layout.quant import quantize_side
-from ...layout.spec import ROUTER_BIAS_DTYPE
 from .parallel import QUANTIZATIONS, VllmParallel, check_dims, expert_slots
 
 __all__ = ["QUANTIZATIONS", "VllmParallel", "vllm_layout", "vllm_rank_params"]
-
-_MOE_W13 = "mlp.experts.routed_experts.w13_weight"
-_MOE_W2 = "mlp.experts.routed_experts.w2_weight"
 
 
 def _rows(offset: int, rows: int, cols: int, local_off: int) -> tuple[Box, View]:
@@ -50,238 +53,260 @@ def _cols(offset: int, rows: int, cols: int, local_cols: int, local_off: int = 0
 
 
 def _full(shape: tuple[int, ...]) -> tuple[Box, View]:
-    strides = (shape[1], 1) if len(shape) == 2 else (1,)
-    return Box.full(shape), View(0, shape, strides)
+    return Box.full(shape), View(0, shape, contiguous_strides(shape))
 
 
-# A template entry: (local suffix, local shape, ((canonical suffix, box, view), ...)).
-_Entry = tuple[str, tuple[int, ...], tuple[tuple[str, Box, View], ...]]
+def _run(start: int, n: int, shape: tuple[int, ...], local_off: int) -> tuple[Box, View]:
+    """Rows ``[start, start+n)`` of a tensor of any rank, stored densely at local row ``local_off``."""
+    if len(shape) == 1:
+        return Box((start,), (n,)), View(local_off, (n,), (1,))
+    if len(shape) == 2:
+        return _rows(start, n, shape[1], local_off * shape[1])
+    inner = math.prod(shape[1:])
+    box = (n, *shape[1:])
+    return Box((start,) + (0,) * (len(shape) - 1), box), View(local_off * inner, box, contiguous_strides(box))
+
+
+# A template entry: (local suffix, local shape, ((canonical suffix, box, view), ...), dtype or None).
+_Entry = tuple
 
 
 class _Builder:
-    """Builds rank parameters from per-coordinate templates, so ranks and layers holding the
-    same geometry share ``Box``/``View`` objects and canonical-name strings."""
+    """Builds rank parameters from the family's table (``layout.family``) read with vLLM's
+    placements, per-coordinate templates shared by every rank and layer holding the same
+    geometry (boxes and views interned: one object per value)."""
 
     def __init__(self, spec: ModelSpec, par: VllmParallel) -> None:
         self.spec, self.par = spec, par
+        self.fam = spec.family
+        #: The family's own refusals first (one line naming the tensor), and its notes at this TP.
+        self.family_notes = self.fam.check(spec, "vllm", par.tp) if self.fam.check is not None else ()
         self.d = check_dims(spec, par)
-        self._attn: dict[int, tuple[_Entry, ...]] = {}
-        self._dense: dict[int, tuple[_Entry, ...]] = {}
-        self._vocab: dict[int, tuple[tuple[int, ...], tuple[tuple[Box, View], ...]]] = {}
-        self._moe_box: dict[int, tuple[Box, Box, Box]] = {}
-        self._moe_views: list[tuple[View, View, View]] = []
-        self._expert_names: dict[int, tuple[tuple[str, str, str], ...]] = {}
-        self._prefix = [f"model.layers.{i}." for i in range(spec.num_layers + spec.mtp_layers)]
+        self.dims, self.flags = self.fam.dims(spec), self.fam.flags(spec)
+        self._blocks: dict[tuple[str, int], tuple[_Entry, ...]] = {}
+        self._slots: dict[tuple[str, int], tuple[tuple[str, tuple[int, ...], tuple, str | None], ...]] = {}
+        self._boxes: dict[tuple, Box] = {}
+        self._views: dict[tuple, View] = {}
+        self._views_by_slot: dict[tuple, list] = {}
+        self._names: dict[tuple[int, str], tuple[str, ...]] = {}
+        layers = range(spec.num_layers + spec.mtp_layers)
+        self._prefix = [self.fam.hf_layer.format(layer=i) for i in layers]  # canonical names
+        self._local = [self.fam.vllm_layer.format(layer=i) for i in layers]  # vLLM's
 
-    # -- per-coordinate geometry
+    def _intern(self, box: Box, view: View) -> tuple[Box, View]:
+        box = self._boxes.setdefault((box.offsets, box.sizes), box)
+        return box, self._views.setdefault((view.offset, view.shape, view.stride), view)
 
-    def mla_attn(self, r: int) -> tuple[_Entry, ...]:
-        """``DeepseekV2MLAAttention`` on TP rank ``r``: heads split by TP, latents replicated."""
-        s = self.spec
-        m, H, nh = s.mla, s.hidden, s.num_heads // self.d.tp
-        assert m is not None
-        kv_a = m.kv_lora_rank + m.qk_rope_head_dim
-        qk, kvb = nh * m.qk_head_dim, nh * (m.qk_nope_head_dim + m.v_head_dim)
-        a = "self_attn."
-        out: list[_Entry] = []
-        if m.q_lora_rank is None:
-            out.append((a + "q_proj.weight", (qk, H), ((a + "q_proj.weight", *_rows(r * qk, qk, H, 0)),)))
-            out.append((a + "kv_a_proj_with_mqa.weight", (kv_a, H),
-                        ((a + "kv_a_proj_with_mqa.weight", *_full((kv_a, H))),)))
-        else:
-            ql = m.q_lora_rank
-            out.append((a + "fused_qkv_a_proj.weight", (ql + kv_a, H), (
-                (a + "q_a_proj.weight", *_rows(0, ql, H, 0)),
-                (a + "kv_a_proj_with_mqa.weight", *_rows(0, kv_a, H, ql * H)))))
-            out.append((a + "q_a_layernorm.weight", (ql,), ((a + "q_a_layernorm.weight", *_full((ql,))),)))
-            out.append((a + "q_b_proj.weight", (qk, ql), ((a + "q_b_proj.weight", *_rows(r * qk, qk, ql, 0)),)))
-        kl = m.kv_lora_rank
-        out.append((a + "kv_a_layernorm.weight", (kl,), ((a + "kv_a_layernorm.weight", *_full((kl,))),)))
-        out.append((a + "kv_b_proj.weight", (kvb, kl), ((a + "kv_b_proj.weight", *_rows(r * kvb, kvb, kl, 0)),)))
-        v = nh * m.v_head_dim
-        out.append((a + "o_proj.weight", (H, v), ((a + "o_proj.weight", *_cols(r * v, H, v, v)),)))
+    # -- one table row group on one coordinate
+
+    def entries(self, rows: Sequence[Row], n: int, r: int) -> tuple[_Entry, ...]:
+        """The local tensors of ``rows`` on rank ``r`` of a group of ``n`` (canonical names
+        relative, rows naming one local tensor concatenated in table order)."""
+        groups: dict[str, list[tuple[Row, Placement]]] = {}
+        for row in rows:
+            if not self.fam.present(row, self.flags):
+                continue
+            if row.vllm is None:
+                raise LayoutError(f"{self.fam.title}: vLLM holds no {row.hf}; this layout cannot be served")
+            groups.setdefault(row.vllm.name, []).append((row, row.vllm))
+        out = []
+        for name, members in groups.items():
+            out.append(self._group(name, members, n, r))
         return tuple(out)
 
-    def attn(self, r: int) -> tuple[_Entry, ...]:
-        if r in self._attn:
-            return self._attn[r]
+    def _group(self, name: str, members: list, n: int, r: int) -> _Entry:
+        fam, s = self.fam, self.spec
+        row, pl = members[0]
+        dtype = row.dtype
+        shape = fam.resolve(row.shape, self.dims)
+        kinds = {type(p) for _, p in members}
+        if len(members) > 1 and not kinds <= {Rep, Col}:
+            raise LayoutError(f"{fam.title}: vLLM's {name} fuses {[m.hf for m, _ in members]}: only Rep and Col "
+                              f"placements concatenate")
+        if kinds == {Vocab}:
+            (lo, hi), rows = self._vocab_range(r)
+            pieces = ((row.hf, *self._intern(*_rows(lo, hi - lo, shape[1], 0))),) if hi > lo else ()
+            return (name, (rows, shape[1]), pieces, dtype)
+        if kinds == {RowPar}:
+            k = shape[1] // n
+            return (name, (shape[0], k), ((row.hf, *self._intern(*_cols(r * k, shape[0], k, k))),), dtype)
+        if kinds == {Split}:
+            return self._split(name, row, pl, shape, n, r, None, 0)[0] + (dtype,)
+        if len(members) == 1 and kinds == {Rep} and row.part is None:
+            return (name, shape, ((row.hf, *self._intern(*_full(shape))),), dtype)
+        pieces, at = [], 0
+        cols = shape[1:]
+        for m, p in members:
+            mshape = fam.resolve(m.shape, self.dims)
+            if mshape[1:] != cols:
+                raise LayoutError(f"{fam.title}: vLLM's {name} concatenates {m.hf} {mshape}: parts must have "
+                                  f"{cols} columns")
+            start, rows = (0, mshape[0]) if m.part is None else fam.resolve(m.part, self.dims)
+            runs = [(start, rows)]
+            if isinstance(p, Col):
+                runs = col_runs(m.hf, p, start, rows, n, r, lambda d: fam.resolve(d, self.dims), replicate=True)
+            for start, rows in runs:
+                pieces.append((m.hf, *self._intern(*_run(start, rows, mshape, at))))
+                at += rows
+        return (name, (at, *cols), tuple(pieces), dtype)
+
+    def _split(self, name: str, row: Row, pl: Split, shape: tuple[int, ...], n: int, r: int, expert: int | None,
+               offset: int):
+        """A ``Split`` placement's local shape and its piece (none on a ``rank0`` placement's
+        other ranks, which hold zeros)."""
+        local = split_shape(shape, pl, n, expert)
+        geo = split_window(row.hf, shape, pl, n, r, expert, offset)
+        pieces = () if geo is None else ((row.hf, *self._intern(geo.box, geo.view)),)
+        return (name, local, pieces), local
+
+    def _vocab_range(self, r: int) -> tuple[tuple[int, int], int]:
         s, d = self.spec, self.d
-        if s.mla is not None:
-            self._attn[r] = self.mla_attn(r)
-            return self._attn[r]
-        H, q, kv = s.hidden, d.q_rows, d.kv_rows
-        ks = r // d.kv_rep if s.num_kv_heads < d.tp else r
-        n = q + 2 * kv
-        w = (
-            ("self_attn.q_proj.weight", *_rows(r * q, q, H, 0)),
-            ("self_attn.k_proj.weight", *_rows(ks * kv, kv, H, q * H)),
-            ("self_attn.v_proj.weight", *_rows(ks * kv, kv, H, (q + kv) * H)),
-        )
-        out: list[_Entry] = [("self_attn.qkv_proj.weight", (n, H), w)]
-        if s.qkv_bias:
-            b = tuple(
-                (f"self_attn.{p}_proj.bias", Box((start,), (rows,)), View(off, (rows,), (1,)))
-                for p, start, rows, off in (("q", r * q, q, 0), ("k", ks * kv, kv, q), ("v", ks * kv, kv, q + kv))
-            )
-            out.append(("self_attn.qkv_proj.bias", (n,), b))
-        out.append(("self_attn.o_proj.weight", (H, q), (("self_attn.o_proj.weight", *_cols(r * q, H, q, q)),)))
-        if s.qk_norm:
-            for nm in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
-                out.append((nm, (s.head_dim,), ((nm, *_full((s.head_dim,))),)))
-        self._attn[r] = tuple(out)
-        return self._attn[r]
+        return (min(r * d.vocab_rows, s.vocab), min((r + 1) * d.vocab_rows, s.vocab)), d.vocab_rows
 
-    def norms(self) -> tuple[_Entry, ...]:
-        H = self.spec.hidden
-        return tuple(
-            (nm, (H,), ((nm, *_full((H,))),)) for nm in ("input_layernorm.weight", "post_attention_layernorm.weight")
-        )
+    def block(self, name: str, rows: Sequence[Row], r: int) -> tuple[_Entry, ...]:
+        """A non-expert block's entries on TP rank ``r`` (cached)."""
+        key = (name, r)
+        if key not in self._blocks:
+            self._blocks[key] = self.entries(rows, self.par.tp, r)
+        return self._blocks[key]
 
-    def dense(self, r: int) -> tuple[_Entry, ...]:
-        if r not in self._dense:
-            H, i = self.spec.hidden, self.d.dense_rows
-            gu = (("mlp.gate_proj.weight", *_rows(r * i, i, H, 0)), ("mlp.up_proj.weight", *_rows(r * i, i, H, i * H)))
-            self._dense[r] = (
-                ("mlp.gate_up_proj.weight", (2 * i, H), gu),
-                ("mlp.down_proj.weight", (H, i), (("mlp.down_proj.weight", *_cols(r * i, H, i, i)),)),
-            )
-        return self._dense[r]
-
-    def shared(self, r: int) -> tuple[_Entry, ...]:
-        """``DeepseekV2MoE.shared_experts``: a TP-split SwiGLU MLP (``DeepseekV2MLP``)."""
-        H, i = self.spec.hidden, self.spec.shared_intermediate // self.d.tp
-        p = "mlp.shared_experts."
-        gu = ((p + "gate_proj.weight", *_rows(r * i, i, H, 0)), (p + "up_proj.weight", *_rows(r * i, i, H, i * H)))
-        return ((p + "gate_up_proj.weight", (2 * i, H), gu),
-                (p + "down_proj.weight", (H, i), ((p + "down_proj.weight", *_cols(r * i, H, i, i)),)))
-
-    def vocab(self, r: int) -> tuple[tuple[int, ...], tuple[tuple[Box, View], ...]]:
-        if r not in self._vocab:
-            s, d = self.spec, self.d
-            lo = min(r * d.vocab_rows, s.vocab)
-            hi = min((r + 1) * d.vocab_rows, s.vocab)
-            pieces = (_rows(lo, hi - lo, s.hidden, 0),) if hi > lo else ()
-            self._vocab[r] = ((d.vocab_rows, s.hidden), pieces)
-        return self._vocab[r]
-
-    def moe_boxes(self, mr: int) -> tuple[Box, Box, Box]:
-        if mr not in self._moe_box:
-            H, f = self.spec.hidden, self.d.moe_rows
-            self._moe_box[mr] = (Box((mr * f, 0), (f, H)), Box((mr * f, 0), (f, H)), Box((0, mr * f), (H, f)))
-        return self._moe_box[mr]
-
-    def moe_views(self, slots: int) -> list[tuple[View, View, View]]:
-        H, f = self.spec.hidden, self.d.moe_rows
-        for j in range(len(self._moe_views), slots):
-            self._moe_views.append(
-                (
-                    View(j * 2 * f * H, (f, H), (H, 1)),
-                    View(j * 2 * f * H + f * H, (f, H), (H, 1)),
-                    View(j * H * f, (H, f), (f, 1)),
-                )
-            )
-        return self._moe_views
-
-    def expert_names(self, layer: int) -> tuple[tuple[str, str, str], ...]:
-        if layer not in self._expert_names:
-            p = self._prefix[layer]
-            self._expert_names[layer] = tuple(
-                tuple(f"{p}mlp.experts.{e}.{w}_proj.weight" for w in ("gate", "up", "down"))
-                for e in range(self.spec.num_experts)
-            )
-        return self._expert_names[layer]
+    def experts(self, name: str, block: Block, mr: int) -> tuple:
+        """A routed-expert block's slot layout on MoE-TP rank ``mr``: per local tensor, its
+        per-slot shape and, per row, (canonical suffix with ``{e}``, box, view offset in the
+        slot, placement) -- the boxes shared by every slot, layer and rank."""
+        key = (name, mr)
+        if key in self._slots:
+            return self._slots[key]
+        d, fam = self.d, self.fam
+        n, r = (1, 0) if d.ep > 1 else (d.moe_tp, mr)
+        groups: dict[str, list[tuple[Row, Placement]]] = {}
+        for row in block.rows:
+            if fam.present(row, self.flags):
+                if row.vllm is None:
+                    raise LayoutError(f"{fam.title}: vLLM holds no {row.hf}; this layout cannot be served")
+                groups.setdefault(row.vllm.name, []).append((row, row.vllm))
+        out = []
+        for lname, members in groups.items():
+            if block.stacked:
+                (row, pl), = members
+                shape = fam.resolve(row.shape, self.dims)
+                out.append((lname, split_shape(shape, pl, n, 0), ((row, pl, shape, n, r),),
+                            row.dtype))
+            else:
+                entry = self._group(lname, members, n, r)
+                out.append((lname, entry[1], entry[2], entry[3]))
+        self._slots[key] = tuple(out)
+        return self._slots[key]
 
     # -- one rank
 
     def rank_params(self, rank: int) -> list[LocalParam]:
-        s, par, d = self.spec, self.par, self.d
+        s, par, d, fam = self.spec, self.par, self.d, self.fam
         if not 0 <= rank < par.world_size:
             raise LayoutError(f"rank {rank} outside the vLLM world of {par.world_size} ranks")
         tp_r = rank % par.tp
         pp_r = rank // par.tp % par.pp
         first, last = pp_r == 0, pp_r == par.pp - 1
-        dt = s.dtype
         out: list[LocalParam] = []
 
-        def add(name: str, shape: tuple[int, ...], pieces: tuple[tuple[str, Box, View], ...], dtype: str = dt) -> None:
-            out.append(LocalParam(rank, name, shape, dtype, tuple(Piece(rank, name, c, b, v) for c, b, v in pieces)))
+        def add(entries) -> None:
+            for name, shape, pieces, dtype in entries:
+                out.append(LocalParam(rank, name, shape, dtype or s.dtype,
+                                      tuple(Piece(rank, name, c, b, v) for c, b, v in pieces)))
 
-        def add_vocab(name: str) -> None:
-            shape, pv = self.vocab(tp_r)
-            add(name, shape, tuple((name, b, v) for b, v in pv))
-
-        # Qwen3-MoE builds embed_tokens, norm and lm_head on every PP stage; the dense models
-        # only on the first stage (embed; also the last when tied) and the last (norm, lm_head).
-        everywhere = s.arch == "qwen3_moe"
+        # Some families build embed_tokens, norm and lm_head on every PP stage (Qwen3-MoE); the
+        # others the embedding on the first stage (also the last when tied: the head *is* it)
+        # and the norm and head on the last.
+        everywhere = fam.vllm_top_on_every_stage
         if first or everywhere or (s.tied and last):
-            add_vocab("model.embed_tokens.weight")
+            add(self.block("<pre>", fam.pre, tp_r))
+        elif fam.vllm_every_stage:
+            add(self.block("<pre*>", [r for r in fam.pre if r.hf in fam.vllm_every_stage], tp_r))
         start, end = d.stages[pp_r]
         for layer in range(start, end):
             self.layer_params(out, rank, layer)
         if last or everywhere:
-            add("model.norm.weight", (s.hidden,), (("model.norm.weight", *_full((s.hidden,))),))
-            if not s.tied:  # tied: lm_head.weight *is* embed_tokens.weight (named_parameters dedups)
-                add_vocab("lm_head.weight")
+            add(self.block("<post>", fam.post, tp_r))
+        elif fam.vllm_every_stage:
+            add(self.block("<post*>", [r for r in fam.post if r.hf in fam.vllm_every_stage], tp_r))
         return out
 
-    def layer_params(self, out: list[LocalParam], rank: int, layer: int, local: str | None = None,
-                     moe: bool | None = None) -> None:
+    def layer_params(self, out: list[LocalParam], rank: int, layer: int, local: str | None = None) -> None:
         """Decoder layer ``layer``'s parameters on ``rank``, named under ``local`` (default
-        ``model.layers.{layer}.``; a draft's MTP layer: ``...mtp_block.``), boxes of
-        ``model.layers.{layer}.*``; ``moe``: whether its MLP is routed (default: the spec's)."""
-        s, par, d = self.spec, self.par, self.d
+        the family's ``vllm_layer``; a draft's MTP layer: ``...mtp_block.``), boxes of its
+        ``hf_layer`` tensors."""
+        s, par = self.spec, self.par
         tp_r = rank % par.tp
         mr = rank // (par.tp * par.pp) % par.dp * par.tp + tp_r  # flattened MoE rank (ep_rank with EP)
         p = self._prefix[layer]
-        q = p if local is None else local
-        dt = s.dtype
+        q = self._local[layer] if local is None else local
+        for bname, block in self.fam.layer_blocks(s, layer):
+            if block.experts:
+                self._add_experts(out, rank, layer, bname, block, mr, q)
+                continue
+            for suffix, shape, pieces, dtype in self.block(bname, block.rows, tp_r):
+                name = q + suffix
+                out.append(LocalParam(rank, name, shape, dtype or s.dtype,
+                                      tuple(Piece(rank, name, p + c, b, v) for c, b, v in pieces)))
 
-        def add(suffix: str, shape: tuple[int, ...], pieces: tuple[tuple[str, Box, View], ...], dtype: str = dt) -> None:
-            name = q + suffix
-            out.append(LocalParam(rank, name, shape, dtype, tuple(Piece(rank, name, p + c, b, v) for c, b, v in pieces)))
+    def _slot_views(self, bname: str, mr: int, lname: str, parts: tuple, slot: int, n: int) -> list:
+        """Per slot, each part's view (slot ``j``'s part at ``j * slot`` + its offset), shared
+        by every layer and rank of the block."""
+        views = self._views_by_slot.setdefault((bname, mr, lname), [])
+        for j in range(len(views), n):
+            views.append(tuple(self._views.setdefault((j * slot + v.offset, v.shape, v.stride),
+                                                      View(j * slot + v.offset, v.shape, v.stride)) for _, _, v in parts))
+        return views
 
-        for suffix, shape, pieces in self.attn(tp_r):
-            add(suffix, shape, pieces)
-        if s.is_moe(layer) if moe is None else moe:
-            router = (s.num_experts, s.hidden)
-            add("mlp.gate.weight", router, (("mlp.gate.weight", *_full(router)),))
-            if s.router_bias:
-                bias = "mlp.gate.e_score_correction_bias"
-                add(bias, (s.num_experts,), ((bias, *_full((s.num_experts,))),), ROUTER_BIAS_DTYPE)  # fp32, as vLLM builds it
-            if s.shared_intermediate:
-                for suffix, shape, pieces in self.shared(tp_r):
-                    add(suffix, shape, pieces)
-            self._add_experts(out, rank, layer, mr, q)
-        else:
-            for suffix, shape, pieces in self.dense(tp_r):
-                add(suffix, shape, pieces)
-        for suffix, shape, pieces in self.norms():
-            add(suffix, shape, pieces)
+    def _expert_names(self, layer: int, suffix: str) -> tuple[str, ...]:
+        """Canonical names of ``suffix`` (with ``{e}``) for every expert of ``layer``."""
+        key = (layer, suffix)
+        if key not in self._names:
+            p = self._prefix[layer]
+            self._names[key] = tuple(p + suffix.format(e=e) for e in range(self.spec.num_experts))
+        return self._names[key]
 
-    def _add_experts(self, out: list[LocalParam], rank: int, layer: int, mr: int, local: str | None = None) -> None:
+    def _add_experts(self, out: list[LocalParam], rank: int, layer: int, bname: str, block: Block, mr: int,
+                     local: str) -> None:
         s, d = self.spec, self.d
-        H, f = s.hidden, d.moe_rows
         if d.ep > 1:
             first_slot, n = expert_slots(d, mr)
-            gbox, ubox, dbox = self.moe_boxes(0)
         else:
             first_slot, n = 0, d.physical
-            gbox, ubox, dbox = self.moe_boxes(mr)
         phys = d.maps.get(layer, d.initial_map)
-        names = self.expert_names(layer)
-        views = self.moe_views(n)
-        p = self._prefix[layer] if local is None else local
-        w13, w2 = p + _MOE_W13, p + _MOE_W2
-        p13: list[Piece] = []
-        p2: list[Piece] = []
-        for j in range(n):
-            g, u, dn = names[phys[first_slot + j]]
-            gv, uv, dv = views[j]
-            p13.append(Piece(rank, w13, g, gbox, gv))
-            p13.append(Piece(rank, w13, u, ubox, uv))
-            p2.append(Piece(rank, w2, dn, dbox, dv))
-        out.append(LocalParam(rank, w13, (n, 2 * f, H), s.dtype, tuple(p13)))
-        out.append(LocalParam(rank, w2, (n, H, f), s.dtype, tuple(p2)))
+        p = self._prefix[layer]
+        for lname, slot_shape, parts, dtype in self.experts(bname, block, mr):
+            name = local + self.fam.vllm_experts + lname
+            slot = math.prod(slot_shape)
+            pieces: list[Piece] = []
+            if block.stacked:  # one piece per run of slots holding consecutive experts, as vLLM copies them
+                (row, pl, shape, gn, gr), = parts
+                for j0, e0, run in _runs([phys[first_slot + j] for j in range(n)]):
+                    geo = split_window(row.hf, shape, pl, gn, gr, e0, j0 * slot)
+                    if geo is not None:
+                        b, v = geo.box, geo.view
+                        box, view = self._intern(Box((e0, *b.offsets[1:]), (run, *b.sizes[1:])),
+                                                 View(v.offset, (run, *v.shape[1:]), (slot, *v.stride[1:])))
+                        pieces.append(Piece(rank, name, p + row.hf, box, view))
+            if not block.stacked:
+                views = self._slot_views(bname, mr, lname, parts, slot, n)
+                names = [self._expert_names(layer, c) for c, _, _ in parts]
+                for j in range(n):
+                    e = phys[first_slot + j]
+                    for k, (_, box, _) in enumerate(parts):
+                        pieces.append(Piece(rank, name, names[k][e], box, views[j][k]))
+            out.append(LocalParam(rank, name, (n, *slot_shape), dtype or s.dtype, tuple(pieces)))
+
+
+def _runs(experts: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(first slot, first expert, length) of each run of slots holding consecutive experts."""
+    out: list[tuple[int, int, int]] = []
+    for j, e in enumerate(experts):
+        if out and out[-1][1] + out[-1][2] == e:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((j, e, 1))
+    return out
 
 
 # ----------------------------------------------------------------------------- public API
@@ -310,8 +335,11 @@ def vllm_layout(spec: ModelSpec, par: VllmParallel) -> SideLayout:
         notes.append(f"experts: {mode}, {d.physical} physical slots for {spec.num_experts} logical experts")
         if par.expert_placement == "round_robin":
             notes.append("round_robin placement needs grouped experts: vLLM falls back to linear")
-    if spec.arch == "qwen3_moe" and par.pp > 1:
-        notes.append("Qwen3-MoE holds embed_tokens, norm and lm_head on every PP stage")
+    if spec.family.vllm_top_on_every_stage and par.pp > 1:
+        notes.append(f"{spec.family.title} holds embed_tokens, norm and lm_head on every PP stage")
+    if spec.family.vllm_every_stage and par.pp > 1:
+        notes.append(f"{spec.family.title} holds {', '.join(spec.family.vllm_every_stage)} on every PP stage")
+    notes.extend(b.family_notes)
     if spec.mla is not None:
         notes.append("MLA kv_b_proj: vLLM absorbs it into W_UK/W_UV after loading (kernel format != model "
                      "format): the applier writes it through the layerwise reload and rebuilds W_UK/W_UV")
@@ -319,11 +347,15 @@ def vllm_layout(spec: ModelSpec, par: VllmParallel) -> SideLayout:
         notes.append(f"MTP layers {spec.num_layers}..{spec.num_layers + spec.mtp_layers - 1} "
                      f"(num_nextn_predict_layers={spec.mtp_layers}) are not held by the destination: vLLM's "
                      "main model skips them (only an MTP speculative-decoding draft loads them); not refit")
+    notes.extend(spec.family.notes)
     tensors = spec.tensor_table()
     side = SideLayout("vllm", par.world_size, tuple(params), tensors, tuple(notes))
     fp8 = par.fp8
     if fp8 is None:
         return side
+    if spec.hybrid is not None:
+        raise LayoutError(f"{spec.family.title}: FP8 rollout of a hybrid family is not built (its Mamba / GDN "
+                          "mixers' block-FP8 layout is not described); leave vllm.quantization null")
     side = quantize_side(side, fp8, "vllm")
     return replace(side, notes=side.notes + (
         f"block FP8 ({fp8.block}x{fp8.block} {fp8.dtype} codes + fp32 weight_scale_inv; kept in {spec.dtype}: "

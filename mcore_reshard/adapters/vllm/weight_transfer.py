@@ -141,7 +141,8 @@ class ReshardWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUpd
         once one is installed."""
         if self._params is None:
             self._params = record_local_params(self._default_model, canonical_tensors(self.vllm_config),
-                                               self.local_rank, vllm_config=self.vllm_config, device=self.device)
+                                               self.local_rank, vllm_config=self.vllm_config, device=self.device,
+                                               checkpoint=served_spec(self.vllm_config).checkpoint_shapes())
         if self.draft is not None and self._draft_params is None:
             self._draft_params = self._record_draft()
         return self._params + (self._draft_params or []) + self.adapter_params

@@ -81,11 +81,12 @@ class ReshardWorkerExtension:
             return eng.params()
         cached = getattr(self, "_mr_cached_params", None)
         if cached is None:
-            from .weight_transfer import canonical_tensors
+            from .weight_transfer import canonical_tensors, served_spec
 
             cached = record_local_params(
                 self._mr_model(), canonical_tensors(self.vllm_config), self.mr_rank_info()["rank"],  # type: ignore[attr-defined]
                 vllm_config=self.vllm_config, device=self.mr_rank_info()["device"],  # type: ignore[attr-defined]
+                checkpoint=served_spec(self.vllm_config).checkpoint_shapes(),  # type: ignore[attr-defined]
             )
             self._mr_cached_params = cached
         return cached

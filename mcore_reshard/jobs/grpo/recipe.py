@@ -25,7 +25,7 @@ from ...settings.policy import from_policy_config
 from ...settings import (KNOWN_KEYS, LOCAL_DTYPES, RECIPE, TINY_MODELS, AsyncGrpoSettings, ClusterSettings,
                         GenerationSettings, GrpoSettings, LossSettings, RaySettings, RefitConfig, TaskSettings,
                         apply_overrides, check_type, check_world, is_checkpoint_dir, load_recipe, local_cpu_problem,
-                        lookup, read, read_section)
+                        local_train_problem, lookup, read, read_section)
 
 __all__ = [
     "GrpoSettings",
@@ -239,5 +239,6 @@ def load_grpo_recipe(path: str | Path, overrides: Sequence[str] = ()) -> GrpoRec
     impl = read(cfg, RECIPE.transformer_impl)
     return GrpoRecipe(path=str(path), model=model, spec=spec, dtype=spec.dtype, training=training, vllm=vllm,
                       refit=refit, colocated=colocated, async_engine=async_engine, **s,
-                      local_problem=_lora_problem(layout.peft, spec) or _local_problem(model, spec.dtype, impl, training, vllm),
+                      local_problem=_lora_problem(layout.peft, spec) or local_train_problem(spec, model)
+                      or _local_problem(model, spec.dtype, impl, training, vllm),
                       peft=layout.peft, speculative=layout.speculative)

@@ -300,11 +300,17 @@ class HFBroadcastWorkerExtension(ReshardWorkerExtension):
     def mr_hf_receive(self, buffer_bytes: int, timeout_s: float) -> dict:
         """Receive every full HF tensor and reload through vLLM's loaders (``BroadcastStats``
         on the wire)."""
-        from ...adapters.vllm.weight_transfer import canonical_tensors
+        from ...adapters.vllm.weight_transfer import canonical_tensors, served_spec
+
+        # vLLM's loaders take the checkpoint's shapes (gpt-oss's interleaved gate/up: the plan
+        # addresses the same storage in a finer shape, ``ModelSpec.checkpoint_shapes``)
+        shapes = served_spec(self.vllm_config).checkpoint_shapes()  # type: ignore[attr-defined]
+
+        def load(stream: Iterable[tuple[str, torch.Tensor]]) -> None:
+            reload_weights(self, ((n, t.view(shapes[n]) if n in shapes else t) for n, t in stream))
 
         stats = broadcast_receive(canonical_tensors(self.vllm_config), self._mr_hf_group, 0,  # type: ignore[attr-defined]
-                                  lambda stream: reload_weights(self, stream), buffer_bytes=buffer_bytes,
-                                  timeout_s=timeout_s)
+                                  load, buffer_bytes=buffer_bytes, timeout_s=timeout_s)
         return stats.to_wire()
 
     def mr_hf_leave(self) -> None:
