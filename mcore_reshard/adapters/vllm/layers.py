@@ -127,6 +127,8 @@ def derivations(layer: torch.nn.Module) -> dict[str, Any]:
     import inspect
 
     out: dict[str, Any] = {}
+    if not isinstance(layer, torch.nn.Module):  # a LoRA slot (``LoraSlot``): loaded by the refit adapter, as is
+        return out
     for name, t in list(layer._parameters.items()):
         loader = getattr(t, "weight_loader", None) if t is not None else None
         while loader is not None and hasattr(loader, "_rdt_stamp_inner"):
