@@ -47,7 +47,16 @@ def _cmd_refit(args, overrides: Sequence[str]) -> int:
         if getattr(args, flag):
             raise ConfigError(f"--{flag} is an option of 'plan', not of 'refit'")
     job = load_refit_job(overrides)  # every check, before any process starts
+    _say_cpu_notice_once()
     return run_refit_job(job, as_json=args.json)
+
+
+def _say_cpu_notice_once() -> None:
+    """megatron-core's CPU warnings, once for the job instead of from every process."""
+    from .adapters.megatron.runtime import CPU_NOTICE, quiet_cpu_notices
+
+    if quiet_cpu_notices():
+        print(CPU_NOTICE, file=sys.stderr)
 
 
 def _cmd_grpo(args, overrides: Sequence[str]) -> int:
@@ -68,6 +77,7 @@ def _cmd_grpo(args, overrides: Sequence[str]) -> int:
         return 0
     if recipe.local_problem is not None:  # before anything heavy is imported
         raise ConfigError(recipe.local_problem)
+    _say_cpu_notice_once()
     return run_grpo(recipe, address=args.address, as_json=args.json)
 
 

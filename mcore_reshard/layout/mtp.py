@@ -20,7 +20,7 @@ from typing import Iterable
 from .descriptor import LayoutError, LocalParam, SideLayout
 from .spec import ModelSpec
 
-__all__ = ["mtp_spec", "draft_tensors", "draft_layers", "with_draft"]
+__all__ = ["mtp_spec", "draft_tensors", "draft_layers", "with_draft", "skipped_note"]
 
 
 def draft_layers(spec: ModelSpec) -> range:
@@ -54,9 +54,18 @@ def draft_tensors(spec: ModelSpec) -> dict[str, tuple[tuple[int, ...], str]]:
     return out
 
 
+def skipped_note(spec: ModelSpec) -> str:
+    """The note of a destination that runs no draft: its model skips the MTP layers."""
+    return (f"MTP layers {spec.num_layers}..{spec.num_layers + spec.mtp_layers - 1} "
+            f"(num_nextn_predict_layers={spec.mtp_layers}) are not held by the destination: vLLM's "
+            "main model skips them (only an MTP speculative-decoding draft loads them); not refit")
+
+
 def with_draft(side: SideLayout, draft: Iterable[LocalParam], spec: ModelSpec) -> SideLayout:
     """``side`` plus the draft's parameters and tensors: one layout, so the target and its
-    draft are planned, moved and voted on as one refit."""
+    draft are planned, moved and voted on as one refit. A destination's note that it skips
+    the MTP layers (``skipped_note``) no longer holds: it goes."""
     params = tuple(side.params) + tuple(draft)
+    note = f"mtp draft: {spec.mtp_layers} layer(s) after layer {spec.num_layers - 1}"
     return replace(side, params=params, tensors={**side.tensors, **draft_tensors(spec)},
-                   notes=tuple(side.notes) + (f"mtp draft: {spec.mtp_layers} layer(s) after layer {spec.num_layers - 1}",))
+                   notes=tuple(n for n in side.notes if n != skipped_note(spec)) + (note,))

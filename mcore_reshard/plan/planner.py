@@ -152,7 +152,7 @@ def _build_plan(
         bucket_bytes=bucket_bytes,
         padding=tuple(padding),
         not_direct=tuple(not_direct),
-        notes=tuple(src.notes) + tuple(dst.notes),
+        notes=tuple(dict.fromkeys(tuple(src.notes) + tuple(dst.notes))),  # a note both sides make, once
         extensions=_side_records(casts, reinterpret, quantized, at_receiver, scaled),
     )
     if planned != plan.bytes_min:

@@ -168,6 +168,9 @@ class _Reply:
 
 def _rank_main(rank: int, setup: TrainerSetup, commands: Any, replies: Any) -> None:
     """Command loop of one training rank: run each typed call on this rank's ``MegatronTrainerRank``."""
+    from ..adapters.megatron.runtime import quiet_cpu_notices
+
+    quiet_cpu_notices()  # the job said it once (a rank the fork server made has no PYTHONWARNINGS of the job's)
     try:
         state = MegatronTrainerRank(rank, setup)
         replies.put(_Reply(rank, 0, True))

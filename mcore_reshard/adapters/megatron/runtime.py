@@ -47,7 +47,31 @@ import importlib
 import sys
 import types
 
-__all__ = ["apply_cpu_patches"]
+__all__ = ["apply_cpu_patches", "CPU_NOTICE", "quiet_cpu_notices"]
+
+#: megatron-core's import-time warnings of what a CPU machine lacks: expected here, said once
+#: by the job (``CPU_NOTICE``) instead of by every process that imports megatron.
+CPU_NOTICES = ("Transformer Engine and Apex are not installed", "absl.logging is not installed")
+CPU_NOTICE = ("megatron-core: Transformer Engine and Apex are not installed (a CPU machine): torch's optimizers "
+              "and megatron's local multi-tensor kernels are used")
+
+
+def quiet_cpu_notices() -> bool:
+    """Filter ``CPU_NOTICES`` in this process and in every process it starts (``PYTHONWARNINGS``
+    is read at each interpreter's start: spawned ranks, the fork server, Ray's workers). True
+    when the notice applies (neither Transformer Engine nor Apex is importable): the caller
+    prints ``CPU_NOTICE`` once."""
+    import importlib.util
+    import os
+    import warnings
+
+    for msg in CPU_NOTICES:
+        warnings.filterwarnings("ignore", message=msg)
+    have = os.environ.get("PYTHONWARNINGS", "")
+    extra = [f"ignore:{msg}" for msg in CPU_NOTICES if f"ignore:{msg}" not in have]
+    if extra:
+        os.environ["PYTHONWARNINGS"] = ",".join(([have] if have else []) + extra)
+    return importlib.util.find_spec("transformer_engine") is None and importlib.util.find_spec("apex") is None
 
 _APPLIED = False
 

@@ -37,6 +37,7 @@ from typing import Sequence
 from ...layout import Box, LayoutError, LocalParam, ModelSpec, Piece, SideLayout, View, contiguous_strides
 from ...layout.family import Block, Col, Placement, Rep, Row, RowPar, Split, Vocab, col_runs, split_shape, split_window
 from ...layout.quant import quantize_side
+from ...layout.mtp import skipped_note
 from .parallel import QUANTIZATIONS, VllmParallel, check_dims, expert_slots
 
 __all__ = ["QUANTIZATIONS", "VllmParallel", "vllm_layout", "vllm_rank_params"]
@@ -344,9 +345,7 @@ def vllm_layout(spec: ModelSpec, par: VllmParallel) -> SideLayout:
         notes.append("MLA kv_b_proj: vLLM absorbs it into W_UK/W_UV after loading (kernel format != model "
                      "format): the applier writes it through the layerwise reload and rebuilds W_UK/W_UV")
     if spec.mtp_layers:
-        notes.append(f"MTP layers {spec.num_layers}..{spec.num_layers + spec.mtp_layers - 1} "
-                     f"(num_nextn_predict_layers={spec.mtp_layers}) are not held by the destination: vLLM's "
-                     "main model skips them (only an MTP speculative-decoding draft loads them); not refit")
+        notes.append(skipped_note(spec))
     notes.extend(spec.family.notes)
     tensors = spec.tensor_table()
     side = SideLayout("vllm", par.world_size, tuple(params), tensors, tuple(notes))

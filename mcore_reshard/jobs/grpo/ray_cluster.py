@@ -23,7 +23,6 @@ import secrets
 import shutil
 import tempfile
 import time
-import warnings
 from dataclasses import replace
 from typing import Any, Callable, Sequence
 
@@ -123,10 +122,9 @@ class _TrainerActor:
         return free_port(host)
 
     def start(self, rank: int, setup: Any) -> None:
-        # megatron-core's import-time notices of what a CPU machine lacks (expected here).
-        for msg in ("Transformer Engine and Apex are not installed", "absl.logging is not installed"):
-            warnings.filterwarnings("ignore", message=msg)
+        from ...adapters.megatron.runtime import quiet_cpu_notices
 
+        quiet_cpu_notices()  # the job said it once
         self.rank = MegatronTrainerRank(rank, setup)
 
     def run(self, call: RankCall[Any]) -> Any:
