@@ -47,6 +47,8 @@ def _cmd_refit(args, overrides: Sequence[str]) -> int:
         if getattr(args, flag):
             raise ConfigError(f"--{flag} is an option of 'plan', not of 'refit'")
     job = load_refit_job(overrides)  # every check, before any process starts
+    if job.chose:
+        print(job.chose, file=sys.stderr)
     _say_cpu_notice_once()
     return run_refit_job(job, as_json=args.json)
 

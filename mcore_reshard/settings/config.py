@@ -325,6 +325,8 @@ class RefitJob:
     #: ``vllm.speculative_config``: the engines draft with the model's MTP layers, the trainers
     #: build megatron's MTP block, and every refit moves both in one vote (None: no draft).
     speculative: Any = None
+    #: One line: what was chosen for the draft where the overrides named nothing ("": nothing).
+    chose: str = ""
     src: SideLayout | None = field(default=None, repr=False, compare=False)
     dst: SideLayout | None = field(default=None, repr=False, compare=False)
     plan: Any = field(default=None, repr=False, compare=False)
@@ -375,6 +377,10 @@ def load_refit_job(overrides: Sequence[str] = ()) -> RefitJob:
     and the local job's limits; starts no process and writes no file.
     """
     data, k = load_config("refit", overrides, open_sections=sections(REFIT_CONFIG)), REFIT_CONFIG
+    chosen = draft_defaults(data, overrides)
+    if chosen:  # what a draft needs, where the overrides left the default job's own
+        overrides = [*overrides, *chosen]
+        data = load_config("refit", overrides, open_sections=sections(REFIT_CONFIG))
     model, dtype, seed = read(data, k.model), read(data, k.dtype), read(data, k.seed)
     if not 0 <= seed < 2**63:
         raise ConfigError(f"seed={seed} must be in [0, 2**63)")
@@ -408,5 +414,28 @@ def load_refit_job(overrides: Sequence[str] = ()) -> RefitJob:
                               f"vllm.tp=1 and training.pp=1 (vLLM's DeepSeekMTP draft layout is described for pp=1)")
         src, dst = with_drafts(RecipeLayout(spec, training, vllm, refit, speculative=speculative), src, dst)
         plan = get_plan(src, dst, bucket_bytes=refit.bucket_bytes, allow_cast=refit.allow_cast)
+    chose = (f"vllm.speculative_config.method={speculative.method}: chose {', '.join(chosen)} (the draft runs "
+             f"on a model with MTP layers, at vllm.tp=1 and training.pp=1; the HF baseline would leave it stale)"
+             if chosen and speculative is not None else "")
     return RefitJob(model=model, spec=spec, dtype=dtype, seed=seed, training=training, vllm=vllm, refit=refit,
-                    checkpoint=checkpoint, src=src, dst=dst, plan=plan, speculative=speculative, **job)
+                    checkpoint=checkpoint, src=src, dst=dst, plan=plan, speculative=speculative, chose=chose, **job)
+
+
+def draft_defaults(data: Mapping[str, Any], overrides: Sequence[str]) -> list[str]:
+    """With ``vllm.speculative_config.method`` set: the overrides that make the job able to
+    draft -- a model with MTP layers (``tiny-deepseek-v3-mtp``), ``vllm.tp=1``,
+    ``training.pp=1``, ``job.compare_hf=false`` -- for each key the overrides do not name
+    (a key the user named keeps its value, and a conflict is refused in one line as before)."""
+    vllm = data.get("vllm") or {}
+    if not (vllm.get("speculative_config") or {}).get("method"):
+        return []
+    given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+    out = []
+    model = data.get("model")
+    if "model" not in given and model in TINY_MODELS and not tiny_spec(model, "float32").mtp_layers:
+        out.append("model=tiny-deepseek-v3-mtp")
+    for key, value, want in (("vllm.tp", vllm.get("tp"), 1), ("training.pp", (data.get("training") or {}).get("pp"), 1),
+                             ("job.compare_hf", (data.get("job") or {}).get("compare_hf"), False)):
+        if key not in given and value != want:
+            out.append(f"{key}={str(want).lower()}")
+    return out
