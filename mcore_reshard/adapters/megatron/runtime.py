@@ -51,7 +51,7 @@ __all__ = ["apply_cpu_patches", "CPU_NOTICE", "quiet_cpu_notices"]
 
 #: megatron-core's import-time warnings of what a CPU machine lacks: expected here, said once
 #: by the job (``CPU_NOTICE``) instead of by every process that imports megatron.
-CPU_NOTICES = ("Transformer Engine and Apex are not installed", "absl.logging is not installed",
+CPU_NOTICES = ("Transformer Engine and Apex are not installed", "Apex is not installed", "absl.logging is not installed",
                # megatron-core 0.19.2's DDP calls a torch API that torch 2.13 deprecates, every step
                "`torch.distributed.reduce_scatter_tensor` is deprecated")
 CPU_NOTICE = ("megatron-core: Transformer Engine and Apex are not installed (a CPU machine): torch's optimizers "
