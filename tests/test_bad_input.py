@@ -382,7 +382,12 @@ def test_refit_job_with_a_draft_plans_it_with_the_target_or_says_why_not_in_one_
     moved = {t.canonical for t in job.plan.transfers}
     assert set(draft_tensors(job.spec)) <= moved and job.plan.bytes_planned == job.plan.bytes_min
     with pytest.raises(ConfigError, match=r"^job.compare_hf=true with vllm.speculative_config: the HF-broadcast"):
-        load_refit_job(mtp[:-1])
+        load_refit_job(mtp[:-1] + ["job.compare_hf=true"])  # named: kept, and refused
+    # what the overrides leave unnamed is chosen for the draft, and said in one line
+    chosen = load_refit_job(["vllm.speculative_config.method=mtp"])
+    assert (chosen.model, chosen.vllm.tp, chosen.compare_hf) == ("tiny-deepseek-v3-mtp", 1, False)
+    assert "\n" not in chosen.chose and "chose model=tiny-deepseek-v3-mtp, vllm.tp=1, job.compare_hf=false" in chosen.chose
+    assert load_refit_job(mtp).chose == "" and load_refit_job([]).chose == ""
     with pytest.raises(ConfigError, match=r"^vllm.speculative_config.method=mtp: the local job drafts with vllm.tp=1"):
         load_refit_job(mtp[:1] + ["vllm.tp=2"] + mtp[2:])
     with pytest.raises(LayoutError, match=r"the model has no MTP layers"):
