@@ -19,6 +19,7 @@ __all__ = [
     "RefitIncomplete",
     "TrainerError",
     "EngineUnresponsive",
+    "EngineDead",
 ]
 
 
@@ -49,6 +50,11 @@ class RefitIncomplete(RefitError):
 class EngineUnresponsive(RefitError):
     """An engine did not answer a call within its deadline (a worker stopped, hung or dead):
     no further call is sent to it until that one returns (``adapters.vllm.engine.engine_call``)."""
+
+
+class EngineDead(RefitError):
+    """An engine will never answer again (its core or a worker died): refused until replaced.
+    Raised by a destination's adapter, which knows its engine's words for it."""
 
 
 class TrainerError(RefitError):

@@ -194,13 +194,13 @@ def vllm_trainer_api_job(ctx: WorldCtx, ckpt: str, dtype: str, par: MegatronPara
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     from mcore_reshard.refit.servers import prompt_logprobs
-    from mcore_reshard.refit.trainer_engine import MegatronShards, ReshardTrainerInitInfo
+    from mcore_reshard.adapters.vllm.backend import ReshardTrainerInitInfo, TrainerShards
 
     spec = load_model_spec(ckpt, dtype=dtype)
     init_megatron(par, ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)
     policy = build_policy(spec, par, TrainSettings(dtype=dtype, lr=0.05))
     policy.load_canonical(load_canonical(ckpt))
-    source = MegatronShards(TrainerEndpoint(policy.chunks, spec, sync_params=policy.sync_params))
+    source = TrainerShards(TrainerEndpoint(policy.chunks, spec, sync_params=policy.sync_params))
     client = HTTPVLLMWeightSyncClient(url, timeout=300)
 
     class Flaky(HTTPVLLMWeightSyncClient):

@@ -100,7 +100,7 @@ def test_driver_refits_an_engine_started_with_only_the_backend(ckpt_cache, plain
     _, llm = plain_engine
     with cluster(spec, ckpt, MegatronParallel(tp=2, ep=2, etp=1), VllmParallel(tp=1),
                  RefitConfig(timeout_s=60.0), train={"lr": 0.05}, engines=[llm]) as c:
-        assert not c.driver.engine_infos[0].diagnostics
+        assert not c.driver.engine_infos[0].reports
         c.step(TOKENS)
         assert c.logprob_error(TOKENS) > 1.01  # the engine serves other weights, the trainers moved on
         m = c.refit_once()

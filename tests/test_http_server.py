@@ -315,7 +315,7 @@ def test_http_server_tp1_two_refits_equal_the_trainers_then_its_own_fresh_load(t
 def test_trainers_refit_a_server_through_vllms_own_trainer_api_only(tp1_server):
     """A framework written against vLLM's trainer-side API: each megatron rank (TP2xEP2) builds
     ``WeightTransferTrainerFactory.trainer_init(ReshardTrainerInitInfo(...), client=
-    HTTPVLLMWeightSyncClient(url), source=MegatronShards(...))`` and calls ``send_weights()``
+    HTTPVLLMWeightSyncClient(url), source=TrainerShards(...))`` and calls ``send_weights()``
     after each of two training steps -- no driver, no controller, no project call on the
     server. A layout stated wrongly (bf16 for an fp32 engine) is refused by the engine's own
     slice check at the first refit, on every rank, in one line. A connection that drops on rank

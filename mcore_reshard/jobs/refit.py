@@ -118,7 +118,7 @@ class LocalCluster:
         pairs = [(int(a), int(b)) for a, b in pairs]
         probing = self.pool.raw_bandwidth(pairs, nbytes, t)
         got: list = []
-        errors = self.driver.on_engines(lambda llm, _: got.extend(raw_bandwidth(llm, pairs, nbytes, t)),
+        errors = self.driver.on_engines(lambda d, _: got.extend(raw_bandwidth(d.engine, pairs, nbytes, t)),
                                         what="raw_bandwidth")
         got += probing.wait()
         if errors:

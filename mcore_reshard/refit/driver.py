@@ -4,12 +4,14 @@
     -> every rank's RankReport gathered into RefitMetrics
 
 It drives the training side through a ``ranks.TrainerGroup`` (``pool.LocalTrainerGroup``, a
-``grpo.ray_cluster.RayTrainerGroup``, or a framework's own subclass) and
-vLLM engines (``LLM`` objects started with ``weight_transfer_config={"backend": "mcore_reshard"}``,
-or handles with the same methods and an ``engine_info``), talking to the engines only through
-vLLM's own weight-transfer calls. An engine with the diagnostics extension is described by
-what its workers record and confirmed by asking them; a plain one is described by the rules
-(``adapters.vllm.rules.vllm_layout``) and checks its slice against what it holds at init.
+``grpo.ray_cluster.RayTrainerGroup``, or a framework's own subclass) and its engines as
+refit destinations (``transport.destination.Destination``: vLLM ``LLM`` / ``AsyncLLM`` objects
+started with ``weight_transfer_config={"backend": "mcore_reshard"}`` are wrapped in
+``adapters.vllm.destination.VllmEngine``; a Ray actor's engine is its own destination). The
+engine side of every refit is ``transport.sequence.EngineRefit``, the same sequence the HTTP
+controller and vLLM's trainer-side API run. An engine whose workers report is described by
+what they record and confirmed by asking them; another is described by its adapter's rules
+and checks its slice against what it holds at init.
 
 A refit runs through a :class:`Transport`: :class:`ReshardTransport` (shard to shard, the
 default) or the HF-broadcast baseline (``hf_broadcast.HFBroadcastTransport``). Opened as one
@@ -25,10 +27,11 @@ import logging
 import secrets
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
-from .engines import (ENGINE_GRACE_S, EngineCallers, EngineCalls, adapter_slots_of, dst_layout_of, engine_dtype,
-                      engine_is_dead, engine_world, finish_quietly, finish_update)
+from .engines import ENGINE_GRACE_S, adapter_slots_of, as_destination, dst_layout_of, engine_dtype, engine_world
+from ..transport.destination import DestinationInfo, EngineCallers, EngineCalls
+from ..transport.sequence import EngineRefit, EngineRun
 from ..errors import ConfigError, RefitFailed
 from ..wire.faults import Faults
 from ..layout import ModelSpec, SideLayout
@@ -44,9 +47,6 @@ from ..wire.protocol import (EngineInitInfo, EngineUpdateInfo, JoinInfo, RankMap
                        refit_id)
 from ..training.ranks import TrainerGroup
 from ..settings.policy import RefitConfig
-
-if TYPE_CHECKING:
-    from ..adapters.vllm.engine import EngineInfo
 
 __all__ = ["RefitDriver", "RefitMetrics", "bytes_at_minimum", "PendingRefit", "Transport", "ReshardTransport", "EngineCalls", "engine_world",
            "engine_dtype", "dst_layout_of", "ENGINE_GRACE_S"]
@@ -104,15 +104,17 @@ class RefitDriver:
         self.plan: TransferPlan | None = None
         self.modes: dict[str, str] = {}
         self._shipped = ""
-        #: What each engine is (world size, dtype, parallel sizes, extension), read at describe.
-        self.engine_infos: list[EngineInfo] = []
+        #: What each engine is (world size, dtype, parallel sizes, whether it reports), read at describe.
+        self.engine_infos: list[DestinationInfo] = []
         self.transport: Transport = transport or ReshardTransport()
         self._ran: list[Transport] = []  # every transport that ran: closed with the driver
         self.secret = secrets.token_hex(16)  # per job: every control message is authenticated with it
         self._epoch = 0  # refits so far: every request carries its number (signed messages are bound to it)
         self._nonce = ""  # the current refit group's (fresh at every join): part of every refit's identity
+        #: The engines as refit destinations (``self.engines`` are what the caller passed).
+        self.destinations = [as_destination(e) for e in self.engines]
         #: Every call on the engines, with a deadline, and which engines are refused (``dead``).
-        self.calls = EngineCallers(self.engines)
+        self.calls = EngineCallers(self.destinations)
         #: Seconds an engine may take to answer ``update_weights`` once every trainer is done.
         self.engine_grace_s = ENGINE_GRACE_S
         #: Engines kept paused after a refit they could not confirm (index -> why).
@@ -141,8 +143,6 @@ class RefitDriver:
 
     def make_plan(self) -> TransferPlan:
         """Both sides' descriptors -> the plan (cached on the layouts' digests)."""
-        from ..adapters.vllm.engine import engine_info
-
         tensors = self.spec.tensor_table()
         if self.peft is not None:
             tensors = {**tensors, **adapter_tensors(self.spec, self.peft)}
@@ -152,33 +152,21 @@ class RefitDriver:
         if self.peft is not None:
             check_adapter_shapes(self.src, adapter_tensors(self.spec, self.peft), self.peft)
         self.src = with_draft_tensors(self.src, self.spec)
-        self.engine_infos = [engine_info(llm) for llm in self.engines]
+        self.engine_infos = [d.info() for d in self.destinations]
         sizes = [i.world_size for i in self.engine_infos]
-        self.name_drafts()
+        engine_spec = self.spec.with_dtype(self.engine_infos[0].dtype)
+        # Each engine says what its workers hold (an engine that drafts learns its draft first).
+        described = [d.describe(engine_spec) for d in self.destinations]
         if self.dst is None:
             # The engine's own dtype: a trainer in another one (fp32 main weights, a bf16 model
             # into an fp32 engine) is planned as a cast, allowed only with refit.allow_cast.
-            self.dst = dst_layout_of(self.engines, self.spec.with_dtype(self.engine_infos[0].dtype),
-                                     name=f"vllm({len(self.engines)} engine(s) of {sizes[0]})")
+            self.dst = dst_layout_of(described, engine_spec, name=f"vllm({len(self.engines)} engine(s) of {sizes[0]})")
             if self.peft is not None:
-                self.dst = adapter_slots_of(self.dst, self.engine_infos, self.spec.with_dtype(self.engine_infos[0].dtype),
-                                            self.peft)
-            self.dst = with_draft_tensors(self.dst, self.spec.with_dtype(self.engine_infos[0].dtype))
-        not_direct: tuple = (("*", "unknown: the engine has no mcore_reshard diagnostics extension to ask"),)
-        if self.engine_infos[0].diagnostics:
-            try:
-                from ..adapters.vllm.engine import STATUS_DEADLINE_S, engine_call
-
-                self.modes = {}
-                llm = self.engines[0]
-                for rank_modes in engine_call(llm, "mr_modes", lambda: llm.collective_rpc("mr_modes"),
-                                              STATUS_DEADLINE_S):
-                    self.modes.update(rank_modes)
-                not_direct = tuple(sorted(
-                    (name, "kernel format differs from model format: written through vLLM's layerwise reload")
-                    for name, mode in self.modes.items() if mode != "direct"))
-            except Exception as exc:  # noqa: BLE001 - the plan is still right; only this note is unknown
-                not_direct = (("*", f"unknown: asking the engine failed: {first_error_line(exc)}"),)
+                self.dst = adapter_slots_of(self.dst, self.engine_infos, engine_spec, self.peft)
+            self.dst = with_draft_tensors(self.dst, engine_spec)
+        not_direct = described[0].not_direct
+        if not_direct is None:
+            not_direct = (("*", "unknown: the engine's workers cannot be asked which parameters they write in place"),)
         cfg = self.refit_config
         if self.placement is not None:
             self.plan = plan_for_placement(self.src, self.dst, self.placement, self.links or Links(),
@@ -197,24 +185,6 @@ class RefitDriver:
         if self.adapter_plan is not None and self.plan is self.adapter_plan:
             return adapters_only(self.src), adapters_only(self.dst)
         return self.src, self.dst
-
-    def name_drafts(self) -> None:
-        """Every engine that runs a speculative-decoding draft learns where it is through vLLM's
-        own draft session (``start_draft_weight_update`` then ``finish_weight_update``, nothing
-        sent): from then on it describes the draft beside the target, and every refit moves both
-        in one vote. An engine whose draft the training side does not hold is refused at plan
-        time (the planner names the draft tensor no rank holds)."""
-        def name(llm: Any, _: Any) -> None:
-            llm.start_draft_weight_update()
-            llm.finish_weight_update()
-
-        # Only the engines that draft: one without a draft is not called at all (an unresponsive
-        # one is refused by the refit itself, not here).
-        drafts = [e for e, info in enumerate(self.engine_infos) if info.draft]
-        errors = [err for e in drafts for err in self.on_engines(name, what="start_draft_weight_update", only=e,
-                                                                   deadline_s=60.0)]
-        if errors:
-            raise RefitFailed("naming the engines' draft models failed: " + "; ".join(errors))
 
     def committed(self, request: RefitRequest) -> None:
         """A refit committed on every rank: a LoRA policy's base weights are in the engines
@@ -236,8 +206,7 @@ class RefitDriver:
         for lo, eng in zip(self.engine_offsets, self.engine_infos):
             slices = {r: slice_to_wire(plan.for_rank("dst", r)) for r in range(lo, lo + eng.world_size)}
             inits.append(EngineInitInfo(replace(info, dst_offset=lo), digest, slices, lora=self.peft))
-        errors = self.on_engines(lambda llm, init: llm.init_weight_transfer_engine({"init_info": init.to_wire()}),
-                                 inits, what="init_weight_transfer_engine",
+        errors = self.on_engines(lambda d, init: d.join(init), inits, what="init_weight_transfer_engine",
                                  deadline_s=self.refit_config.timeout_s + 60.0)
         try:
             joining.wait()
@@ -270,7 +239,7 @@ class RefitDriver:
 
     def on_engines(self, fn: Callable[[Any, Any], Any], args: Sequence[Any] | None = None, *, what: str = "call",
                    deadline_s: float = 300.0, only: int | None = None) -> list[str]:
-        """Run ``fn(llm, arg)`` on every engine (or engine ``only``) at once, each with a
+        """Run ``fn(destination, arg)`` on every engine (or engine ``only``) at once, each with a
         deadline; one error line per failure (``EngineCallers.on``)."""
         return self.calls.on(fn, args, what=what, deadline_s=deadline_s, only=only)
 
@@ -287,16 +256,10 @@ class RefitDriver:
     def readmit(self) -> list[int]:
         """Unresponsive engines that answer again, taken back gated: each stays paused until a
         refit commits on all of its workers (the refit it missed may have left a mix)."""
-        back = self.calls.readmit(lambda llm, e: self._probe(llm, e))
+        back = self.calls.readmit(lambda d, e: d.status())
         for e in back:
             self.gated[e] = "readmitted after it was unresponsive; the refit it missed may have left a mix"
         return back
-
-    def _probe(self, llm: Any, e: int) -> None:
-        from ..adapters.vllm.engine import worker_status
-
-        if self.engine_infos[e].diagnostics:
-            worker_status(llm)
 
     def refuse_dead(self) -> None:
         """Raise ``RefitFailed`` naming every engine this driver refuses (after readmitting any
@@ -361,14 +324,12 @@ class RefitDriver:
         return self.transport.begin(self, replace(request or self.request(), overlap=True), faults)
 
     def status(self) -> list[WorkerStatus]:
-        """Every worker's serving state, version and last outcome (diagnostics extension)."""
-        from ..adapters.vllm.engine import worker_status
-
+        """Every worker's serving state, version and last outcome (engines whose workers report)."""
         self.readmit()
         got: list[list[WorkerStatus]] = [[] for _ in self.engines]
-        errors = [f"engine {e}: no diagnostics extension (worker_extension_cls) to ask its workers"
-                  for e, info in enumerate(self.engine_infos) if not info.diagnostics]
-        errors += self.on_engines(lambda llm, e: got[e].extend(worker_status(llm)), list(range(len(self.engines))),
+        errors = [f"engine {e}: its workers cannot be asked (no diagnostics extension, worker_extension_cls)"
+                  for e, info in enumerate(self.engine_infos) if not info.reports]
+        errors += self.on_engines(lambda d, e: got[e].extend(d.status() or []), list(range(len(self.engines))),
                                   what="status", deadline_s=30.0)
         if errors:
             raise RefitFailed("; ".join(errors))
@@ -386,8 +347,8 @@ class RefitDriver:
             self.trainers.leave().wait(CLOSE_DEADLINE_S)
         except Exception as exc:  # noqa: BLE001 - best effort on the way out
             _log.warning("closing the refit driver: the trainers did not leave: %s", first_error_line(exc))
-        errors = self.on_engines(lambda llm, _: llm.shutdown_weight_transfer_engine(),
-                                 what="shutdown_weight_transfer_engine", deadline_s=CLOSE_DEADLINE_S)
+        errors = self.on_engines(lambda d, _: d.close(), what="shutdown_weight_transfer_engine",
+                                 deadline_s=CLOSE_DEADLINE_S)
         if errors:
             _log.warning("closing the refit driver: %s", "; ".join(errors))
 
@@ -423,16 +384,12 @@ class ReshardTransport:
     once; they vote, one decision is written, all commit or none does. After a failure the
     refit group is rebuilt at the next refit.
 
-    No engine ever serves a mix of old and new weights. Each engine's scheduler is paused
-    (vLLM's own ``sleep(level=0)``) for the refit; afterwards the driver reads every worker's
-    state and version (with a deadline): an engine whose workers all hold the new version --
-    or, after a failed refit, all still the old one -- resumes; one whose workers disagree,
-    that cannot learn the decision, that streamed part of a failed refit, or that cannot
-    confirm, stays paused (**gated**: no model step runs for any client -- ``generate``,
-    ``enqueue``, ``AsyncLLM``, a server -- since they all meet in vLLM's scheduler) until a
-    refit succeeds. An engine that does not answer within its deadline is dead for the driver:
-    the refit says so in one line, and later refits refuse it until it is replaced. A plain
-    engine (no diagnostics extension) cannot be asked: the refit's own outcome decides."""
+    No engine ever serves a mix of old and new weights: the engines' side is
+    ``transport.sequence.EngineRefit`` -- each engine paused for a blocking refit (vLLM's own
+    scheduler pause), confirmed afterwards by what its workers hold, resumed only when whole,
+    else kept **gated** (paused: no model step for any client -- ``generate``, ``enqueue``,
+    ``AsyncLLM``, a server) until a refit succeeds. An engine that does not answer within its
+    deadline is refused until it answers again or is replaced."""
 
     name = "reshard"
     worker_extension: str | None = None
@@ -441,59 +398,49 @@ class ReshardTransport:
         if request.overlap:
             return self.begin(driver, request, faults).finish()
         cached = driver.ensure_connected()
-        epoch = driver.next_epoch()
-        request = replace(request, epoch=epoch)
-        refit = driver.refit_id(request)
+        request = replace(request, epoch=driver.next_epoch())
         faults = faults or Faults()
         t0 = time.perf_counter()
-        errors = driver.on_engines(lambda llm, _: llm.sleep(level=0, mode="keep"), what="pause", deadline_s=60.0)
-        refitting = driver.trainers.refit(request, faults.trainer)
-        update_info = _update_info(request, faults)
-
-        def update(llm: Any, _: Any) -> None:
-            llm.start_weight_update()
-            try:
-                llm.update_weights({"update_info": update_info})
-            except BaseException as exc:
-                if not engine_is_dead(exc):  # a dead engine never answers again: do not wait on it
-                    finish_quietly(llm)
-                raise
-            finish_update(llm)  # the commit, as the vote decided
-
-        updating = driver.start_on_engines(update, what="update_weights")
-        replies, trainer_error = None, None
+        engines = self._engine_refit(driver, request, faults)
         try:
-            # every trainer, not the first that fails: the grace below starts only once no
-            # trainer is still waiting for the decision (nor, then, any worker that is alive)
-            replies = refitting.wait(trainers_deadline(request), every=True)
-        except Exception as exc:  # noqa: BLE001 - the trainers' error names every failing rank
-            trainer_error = "; ".join(driver.trainers.dead() + [first_error_line(exc)])
+            engines.start()  # paused, sessions open, every engine receiving
+        except RefitFailed:
+            driver.disconnect()
+            raise
+        refitting = driver.trainers.refit(request, faults.trainer)
+        replies, trainer_error = _wait_trainers(driver, refitting, request)
         # Every trainer has read the decision (or died): a worker that read it too answers
         # within moments. One that does not within the grace is dead or stuck, and so is its
         # engine (vLLM's core waits on that worker's reply without a deadline).
-        errors += driver.wait_on_engines(updating, driver.engine_grace_s)
+        errors = engines.finish(trusted=trainer_error is None)
         seconds = time.perf_counter() - t0
-        trusted = trainer_error is None and not errors
-        errors += self.settle(driver, request, refit, trusted)
-        return self.result(driver, request, replies, trainer_error, errors, seconds,
-                          time.perf_counter() - t0, cached)
+        driver.notes += engines.notes
+        return self.result(driver, request, replies, trainer_error, errors, seconds, time.perf_counter() - t0, cached)
+
+    @staticmethod
+    def _engine_refit(driver: RefitDriver, request: RefitRequest, faults: Faults) -> EngineRefit:
+        run = EngineRun(EngineUpdateInfo(request, faults.engine), request.label(driver.refit_id(request)),
+                        driver.refit_id(request), overlap=request.overlap, grace_s=driver.engine_grace_s,
+                        recompute=driver.refit_config.recompute_kv_cache_after_weight_updates)
+        return EngineRefit(driver.calls, run, driver.gated)
 
     def begin(self, driver: RefitDriver, request: RefitRequest, faults: Faults | None) -> "PendingRefit":
-        """An overlapped refit's first half: the trainers start sending and every engine's
-        ``update_weights`` returns at once (its workers receive on their own threads)."""
+        """An overlapped refit's first half: every engine's session opens and its
+        ``update_weights`` returns at once (its workers receive on their own threads) while
+        the trainers start sending."""
         cached = driver.ensure_connected()
         request = replace(request, epoch=driver.next_epoch())
         faults = faults or Faults()
         t0 = time.perf_counter()
+        engines = self._engine_refit(driver, request, faults)
         refitting = driver.trainers.refit(request, faults.trainer)
-        update_info = _update_info(request, faults)
-
-        def start(llm: Any, _: Any) -> None:
-            llm.start_weight_update()
-            llm.update_weights({"update_info": update_info})
-
-        errors = driver.on_engines(start, what="update_weights (overlapped)", deadline_s=60.0)
-        return PendingRefit(self, driver, request, refitting, errors, t0, cached)
+        try:
+            errors = engines.start()
+        except RefitFailed as exc:
+            _wait_trainers(driver, refitting, request)  # no engine joined: they time out and leave
+            driver.disconnect()
+            raise exc from None
+        return PendingRefit(self, driver, request, refitting, engines, errors, t0, cached)
 
     def result(self, driver: RefitDriver, request: RefitRequest, replies: Any, trainer_error: str | None,
                errors: list[str], seconds: float, pause_s: float, cached: bool) -> RefitMetrics:
@@ -514,74 +461,14 @@ class ReshardTransport:
     def close(self, driver: RefitDriver) -> None:
         """Nothing beyond the refit group, which the driver leaves itself."""
 
-    def settle(self, driver: RefitDriver, request: RefitRequest, refit: str, trusted: bool) -> list[str]:
-        """After the vote: confirm each engine's workers, then resume the whole ones and keep
-        the others gated (paused). Returns one line per engine gated or dead.
 
-        A gated engine resumes only on "new": a refit of this driver that committed on all of
-        its workers. What makes an engine unsafe stays with its workers (an ``unsure`` or torn
-        worker, workers holding different refits) until such a refit, so a new driver reaches
-        the same verdict as the one that gated it."""
-        out: list[str] = []
-        version = request.label(refit)
-        for e, llm in enumerate(driver.engines):
-            if e in driver.dead:
-                continue
-            verdict = self._confirm(driver, e, refit, trusted)
-            if e in driver.dead:  # it died or stopped answering during the refit: nothing to resume
-                out.append(driver.dead_line(e))
-                continue
-            if verdict == "old" and e in driver.gated:
-                verdict = driver.gated[e]  # gated earlier: only "new" resumes it
-            if verdict in ("new", "old"):
-                driver.gated.pop(e, None)
-                steps = [lambda: self._reset_prefix_cache(driver, e, llm), lambda: llm.update_weight_version(version)] \
-                    if verdict == "new" else []
-                steps.append(lambda: llm.wake_up(tags=["scheduling"]))
-                for step in steps:
-                    out += driver.on_engines(lambda _l, _a, fn=step: fn(), only=e, what="resume", deadline_s=60.0)
-            else:
-                driver.gated[e] = verdict
-                out.append(f"engine {e} is gated (paused, serving nothing) until a refit succeeds: {verdict}")
-        return out
-
-    @staticmethod
-    def _reset_prefix_cache(driver: RefitDriver, e: int, llm: Any) -> None:
-        """KV blocks computed with the old weights: with ``recompute_kv_cache_after_weight_updates``
-        running requests are preempted and recomputed, so the reset always succeeds; without,
-        vLLM resets only when no request holds blocks, and the refit's notes say when it could
-        not (a running request's blocks stay cached for later prompts with that prefix)."""
-        recompute = driver.refit_config.recompute_kv_cache_after_weight_updates
-        if llm.reset_prefix_cache(reset_running_requests=recompute) is False:
-            driver.notes.append(f"engine {e}: prefix cache not reset (requests running across the swap hold KV "
-                                f"blocks computed with the old weights; refit.recompute_kv_cache_after_weight_updates"
-                                f"=false keeps them)")
-
-    def _confirm(self, driver: RefitDriver, e: int, refit: str, trusted: bool) -> str:
-        """"new" when every worker holds refit ``refit`` whole, "old" when (the refit failed
-        and) every worker holds one same earlier refit whole, else why not (one line)."""
-        from ..adapters.vllm.engine import worker_status
-
-        got: list[list[WorkerStatus]] = []
-        errs = ["no diagnostics extension"] if not driver.engine_infos[e].diagnostics else driver.on_engines(
-            lambda x, _: got.append(worker_status(x)), only=e, what="confirm", deadline_s=30.0)
-        if errs or not got:
-            if e in driver.dead:
-                return driver.dead[e]
-            # A plain engine (or one that cannot answer): the refit's own success is the only evidence.
-            return "new" if trusted else "its workers cannot be asked which weights they hold"
-        states = got[0]
-        bad = [f"worker {w}: {st.state} ({st.reason[:200]})" for w, st in enumerate(states) if st.state != "serving"]
-        if bad:
-            return "; ".join(bad)
-        held = {st.refit for st in states}
-        if len(held) != 1:
-            return "its workers hold the weights of different refits: " + ", ".join(
-                f"worker {w}: {st.version or 'as loaded'} (refit {st.refit or 'none'})" for w, st in enumerate(states))
-        holds = held.pop()
-        if holds == refit:
-            return "new"
-        return "old" if not trusted else f"its workers hold refit {holds or 'none (as loaded)'}, not {refit}"
+def _wait_trainers(driver: RefitDriver, refitting: Any, request: RefitRequest) -> tuple[Any, str | None]:
+    """Every trainer's reply (all of them, not the first that fails: when this returns no
+    trainer is still waiting for the decision), or the line naming every failing rank."""
+    try:
+        return refitting.wait(trainers_deadline(request), every=True), None
+    except Exception as exc:  # noqa: BLE001 - the trainers' error names every failing rank
+        return None, "; ".join(driver.trainers.dead() + [first_error_line(exc)])
 
 
 class PendingRefit:
@@ -589,9 +476,9 @@ class PendingRefit:
     engines serve their old weights while the new ones arrive in their shadows."""
 
     def __init__(self, transport: ReshardTransport, driver: RefitDriver, request: RefitRequest, refitting: Any,
-                 errors: list[str], t0: float, cached: bool) -> None:
+                 engines: EngineRefit, errors: list[str], t0: float, cached: bool) -> None:
         self.transport, self.driver, self.request = transport, driver, request
-        self._refitting, self._errors, self._t0, self._cached = refitting, errors, t0, cached
+        self._refitting, self._engines, self._errors, self._t0, self._cached = refitting, engines, errors, t0, cached
         self._finished = False
 
     def finish(self) -> RefitMetrics:
@@ -604,21 +491,13 @@ class PendingRefit:
             raise RuntimeError("this refit was already finished")
         self._finished = True
         driver, request = self.driver, self.request
-        replies, trainer_error = None, None
-        try:
-            replies = self._refitting.wait(trainers_deadline(request), every=True)
-        except Exception as exc:  # noqa: BLE001 - the trainers' error names every failing rank
-            trainer_error = "; ".join(driver.trainers.dead() + [first_error_line(exc)])
+        replies, trainer_error = _wait_trainers(driver, self._refitting, request)
         seconds = time.perf_counter() - self._t0
         t_pause = time.perf_counter()
-        errors = list(self._errors)
-        errors += driver.on_engines(lambda llm, _: llm.sleep(level=0, mode="keep"), what="pause", deadline_s=60.0)
-        errors += driver.on_engines(lambda llm, _: finish_update(llm), what="finish_weight_update (swap)",
-                                    deadline_s=driver.engine_grace_s + 30.0)
-        trusted = trainer_error is None and not errors
-        errors += self.transport.settle(driver, request, driver.refit_id(request), trusted)
+        errors = self._errors + self._engines.finish(trusted=trainer_error is None and not self._errors)
+        driver.notes += self._engines.notes
         return self.transport.result(driver, request, replies, trainer_error, errors, seconds,
-                                    time.perf_counter() - t_pause, self._cached)
+                                     time.perf_counter() - t_pause, self._cached)
 
 
 def trainers_deadline(request: RefitRequest) -> float:
@@ -627,10 +506,3 @@ def trainers_deadline(request: RefitRequest) -> float:
     trainers' own waits all end by then, so the driver's error is theirs, never its own
     timeout racing them."""
     return request.timeout_s + 30.0
-
-
-def _update_info(request: RefitRequest, faults: Faults) -> dict:
-    """The engines' ``update_info``: the request, and the engine side's fault (tests only)."""
-    return EngineUpdateInfo(request, faults.engine).to_wire()
-
-

@@ -252,15 +252,12 @@ class Deleter:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                keys = self.store.list_keys()
-            except Exception:  # noqa: BLE001 - the store went away: nothing left to attack
-                return
-            for k in keys:
-                if any(kind in k for kind in self.kinds):
-                    try:
+                for k in self.store.list_keys():
+                    if any(kind in k for kind in self.kinds):
                         self.deleted += bool(self.store.delete_key(k))
-                    except Exception:  # noqa: BLE001
-                        return
+            except Exception:  # noqa: BLE001 - a slow or closed store: keep trying until stopped
+                time.sleep(0.01)
+                continue
             time.sleep(0.0005)
 
     def __enter__(self) -> "Deleter":

@@ -31,7 +31,7 @@ from ..layout.descriptor import Box, LocalParam, Piece, View
 from ..layout.lora import PeftConfig
 from .faults import EngineFault
 
-__all__ = [
+__all__ = ["BACKEND", 
     "VerifyMode",
     "DELTA_MODES",
     "RankMap",
@@ -46,6 +46,9 @@ __all__ = [
     "first_error_line",
     "one_line",
 ]
+
+#: The name of this project's vLLM weight-transfer backend (``weight_transfer_config={"backend": BACKEND}``).
+BACKEND = "mcore_reshard"
 
 
 #: ``refit.delta`` / ``RefitRequest.delta``: ``auto`` sends only what changed whenever every

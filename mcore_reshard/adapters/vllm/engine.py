@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 from ...errors import EngineUnresponsive, RefitIncomplete
 from ...layout.descriptor import LocalParam
+from ...transport.destination import mark_stuck, stuck
 from ...transport.views import ReceivedWeights
 from ...wire.protocol import WorkerLayout, WorkerStatus
 from .rules import VllmParallel
@@ -40,24 +41,9 @@ STATUS_DEADLINE_S = 10.0
 HELPER_DEADLINE_S = 120.0
 
 
-def unanswered(llm: Any) -> str | None:
-    """Why no call may be sent to ``llm`` now: an earlier call (by a helper or a driver) that
-    missed its deadline has not returned yet. None once it has: vLLM serves one call at a time
-    per engine, so the stream of replies is back in step when the abandoned call returns, and
-    the engine may be asked again (a stopped worker that was resumed, say)."""
-    left = llm.__dict__.get("_mr_unanswered")
-    if left is None:
-        return None
-    thread, what, since = left
-    if not thread.is_alive():
-        llm.__dict__.pop("_mr_unanswered", None)
-        return None
-    return f"it has not answered {what} for {time.monotonic() - since:.0f}s (a worker stopped, hung or dead)"
-
-
-def left_waiting(llm: Any, thread: threading.Thread, what: str, since: float) -> None:
-    """Record that ``thread``'s call ``what`` on ``llm`` missed its deadline and was left behind."""
-    llm.__dict__["_mr_unanswered"] = (thread, what, since)
+#: Why no call may be sent to an engine now (a call left running past its deadline), and
+#: recording one: the refit's own bookkeeping (``transport.destination``), shared with it.
+unanswered, left_waiting = stuck, mark_stuck
 
 
 def engine_call(llm: Any, what: str, fn: Callable[[], T], timeout_s: float) -> T:
@@ -392,3 +378,45 @@ def prompt_logprobs(llm: Any, token_ids: Sequence[int]) -> list[float]:
     for tok, lp in zip(token_ids[1:], out.prompt_logprobs[1:]):
         vals.append(float(lp[tok].logprob))
     return vals
+
+
+#: One sampled completion: its token ids, their logprobs and the weight versions that produced
+#: them as ``(version, start, end)`` spans over the token indexes (vLLM's ``weight_versions``).
+Completion = tuple[list[int], list[float], list[tuple[str, int, int]]]
+
+
+def sample(llm: Any, prompts: list[list[int]], n: int, max_tokens: int, temperature: float,
+           seed: int, peft: Any = None) -> list[list[Completion]]:
+    """``n`` sampled completions per prompt of ``llm`` (``LLM`` or ``AsyncEngine``), with vLLM's
+    raw logprobs of the sampled tokens (before temperature, as the trainer computes them). A
+    LoRA policy's requests name the engine's refit adapter."""
+    from vllm import SamplingParams
+
+    from .lora_slots import refit_lora_request
+
+    check_serving(llm)
+    sp = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, ignore_eos=True, logprobs=0, seed=seed)
+    lora = {"lora_request": refit_lora_request(peft)} if peft is not None else {}
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False, **lora)
+    return [completions(o, n) for o in outs]
+
+
+def close_engine(llm: Any) -> None:
+    """Close the engine's refit group, then stop the engine (best effort on the way out)."""
+    for fn in (lambda: llm.shutdown_weight_transfer_engine(), lambda: stop_engine(llm)):
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            pass
+
+
+def completions(out: Any, n: int) -> list[Completion]:
+    """A finished ``RequestOutput``'s ``n`` completions with the sampled tokens' logprobs and the
+    weight-version spans vLLM stamped on them."""
+    if len(out.outputs) != n:
+        raise RuntimeError(f"request {out.request_id}: {len(out.outputs)} completions, asked for {n}")
+    got = []
+    for c in out.outputs:
+        spans = [(str(sp.version), int(sp.start), int(sp.end)) for sp in (c.weight_versions or [])]
+        got.append((list(c.token_ids), [float(lp[t].logprob) for t, lp in zip(c.token_ids, c.logprobs)], spans))
+    return got

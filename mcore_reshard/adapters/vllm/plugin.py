@@ -1,31 +1,30 @@
-"""vLLM general plugin: registers the ``mcore_reshard`` weight-transfer engine (and its
-trainer side, ``refit.trainer_engine``, with vLLM's trainer factory).
+"""vLLM general plugin: registers the ``mcore_reshard`` weight-transfer backend -- both its ends
+(``backend``: the engine end in every worker, the trainer end for vLLM's trainer-side factory)
+-- and installs the two hooks the backend needs in every vLLM process (``fast_start``,
+``session``).
 
 Declared as a ``vllm.general_plugins`` entry point in ``pyproject.toml``, so vLLM runs it in
 every process it starts (the registry is per process: the workers need it, not the driver).
-Importing this module imports nothing heavy; the engine module is loaded lazily.
+Importing this module imports nothing heavy; ``register`` imports the backend, by class.
 """
 
 from __future__ import annotations
 
-__all__ = ["BACKEND", "register"]
+from ...wire.protocol import BACKEND
 
-BACKEND = "mcore_reshard"
+__all__ = ["BACKEND", "register"]
 
 
 def register() -> None:
     """Idempotent: vLLM may load general plugins more than once per process."""
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
-    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    from . import fast_start, session
+    from .backend import ReshardTrainerEngine, ReshardWeightTransferEngine
 
     if BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(
-            BACKEND, "mcore_reshard.adapters.vllm.weight_transfer", "ReshardWeightTransferEngine")
-    if BACKEND not in WeightTransferTrainerFactory._registry:  # the trainer side (``refit.trainer_engine``)
-        WeightTransferTrainerFactory.register_engine(
-            BACKEND, "mcore_reshard.refit.trainer_engine", "ReshardTrainerEngine")
-    from . import fast_start, session
-
+        WeightTransferEngineFactory.register_engine(BACKEND, ReshardWeightTransferEngine)
+    if BACKEND not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine(BACKEND, ReshardTrainerEngine)
     fast_start.install()
     session.install()

@@ -26,6 +26,7 @@ import time
 from dataclasses import replace
 from typing import Any, Callable, Sequence
 
+from ...adapters.vllm.engine import Completion, close_engine, sample
 from ...adapters.vllm.plugin import BACKEND
 from ...layout.lora import PeftConfig
 from ...errors import RefitFailed, TrainerError
@@ -36,7 +37,7 @@ from ...training.pool import MegatronTrainerRank
 from ..refit import policy_engine_args
 
 __all__ = ["RayJob", "RayTrainerGroup", "EngineActor", "AsyncEngineActor", "EngineHandle",
-           "Completion", "completions", "start_engines", "node_of"]
+           "Completion", "start_engines", "node_of"]
 
 #: How long start-up (a model built on every training rank, an engine loaded and compiled) may
 #: take. Longer than a refit's call timeout: on two loaded cores an engine start has taken
@@ -318,55 +319,10 @@ class EngineActor:
     def sample(self, prompts: list[list[int]], n: int, max_tokens: int, temperature: float,
                seed: int) -> list[list[Completion]]:
         """``n`` sampled completions per prompt (see :func:`completions`)."""
-        return _sample(self.llm, prompts, n, max_tokens, temperature, seed, self.peft)
+        return sample(self.llm, prompts, n, max_tokens, temperature, seed, self.peft)
 
     def shutdown(self) -> None:
-        _shutdown(self.llm)
-
-
-#: One sampled completion: its token ids, their logprobs and the weight versions that produced
-#: them as ``(version, start, end)`` spans over the token indexes (vLLM's ``weight_versions``).
-Completion = tuple[list[int], list[float], list[tuple[str, int, int]]]
-
-
-def _sample(llm: Any, prompts: list[list[int]], n: int, max_tokens: int, temperature: float,
-            seed: int, peft: PeftConfig | None = None) -> list[list[Completion]]:
-    """``n`` sampled completions per prompt of ``llm`` (``LLM`` or ``AsyncEngine``), with vLLM's
-    raw logprobs of the sampled tokens (before temperature, as the trainer computes them). A
-    LoRA policy's requests name the engine's refit adapter."""
-    from vllm import SamplingParams
-
-    from ...adapters.vllm.engine import check_serving
-    from ...adapters.vllm.lora_slots import refit_lora_request
-
-    check_serving(llm)
-    sp = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, ignore_eos=True, logprobs=0, seed=seed)
-    lora = {"lora_request": refit_lora_request(peft)} if peft is not None else {}
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False, **lora)
-    return [completions(o, n) for o in outs]
-
-
-def _shutdown(llm: Any) -> None:
-    """Close the engine's refit group, then stop the engine (best effort on the way out)."""
-    from ...adapters.vllm.engine import stop_engine
-
-    for fn in (lambda: llm.shutdown_weight_transfer_engine(), lambda: stop_engine(llm)):
-        try:
-            fn()
-        except Exception:  # noqa: BLE001 - best effort on the way out
-            pass
-
-
-def completions(out: Any, n: int) -> list[Completion]:
-    """A finished ``RequestOutput``'s ``n`` completions with the sampled tokens' logprobs and the
-    weight-version spans vLLM stamped on them."""
-    if len(out.outputs) != n:
-        raise RuntimeError(f"request {out.request_id}: {len(out.outputs)} completions, asked for {n}")
-    got = []
-    for c in out.outputs:
-        spans = [(str(sp.version), int(sp.start), int(sp.end)) for sp in (c.weight_versions or [])]
-        got.append((list(c.token_ids), [float(lp[t].logprob) for t, lp in zip(c.token_ids, c.logprobs)], spans))
-    return got
+        close_engine(self.llm)
 
 
 class AsyncEngineActor:
@@ -404,10 +360,10 @@ class AsyncEngineActor:
         import asyncio
 
         return await asyncio.get_running_loop().run_in_executor(
-            None, _sample, self.llm, prompts, n, max_tokens, temperature, seed, self.peft)
+            None, sample, self.llm, prompts, n, max_tokens, temperature, seed, self.peft)
 
     async def shutdown(self) -> None:
-        _shutdown(self.llm)
+        close_engine(self.llm)
 
 
 class EngineHandle:

@@ -1,0 +1,315 @@
+"""The training end of a refit through vLLM's own trainer-side API (``backend="mcore_reshard"``).
+
+A framework written against vLLM's ``TrainerWeightTransferEngine`` needs no project-specific
+call: every training rank (a Megatron-Core rank, ``torch.distributed`` initialised) runs::
+
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    engine = WeightTransferTrainerFactory.trainer_init(
+        ReshardTrainerInitInfo(rank=rank, engine_tp=2),      # the vLLM engine's layout
+        client=HTTPVLLMWeightSyncClient(url),                 # or RayVLLMWeightSyncClient, ...
+        source=TrainerShards(TrainerEndpoint(model_chunks, spec)))
+    engine.send_weights()                                     # every step, on every rank
+
+What happens underneath is the project's own refit, shard to shard: at ``trainer_init`` every
+rank describes its pieces (gathered over the trainers' default process group as JSON), every
+rank plans the same plan (pure and deterministic) against the engine's layout by the rules,
+rank 0 (vLLM's "sender") opens the refit group, publishes the engine's slices in its store
+and initialises the engine through ``client``. Each ``send_weights`` is one refit: every rank
+sends its own boxes while rank 0 drives ``start_weight_update`` / ``update_weights`` /
+``finish_weight_update``; all ranks of both sides vote, and the engine commits at its finish
+or keeps its old weights. The engine checks its slice against what its workers record, so a
+layout stated wrongly here is refused in one line at the first refit.
+
+vLLM's trainer API has no pause: the engine serves its old weights until the swap at
+``finish_weight_update`` (one step boundary), and a worker that could not learn a refit's
+decision refuses model steps until a refit commits (the applier's gate). One client
+drives one engine (an engine's init info names its first destination rank). Each refit is the
+same engine-side sequence as the driver's and the HTTP controller's (``transport.sequence``),
+on the client as a destination (``client.WeightSyncClient``).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+import time
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar, Iterator, Self
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    ParamMeta,
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    WeightSource,
+)
+
+from ....errors import ConfigError, RefitFailed
+from ....infra.ports import free_port
+from ....layout import SideLayout
+from ....plan import get_plan
+from ....plan.types import TransferPlan
+from ....plan.wire import slice_to_wire
+from ....transport.destination import EngineCallers
+from ....transport.sequence import EngineRefit, EngineRun
+from ....wire.protocol import (BACKEND, EngineInitInfo, EngineUpdateInfo, JoinInfo, RankMap, RefitRequest, VerifyMode,
+                               WorkerLayout, first_error_line, refit_id)
+from ....wire.slice_store import publish_slices, slice_digests
+from ..rules import VllmParallel, vllm_layout
+from .client import WeightSyncClient
+
+__all__ = ["TrainerShards", "ReshardTrainerInitInfo", "ReshardTrainerEngine"]
+
+#: Seconds past a refit's timeout that rank 0 waits for the engine's calls.
+CLIENT_GRACE_S = 30.0
+
+
+@dataclass
+class ReshardTrainerInitInfo(TrainerInitInfo):
+    """The trainer side's settings, in vLLM's ``TrainerInitInfo`` form (``rank`` is vLLM's:
+    this process's rank among the trainers, 0 drives the engine).
+
+    ``host`` / ``port``: the refit group's master, trainer rank 0's address (port 0: a free
+    one there). ``engine_*``: the vLLM engine's parallel layout (its tensor, pipeline and
+    data parallel sizes, expert parallelism) and ``engine_dtype`` (None: the model's);
+    ``allow_cast``: the trainers may hold another dtype (cast while packing, ``refit.allow_cast``).
+    ``timeout_s``, ``verify``, ``atomic``, ``delta``: as ``RefitRequest``'s."""
+
+    backend: ClassVar[str] = BACKEND
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    engine_tp: int = 1
+    engine_pp: int = 1
+    engine_dp: int = 1
+    engine_enable_ep: bool = False
+    engine_dtype: str | None = None
+    allow_cast: bool = False
+    timeout_s: float = 120.0
+    verify: str = "checksum"
+    atomic: bool = True
+    delta: str = "auto"
+    bucket_bytes: int = 64 << 20
+
+
+class TrainerShards(WeightSource):
+    """A training rank's weights as vLLM's ``WeightSource``: the metadata of every canonical
+    (HF-named) tensor of the model, and the names this rank holds pieces of. It yields no whole
+    tensors: the ``mcore_reshard`` engine reads this rank's local shards through ``endpoint``
+    (a Megatron-Core rank's ``adapters.megatron.endpoint.TrainerEndpoint``, or any endpoint with
+    its calls: ``spec``, ``describe``, ``join``, ``set_plan``, ``refit``, ``group``,
+    ``last_outcome``, ``leave``) and moves each box where it is held, never a gathered tensor."""
+
+    def __init__(self, endpoint: Any) -> None:
+        self.endpoint = endpoint
+
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(name, getattr(torch, dtype), tuple(shape))
+                for name, (shape, dtype) in self.endpoint.spec.tensor_table().items()]
+
+    def held_names(self) -> list[str]:
+        return sorted({q.canonical for p in self.endpoint.describe() for q in p.pieces})
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        raise TypeError("TrainerShards yields no whole tensors: the mcore_reshard backend moves each rank's "
+                        "local shards (use backend='mcore_reshard')")
+
+
+class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
+    """vLLM's trainer-side engine over a :class:`TrainerEndpoint` (see the module docstring)."""
+
+    init_info_cls = ReshardTrainerInitInfo
+
+    def __init__(self, *, client: Any, source: TrainerShards, is_sender: bool, plan: TransferPlan,
+                 request: RefitRequest, host: str, port: int) -> None:
+        import torch.distributed as dist
+
+        super().__init__(client=client, source=source, is_sender=is_sender)
+        self.endpoint = source.endpoint
+        #: The plan every refit runs (its report: ``plan.report``; ``bytes_min``, ...).
+        self.plan = plan
+        self._request = request
+        self._epoch = 0
+        self._host, self._port = host, port  # port 0: a free one at every join
+        self._src_slice = slice_to_wire(plan.for_rank("src", dist.get_rank()))
+        self._dst_slices = {str(r): slice_to_wire(plan.for_rank("dst", r)) for r in range(plan.num_dst)}
+        #: The engine's init info of the current refit group (rank 0 sends it at every join).
+        self.engine_init_info: dict[str, Any] = {}
+        #: The engine as a refit destination (rank 0 drives it).
+        self.destination = WeightSyncClient(client, plan.num_dst)
+
+    @classmethod
+    def trainer_init(cls, init_info: ReshardTrainerInitInfo, *, client: Any,
+                     source: WeightSource | None = None) -> Self:
+        """Plan, open the refit group and initialise the engine (rank 0 through ``client``);
+        called on every trainer rank at once."""
+        import torch.distributed as dist
+
+        if not isinstance(source, TrainerShards):
+            raise ConfigError(f"source: the {BACKEND} trainer engine needs a TrainerShards source (a rank's "
+                              f"TrainerEndpoint), got {type(source).__name__}")
+        if not dist.is_initialized():
+            raise ConfigError(f"{BACKEND}: torch.distributed is not initialised on this trainer rank")
+        if init_info.rank != dist.get_rank():
+            raise ConfigError(f"init_info.rank={init_info.rank} but this process is rank {dist.get_rank()} of the "
+                              f"trainers' default process group")
+        ep = source.endpoint
+        spec = ep.spec
+        every = _all_gather_json(WorkerLayout(tuple(ep.describe())).to_wire())
+        src = SideLayout("megatron-live", len(every),
+                         tuple(p for rows in every for p in WorkerLayout.from_wire(rows).params), spec.tensor_table())
+        par = VllmParallel(tp=init_info.engine_tp, pp=init_info.engine_pp, dp=init_info.engine_dp,
+                           enable_ep=init_info.engine_enable_ep)
+        dst = vllm_layout(spec.with_dtype(init_info.engine_dtype or spec.dtype), par)
+        plan = get_plan(src, dst, bucket_bytes=init_info.bucket_bytes, allow_cast=init_info.allow_cast)
+        request = RefitRequest(plan.digest(), VerifyMode(init_info.verify), init_info.timeout_s, init_info.atomic,
+                               delta=init_info.delta)
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender, plan=plan, request=request,
+                     host=init_info.host, port=init_info.port)
+        engine._connect()
+        return engine
+
+    def _connect(self) -> None:
+        """(Re)build the refit group, on every rank at once: a fresh nonce (and a free port,
+        unless one was given) from rank 0; every rank joins while rank 0 initialises the engine
+        (the group forms only once both sides are in); rank 0 then publishes the engine's
+        slices in the group's store."""
+        mine = {"port": self._port or free_port(self._host), "secret": secrets.token_hex(16),
+                "nonce": secrets.token_hex(16)}
+        first = _all_gather_json(mine)[0]  # rank 0's
+        rank_map = RankMap.disaggregated(self.plan.num_src, self.plan.num_dst)
+        join = JoinInfo(self._host, int(first["port"]), rank_map.world_size, rank_map, self._request.timeout_s,
+                        secret=first["secret"], nonce=first["nonce"])
+        self.engine_init_info = EngineInitInfo(join, self._request.plan_digest, slice_digests={
+            int(r): d for r, d in slice_digests(self._dst_slices).items()}).to_wire()
+        init = _Call(lambda: self.destination.join(self.engine_init_info)) if self.is_sender else None
+        try:
+            self.endpoint.join(join)
+            self.endpoint.set_plan(self._src_slice, self._request.plan_digest)
+            if self.is_sender:
+                publish_slices(self.endpoint.group.store, self._dst_slices)
+        finally:
+            error = init.wait(join.timeout_s + CLIENT_GRACE_S) if init is not None else None
+        if error:
+            raise RefitFailed(f"{BACKEND}: init_weight_transfer_engine failed: {error}")
+
+    def send_weights(self) -> None:
+        """One refit: every rank sends its boxes and votes; rank 0 drives the engine's side of
+        the refit meanwhile (``transport.sequence.EngineRefit``: start, update, then the
+        conclusion labelled with the refit's identity). Raises ``RefitFailed`` on every rank,
+        naming every failing rank, when the refit did not commit; the engine then kept its old
+        weights (or, unsure, refuses to serve). A failed refit closes the refit group: the next
+        one builds a new one first (on every rank, since any rank's failure counts). An engine
+        call that fails on rank 0 stops every rank at once (``stop_everyone``)."""
+        if any(_all_gather_json(self.endpoint.group is None)):
+            self.endpoint.leave()
+            self._connect()
+        self._epoch += 1
+        request = replace(self._request, epoch=self._epoch)
+        engines = starting = None
+        if self.is_sender:
+            refit = refit_id(request.plan_digest, self.endpoint.group.control.nonce, request.epoch)
+            run = EngineRun(EngineUpdateInfo(request), request.label(refit), refit, grace_s=CLIENT_GRACE_S)
+            engines = EngineRefit(EngineCallers([self.destination]), run, abort=lambda why: self._stop(request, why))
+            # on a thread: an abort waits for this rank's own refit to begin (the main thread's)
+            starting = _Call(lambda: self._start(engines, request))
+        error: BaseException | None = None
+        try:
+            self.endpoint.refit(request)
+        except BaseException as exc:  # noqa: BLE001 - the engine's side is concluded first
+            error = exc
+        if engines is not None:
+            client_error = starting.wait(request.timeout_s + CLIENT_GRACE_S)
+            outcome = self.endpoint.last_outcome
+            # (the outcome of this refit only: a rank that failed before its vote holds an older one)
+            committed = outcome is not None and outcome.commit and outcome.epoch == request.epoch
+            errors = [client_error] if client_error else []
+            if starting.done and not client_error:  # its sessions are open: conclude them, as voted
+                errors += engines.finish(trusted=committed)
+            if errors and error is None:
+                error = RefitFailed(f"{BACKEND}: the engine's calls failed: {'; '.join(errors)}")
+        if error is not None:
+            raise error
+
+    def _start(self, engines: EngineRefit, request: RefitRequest) -> None:
+        """The engine's side up to its transfer; a refit it cannot begin stops every rank."""
+        try:
+            engines.start()
+        except RefitFailed as exc:
+            self._stop(request, first_error_line(exc))
+            raise
+
+    def _stop(self, request: RefitRequest, why: str) -> None:
+        """Stop every rank of this refit at once (the engine will never vote). An abort is per
+        refit: posted before this rank's refit began it would be dropped with the last refit's
+        keys, so wait (bounded) for it to begin."""
+        group = self.endpoint.group
+        if group is None:
+            return
+        deadline = time.monotonic() + min(request.timeout_s, 60.0)
+        while group.control.epoch < request.epoch and time.monotonic() < deadline:
+            time.sleep(0.01)
+        group.stop_everyone(f"{BACKEND} trainer rank 0: {why}")
+
+    def shutdown(self) -> None:
+        self.endpoint.leave()
+
+
+class _Call:
+    """One call on its own thread; ``wait`` gives its error line (None: it returned)."""
+
+    def __init__(self, fn: Any) -> None:
+        self.error: str | None = None
+
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to wait()
+                self.error = f"{type(exc).__name__}: {first_error_line(exc)}"
+
+        self.thread = threading.Thread(target=run, daemon=True, name="mcore-reshard-engine-call")
+        self.thread.start()
+
+    @property
+    def done(self) -> bool:
+        return not self.thread.is_alive()
+
+    def wait(self, timeout_s: float) -> str | None:
+        self.thread.join(timeout_s)
+        if self.thread.is_alive():
+            return f"no answer within {timeout_s:.0f}s"
+        return self.error
+
+
+def _all_gather_json(value: Any) -> list[Any]:
+    """Every trainer rank's ``value`` (JSON), in rank order, over the default process group:
+    bytes in a tensor, never a pickle."""
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    data = json.dumps(value).encode()
+    n = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(n) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, n)
+    width = max(int(s) for s in sizes)
+    mine = torch.zeros(width, dtype=torch.uint8, device=device)
+    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    bufs = [torch.zeros(width, dtype=torch.uint8, device=device) for _ in sizes]
+    dist.all_gather(bufs, mine)
+    return [json.loads(bytes(b[: int(s)].cpu().numpy())) for b, s in zip(bufs, sizes)]
+
+
+def _register() -> None:
+    """A training rank runs no vLLM plugin loading: importing this end registers it with vLLM's
+    trainer-side factory (as vLLM's own backends are registered when its factory is imported;
+    ``plugin.register`` does the same in vLLM's processes, idempotent)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    if BACKEND not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine(BACKEND, ReshardTrainerEngine)
+
+
+_register()
