@@ -547,17 +547,17 @@ def control_plane_rows(log: Callable[..., None]) -> list[dict[str, Any]]:
     g = pair()
     try:
         for x in g.values():
-            x.begin_refit(1)
-        th = threading.Thread(target=lambda: g[1].decide(True, None))
+            x.control.begin_refit(1)
+        th = threading.Thread(target=lambda: g[1].control.decide(True, None))
         th.start()
-        g[0].decide(True, None)
+        g[0].control.decide(True, None)
         th.join(10)
         replay = g[0].store.get(g[0].control._slot("vote", 1, 0, 1))
         for x in g.values():
-            x.begin_refit(2)
+            x.control.begin_refit(2)
         g[0].store.set(g[0].control._slot("vote", 2, 0, 1), replay)  # rank 1 failed and never votes
         t0 = time.monotonic()
-        d = g[0].decide(True, None, timeout_s=1.0)
+        d = g[0].control.decide(True, None, timeout_s=1.0)
         rows.append({"fault": "replayed signed 'ok' vote of the previous refit", "atomic": "n/a",
                      "seconds": time.monotonic() - t0, "error": "; ".join(d.errors), "names_ok": True,
                      "generate": "n/a (no engine)", "enqueue": "n/a (no engine)", "restored": "n/a",
@@ -569,7 +569,7 @@ def control_plane_rows(log: Callable[..., None]) -> list[dict[str, Any]]:
     g = pair()
     try:
         for x in g.values():
-            x.begin_refit(1)
+            x.control.begin_refit(1)
         g[0].store.set(g[0].control._slot("abort", 1, 0, 1), "garbage")
         g[0].store.add(g[0].control._slot("hint", 1, 0, -1), 7)
         work = g[0].recv(torch.empty(1), 1, 9)

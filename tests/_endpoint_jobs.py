@@ -17,7 +17,7 @@ from mcore_reshard.infra.checkpoint import load_canonical
 from mcore_reshard.layout import SideLayout, load_model_spec
 from mcore_reshard.plan import build_plan
 from mcore_reshard.plan.wire import slice_to_wire
-from mcore_reshard.training.ranks import Join, Leave, Refit, SetPlan, TrainerRank, TrainStep
+from mcore_reshard.training.ranks import RankCall, TrainerRank
 from mcore_reshard.infra.ports import free_port
 from mcore_reshard.wire.protocol import JoinInfo, RankMap, RefitRequest
 
@@ -53,17 +53,17 @@ def endpoint_refit_job(ctx: WorldCtx, ckpt: str, dtype: str, par: MegatronParall
     # the refit calls through the ``TrainerRank`` a framework's actor holds (the short form's
     # ``call.run(rank)``); a rank around a framework's endpoint refuses the policy's training calls
     rank = TrainerRank(ep)
-    Join(info).run(rank)
-    SetPlan(slice_to_wire(plan.for_rank("src", ctx.rank)), digest).run(rank)
-    reply = Refit(request).run(rank)
+    RankCall("join", (info,)).run(rank)
+    RankCall("set_plan", (slice_to_wire(plan.for_rank("src", ctx.rank)), digest)).run(rank)
+    reply = RankCall("refit", (request,)).run(rank)
     report = reply.report
     assert reply.reports == (tuple(ep.last_reports) if ctx.rank == 0 else ()), reply
     try:
-        TrainStep(((1, 2),)).run(rank)
+        RankCall("train_step", (((1, 2),),)).run(rank)
         raise AssertionError("a framework's rank ran a training call")
     except TypeError as exc:
         assert "answers refit calls only" in str(exc) and "'train_step'" in str(exc), exc
     logprobs = policy.logprobs([tokens])[0]
-    Leave().run(rank)
+    RankCall("leave").run(rank)
     return {"loss": loss, "report": report.to_wire(), "reports": [r.to_wire() if r else None for r in ep.last_reports],
             "logprobs": logprobs, "bytes_min": plan.bytes_min}

@@ -69,13 +69,13 @@ def test_planted_values_are_ignored_and_counted_never_unpickled(tmp_path, caplog
         slot = g0.control._slot("ctl", g0.control.epoch, 0, 1)
         g0.store.set(slot, pickle.dumps(_Payload(str(marker))))
         got: dict = {}
-        t = threading.Thread(target=lambda: got.update(v=g0.exchange({"from": 0}, timeout_s=10)))
+        t = threading.Thread(target=lambda: got.update(v=g0.control.exchange({"from": 0}, timeout_s=10)))
         t.start()
         time.sleep(0.3)  # rank 0 has polled the planted value many times by now
         assert g0.rejected["ctl"] >= 2
         # counted on every poll, logged once
         assert sum("rejected a ctl value" in r.getMessage() for r in caplog.records) == 1
-        assert g1.exchange({"from": 1}, timeout_s=10) == [{"from": 0}, {"from": 1}]
+        assert g1.control.exchange({"from": 1}, timeout_s=10) == [{"from": 0}, {"from": 1}]
         t.join(10)
         assert got["v"] == [{"from": 0}, {"from": 1}]  # the real value replaced the planted one
         assert not marker.exists()  # nothing was unpickled
@@ -94,25 +94,25 @@ def test_replayed_votes_and_aborts_are_rejected():
     try:
         g0, g1 = groups[0], groups[1]
         for g in (g0, g1):
-            g.begin_refit(1)
+            g.control.begin_refit(1)
         out: dict = {}
-        t = threading.Thread(target=lambda: out.update(d=g1.decide(True, {"r": 1})))
+        t = threading.Thread(target=lambda: out.update(d=g1.control.decide(True, {"r": 1})))
         t.start()
-        assert g0.decide(True, {"r": 0}).commit
+        assert g0.control.decide(True, {"r": 0}).commit
         t.join(10)
         assert out["d"].commit and out["d"].payloads == ({"r": 0}, {"r": 1})
         ok_vote = _signed_vote(g0, 1, 1)
-        g1.post_abort("source rank 1: failing on purpose")
+        g1.control.post_abort("source rank 1: failing on purpose")
         abort = g0.store.get(g0.control._slot("abort", 1, 0, 1))
         # refit 2: the recorded "ok" and abort of refit 1 are replayed into refit 2's slots
         for g in (g0, g1):
-            g.begin_refit(2)
+            g.control.begin_refit(2)
         g0.store.set(g0.control._slot("vote", 2, 0, 1), ok_vote)
         g0.store.set(g0.control._slot("abort", 2, 0, 1), abort)
         g0.store.add(g0.control._slot("hint", 2, 0, -1), 1)
-        assert g0.abort_message() is None and g0.rejected["abort"] == 1  # the replayed abort stops nobody
+        assert g0.control.abort_message() is None and g0.rejected["abort"] == 1  # the replayed abort stops nobody
         t0 = time.monotonic()
-        d0 = g0.decide(True, {"r": 0}, timeout_s=1.0)  # rank 1 never votes in refit 2
+        d0 = g0.control.decide(True, {"r": 0}, timeout_s=1.0)  # rank 1 never votes in refit 2
         assert not d0.commit and d0.known and time.monotonic() - t0 >= 1.0
         assert "no vote" in d0.errors[0] and "group rank 1" in d0.errors[0]
         assert g0.rejected["vote"] >= 1
@@ -123,9 +123,9 @@ def test_replayed_votes_and_aborts_are_rejected():
     try:
         g0 = groups[0]
         for g in groups.values():
-            g.begin_refit(1)
+            g.control.begin_refit(1)
         g0.store.set(g0.control._slot("vote", 1, 0, 1), ok_vote)
-        assert not g0.decide(True, None, timeout_s=0.5).commit
+        assert not g0.control.decide(True, None, timeout_s=0.5).commit
         assert g0.rejected["vote"] >= 1
     finally:
         _close(groups)
@@ -140,13 +140,13 @@ def test_garbage_in_the_abort_path_does_not_delay_an_abort():
     try:
         g0, g1 = groups[0], groups[1]
         for g in (g0, g1):
-            g.begin_refit(1)
+            g.control.begin_refit(1)
         g0.store.set(g0.control._slot("abort", 1, 0, 1), "garbage")
         g0.store.add(g0.control._slot("hint", 1, 0, -1), 5)
         for i in range(50):
             g0.store.set(f"abort/{i}", "garbage")
         work = g0.recv(torch.empty(4), 1, 7)  # rank 1 never sends
-        threading.Timer(0.5, g1.post_abort, args=("source rank 1: injected failure",)).start()
+        threading.Timer(0.5, g1.control.post_abort, args=("source rank 1: injected failure",)).start()
         t0 = time.monotonic()
         with pytest.raises(RefitAborted, match="injected failure"):
             g0.wait_work(work, 60.0)
@@ -163,10 +163,10 @@ def test_abort_reaches_a_rank_blocked_in_a_receive_within_a_second():
     port, groups = _pair(timeout_s=60.0)
     try:
         g0, g1 = groups[0], groups[1]
-        g0.begin_refit()
-        g1.begin_refit()
+        g0.control.begin_refit()
+        g1.control.begin_refit()
         work = g1.recv(torch.empty(4), 0, 7)  # rank 0 never sends
-        threading.Timer(0.5, g0.post_abort, args=("source rank 0: injected failure",)).start()
+        threading.Timer(0.5, g0.control.post_abort, args=("source rank 0: injected failure",)).start()
         t0 = time.monotonic()
         with pytest.raises(RefitAborted, match="injected failure"):
             g1.wait_work(work, 60.0)
@@ -183,9 +183,9 @@ def test_store_key_count_is_constant_over_1000_refits():
     try:
         def rank(g, first, last):
             for e in range(first, last + 1):
-                g.begin_refit(e, watch=True)
-                g.check_agreement(["digest", "checksum"])
-                assert g.decide(True, {"e": e}).commit
+                g.control.begin_refit(e, watch=True)
+                g.control.check_agreement(["digest", "checksum"])
+                assert g.control.decide(True, {"e": e}).commit
                 if g.rank == 0:
                     counts.append(g._tcp_store.num_keys())
 
@@ -219,13 +219,13 @@ def _die_between_last_byte_and_vote(rank: int, port: int, q) -> None:
 
     g = RefitGroup.create("127.0.0.1", port, rank, 3, 60.0, rank == 0, rank_map=RankMap.disaggregated(1, 2),
                           secret="s", nonce="n")
-    g.begin_refit(1, watch=True)
-    g.barrier()  # every rank is in the refit: the "transfer" is done
+    g.control.begin_refit(1, watch=True)
+    g.control.barrier()  # every rank is in the refit: the "transfer" is done
     if rank == 2:
         time.sleep(0.5)
         os._exit(7)  # dies before it votes
     t0 = time.monotonic()
-    d = g.decide(True, None, timeout_s=60.0)
+    d = g.control.decide(True, None, timeout_s=60.0)
     q.put((rank, d.commit, d.known, list(d.errors), time.monotonic() - t0))
 
 
@@ -300,10 +300,10 @@ def test_garbage_in_the_abort_hint_is_counted_and_the_refit_still_commits():
     try:
         g0, g1 = groups[0], groups[1]
         g0.store.set(attacks.slot(g0, "hint"), "garbage")
-        assert g0.abort_message() is None and g0.rejected["hint"] == 1
-        g1.post_abort("destination rank 0: injected")
+        assert g0.control.abort_message() is None and g0.rejected["hint"] == 1
+        g1.control.post_abort("destination rank 0: injected")
         time.sleep(attacks_rescan())
-        assert "injected" in g0.abort_message()
+        assert "injected" in g0.control.abort_message()
     finally:
         attacks.close_group(groups)
 
@@ -353,10 +353,10 @@ def test_a_rank_that_voted_ok_asks_the_coordinator_to_abort_at_its_deadline():
     groups = attacks.local_group(3, timeout_s=30.0)
     try:
         out: dict = {}
-        t = threading.Thread(target=lambda: out.update(d0=groups[0].decide(True, None, timeout_s=30.0)))
+        t = threading.Thread(target=lambda: out.update(d0=groups[0].control.decide(True, None, timeout_s=30.0)))
         t.start()
         t0 = time.monotonic()
-        d1 = groups[1].decide(True, None, timeout_s=1.0)
+        d1 = groups[1].control.decide(True, None, timeout_s=1.0)
         seconds = time.monotonic() - t0
         t.join(10)
         assert d1.known and not d1.commit and seconds < 3.0, (d1, seconds)
@@ -391,22 +391,22 @@ def _dropped_receive(rank: int, port: int, q) -> None:
 
     g = RefitGroup.create("127.0.0.1", port, rank, 2, 60.0, rank == 0, rank_map=RankMap.disaggregated(1, 1),
                           secret="s", nonce="n")
-    g.begin_refit(1)
+    g.control.begin_refit(1)
     if rank == 1:
         g.recv(torch.zeros(60_000, dtype=torch.uint8), 0, 8)  # posted, its Work dropped at once
-        g.barrier()
-        g.barrier()  # rank 0 has sent
+        g.control.barrier()
+        g.control.barrier()  # rank 0 has sent
         time.sleep(0.5)
         q.put((1, busy([os.getpid()], seconds=1.5)))
-        g.barrier()
+        g.control.barrier()
         g.close(barrier=False)
         time.sleep(3.0)  # alive while rank 0 looks: its pending wait must fail on the closed sockets
         return
-    g.barrier()
+    g.control.barrier()
     g.send(torch.ones(60_000, dtype=torch.uint8), 1, 8).wait(timedelta(seconds=30))
     pending = g.recv(torch.zeros(4, dtype=torch.uint8), 1, 9)  # rank 1 never sends this
-    g.barrier()
-    g.barrier()
+    g.control.barrier()
+    g.control.barrier()
     t0 = time.monotonic()
     try:
         pending.wait(timedelta(seconds=30))

@@ -180,9 +180,9 @@ def _relay_delta_main(rank: int, world: int, port: int, q: Any) -> None:
         def refit(n: int, corrupt: bool = False) -> dict:
             """Every rank offers its baseline, all decide alike (the endpoint's agreement), then
             one refit; each settles as a commit would."""
-            group.begin_refit()
+            group.control.begin_refit()
             rid = refit_id(plan.digest(), "relay", n)
-            offers = group.exchange(state.offer(plan.digest()))
+            offers = group.control.exchange(state.offer(plan.digest()))
             decision = decide(offers, "auto", rid, [rm.name_at(r) for r in range(world)])
             state.begin()
             if corrupt and d_rank == 3:
@@ -194,7 +194,7 @@ def _relay_delta_main(rank: int, world: int, port: int, q: Any) -> None:
                 stats, err = None, str(e)
             if corrupt:  # the last refit: it fails, its group with it
                 return {"stats": stats, "err": err}
-            ok = all(group.exchange(err is None))
+            ok = all(group.control.exchange(err is None))
             state.settle(ok)
             bad = None
             if d_rank is not None:

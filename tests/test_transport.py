@@ -167,7 +167,7 @@ def test_stuck_peer_times_out_naming_it_and_the_bucket():
             execute_plan(plan.for_rank("src", 0), None, locals_of(src, 0, canonical(T, 0)), None,
                          groups[0], TransferOptions(0.5))
         with pytest.raises(RefitTimeout, match=r"no answer from destination rank 0 \(group rank 1\)"):
-            groups[0].exchange("hello", timeout_s=0.5)
+            groups[0].control.exchange("hello", timeout_s=0.5)
         th.join(10)
     finally:
         for g in groups.values():

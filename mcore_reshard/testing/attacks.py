@@ -56,7 +56,7 @@ def local_group(n: int, timeout_s: float = 10.0, epoch: int = 1) -> dict[int, Re
     for t in threads:
         t.join(20)
     for g in groups.values():
-        g.begin_refit(epoch)
+        g.control.begin_refit(epoch)
     return groups
 
 
@@ -67,7 +67,7 @@ def close_group(groups: dict[int, RefitGroup]) -> None:
 
 def begin(groups: dict[int, RefitGroup], epoch: int) -> None:
     for g in groups.values():
-        g.begin_refit(epoch)
+        g.control.begin_refit(epoch)
 
 
 def slot(g: RefitGroup, kind: str, rank: int = -1, seq: int = 0) -> str:
@@ -85,7 +85,7 @@ def decide_held(groups: dict[int, RefitGroup], tamper: Callable[[RefitGroup], No
     oks = oks or {}
 
     def rank(r: int) -> None:
-        d = groups[r].decide(oks.get(r, True), {"r": r}, "" if oks.get(r, True) else f"rank {r}: no",
+        d = groups[r].control.decide(oks.get(r, True), {"r": r}, "" if oks.get(r, True) else f"rank {r}: no",
                              timeout_s=timeout_s, after_vote=release.wait)
         out[r] = (d, time.monotonic() - released[0])
 
@@ -95,7 +95,7 @@ def decide_held(groups: dict[int, RefitGroup], tamper: Callable[[RefitGroup], No
     g0 = groups[0]
     while sum(g0.control._read(g0.control._slot("vote", g0.control.epoch, 0, r)) is not None for r in range(1, n)) < n - 1:
         time.sleep(0.005)
-    out[0] = (g0.decide(oks.get(0, True), {"r": 0}, timeout_s=timeout_s), 0.0)
+    out[0] = (g0.control.decide(oks.get(0, True), {"r": 0}, timeout_s=timeout_s), 0.0)
     tamper(g0)
     released[0] = time.monotonic()
     release.set()
@@ -165,7 +165,7 @@ def deleted_vote(n: int = 3) -> Attack:
 
         def rank(r: int) -> None:
             hook = (lambda: g1.store.delete_key(slot(g1, "vote", 1))) if r == 1 else None
-            out[r] = (groups[r].decide(True, None, after_vote=hook), time.monotonic() - t0)
+            out[r] = (groups[r].control.decide(True, None, after_vote=hook), time.monotonic() - t0)
 
         threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(n)]
         for t in threads:
@@ -186,7 +186,7 @@ def deleted_exchange_value(n: int = 3) -> Attack:
         t0 = time.monotonic()
 
         def rank(r: int) -> None:
-            res[r] = groups[r].exchange(r)
+            res[r] = groups[r].control.exchange(r)
             when[r] = time.monotonic() - t0
 
         first = threading.Thread(target=rank, args=(0,), daemon=True)
@@ -212,7 +212,7 @@ def deleted_abort(n: int = 3) -> Attack:
     """Rank 1 posts its abort and the key is deleted at once; rank 1 then votes no."""
     groups = local_group(n)
     try:
-        groups[1].post_abort("destination rank 0: failing on purpose")
+        groups[1].control.post_abort("destination rank 0: failing on purpose")
         groups[0].store.delete_key(slot(groups[0], "abort", 1))
         got = decide_held(groups, lambda g0: None, oks={1: False})
         return _result("an abort deleted right after it was posted (its rank then votes no)", groups, got)
@@ -227,7 +227,7 @@ def garbage_hint(n: int = 2) -> Attack:
     try:
         g0 = groups[0]
         g0.store.set(slot(g0, "hint"), "garbage")
-        polled = [g.abort_message() for g in groups.values()]  # as every transfer wait polls it
+        polled = [g.control.abort_message() for g in groups.values()]  # as every transfer wait polls it
         got = decide_held(groups, lambda g: None)
         a = _result("garbage in the abort hint", groups, got)
         a.errors = [e or (p or "") for e, p in zip(a.errors, polled)]  # an abort seen in the poll is an error
@@ -283,7 +283,7 @@ def persistent_deleter_and_late_reader(n: int = 4, late: int = 3, late_s: float 
 
         def rank(r: int) -> None:
             hook = (lambda: time.sleep(late_s)) if r == late else None
-            out[r] = (groups[r].decide(True, {"r": r}, timeout_s=timeout_s, after_vote=hook), time.monotonic() - t0)
+            out[r] = (groups[r].control.decide(True, {"r": r}, timeout_s=timeout_s, after_vote=hook), time.monotonic() - t0)
 
         with Deleter(groups[0]._tcp_store, ("vote", "decision", "decided")) as deleter:
             threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(n)]
@@ -328,8 +328,8 @@ def deleted_hints_and_a_raising_rank(n: int = 4, timeout_s: float = 20.0) -> Att
             for t in threads:
                 t.start()
             time.sleep(0.3)
-            groups[1].post_abort("source rank 1: raised on purpose")
-            d = groups[1].decide(False, None, "source rank 1: raised on purpose", timeout_s=timeout_s)
+            groups[1].control.post_abort("source rank 1: raised on purpose")
+            d = groups[1].control.decide(False, None, "source rank 1: raised on purpose", timeout_s=timeout_s)
             got[1] = ("abort" if d.known and not d.commit else "commit" if d.commit else "unknown",
                       d.errors[0] if d.errors else "", time.monotonic() - t0)
             for t in threads:

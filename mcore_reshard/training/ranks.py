@@ -1,7 +1,7 @@
 """The training side of a refit, as one typed protocol.
 
-A driver talks to a group of training ranks through methods with typed requests and typed
-replies (no method names as strings, no positional tuples, nothing unpickled by hand)::
+A driver talks to a group of training ranks through typed methods with typed replies
+(nothing unpickled by hand)::
 
     ranks.describe().wait()              # every rank's pieces
     ranks.join(info).wait()              # once per refit group
@@ -21,16 +21,17 @@ drives the engines, then waits for both).
 The training side has three names (``docs/architecture.md``): a rank's ``TrainerEndpoint``
 (its end of the refit group, ``adapters.megatron.endpoint``), the :class:`TrainerRank` around
 it that answers the calls where the rank lives (``pool.MegatronTrainerRank`` adds this
-project's policy and its training calls), and the :class:`TrainerGroup` a driver calls, which
-implements every method once over one primitive, "send rank r its call and return how to
-collect the replies": ``pool.LocalTrainerGroup`` (local processes) and
+project's policy and its training calls), and the :class:`TrainerGroup` a driver calls. Each
+call is written once, as the rank's method: a :class:`RankCall` names it, and the group binds
+it to every rank in one line (:func:`every_rank`), over one primitive, "send rank r its call
+and return how to collect the replies": ``pool.LocalTrainerGroup`` (local processes) and
 ``grpo.ray_cluster.RayTrainerGroup`` (Ray actors) implement only that.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Generic, Mapping, Protocol, Sequence, TypeVar
+from typing import Any, Callable, Generic, Mapping, Protocol, Sequence, TypeVar
 
 from ..wire.faults import TrainerFault
 from ..layout import LocalParam, ModelSpec
@@ -137,167 +138,67 @@ class TrainerRank:
             except Exception:  # noqa: BLE001 - best effort on the way out
                 pass
 
-    # -- training: this project's policy only (``pool.MegatronTrainerRank``) -----------------------
-    def _trains(self, what: str) -> Any:
-        raise TypeError(f"training rank {self.rank} answers refit calls only ({type(self).__name__} around a "
-                        f"framework's TrainerEndpoint): {what!r} is a call of this project's policy")
-
-    def train_step(self, token_ids: TokenIds, lr: float | None = None) -> float:
-        return self._trains("train_step")
-
-    def logprobs(self, token_ids: TokenIds, version: int | None = None) -> list[list[float]]:
-        return self._trains("logprobs")
-
-    def snapshot(self, version: int, keep: Sequence[int]) -> int:
-        return self._trains("snapshot")
-
-    def grpo_step(self, token_ids: TokenIds, batch: GrpoBatch, loss: PgLossSettings) -> float:
-        return self._trains("grpo_step")
-
-    def reference_logprobs(self, token_ids: TokenIds) -> list[list[float]]:
-        return self._trains("reference_logprobs")
-
-    def local_tensors(self) -> dict[str, Any]:
-        return self._trains("local_tensors")
-
-    def raw_bandwidth(self, pairs: Sequence[tuple[int, int]], nbytes: int, timeout_s: float) -> float | None:
-        return self._trains("raw_bandwidth")
-
 
 # ------------------------------------------------------------------------ typed calls
 
 
-class RankCall(Generic[T]):
-    """One typed request to one rank: ``run`` executes it on the rank's :class:`TrainerRank`
-    where the rank lives; ``what`` names it in errors."""
+#: The training calls: this project's policy answers them (``pool.MegatronTrainerRank``); a
+#: framework's rank, which answers the refit calls only, refuses each in one line.
+TRAINING_CALLS = ("train_step", "logprobs", "snapshot", "grpo_step", "reference_logprobs", "local_tensors",
+                  "raw_bandwidth")
 
-    what: ClassVar[str] = "call"
+
+@dataclass(frozen=True)
+class RankCall(Generic[T]):
+    """One request to one rank: the :class:`TrainerRank` method ``what`` with ``args``, run
+    where the rank lives (``run(rank)``: a local process, a Ray actor). Each call is written
+    once, as the rank's method; this record only names it, and :class:`TrainerGroup` binds it
+    to every rank (:func:`every_rank`)."""
+
+    what: str
+    args: tuple[Any, ...] = ()
+    kwargs: tuple[tuple[str, Any], ...] = ()
 
     def run(self, rank: Any) -> T:
-        raise NotImplementedError
+        method = getattr(rank, self.what, None) if not self.what.startswith("_") else None
+        if method is None or not callable(method):
+            if self.what in TRAINING_CALLS:
+                raise TypeError(f"training rank {rank.rank} answers refit calls only ({type(rank).__name__} around "
+                                f"a framework's TrainerEndpoint): {self.what!r} is a call of this project's policy")
+            raise TypeError(f"{type(rank).__name__} has no call {self.what!r}")
+        return method(*self.args, **dict(self.kwargs))
 
 
-@dataclass(frozen=True)
-class Describe(RankCall[list[LocalParam]]):
-    what = "describe"
+def every_rank(what: str, normalize: Callable[..., tuple[Any, ...]] | None = None) -> Callable[..., "Pending[Any]"]:
+    """The group form of the rank method ``what``: the same call started on every rank at once
+    (``normalize`` makes its arguments plain values first: token ids as tuples of ints)."""
 
-    def run(self, rank: TrainerRank) -> list[LocalParam]:
-        return list(rank.describe())
+    def call(self: "TrainerGroup", *args: Any, **kwargs: Any) -> "Pending[Any]":
+        if normalize is not None:
+            args, kwargs = normalize(*args, **kwargs), {}
+        return self._each(RankCall(what, tuple(args), tuple(sorted(kwargs.items()))))
 
-
-@dataclass(frozen=True)
-class Join(RankCall[int]):
-    info: JoinInfo
-    what = "join"
-
-    def run(self, rank: TrainerRank) -> int:
-        return rank.join(self.info)
+    call.__name__ = call.__qualname__ = what
+    call.__doc__ = f"``{what}`` on every rank at once (``TrainerRank.{what}`` / ``MegatronTrainerRank.{what}``)."
+    return call
 
 
-@dataclass(frozen=True)
-class SetPlan(RankCall[str]):
-    slice_wire: Mapping[str, Any]
-    digest: str
-    what = "set_plan"
-
-    def run(self, rank: TrainerRank) -> str:
-        return rank.set_plan(self.slice_wire, self.digest)
+def _tokens(token_ids: TokenIds) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(int(t) for t in seq) for seq in token_ids)
 
 
-@dataclass(frozen=True)
-class Refit(RankCall[RefitReply]):
-    request: RefitRequest
-    fault: TrainerFault | None = None  # set only by the testing path
-    what = "refit"
-
-    def run(self, rank: TrainerRank) -> RefitReply:
-        return rank.refit(self.request, self.fault)
+def _with_tokens(token_ids: TokenIds, *rest: Any, **named: Any) -> tuple[Any, ...]:
+    """Token ids as tuples of ints, then the other arguments in the method's order (``lr``,
+    ``version``: the only named ones, each the method's second parameter)."""
+    return (_tokens(token_ids), *rest, *named.values())
 
 
-@dataclass(frozen=True)
-class Leave(RankCall[None]):
-    what = "leave"
-
-    def run(self, rank: TrainerRank) -> None:
-        rank.leave()
+def _snapshot_args(version: int, keep: Sequence[int]) -> tuple[Any, ...]:
+    return (int(version), tuple(int(v) for v in keep))
 
 
-@dataclass(frozen=True)
-class RunTask(RankCall[T]):
-    task: RankTask[T]
-    what = "run"
-
-    def run(self, rank: TrainerRank) -> T:
-        return rank.run(self.task)
-
-
-@dataclass(frozen=True)
-class TrainStep(RankCall[float]):
-    token_ids: TokenIds
-    lr: float | None = None  # None: the configured learning rate
-    what = "train_step"
-
-    def run(self, rank: TrainerRank) -> float:
-        return rank.train_step(self.token_ids, self.lr)
-
-
-@dataclass(frozen=True)
-class Logprobs(RankCall[list[list[float]]]):
-    token_ids: TokenIds
-    version: int | None = None  # None: the current weights; else a snapshot's
-    what = "logprobs"
-
-    def run(self, rank: TrainerRank) -> list[list[float]]:
-        return rank.logprobs(self.token_ids, self.version)
-
-
-@dataclass(frozen=True)
-class Snapshot(RankCall[int]):
-    version: int
-    keep: tuple[int, ...]
-    what = "snapshot"
-
-    def run(self, rank: TrainerRank) -> int:
-        return rank.snapshot(self.version, self.keep)
-
-
-@dataclass(frozen=True)
-class GrpoStep(RankCall[float]):
-    token_ids: TokenIds
-    batch: GrpoBatch
-    loss: PgLossSettings
-    what = "grpo_step"
-
-    def run(self, rank: TrainerRank) -> float:
-        return rank.grpo_step(self.token_ids, self.batch, self.loss)
-
-
-@dataclass(frozen=True)
-class ReferenceLogprobs(RankCall[list[list[float]]]):
-    token_ids: TokenIds
-    what = "reference_logprobs"
-
-    def run(self, rank: TrainerRank) -> list[list[float]]:
-        return rank.reference_logprobs(self.token_ids)
-
-
-@dataclass(frozen=True)
-class LocalTensors(RankCall[dict[str, Any]]):
-    what = "local_tensors"
-
-    def run(self, rank: TrainerRank) -> dict[str, Any]:
-        return rank.local_tensors()
-
-
-@dataclass(frozen=True)
-class RawBandwidth(RankCall["float | None"]):
-    pairs: tuple[tuple[int, int], ...]
-    nbytes: int
-    timeout_s: float
-    what = "raw_bandwidth"
-
-    def run(self, rank: TrainerRank) -> float | None:
-        return rank.raw_bandwidth(self.pairs, self.nbytes, self.timeout_s)
+def _bandwidth_args(pairs: Sequence[tuple[int, int]], nbytes: int, timeout_s: float) -> tuple[Any, ...]:
+    return (tuple((int(a), int(b)) for a, b in pairs), int(nbytes), float(timeout_s))
 
 
 # ------------------------------------------------------------------------ the group
@@ -357,51 +258,32 @@ class TrainerGroup:
     def _each(self, call: RankCall[T]) -> Pending[T]:
         return self.start([call] * self.world_size)
 
-    # -- the refit ----------------------------------------------------------------------------
-    def describe(self) -> Pending[list[LocalParam]]:
-        return self._each(Describe())
-
-    def join(self, info: JoinInfo) -> Pending[int]:
-        return self._each(Join(info))
+    # -- the refit (``TrainerRank``'s calls) ------------------------------------------------------
+    describe: Callable[[], Pending[list[LocalParam]]] = every_rank("describe")
+    join: Callable[[JoinInfo], Pending[int]] = every_rank("join")
+    leave: Callable[[], Pending[None]] = every_rank("leave")
+    #: ``refit(request, fault=None)``: every rank's ``RefitReply`` (``fault``: the testing path)
+    refit: Callable[..., Pending[RefitReply]] = every_rank("refit")
+    #: ``run(task)``: a transport's own trainer end on every rank
+    run: Callable[[RankTask[Any]], Pending[Any]] = every_rank("run")
 
     def set_plan(self, slices: Sequence[Mapping[str, Any]], digest: str) -> Pending[str]:
-        return self.start([SetPlan(s, digest) for s in slices])
+        """Rank ``r``'s own slice of the plan to rank ``r``."""
+        return self.start([RankCall("set_plan", (s, digest)) for s in slices])
 
-    def refit(self, request: RefitRequest, fault: TrainerFault | None = None) -> Pending[RefitReply]:
-        return self._each(Refit(request, fault))
-
-    def leave(self) -> Pending[None]:
-        return self._each(Leave())
-
-    def run(self, task: RankTask[T]) -> Pending[T]:
-        return self._each(RunTask(task))
-
-    # -- training -------------------------------------------------------------------------------
-    def train_step(self, token_ids: TokenIds, lr: float | None = None) -> Pending[float]:
-        return self._each(TrainStep(_tokens(token_ids), lr))
-
-    def logprobs(self, token_ids: TokenIds, version: int | None = None) -> Pending[list[list[float]]]:
-        """Every sequence's next-token logprobs under the current weights, or under the
-        snapshot of policy ``version`` (:meth:`snapshot`)."""
-        return self._each(Logprobs(_tokens(token_ids), version))
-
-    def snapshot(self, version: int, keep: Sequence[int]) -> Pending[int]:
-        """Keep a copy of the current weights as policy ``version`` and drop the snapshots not
-        in ``keep``; each rank answers the bytes it now holds in snapshots."""
-        return self._each(Snapshot(int(version), tuple(int(v) for v in keep)))
-
-    def grpo_step(self, token_ids: TokenIds, batch: GrpoBatch, loss: PgLossSettings) -> Pending[float]:
-        return self._each(GrpoStep(_tokens(token_ids), batch, loss))
-
-    def reference_logprobs(self, token_ids: TokenIds) -> Pending[list[list[float]]]:
-        return self._each(ReferenceLogprobs(_tokens(token_ids)))
-
-    def local_tensors(self) -> Pending[dict[str, Any]]:
-        return self._each(LocalTensors())
-
-    def raw_bandwidth(self, pairs: Sequence[tuple[int, int]], nbytes: int,
-                      timeout_s: float) -> Pending[float | None]:
-        return self._each(RawBandwidth(tuple((int(a), int(b)) for a, b in pairs), nbytes, timeout_s))
+    # -- training (``pool.MegatronTrainerRank``'s calls) --------------------------------------------
+    #: ``train_step(token_ids, lr=None)``: the loss
+    train_step: Callable[..., Pending[float]] = every_rank("train_step", _with_tokens)
+    #: ``logprobs(token_ids, version=None)``: under the current weights, or snapshot ``version``'s
+    logprobs: Callable[..., Pending[list[list[float]]]] = every_rank("logprobs", _with_tokens)
+    #: ``snapshot(version, keep)``: keep the weights as ``version``, drop those not in ``keep``
+    snapshot: Callable[[int, Sequence[int]], Pending[int]] = every_rank("snapshot", _snapshot_args)
+    grpo_step: Callable[[TokenIds, GrpoBatch, PgLossSettings], Pending[float]] = every_rank("grpo_step", _with_tokens)
+    reference_logprobs: Callable[[TokenIds], Pending[list[list[float]]]] = every_rank("reference_logprobs",
+                                                                                      _with_tokens)
+    local_tensors: Callable[[], Pending[dict[str, Any]]] = every_rank("local_tensors")
+    raw_bandwidth: Callable[[Sequence[tuple[int, int]], int, float], Pending["float | None"]] = every_rank(
+        "raw_bandwidth", _bandwidth_args)
 
     def dead(self) -> list[str]:
         return []
@@ -409,6 +291,3 @@ class TrainerGroup:
     def close(self) -> None:
         """Stop every rank (subclasses)."""
 
-
-def _tokens(token_ids: TokenIds) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(int(t) for t in seq) for seq in token_ids)

@@ -372,7 +372,7 @@ class ShmChannel:
         """``n`` send buffers of ``numel`` elements in one new shared segment: the same bytes as
         private ones."""
         self.nonce = new_nonce()
-        path = segment_path(self.group.derived_key("shm"), self.route.me, self.nonce)
+        path = segment_path(self.group.control.derived_key("shm"), self.route.me, self.nonce)
         self.segment = ShmSegment.create(path, n * numel * self.dtype.itemsize)
         flat = self.segment.elements(self.dtype)
         self.n_bufs = n
@@ -408,7 +408,7 @@ class ShmChannel:
                              f"{rm.name('src', src)} in bucket {k}: {flag.tolist()} "
                              f"(expected bucket {k}, {want} elements)")
         seg = self.attached.get(src)
-        path = segment_path(self.group.derived_key("shm"), rm.group_rank("src", src), nonce)
+        path = segment_path(self.group.control.derived_key("shm"), rm.group_rank("src", src), nonce)
         if seg is None or seg.path != path:
             seg = self.attached[src] = ShmSegment.attach(path)
         flat = seg.elements(self.dtype)

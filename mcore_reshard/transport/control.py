@@ -87,7 +87,7 @@ import torch.distributed as dist
 from ..errors import RefitAborted, RefitTimeout
 from ..wire.protocol import RankMap
 
-__all__ = ["COORDINATOR", "ControlPlane", "Decision", "SignedStore", "StoreGone"]
+__all__ = ["COORDINATOR", "ControlPlane", "Decision", "Signals", "SignedStore", "StoreGone"]
 
 _log = logging.getLogger("mcore_reshard.transport")
 _POLL_S = 0.005
@@ -253,9 +253,9 @@ class SignedStore:
                 return
 
 
-class ControlPlane(SignedStore):
-    """One rank's signed messages in one refit group (see the module docstring): the abort
-    signal, the all-gather and the decision."""
+class Signals(SignedStore):
+    """One rank's signed signals in one refit group: the abort signal and the all-gather
+    (``exchange``); :class:`ControlPlane` adds the vote and the decision."""
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, rank_map: RankMap, key: bytes,
                  nonce: str, timeout_s: float) -> None:
@@ -411,7 +411,19 @@ class ControlPlane(SignedStore):
         n = self.rejected[kind] - rejected_before
         return f" (rejected {n} {kind} value(s) that do not verify: {self.last_rejected[kind]})" if n else ""
 
-    # -- the decision ------------------------------------------------------------------------
+    def _read_decision(self, slot: str) -> dict | None:
+        raw = self._read(slot)
+        return None if raw is None else self._open_decision(slot, raw)
+
+    def _open_decision(self, slot: str, raw: bytes) -> dict | None:
+        ok, value, _ = self._open(slot, raw, "decision", 0, None)
+        return value if ok else None
+
+
+class ControlPlane(Signals):
+    """One rank's signed messages in one refit group (see the module docstring): the abort
+    signal and the all-gather (:class:`Signals`), the vote and the refit's one decision."""
+
     def decide(self, ok: bool, payload: Any, error: str = "", timeout_s: float | None = None,
                after_vote: Callable[[], None] | None = None) -> Decision:
         """Vote, then learn the refit's one decision (see the module docstring).
@@ -529,14 +541,6 @@ class ControlPlane(SignedStore):
             time.sleep(_POLL_S * 4)
         return [v["error"] for _, v in sorted(votes.items())
                 if not v["ok"] and v["error"] and not any(v["error"] in e for e in named)]
-
-    def _read_decision(self, slot: str) -> dict | None:
-        raw = self._read(slot)
-        return None if raw is None else self._open_decision(slot, raw)
-
-    def _open_decision(self, slot: str, raw: bytes) -> dict | None:
-        ok, value, _ = self._open(slot, raw, "decision", 0, None)
-        return value if ok else None
 
     def _read_votes(self, votes: dict[int, Any]) -> None:
         for r in range(self.world_size):

@@ -213,7 +213,7 @@ class RefitEndpoint:
         refit). ``participant.open`` says whether this rank can rebuild boxes from what it
         holds (e.g. not a vLLM worker whose repacked layers have no model-format copy yet)."""
         if self.group is not None:
-            self.group.begin_refit(request.epoch, watch=True)  # before any check: even a refused refit aborts
+            self.group.control.begin_refit(request.epoch, watch=True)  # before any check: even a refused refit aborts
         baseline = participant.open(request)
         if self.refusal:
             raise RefitError(self.refusal)
@@ -223,8 +223,8 @@ class RefitEndpoint:
         if request.delta == "off":
             self.delta.clear()
         offer = self.delta.offer(request.plan_digest) if baseline and request.delta != "off" else None
-        exchanged = self.group.exchange([request.plan_digest, request.verify.value, offer], request.timeout_s)
-        self.group.check_values([v[:2] for v in exchanged], "(plan digest, verify)")
+        exchanged = self.group.control.exchange([request.plan_digest, request.verify.value, offer], request.timeout_s)
+        self.group.control.check_values([v[:2] for v in exchanged], "(plan digest, verify)")
         rm = self.group.rank_map
         decision = decide([v[2] for v in exchanged], request.delta, self.refit_id(request),
                           [rm.name_at(r) for r in range(len(exchanged))])
@@ -249,10 +249,10 @@ class RefitEndpoint:
             return Outcome(False, [], [why], known=True, epoch=request.epoch)
         line = "" if error is None else f"{self.who}: {type(error).__name__}: {first_error_line(error)}"
         if error is not None:  # ranks still inside their transfer stop at this signal, not at their timeout
-            self.group.post_abort(line)
+            self.group.control.post_abort(line)
         payload = {"report": report.to_wire() if report is not None else None}
         after_vote = (lambda: fault.hit("after_vote")) if fault is not None else None
-        decision = self.group.decide(error is None, payload, line, timeout_s=request.timeout_s, after_vote=after_vote)
+        decision = self.group.control.decide(error is None, payload, line, timeout_s=request.timeout_s, after_vote=after_vote)
         reports = [RankReport.from_wire(p["report"]) if p and p.get("report") else None for p in decision.payloads]
         outcome = Outcome(decision.commit, reports, list(decision.errors), decision.known, self.group.control.epoch,
                           self.refit_id(request))

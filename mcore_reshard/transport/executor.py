@@ -120,10 +120,10 @@ def execute_plan(
     mode = o.verify if isinstance(o.verify, VerifyMode) else (VerifyMode.CHECKSUM if o.verify else VerifyMode.OFF)
     rank_map = o.rank_map or group.rank_map
     if o.begin:
-        group.begin_refit()
+        group.control.begin_refit()
     _check_roles(plan_slice_src, plan_slice_dst, group.rank, rank_map)
     if o.plan_digest is not None:
-        group.check_agreement([o.plan_digest, mode.value], what="(plan digest, verify)", timeout_s=o.timeout_s)
+        group.control.check_agreement([o.plan_digest, mode.value], what="(plan digest, verify)", timeout_s=o.timeout_s)
     sink = as_sink(dst_tensors_or_sink) if plan_slice_dst is not None else None
     dtype = o.wire_dtype or _wire_dtype(plan_slice_src, plan_slice_dst, src_tensors, sink)
     quantized = None
@@ -148,7 +148,7 @@ def execute_plan(
         raise
     except BaseException as exc:
         # Every other rank of the refit stops at this signal instead of its own timeout.
-        group.post_abort(f"{rank_map.name_at(group.rank)}: {type(exc).__name__}: "
+        group.control.post_abort(f"{rank_map.name_at(group.rank)}: {type(exc).__name__}: "
                          f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}")
         if run is not None:
             run.close(failed=True)

@@ -35,9 +35,11 @@ from .dataplane import DataPlane, backend, error_class
 __all__ = ["RefitError", "RefitTimeout", "RankMap", "RefitControl", "RefitGroup", "error_class"]
 
 
-class RefitControl:
-    """The control side of one rank of a refit group: the signed control plane plus rank 0's
-    liveness watch (which listens on the data plane ``data``, the only place a dead peer shows).
+class RefitControl(ControlPlane):
+    """The control plane of one rank of a refit group: the signed messages (``ControlPlane``:
+    the abort signal, the all-gather, the one decision) plus rank 0's liveness watch, which
+    listens on the data plane ``data`` (the only place a dead peer shows). One object: the
+    refit reaches it as ``group.control``, nothing forwards its calls.
 
     Liveness: a rank that dies is known to every rank in well under a second. A dead process's
     sockets are closed by its kernel; gloo reports that to a thread blocked in ``wait`` on a
@@ -48,10 +50,10 @@ class RefitControl:
     stopped (SIGSTOPped) peer keeps its sockets: that is what the timeout is for. Rank 0 itself
     hosts the store, so its death is seen by every rank's next store call."""
 
-    def __init__(self, control: ControlPlane, data: DataPlane) -> None:
-        self.control, self.data = control, data
-        self.rank, self.world_size, self.rank_map = data.rank, data.world_size, data.rank_map
-        control.dead_peers = self._dead_peers
+    def __init__(self, store: dist.Store, data: DataPlane, key: bytes, nonce: str, timeout_s: float) -> None:
+        super().__init__(store, data.rank, data.world_size, data.rank_map, key, nonce, timeout_s)
+        self.data = data
+        self.dead_peers = self._dead_peers
         self._watch: ThreadPoolExecutor | None = None
         self._live: dict[int, Any] = {}  # group rank -> future of its liveness wait (rank 0 only)
         self._live_sent: list[Any] = []
@@ -65,25 +67,10 @@ class RefitControl:
         refit can run the next one. ``watch``: this refit ends with a vote (``decide``), in
         which every rank releases rank 0's liveness wait on it -- rank 0 then watches every
         peer's socket for this refit."""
-        self.control.begin(self.control.epoch + 1 if not epoch else epoch)
+        self.begin(self.epoch + 1 if not epoch else epoch)
         self._watched = watch
         if watch:
             self._watch_peers()
-
-    def post_abort(self, message: str) -> None:
-        """Tell every rank of the group to stop (signed, this rank's own key)."""
-        self.control.post_abort(message)
-
-    def stop_everyone(self, message: str) -> None:
-        """``post_abort`` from outside this rank's refit loop: this rank stops at it too."""
-        self.control.stop_everyone(message)
-
-    def abort_message(self) -> str | None:
-        """Why another rank (or a dead peer, or a dead store) stops this refit, or None."""
-        return self.control.abort_message()
-
-    def exchange(self, obj: Any, timeout_s: float | None = None) -> list[Any]:
-        return self.control.exchange(obj, timeout_s)
 
     def check_agreement(self, value: Any, what: str = "plan digest", timeout_s: float | None = None) -> None:
         """Every rank contributes ``value``; all must agree before the first byte moves.
@@ -107,7 +94,7 @@ class RefitControl:
                after_vote: Callable[[], None] | None = None) -> Decision:
         """Vote and learn the refit's one decision (``ControlPlane.decide``); then release rank
         0's liveness wait on this rank."""
-        decision = self.control.decide(ok, payload, error, timeout_s, after_vote)
+        decision = super().decide(ok, payload, error, timeout_s, after_vote)
         if decision.known:
             self.signal_done()
         return decision
@@ -118,7 +105,7 @@ class RefitControl:
     def derived_key(self, purpose: str) -> bytes:
         """A key for ``purpose`` (e.g. naming shared-memory segments) derived from the job's
         secret; the control plane's own MAC key never leaves it."""
-        return hmac.new(self.control._key, f"derive|{purpose}".encode(), hashlib.sha256).digest()
+        return hmac.new(self._key, f"derive|{purpose}".encode(), hashlib.sha256).digest()
 
     # -- liveness --------------------------------------------------------------------------
 
@@ -133,7 +120,7 @@ class RefitControl:
         self._live = {}
         # No timeout of its own: gloo closes a pair whose wait timed out, and a refit may
         # outlast ``timeout_s``; each wait ends with the peer's byte, its death or ``close``.
-        tag, wait = live_tag(self.control.epoch), timedelta(days=1)
+        tag, wait = live_tag(self.epoch), timedelta(days=1)
         for g in range(1, self.world_size):
             work = data.recv(torch.zeros(1, dtype=torch.uint8, device=data.device), g, tag)
             self._live[g] = self._watch.submit(work.wait, wait)
@@ -155,7 +142,7 @@ class RefitControl:
             return
         try:
             self._live_sent = [data.send(torch.ones(1, dtype=torch.uint8, device=data.device), 0,
-                                         live_tag(self.control.epoch))]
+                                         live_tag(self.epoch))]
         except RuntimeError:
             pass  # rank 0 is gone; nothing to release
 
@@ -169,27 +156,27 @@ class RefitControl:
             except RuntimeError:
                 pass  # rank 0 is gone, or the wait closed the pairs: leaving either way
         self._live_sent = []
-        self.control.forget()
+        self.forget()
         if self._watch is not None:
             self._watch.shutdown(wait=False, cancel_futures=True)
         self._watch = None
 
 
 class RefitGroup:
-    """A process group private to refits (``DataPlane``) plus its control side
-    (``RefitControl``); the methods of both are offered here for the refit's use."""
+    """A process group private to refits: its data plane (``DataPlane``; the calls a transfer
+    makes are offered here) and its control plane, ``control`` (``RefitControl``: begin_refit,
+    exchange, check_agreement, post_abort, abort_message, decide, ...)."""
 
     def __init__(self, store: dist.Store, pg: Any, rank: int, world_size: int, timeout_s: float,
                  device: torch.device, rank_map: RankMap, tcp_store: dist.Store | None = None,
-                 control: ControlPlane | None = None) -> None:
+                 key: bytes | None = None, nonce: str = "") -> None:
         self.store = store
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         self.device, self.rank_map = device, rank_map
         self._tcp_store = tcp_store  # keep the master's server alive as long as the group
         self.data = DataPlane(pg, rank, world_size, device, rank_map, timeout_s)
-        control = control or ControlPlane(store, rank, world_size, rank_map, hashlib.sha256(b"hmac|").digest(), "",
-                                          timeout_s)
-        self.ctl = RefitControl(control, self.data)
+        #: The control plane (signed with the job's secret: ``key``).
+        self.control = RefitControl(store, self.data, key or hashlib.sha256(b"hmac|").digest(), nonce, timeout_s)
         self._waiter: ThreadPoolExecutor | None = None
 
     @classmethod
@@ -213,8 +200,7 @@ class RefitGroup:
         device = torch.device(device)
         pg = backend(store, rank, world_size, timeout_s, device)
         key = hashlib.sha256(f"hmac|{secret}".encode()).digest()
-        control = ControlPlane(store, rank, world_size, rank_map, key, nonce, timeout_s)
-        return cls(store, pg, rank, world_size, timeout_s, device, rank_map, tcp, control)
+        return cls(store, pg, rank, world_size, timeout_s, device, rank_map, tcp, key, nonce)
 
     @property
     def pg(self) -> Any:
@@ -222,12 +208,8 @@ class RefitGroup:
         return self.data.pg
 
     @property
-    def control(self) -> ControlPlane:
-        return self.ctl.control
-
-    @property
     def rejected(self) -> Counter:
-        return self.ctl.control.rejected
+        return self.control.rejected
 
     @property
     def keep_buffers(self) -> bool:
@@ -257,42 +239,6 @@ class RefitGroup:
     def connect(self, peers: Iterable[int], timeout_s: float | None = None) -> None:
         self.data.connect(peers, timeout_s)
 
-    # -- control side ----------------------------------------------------------------------
-
-    def derived_key(self, purpose: str) -> bytes:
-        return self.ctl.derived_key(purpose)
-
-    def exchange(self, obj: Any, timeout_s: float | None = None) -> list[Any]:
-        return self.ctl.exchange(obj, timeout_s)
-
-    def begin_refit(self, epoch: int | None = None, *, watch: bool = False) -> None:
-        self.ctl.begin_refit(epoch, watch=watch)
-
-    def post_abort(self, message: str) -> None:
-        self.ctl.post_abort(message)
-
-    def stop_everyone(self, message: str) -> None:
-        self.ctl.stop_everyone(message)
-
-    def abort_message(self) -> str | None:
-        return self.ctl.abort_message()
-
-    def check_agreement(self, value: Any, what: str = "plan digest", timeout_s: float | None = None) -> None:
-        self.ctl.check_agreement(value, what, timeout_s)
-
-    def check_values(self, exchanged: list[Any], what: str) -> None:
-        self.ctl.check_values(exchanged, what)
-
-    def decide(self, ok: bool, payload: Any, error: str = "", timeout_s: float | None = None,
-               after_vote: Callable[[], None] | None = None) -> Decision:
-        return self.ctl.decide(ok, payload, error, timeout_s, after_vote)
-
-    def signal_done(self) -> None:
-        self.ctl.signal_done()
-
-    def barrier(self, timeout_s: float | None = None) -> None:
-        self.ctl.barrier(timeout_s)
-
     # -- both ------------------------------------------------------------------------------
 
     def wait_work(self, work: Any, timeout_s: float, poll_s: float = 0.05) -> None:
@@ -310,7 +256,7 @@ class RefitGroup:
                 return
             except FutureTimeout:
                 try:
-                    self.ctl.control.raise_if_aborted()
+                    self.control.raise_if_aborted()
                 except RefitAborted:
                     self._waiter.shutdown(wait=False)  # its thread is stuck in the wait
                     self._waiter = None
@@ -324,11 +270,11 @@ class RefitGroup:
         try:
             if barrier:
                 try:
-                    self.barrier()
+                    self.control.barrier()
                 except RefitAborted:
                     pass  # the refit failed on some rank; nobody waits for this group any more
         finally:
-            self.ctl.close()
+            self.control.close()
             if self._waiter is not None:
                 self._waiter.shutdown(wait=False, cancel_futures=True)
             self._waiter = None

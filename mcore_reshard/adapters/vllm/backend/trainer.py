@@ -252,7 +252,7 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
         deadline = time.monotonic() + min(request.timeout_s, 60.0)
         while group.control.epoch < request.epoch and time.monotonic() < deadline:
             time.sleep(0.01)
-        group.stop_everyone(f"{BACKEND} trainer rank 0: {why}")
+        group.control.stop_everyone(f"{BACKEND} trainer rank 0: {why}")
 
     def shutdown(self) -> None:
         self.endpoint.leave()
