@@ -253,7 +253,7 @@ def _choose(
     if link_cost is not None:  # by destination rank: a row of per-source costs
         costs = [[link_cost(s, d) for s in range(src.world_size)] for d in range(num_dst)]
     blocks, maybe = choose_senders(hits, cut, src.world_size, itemsize, costs)
-    del hits, cut, index  # their memory is reused for the transfers
+    del hits, cut, index  # their memory is reused for the transfers (the index: once no candidate of src needs it)
     merged, first_numel = merge(maybe)
     first_numel = {len(blocks.sites) + i: n for i, n in first_numel.items()}
     add_moves(blocks, merged)
