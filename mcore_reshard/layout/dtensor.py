@@ -15,6 +15,7 @@ placement objects.
 from __future__ import annotations
 
 import math
+import operator
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence, Union
@@ -392,31 +393,38 @@ def dtensor_forms(side: SideLayout) -> dict[str, Form]:
     seen: dict[tuple, Form] = {}
     out = {}
     for name, (shape, _) in side.tensors.items():
-        h = held.get(name, {})
-        key = (tuple(shape), frozenset((r, frozenset(boxes)) for r, boxes in h.items()))
+        key = (tuple(shape), frozenset(held.get(name, ())))
         form = seen.get(key)
         if form is None:
-            boxes = {r: {values[i] for i in ids} for r, ids in h.items()}
+            boxes: dict[int, set[Box]] = {}
+            for code in key[1]:
+                r, i = divmod(code, _RANK_CODE)
+                boxes.setdefault(r, set()).add(values[i])
             form = seen[key] = _form_from_holdings(boxes, tuple(shape))
         out[name] = form
     return out
 
 
-def _box_ids_held(side: SideLayout) -> tuple[dict[str, dict[int, dict[int, None]]], list[Box]]:
-    """``_holdings`` with each box as the index of its value in the list returned
-    (``memo.ValueIds``: a value is hashed once per Box object, not once per piece), so
-    ``dtensor_forms`` keys holdings by ints."""
+#: ``rank * _RANK_CODE + box index``: one int per (rank, box) held (box indices stay below it).
+_RANK_CODE = 1 << 40
+_CANONICAL, _BOX = operator.attrgetter("canonical"), operator.attrgetter("box")
+
+
+def _box_ids_held(side: SideLayout) -> tuple[dict[str, list[int]], list[Box]]:
+    """``_holdings`` as ints: per tensor, ``rank * _RANK_CODE + box index`` of every piece,
+    each box the index of its value in the list returned (``memo.ValueIds``: a value is
+    hashed once per Box object, not once per piece). A full-size side has ~300k pieces: one
+    append each, the rest C-level per local tensor."""
     ids = ValueIds()
-    pieces = list(side.pieces())
-    held: dict[str, dict[int, dict[int, None]]] = {}
-    for piece, i in zip(pieces, ids.many(p.box for p in pieces)):
-        ranks = held.get(piece.canonical)
-        if ranks is None:
-            ranks = held[piece.canonical] = {}
-        boxes = ranks.get(piece.rank)
-        if boxes is None:
-            boxes = ranks[piece.rank] = {}
-        boxes[i] = None
+    held: dict[str, list[int]] = {}
+    get = held.get
+    for p in side.params:
+        pieces, base = p.pieces, p.rank * _RANK_CODE
+        for name, i in zip(map(_CANONICAL, pieces), ids.many(map(_BOX, pieces))):
+            codes = get(name)
+            if codes is None:
+                codes = held[name] = []
+            codes.append(base + i)
     return held, ids.values
 
 

@@ -24,7 +24,7 @@ try:  # optional: only speeds up placement keys and sorts, plans are the same wi
 except ImportError:  # pragma: no cover - numpy comes with torch
     _np = None
 
-__all__ = ["Keys", "bucket", "assign_buckets"]
+__all__ = ["Keys", "bucket", "split_fragment", "assign_buckets"]
 
 _INT64_END = 1 << 63
 #: Buckets a part tries one by one before ``_first_fit`` takes over (most fit in the first).
@@ -71,7 +71,8 @@ def bucket(blocks: Blocks, first_numel: dict[int, int], itemsize: int, budget: i
         raise PlanError(f"{first.canonical}: bucket budget {budget} bytes is smaller than one element")
     tie_break = _merge_order(blocks, owner, range(len(sites)), first_numel)
     if senders and max(map(_NUMEL, map(_BOX, senders))) * itemsize > budget:
-        cut = [(i, part) for i, site in enumerate(sites) for part in _split(senders[owner[i]], site, itemsize, budget)]
+        cut = [(i, part) for i, site in enumerate(sites)
+               for part in split_fragment(senders[owner[i]], site, itemsize, budget)]
         tie_break = _merge_order(blocks, owner, [i for i, _ in cut], first_numel)
         senders, sites = [s for _, (s, _) in cut], [f for _, (_, f) in cut]
         owner = list(range(len(cut)))
@@ -79,7 +80,7 @@ def bucket(blocks: Blocks, first_numel: dict[int, int], itemsize: int, budget: i
     return _pack(senders, owner, sites, placed, itemsize, budget, keys, charges)
 
 
-def _split(sender: Sender, site: Site, itemsize: int, budget: int) -> list[tuple[Sender, Site]]:
+def split_fragment(sender: Sender, site: Site, itemsize: int, budget: int) -> list[tuple[Sender, Site]]:
     """Cut a fragment larger than the budget into boxes that fit: along the outermost dim
     whose trailing slab fits the budget, one index at a time along the dims before it."""
     order, src, canonical, box, src_name, src_view = sender

@@ -20,6 +20,10 @@ planner (local plan -> global plan -> finish), one module each:
 4. ``buckets``    fragments split to the byte budget and packed into buckets so no rank
                   sends or receives more than ``bucket_bytes`` in one bucket.
 
+``plan_senders`` stops before phase 4 (``SendersChosen``): which bytes cross between which
+ranks is known there, and ``finish()`` makes the plan ``build_plan`` makes. The placement's
+relay choice reads a candidate's bytes per link there and finishes only the chosen one.
+
 Cost: a full-size MoE plan has ~300k transfers. Local tensors repeated across ranks
 (``param_kinds``) are checked and intersected once, and checked once across layers too;
 fragments travel in blocks, are keyed, sorted and gathered column-wise; sender choice walks
@@ -34,20 +38,25 @@ from __future__ import annotations
 import contextlib
 from dataclasses import replace
 import gc
+import itertools
 import math
+import operator
 import time
 from typing import Callable, Iterable, Iterator
 
 from ..layout.descriptor import DTYPE_BYTES, SideLayout, contiguous_strides
 from ..layout.quant import fp8_sides, scale_name
-from .buckets import Charges, Keys, bucket
+from .buckets import Charges, Keys, bucket, split_fragment
 from .extensions import Casts, Quantized, Reinterpreted, Scaled
-from .fragments import add_moves, choose_senders, fragment, merge
+from .fragments import Blocks, add_moves, choose_senders, fragment, merge
 from .types import PlanError, TransferPlan
 from .validate import (check_dest, check_sides, check_whole_elements, first_uncovered, index_sources, param_kinds,
                        reinterpreted, wire_dtype)
 
-__all__ = ["build_plan", "check_sides", "index_sources", "check_dest", "param_kinds", "gc_paused"]
+__all__ = ["build_plan", "plan_senders", "SendersChosen", "check_sides", "index_sources", "check_dest", "param_kinds",
+           "gc_paused"]
+
+_SRC, _BOX, _RANK, _NUMEL = (operator.attrgetter(a) for a in ("src", "box", "rank", "numel"))
 
 
 def build_plan(
@@ -68,11 +77,33 @@ def build_plan(
     ``charges``: (destination rank, local tensor, other destination ranks) -- what that
     tensor receives also counts against those ranks' bucket budgets (fan-out relays: their
     members receive it too, forwarded)."""
+    return plan_senders(src, dst, bucket_bytes=bucket_bytes, allow_cast=allow_cast, not_direct=not_direct,
+                        link_cost=link_cost, charges=charges).finish()
+
+
+def plan_senders(
+    src: SideLayout,
+    dst: SideLayout,
+    *,
+    bucket_bytes: int = 1 << 28,
+    allow_cast: bool = False,
+    not_direct: Iterable[tuple[str, str]] = (),
+    link_cost: Callable[[int, int], int] | None = None,
+    charges: Iterable[tuple[int, str, tuple[int, ...]]] = (),
+) -> "SendersChosen":
+    """:func:`build_plan` up to its last phase: every check, every fragment with its sender,
+    merged -- what decides which bytes cross which link -- but no buckets and no transfers
+    yet. ``SendersChosen.link_bytes`` is then exactly the finished plan's bytes per (source,
+    destination) pair, and ``finish()`` the plan ``build_plan`` returns. Why: a placement's
+    relay choice compares the direct plan's modelled time with the relayed plan's, and the
+    direct plan's time needs only its senders -- its buckets (most of a full-size plan's
+    cost) are made only where the direct plan is the one chosen."""
     t0 = time.perf_counter()
     with gc_paused():
-        plan = _build_plan(src, dst, bucket_bytes, allow_cast, not_direct, link_cost,
-                           {(r, n): tuple(o) for r, n, o in charges})
-    return replace(plan, plan_seconds=time.perf_counter() - t0)  # a new plan: nothing mutates a frozen one
+        chosen = _choose(src, dst, bucket_bytes, allow_cast, not_direct, link_cost,
+                         {(r, n): tuple(o) for r, n, o in charges})
+    chosen.seconds = time.perf_counter() - t0
+    return chosen
 
 
 @contextlib.contextmanager
@@ -99,10 +130,105 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _build_plan(
+class SendersChosen:
+    """A plan with its senders chosen, before buckets (:func:`plan_senders`): the
+    fragments as ``Blocks`` (sender, destination sites) and what the last phase needs.
+    ``finish()`` makes the plan once; a planner's intermediate state, not a value to keep."""
+
+    def __init__(self, src: SideLayout, dst: SideLayout, num_dst: int, blocks: Blocks, first_numel: dict[int, int],
+                 itemsize: int, charges: Charges | None, reinterpret: tuple, records: tuple, shell: TransferPlan):
+        self.src, self.dst = src, dst  # (in wire units where tensors are carried as their bits)
+        self.num_dst = num_dst  # destination rank slots (a rank past world_size still gets one)
+        self.blocks, self.first_numel, self.itemsize = blocks, first_numel, itemsize
+        self.charges, self.reinterpret = charges, reinterpret
+        self._records = records  # ``_side_records``' arguments: its refusal comes after the buckets'
+        #: The plan's fields but its transfers, buckets, records (and ``plan_seconds``).
+        self.shell = shell
+        self.bucket_bytes = shell.bucket_bytes
+        self.seconds = 0.0  # time spent choosing
+        self._plan: TransferPlan | None = None
+
+    @property
+    def bytes_min(self) -> int:
+        return self.shell.bytes_min
+
+    def link_bytes(self) -> dict[tuple[int, int], int]:
+        """(source rank, destination rank) -> bytes the finished plan moves between them:
+        every fragment's bytes (buckets split fragments but keep their bytes and ranks).
+        Raises what ``finish()`` would raise (:meth:`check`)."""
+        self.check()
+        senders, counts, sites = self.blocks
+        itemsize, width = self.itemsize, self.num_dst
+        # per site its block's (source, bytes), gathered C-level; summed per pair as one int
+        src = itertools.chain.from_iterable(map(itertools.repeat, map(_SRC, senders), counts))
+        nbytes = itertools.chain.from_iterable(map(itertools.repeat, [b.numel * itemsize for b in map(_BOX, senders)],
+                                                   counts))
+        pairs: dict[int, int] = {}
+        get = pairs.get
+        for s, d, nb in zip(src, map(_RANK, sites), nbytes):
+            k = s * width + d
+            pairs[k] = get(k, 0) + nb
+        return {divmod(k, width): nb for k, nb in pairs.items()}
+
+    def check(self) -> None:
+        """Raise what ``finish()`` would raise (by finishing: the same error), so that a plan
+        never finished is refused as the finished one would be."""
+        if self._plan is None and self._refused():
+            self.finish()
+
+    def _refused(self) -> bool:
+        """Whether ``finish()`` raises: an element over the budget, a bucket split cutting an
+        element carried as bits, records that conflict, or bytes other than the destination holds."""
+        senders, counts, sites = self.blocks
+        planned = sum(map(operator.mul, map(_NUMEL, map(_BOX, senders)), counts)) * self.itemsize
+        if (self.itemsize > self.bucket_bytes and sites) or planned != self.bytes_min:
+            return True
+        try:
+            _side_records(*self._records)
+        except PlanError:
+            return True
+        if not self.reinterpret:
+            return False
+        real, budget, counts = dict(self.reinterpret), self.bucket_bytes, self.blocks.counts
+        first = itertools.accumulate(counts, initial=0)  # each block's first site
+        parts = [part for s, n, i in zip(senders, counts, first) if n and s.canonical in real
+                 for part, _ in split_fragment(s, sites[i], self.itemsize, budget)]  # (a block's sites split alike)
+        try:
+            check_whole_elements(parts, real, self.shell.dtype, budget)
+        except PlanError:
+            return True
+        return False
+
+    def finish(self) -> TransferPlan:
+        """The plan (made once): fragments split to the budget and packed into buckets."""
+        if self._plan is None:
+            t0 = time.perf_counter()
+            with gc_paused():
+                plan = self._finish()
+            self._plan = replace(plan, plan_seconds=self.seconds + time.perf_counter() - t0)
+            self.blocks = Blocks([], [], [])  # (their memory is the plan's now)
+        return self._plan
+
+    def _finish(self) -> TransferPlan:
+        shell, dst = self.shell, self.dst
+        transfers, num_buckets, planned = bucket(self.blocks, self.first_numel, self.itemsize, self.bucket_bytes,
+                                                 _keys(dst, self.src.world_size, self.num_dst), self.charges)
+        if self.reinterpret:
+            check_whole_elements(transfers, dict(self.reinterpret), shell.dtype, self.bucket_bytes)
+        plan = replace(shell, transfers=tuple(transfers), num_buckets=num_buckets,
+                       extensions=_side_records(*self._records))
+        if planned != plan.bytes_min:
+            raise PlanError(
+                f"planned {planned} bytes but the destination holds {plan.bytes_min}: coverage is not exact "
+                f"({first_uncovered(dst, plan)})"
+            )
+        return plan
+
+
+def _choose(
     src: SideLayout, dst: SideLayout, bucket_bytes: int, allow_cast: bool, not_direct: Iterable[tuple[str, str]],
     link_cost: Callable[[int, int], int] | None = None, charges: Charges | None = None,
-) -> TransferPlan:
+) -> SendersChosen:
     if bucket_bytes <= 0:
         raise PlanError(f"bucket_bytes must be positive, got {bucket_bytes}")
     scaled = _scaled(dst)  # (before the sides are rewritten below)
@@ -127,23 +253,19 @@ def _build_plan(
     if link_cost is not None:  # by destination rank: a row of per-source costs
         costs = [[link_cost(s, d) for s in range(src.world_size)] for d in range(num_dst)]
     blocks, maybe = choose_senders(hits, cut, src.world_size, itemsize, costs)
-    del hits, cut, index  # their memory is reused for the transfers
+    del hits, cut, index  # their memory is reused for the transfers (the index: once no candidate of src needs it)
     merged, first_numel = merge(maybe)
     first_numel = {len(blocks.sites) + i: n for i, n in first_numel.items()}
     add_moves(blocks, merged)
-    transfers, num_buckets, planned = bucket(blocks, first_numel, itemsize, bucket_bytes,
-                                             _keys(dst, src.world_size, num_dst), charges)
-    if reinterpret:
-        check_whole_elements(transfers, dict(reinterpret), dtype, bucket_bytes)
 
     dst_numel = sum(p.numel for p in dst.params) - sum(n for _, _, n in padding)
     total_elems = sum(math.prod(shape) for shape, _ in dst.tensors.values())
     hf_bytes = total_elems * itemsize
     if quantized or at_receiver:  # the baseline broadcasts the unquantized model (the engine quantizes on load)
         hf_bytes = _hf_unquantized_bytes(dst.tensors, dict(quantized))
-    plan = TransferPlan(
-        transfers=tuple(transfers),
-        num_buckets=num_buckets,
+    shell = TransferPlan(
+        transfers=(),
+        num_buckets=0,
         num_src=src.world_size,
         num_dst=dst.world_size,
         dtype=dtype,
@@ -153,14 +275,9 @@ def _build_plan(
         padding=tuple(padding),
         not_direct=tuple(not_direct),
         notes=tuple(dict.fromkeys(tuple(src.notes) + tuple(dst.notes))),  # a note both sides make, once
-        extensions=_side_records(casts, reinterpret, quantized, at_receiver, scaled),
     )
-    if planned != plan.bytes_min:
-        raise PlanError(
-            f"planned {planned} bytes but the destination holds {plan.bytes_min}: coverage is not exact "
-            f"({first_uncovered(dst, plan)})"
-        )
-    return plan
+    return SendersChosen(src, dst, num_dst, blocks, first_numel, itemsize, charges, tuple(reinterpret),
+                         (casts, reinterpret, quantized, at_receiver, scaled), shell)
 
 
 def _scaled(dst: SideLayout) -> tuple[tuple[str, float], ...]:

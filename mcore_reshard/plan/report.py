@@ -7,6 +7,7 @@ from __future__ import annotations
 import operator
 import re
 from dataclasses import asdict, dataclass, field
+from typing import Iterable
 
 from ..layout import DTYPE_BYTES, SideLayout
 from ..layout.memo import IdentityCache
@@ -16,7 +17,7 @@ from .placement import LINK_CLASSES, Links, RankPlacement
 from .planner import gc_paused
 from .types import TransferPlan
 
-__all__ = ["PlanReport", "plan_report", "PlacementReport", "placement_report", "format_bytes"]
+__all__ = ["PlanReport", "plan_report", "PlacementReport", "placement_report", "modelled_seconds", "format_bytes"]
 
 
 @dataclass(frozen=True)
@@ -277,9 +278,6 @@ def clear_report_caches() -> None:
 
 def _placement_report(plan: TransferPlan, src: SideLayout, dst: SideLayout, placement: RankPlacement,
                       links: Links) -> PlacementReport:
-    totals = dict.fromkeys(LINK_CLASSES, 0)
-    sent = {c: [0] * plan.num_src for c in LINK_CLASSES}
-    recv = {c: [0] * plan.num_dst for c in LINK_CLASSES}
     # ~300k transfers between a few thousand (source, destination) pairs: bytes are summed
     # per pair (one int key) first, and each pair's link class is asked once
     ts = plan.transfers
@@ -290,21 +288,54 @@ def _placement_report(plan: TransferPlan, src: SideLayout, dst: SideLayout, plac
     for s, d, n in zip(map(_SRC, ts), dsts, nbytes):
         k = s * width + d
         pairs[k] = get(k, 0) + n
-    for k, n in pairs.items():
-        s, d = divmod(k, width)
-        c = placement.link(s, d)
-        totals[c] += n
-        sent[c][s] += n
-        recv[c][d] += n
     # Relays: a group member forwards what it receives from the sources to the other members
     # (summed per (receiver, relay group) first, likewise).
-    forwarded = {c: [0] * plan.num_dst for c in LINK_CLASSES}
     relayed: dict[tuple[int, int], int] = {}
     for group, d, n in zip(plan.relay_of, dsts, nbytes):
         if group >= 0:
             relayed[(d, group)] = relayed.get((d, group), 0) + n
+    totals, busiest, seconds = _link_loads(((*divmod(k, width), n) for k, n in pairs.items()), relayed,
+                                           plan.relay_groups, plan.num_src, plan.num_dst, placement, links)
+    return PlacementReport(
+        bytes_same_device=totals["same_device"], bytes_intra_node=totals["intra_node"],
+        bytes_inter_node=totals["inter_node"], busiest_same_device=busiest["same_device"],
+        busiest_intra_node=busiest["intra_node"], busiest_inter_node=busiest["inter_node"],
+        bytes_inter_node_min=inter_node_minimum(src, dst, placement, plan.itemsize),
+        modelled_seconds=seconds, bytes_hf_ipc=hf_ipc_bytes(dst, plan.itemsize), links=links,
+        gpus_per_node=placement.gpus_per_node, nodes_src=len({loc.node for loc in placement.src}),
+        nodes_dst=len(placement.dst_nodes),
+    )
+
+
+def modelled_seconds(link_bytes: dict[tuple[int, int], int], num_src: int, num_dst: int, placement: RankPlacement,
+                     links: Links = Links()) -> float:
+    """``PlacementReport.modelled_seconds`` of a plan without relays from its bytes per
+    (source, destination) pair alone (``planner.SendersChosen.link_bytes``): the same sums,
+    the same arithmetic, so the same float -- without the plan's buckets and transfers."""
+    if len(placement.src) != num_src or len(placement.dst) != num_dst:
+        raise ValueError(f"placement has {len(placement.src)} + {len(placement.dst)} ranks, the plan "
+                         f"{num_src} + {num_dst}")
+    return _link_loads(((s, d, n) for (s, d), n in link_bytes.items()), {}, (), num_src, num_dst, placement,
+                       links)[2]
+
+
+def _link_loads(pairs: Iterable[tuple[int, int, int]], relayed: dict[tuple[int, int], int],
+                groups: tuple[tuple[int, ...], ...], num_src: int, num_dst: int, placement: RankPlacement,
+                links: Links) -> tuple[dict[str, int], dict[str, int], float]:
+    """(bytes per link class, the busiest rank's bytes per class, the modelled seconds) of
+    ``pairs`` (source, destination, bytes) and ``relayed`` ((receiver, relay group) -> bytes
+    it forwards to the group's other members)."""
+    totals = dict.fromkeys(LINK_CLASSES, 0)
+    sent = {c: [0] * num_src for c in LINK_CLASSES}
+    recv = {c: [0] * num_dst for c in LINK_CLASSES}
+    for s, d, n in pairs:
+        c = placement.link(s, d)
+        totals[c] += n
+        sent[c][s] += n
+        recv[c][d] += n
+    forwarded = {c: [0] * num_dst for c in LINK_CLASSES}
     for (d, group), n in relayed.items():
-        for m in plan.relay_groups[group]:
+        for m in groups[group]:
             if m != d:
                 c = placement.dst_link(d, m)
                 totals[c] += n
@@ -316,12 +347,4 @@ def _placement_report(plan: TransferPlan, src: SideLayout, dst: SideLayout, plac
     for per_rank in (sent, recv, forwarded):
         for r in range(len(per_rank["inter_node"])):
             seconds = max(seconds, max(per_rank[c][r] / (links.gbps(c) * 1e9) for c in LINK_CLASSES))
-    return PlacementReport(
-        bytes_same_device=totals["same_device"], bytes_intra_node=totals["intra_node"],
-        bytes_inter_node=totals["inter_node"], busiest_same_device=busiest["same_device"],
-        busiest_intra_node=busiest["intra_node"], busiest_inter_node=busiest["inter_node"],
-        bytes_inter_node_min=inter_node_minimum(src, dst, placement, plan.itemsize),
-        modelled_seconds=seconds, bytes_hf_ipc=hf_ipc_bytes(dst, plan.itemsize), links=links,
-        gpus_per_node=placement.gpus_per_node, nodes_src=len({loc.node for loc in placement.src}),
-        nodes_dst=len(placement.dst_nodes),
-    )
+    return totals, busiest, seconds

@@ -12,13 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..layout import SideLayout
-from .cache import get_placed_plan, get_plan
+from .cache import get_placed_plan, link_cost
 from .extensions import Colocated
 from .floor import hf_ipc_bytes, inter_node_minimum, over_floor, why_over
 from .placement import LINK_CLASSES, Links, Location, RankPlacement, same_device_pairs
-from .planner import gc_paused
+from .planner import SendersChosen, gc_paused, plan_senders
 from .relays import Relays, misdelivered, piece_relays, relay_groups, spread
-from .report import PlacementReport, placement_report
+from .report import PlacementReport, modelled_seconds, placement_report
 from .tags import relayed_tags_fit
 from .types import PlanError, TransferPlan
 
@@ -39,9 +39,11 @@ class _Request:
     allow_cast: bool
     not_direct: tuple[tuple[str, str], ...]
 
-    def plan(self, dst: SideLayout, charges: tuple[tuple[int, str, tuple[int, ...]], ...] = ()) -> TransferPlan:
-        return get_plan(self.src, dst, bucket_bytes=self.bucket_bytes, allow_cast=self.allow_cast,
-                        not_direct=self.not_direct, placement=self.placement, charges=charges)
+    def senders(self, dst: SideLayout, charges: tuple[tuple[int, str, tuple[int, ...]], ...] = ()) -> SendersChosen:
+        """A candidate planned up to its buckets (``planner.plan_senders``): each candidate of
+        one call is planned once, and only the chosen one is finished."""
+        return plan_senders(self.src, dst, bucket_bytes=self.bucket_bytes, allow_cast=self.allow_cast,
+                            not_direct=self.not_direct, link_cost=link_cost(self.placement), charges=charges)
 
     def report(self, plan: TransferPlan) -> PlacementReport:
         return placement_report(plan, self.src, self.dst, self.placement, self.links)
@@ -78,18 +80,22 @@ def plan_for_placement(src: SideLayout, dst: SideLayout, placement: RankPlacemen
 
 
 def _placed(req: _Request) -> TransferPlan:
-    """:func:`plan_for_placement`, uncached."""
+    """:func:`plan_for_placement`, uncached. The direct candidate is planned up to its buckets
+    (its modelled time needs only its bytes per link, ``SendersChosen.link_bytes``) and
+    finished only where it is the plan chosen; the relayed candidates are planned whole."""
     dst, placement = req.dst, req.placement
-    direct = req.plan(dst)
+    direct = req.senders(dst)
+    direct.check()  # refused as the made plan would be, before anything else is asked of it
     pairs = same_device_pairs(placement)
     relays = piece_relays(dst, placement)
     if relays is None:
-        return _colocated(direct, pairs)
+        return _colocated(direct.finish(), pairs)
 
     def keep_direct(why: str) -> TransferPlan:
-        return replace(_colocated(direct, pairs), notes=direct.notes + (f"fan-out relays not used: {why}",))
+        plan = direct.finish()
+        return replace(_colocated(plan, pairs), notes=plan.notes + (f"fan-out relays not used: {why}",))
 
-    t_direct = req.report(direct).modelled_seconds
+    t_direct = modelled_seconds(direct.link_bytes(), req.src.world_size, dst.world_size, placement, req.links)
     first = _relay(req, relays, direct)
     if first.report.modelled_seconds > t_direct:
         return keep_direct(f"modelled {first.report.modelled_seconds:.4f} s with relays vs {t_direct:.4f} s direct")
@@ -115,20 +121,21 @@ def _colocated(plan: TransferPlan, pairs: tuple[tuple[int, int], ...]) -> Transf
     return plan.extended(Colocated(pairs)) if pairs else plan
 
 
-def _relay(req: _Request, relays: Relays, direct: TransferPlan) -> _Relayed:
+def _relay(req: _Request, relays: Relays, direct: SendersChosen) -> _Relayed:
     """Plan the reduced side, hand each relayed transfer to a member, and check the result
     delivers exactly what the direct plan does."""
-    plan = req.plan(relays.reduced, relays.charges)
+    plan = req.senders(relays.reduced, relays.charges).finish()
     wire = relays.in_wire_units(plan.reinterpret, plan.itemsize)
+    shell = direct.shell  # (what the destinations hold: the direct plan's, made or not)
     plan = replace(spread(plan, wire.groups, [wire.group_of(t) for t in plan.transfers], wire.sites),
-                   bytes_min=direct.bytes_min, bytes_hf_broadcast=direct.bytes_hf_broadcast, padding=direct.padding)
-    if plan.bytes_planned != direct.bytes_min:  # a lost or doubled box: never a performance matter
+                   bytes_min=shell.bytes_min, bytes_hf_broadcast=shell.bytes_hf_broadcast, padding=shell.padding)
+    if plan.bytes_planned != shell.bytes_min:  # a lost or doubled box: never a performance matter
         raise PlanError(f"fan-out relays deliver {plan.bytes_planned} bytes, the destinations hold "
-                        f"{direct.bytes_min}: {misdelivered(plan, direct)}")
+                        f"{shell.bytes_min}: {misdelivered(plan, direct.finish())}")
     return _Relayed(relays, plan, req.report(plan))
 
 
-def _within_floor(req: _Request, direct: TransferPlan, first: _Relayed,
+def _within_floor(req: _Request, direct: SendersChosen, first: _Relayed,
                   t_direct: float) -> tuple[_Relayed, tuple[str, ...]] | str:
     """``first``, or -- where it moves more than the floor into some node -- the relays with
     those (node, tensor) pairs kept direct, with the note saying so; a string: why the plan
@@ -159,7 +166,7 @@ def _over_line(over: tuple[int, str, int, int]) -> str:
     return f"{name} crosses into node {node} as {nb} bytes, its floor there is {floor}"
 
 
-def _within_tags(req: _Request, direct: TransferPlan, chosen: _Relayed, kept: tuple[str, ...],
+def _within_tags(req: _Request, direct: SendersChosen, chosen: _Relayed, kept: tuple[str, ...],
                  t_direct: float) -> tuple[_Relayed, tuple[str, ...]]:
     """``chosen``, or -- where its plan needs more message tags than gloo has and some of its
     boxes are held at different places by their members (those bring relay groups of their

@@ -76,8 +76,18 @@ def check_sides(src: SideLayout, dst: SideLayout, *, allow_cast: bool = False) -
     return tuple(casts)
 
 
+#: ``index_sources`` of the last source layout, by identity: a placement's candidates (direct
+#: and relayed) are planned from one source side. Read only by the planner.
+_INDEXED = IdentityCache(1)
+
+
 def index_sources(src: SideLayout) -> dict[str, dict[Box, list[Replica]]]:
-    """Unique boxes per canonical tensor with the replicas holding each, checked to tile it."""
+    """Unique boxes per canonical tensor with the replicas holding each, checked to tile it
+    (the same object for the same layout object: callers only read it)."""
+    return _INDEXED.get((src,), None, lambda: _index_sources(src))
+
+
+def _index_sources(src: SideLayout) -> dict[str, dict[Box, list[Replica]]]:
     index: dict[str, dict[Box, list[Replica]]] = defaultdict(dict)
     found: dict[tuple, list[Replica]] = {}  # the same lists, keyed by plain tuples: cheaper to hash than Box
     tensors = src.tensors
@@ -325,7 +335,9 @@ def reinterpreted(side: SideLayout, real: dict[str, str], wire: str, what: str) 
 
 
 def clear_reinterpreted_cache() -> None:
+    """Forget the cached reinterpreted layouts and the last source index."""
     _REINTERPRETED.clear()
+    _INDEXED.clear()
 
 
 def _reinterpreted(side: SideLayout, real: dict[str, str], wire: str, what: str) -> SideLayout:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -30,7 +31,7 @@ from ..layout import DTYPE_BYTES, LayoutError, ModelSpec, SideLayout, dtensor_re
 from ..layout.mtp import draft_tensors, with_draft
 from ..layout.quant import fp8_sides
 from ..plan import check_sides, get_plan, plan_report
-from ..plan.cache import get_layouts
+from ..plan.cache import derived_from, get_layouts
 from ..plan.planner import gc_paused
 from ..plan.report import PlanReport, format_bytes
 from ..plan.topology import PlacementReport, placement_report, plan_for_placement
@@ -168,10 +169,15 @@ class PlannedRecipe:
     plan: Any  # TransferPlan
     report: PlanReport
     placed: PlacementReport | None
-    #: side -> {tensor: its DTensor form}
-    forms: dict[str, dict[str, Any]]
     #: A LoRA policy's adapter refit (every refit after the first): its plan's report.
     lora: PlanReport | None = None
+
+    @cached_property
+    def forms(self) -> dict[str, dict[str, Any]]:
+        """side -> {tensor: its DTensor form}: worked out when first printed (every tensor of
+        both sides: a tenth of a full-size command), once for the table and the JSON alike."""
+        with gc_paused():  # ~300k pieces walked, a few objects each: nothing to collect
+            return {"training": dtensor_report(self.src), "vllm": dtensor_report(self.dst)}
 
     def destination(self) -> dict[str, Any]:
         """What ``bytes_min`` counts: every rank of every engine. ``vllm.replicas`` independent
@@ -253,7 +259,6 @@ def _plan_recipe(recipe: RecipeLayout) -> PlannedRecipe:
     src, dst = side_layouts(recipe.spec, recipe.training, recipe.vllm, recipe.refit, recipe.vllm_spec)
     if recipe.speculative is not None:  # the MTP draft: the same refit, the same vote
         src, dst = with_drafts(recipe, src, dst)
-    forms = {"training": dtensor_report(src), "vllm": dtensor_report(dst)}
     r, topology, placed = recipe.refit, recipe.topology, None
     if topology is None:
         plan = get_plan(src, dst, bucket_bytes=r.bucket_bytes, allow_cast=r.allow_cast)
@@ -262,7 +267,7 @@ def _plan_recipe(recipe: RecipeLayout) -> PlannedRecipe:
         plan = plan_for_placement(src, dst, where, topology.links, bucket_bytes=r.bucket_bytes,
                                   allow_cast=r.allow_cast)
         placed = placement_report(plan, src, dst, where, topology.links)
-    return PlannedRecipe(recipe, src, dst, plan, plan_report(plan), placed, forms, lora_report(recipe))
+    return PlannedRecipe(recipe, src, dst, plan, plan_report(plan), placed, lora_report(recipe))
 
 
 def with_drafts(recipe: RecipeLayout, src: SideLayout, dst: SideLayout) -> tuple[SideLayout, SideLayout]:
@@ -270,14 +275,17 @@ def with_drafts(recipe: RecipeLayout, src: SideLayout, dst: SideLayout) -> tuple
     draft vLLM's speculative decoding builds on every worker."""
     spec, vspec, t, v = recipe.spec, recipe.vllm_spec or recipe.spec, recipe.training, recipe.vllm
     try:
-        src = with_draft(src, [p for r in range(t.world_size) for p in megatron_mtp_rank_params(spec, t, r)], spec)
+        drafted = with_draft(src, [p for r in range(t.world_size) for p in megatron_mtp_rank_params(spec, t, r)], spec)
     except LayoutError as exc:
         raise LayoutError(f"training layout: {one_line(exc)}") from None
     try:
-        dst = with_draft(dst, [p for r in range(v.world_size) for p in vllm_draft_rank_params(vspec, v, r)], vspec)
+        dst_drafted = with_draft(dst, [p for r in range(v.world_size) for p in vllm_draft_rank_params(vspec, v, r)],
+                                 vspec)
     except LayoutError as exc:
         raise LayoutError(f"vllm layout: {one_line(exc)}") from None
-    return src, dst
+    # pure functions of the settings that described src and dst (when they were): keyed by them
+    return (derived_from(drafted, src, ("mtp draft", spec, t)),
+            derived_from(dst_drafted, dst, ("mtp draft", vspec, v)))
 
 
 def lora_report(recipe: RecipeLayout) -> PlanReport | None:
