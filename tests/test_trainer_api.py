@@ -17,6 +17,8 @@ import pytest
 from mcore_reshard.adapters.megatron.rules import MegatronParallel
 from mcore_reshard.layout.lora import PeftConfig
 
+pytestmark = pytest.mark.slow  # the engine cases start engines; the rest import vLLM (the backend)
+
 TOKENS = [11, 42, 7, 99, 123, 5, 77, 300, 8, 64]
 PEFT = PeftConfig(enabled=True, dim=4, alpha=12.0, max_lora_rank=8, max_loras=2)
 
@@ -72,7 +74,6 @@ def _moved(reports: list) -> tuple[int, int, bool, bool]:
     return sum(r[3] for r in dst), sum(r[4] for r in dst), all(r[2] for r in reports), all(r[5] for r in dst)
 
 
-@pytest.mark.slow
 def test_delta_refits_through_the_trainer_api_move_what_changed(ckpt_cache, shared_engine):
     """The session's fp32 tiny MoE engine (TP1) from megatron TP2xEP2: the first
     ``send_weights`` is full at the plan's minimum, the second (after a training step) a
@@ -95,7 +96,6 @@ def test_delta_refits_through_the_trainer_api_move_what_changed(ckpt_cache, shar
     assert token_mult_prob_error(served[1], served[0]) > 1.001  # the step reached the engine
 
 
-@pytest.mark.slow
 def test_a_lora_policy_moves_base_and_adapter_first_then_the_adapter_only(ckpt_cache):
     """A megatron TP2 bf16 LoRA policy into a TP1 bf16 engine with LoRA slots
     (``peft=``): the first ``send_weights`` moves base and adapter (B = 0: the adapter serves
@@ -129,7 +129,6 @@ def test_a_lora_policy_moves_base_and_adapter_first_then_the_adapter_only(ckpt_c
     assert max(abs(a - b) for a, b in zip(adapted, rank0["trainer"][1])) < 0.05  # bf16 on both sides
 
 
-@pytest.mark.slow
 def test_an_mtp_draft_moves_with_the_target_in_one_vote(ckpt_cache):
     """A DeepSeek-V3 policy with megatron's MTP block into an engine drafting with the MTP
     layers (``engine_speculative_config``): every draft tensor is in the one plan, every rank
