@@ -58,6 +58,8 @@ LIVE_ORDER: list[tuple[str, frozenset[str]]] = [
     ("test_fp8", frozenset({"megatron"})),
     # fp32 tiny MoE (seed 7): engines TP1 and TP2, the TP2xEP2 trainer pool
     ("test_endpoints", frozenset({"megatron", "live"})),
+    # the fp32 tiny MoE TP1 engine above through vLLM's trainer API; its LoRA and MTP engines are its own
+    ("test_trainer_api", frozenset({"megatron", "live"})),
     ("test_colocated", frozenset({"live"})),
     ("test_refit_layouts", frozenset({"live"})),
     ("test_refit_e2e", frozenset({"live"})),

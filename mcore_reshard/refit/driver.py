@@ -35,11 +35,9 @@ from ..transport.sequence import EngineRefit, EngineRun
 from ..errors import ConfigError, RefitFailed
 from ..wire.faults import Faults
 from ..layout import ModelSpec, SideLayout
-from ..layout.lora import PeftConfig, adapter_tensors, adapters_only
-from ..layout.mtp import draft_tensors
+from ..layout.lora import PeftConfig
 from .metrics import RefitMetrics, bytes_at_minimum, reshard_metrics
-from ..plan import get_plan
-from ..plan.topology import Links, plan_for_placement
+from ..plan.refit_plans import RefitPlans, plan_refit
 from ..plan.types import TransferPlan
 from ..plan.wire import slice_to_wire
 from ..infra.ports import free_port
@@ -101,6 +99,8 @@ class RefitDriver:
         #: What the current refit has to say beyond its numbers (``RefitMetrics.notes``).
         self.notes: list[str] = []
         self.src, self.dst = src, dst
+        #: Both sides and the plans (``plan.refit_plans``); ``plan`` is the next refit's.
+        self.plans: RefitPlans | None = None
         self.plan: TransferPlan | None = None
         self.modes: dict[str, str] = {}
         self._shipped = ""
@@ -142,55 +142,42 @@ class RefitDriver:
         return self._port()
 
     def make_plan(self) -> TransferPlan:
-        """Both sides' descriptors -> the plan (cached on the layouts' digests)."""
-        tensors = self.spec.tensor_table()
-        if self.peft is not None:
-            tensors = {**tensors, **adapter_tensors(self.spec, self.peft)}
+        """Both sides' descriptors -> the plans (``plan.refit_plans.plan_refit``, the one
+        function vLLM's trainer-side API plans with too; cached on the layouts' digests)."""
         if self.src is None:
             params = tuple(p for rank in self.trainers.describe().wait() for p in rank)
-            self.src = SideLayout("megatron-live", self.trainers.world_size, params, tensors)
-        if self.peft is not None:
-            check_adapter_shapes(self.src, adapter_tensors(self.spec, self.peft), self.peft)
-        self.src = with_draft_tensors(self.src, self.spec)
+            self.src = SideLayout("megatron-live", self.trainers.world_size, params, self.spec.tensor_table())
         self.engine_infos = [d.info() for d in self.destinations]
         sizes = [i.world_size for i in self.engine_infos]
         engine_spec = self.spec.with_dtype(self.engine_infos[0].dtype)
         # Each engine says what its workers hold (an engine that drafts learns its draft first).
         described = [d.describe(engine_spec) for d in self.destinations]
-        if self.dst is None:
-            # The engine's own dtype: a trainer in another one (fp32 main weights, a bf16 model
-            # into an fp32 engine) is planned as a cast, allowed only with refit.allow_cast.
-            self.dst = dst_layout_of(described, engine_spec, name=f"vllm({len(self.engines)} engine(s) of {sizes[0]})")
-            if self.peft is not None:
-                self.dst = adapter_slots_of(self.dst, self.engine_infos, engine_spec, self.peft)
-            self.dst = with_draft_tensors(self.dst, engine_spec)
+        given = self.dst is not None
+        # The engine's own dtype: a trainer in another one (fp32 main weights, a bf16 model
+        # into an fp32 engine) is planned as a cast, allowed only with refit.allow_cast.
+        dst = self.dst or dst_layout_of(described, engine_spec, name=f"vllm({len(self.engines)} engine(s) of {sizes[0]})")
         not_direct = described[0].not_direct
         if not_direct is None:
             not_direct = (("*", "unknown: the engine's workers cannot be asked which parameters they write in place"),)
         cfg = self.refit_config
-        if self.placement is not None:
-            self.plan = plan_for_placement(self.src, self.dst, self.placement, self.links or Links(),
-                                           bucket_bytes=cfg.bucket_bytes, allow_cast=cfg.allow_cast,
-                                           not_direct=not_direct)
-        else:
-            self.plan = get_plan(self.src, self.dst, bucket_bytes=cfg.bucket_bytes, allow_cast=cfg.allow_cast,
-                                 not_direct=not_direct)
-        if self.peft is not None:
-            self.adapter_plan = get_plan(adapters_only(self.src), adapters_only(self.dst),
-                                         bucket_bytes=cfg.bucket_bytes, allow_cast=cfg.allow_cast)
+        self.plans = plan_refit(
+            self.src, dst, self.spec, engine_spec, peft=self.peft, extend_dst=not given,
+            slots=adapter_slots_of(self.engine_infos, engine_spec, self.peft) if self.peft and not given else None,
+            bucket_bytes=cfg.bucket_bytes, allow_cast=cfg.allow_cast, not_direct=not_direct,
+            placement=self.placement, links=self.links)
+        self.src, self.dst = self.plans.src, self.plans.dst
+        self.plan, self.adapter_plan = self.plans.plan, self.plans.adapter_plan
         return self.plan
 
     def plan_sides(self) -> tuple[SideLayout, SideLayout]:
         """The two sides of the current plan: a LoRA policy's adapter plan has the adapter only."""
-        if self.adapter_plan is not None and self.plan is self.adapter_plan:
-            return adapters_only(self.src), adapters_only(self.dst)
-        return self.src, self.dst
+        return self.plans.sides(self.plan)
 
     def committed(self, request: RefitRequest) -> None:
         """A refit committed on every rank: a LoRA policy's base weights are in the engines
         after its first, so every later refit moves the adapter only."""
-        if self.adapter_plan is not None and request.plan_digest == self.plan.digest() != self.adapter_plan.digest():
-            self.plan = self.adapter_plan
+        if request.plan_digest == self.plan.digest():
+            self.plan = self.plans.after_commit(self.plan)
 
     def connect(self) -> None:
         """Build the refit group and give every rank its slice (again after a failed refit, or
@@ -351,32 +338,6 @@ class RefitDriver:
                                  deadline_s=CLOSE_DEADLINE_S)
         if errors:
             _log.warning("closing the refit driver: %s", "; ".join(errors))
-
-
-def with_draft_tensors(side: SideLayout, spec: ModelSpec) -> SideLayout:
-    """``side`` with the MTP layers' canonical tensors in its table where it holds any of them
-    (a trainer built with megatron's MTP block, an engine that runs the draft)."""
-    if not spec.mtp_layers:
-        return side
-    draft = draft_tensors(spec)
-    if not any(q.canonical in draft for q in side.pieces()):
-        return side
-    return replace(side, tensors={**side.tensors, **draft})
-
-
-def check_adapter_shapes(src: SideLayout, tensors: dict, peft: PeftConfig) -> None:
-    """Every adapter matrix the training ranks hold has the shape ``peft`` gives it (``dim``):
-    one line naming the first that does not, before anything is planned."""
-    extent: dict[str, list[int]] = {}
-    for q in src.pieces():
-        if q.canonical in tensors:
-            e = extent.setdefault(q.canonical, [0] * len(q.box.offsets))
-            for i, (o, n) in enumerate(zip(q.box.offsets, q.box.sizes)):
-                e[i] = max(e[i], o + n)
-    for name, held in extent.items():
-        want = list(tensors[name][0])
-        if held != want:
-            raise ConfigError(f"peft.dim={peft.dim}: the training ranks hold {name} as {held}, the settings say {want}")
 
 
 class ReshardTransport:

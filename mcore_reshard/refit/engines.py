@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 from ..adapters.vllm.lora_rules import vllm_lora_layout
 from ..layout import LocalParam, ModelSpec, Piece, SideLayout
-from ..layout.lora import PeftConfig, adapter_tensors, with_adapter
+from ..layout.lora import PeftConfig, adapter_tensors
 from ..transport.destination import Described, DestinationInfo
 
 __all__ = ["as_destination", "engine_world", "engine_dtype", "dst_layout_of", "ENGINE_GRACE_S", "adapter_slots_of"]
@@ -64,10 +64,10 @@ def dst_layout_of(described: Sequence[Described], spec: ModelSpec, name: str = "
     return SideLayout(name, offset, tuple(params), spec.tensor_table())
 
 
-def adapter_slots_of(dst: SideLayout, infos: Sequence[DestinationInfo], spec: ModelSpec, peft: PeftConfig) -> SideLayout:
-    """``dst`` plus every engine's refit adapter slots (``lora_rules``), ranks offset per
-    engine: what each worker installs and checks against its live slots at init
-    (``lora_slots``), before any of it is described by the worker."""
+def adapter_slots_of(infos: Sequence[DestinationInfo], spec: ModelSpec, peft: PeftConfig) -> SideLayout:
+    """Every engine's refit adapter slots (``lora_rules``), ranks offset per engine: what each
+    worker installs and checks against its live slots at init (``lora_slots``), before any of
+    it is described by the worker. ``plan.refit_plans.plan_refit`` adds them to the engines' side."""
     params: list[LocalParam] = []
     offset = 0
     scale: tuple = ()
@@ -76,7 +76,7 @@ def adapter_slots_of(dst: SideLayout, infos: Sequence[DestinationInfo], spec: Mo
         params.extend(_restamp(slots.params, offset))
         scale = slots.scale
         offset += info.world_size
-    return with_adapter(dst, params, adapter_tensors(spec, peft), scale)
+    return SideLayout("vllm-lora", offset, tuple(params), adapter_tensors(spec, peft), scale=scale)
 
 
 #: Seconds an engine may take to answer ``update_weights`` after every trainer is done.

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ....errors import RefitFailed
+from ....errors import ConfigError, RefitFailed
 from ....layout import ModelSpec
 from ....transport.destination import Described, DestinationInfo
 from ....wire.protocol import WorkerStatus
@@ -34,6 +34,22 @@ class WeightSyncClient:
     def describe(self, spec: ModelSpec, peft: Any = None) -> Described:
         raise RefitFailed("vLLM's weight-sync client cannot ask the engine what its workers hold: the trainers plan "
                           "against its layout by the rules (ReshardTrainerInitInfo.engine_*)")
+
+    def learn_draft(self) -> None:
+        """An engine that drafts learns where its draft is through vLLM's draft session
+        (``start_draft_weight_update`` then ``finish_weight_update``, nothing sent); from then
+        on every refit moves target and draft in one vote. vLLM's clients have no call for the
+        draft session: the client's own ``start_draft_weight_update`` where it has one, else
+        the server's ``/start_draft_weight_update`` route through the HTTP client's post."""
+        start = getattr(self.client, "start_draft_weight_update", None)
+        post = getattr(self.client, "_post", None)
+        if start is None and callable(post):  # vLLM's HTTPVLLMWeightSyncClient
+            start = lambda: post("start_draft_weight_update")  # noqa: E731
+        if start is None:
+            raise ConfigError(f"engine_speculative_config: {type(self.client).__name__} has no call for vLLM's draft "
+                              f"session (start_draft_weight_update): the engine cannot learn its draft")
+        start()
+        self.client.finish_weight_update()
 
     def join(self, init: Any) -> None:
         self.client.init_weight_transfer_engine(init.to_wire() if hasattr(init, "to_wire") else init)

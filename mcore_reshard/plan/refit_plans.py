@@ -1,0 +1,117 @@
+"""A policy's refit plans from the two sides as each entry point knows them: one pure function.
+
+The driver knows its engines by what their workers describe; vLLM's trainer-side API
+(``adapters/vllm/backend/trainer.py``) lays its engine out by the rules. Both then extend the
+two sides the same way and plan the same plans here, so a LoRA, MTP or FP8 refit is planned
+alike whichever entry point runs it:
+
+- **LoRA** (``peft``): the adapter's canonical tensors join the training side's table, the
+  adapter matrices the trainers hold are checked against ``peft.dim`` (one line before anything
+  is planned), the engines' refit adapter slots join the destination side, and a second plan
+  moves the adapter only (``adapter_plan``: every refit after the first commit);
+- **MTP**: the draft's canonical tensors join a side's table where that side holds any of
+  them (megatron's MTP block, an engine that drafts), so target and draft are one plan, one vote;
+- **FP8**: a destination that holds tensors in block FP8 is quantized at the senders by the
+  planner itself (``layout.quant.fp8_sides``, the planner's first pass): nothing to add here.
+
+Metadata only (layout and plan): the callers compute what needs their libraries (the
+engines' slot layout, the draft's pieces) and pass it in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ..errors import ConfigError
+from ..layout import ModelSpec, SideLayout
+from ..layout.lora import PeftConfig, adapter_tensors, adapters_only, with_adapter
+from ..layout.mtp import draft_tensors
+from .cache import get_plan
+from .topology import Links, plan_for_placement
+from .types import TransferPlan
+
+__all__ = ["RefitPlans", "plan_refit", "with_draft_tensors", "check_adapter_shapes"]
+
+
+@dataclass(frozen=True)
+class RefitPlans:
+    """Both sides, the plan of a full refit, and a LoRA policy's adapter-only plan (None: not
+    a LoRA policy)."""
+
+    src: SideLayout
+    dst: SideLayout
+    plan: TransferPlan
+    adapter_plan: TransferPlan | None = None
+
+    def after_commit(self, plan: TransferPlan) -> TransferPlan:
+        """The plan of the refit after ``plan`` committed on every rank: a LoRA policy's base
+        weights are in the engines after its first full refit, so the adapter only from then on."""
+        if self.adapter_plan is not None and plan.digest() == self.plan.digest() != self.adapter_plan.digest():
+            return self.adapter_plan
+        return plan
+
+    def sides(self, plan: TransferPlan) -> tuple[SideLayout, SideLayout]:
+        """The two sides ``plan`` was planned from (the adapter plan's: the adapter only)."""
+        if self.adapter_plan is not None and plan is self.adapter_plan:
+            return adapters_only(self.src), adapters_only(self.dst)
+        return self.src, self.dst
+
+
+def plan_refit(src: SideLayout, dst: SideLayout, spec: ModelSpec, engine_spec: ModelSpec, *,
+               peft: PeftConfig | None = None, slots: SideLayout | None = None, extend_dst: bool = True,
+               bucket_bytes: int, allow_cast: bool = False, not_direct: tuple[tuple[str, str], ...] = (),
+               placement: Any = None, links: Links | None = None) -> RefitPlans:
+    """``src`` (the training ranks' pieces) and ``dst`` (the engines' pieces, in the engines'
+    dtype ``engine_spec``) extended for the policy's features (the module docstring), and
+    their plans. ``slots``: the engines' refit adapter slots (a LoRA policy; ranks offset per
+    engine); ``extend_dst=False``: ``dst`` is complete as given (a caller's own layout).
+    ``placement`` / ``links``: plan for where every rank sits (``plan.topology``)."""
+    peft = peft if peft is not None and peft.enabled else None
+    if peft is not None:
+        tensors = adapter_tensors(spec, peft)
+        src = replace(src, tensors={**src.tensors, **{n: t for n, t in tensors.items() if n not in src.tensors}})
+        check_adapter_shapes(src, tensors, peft)
+    src = with_draft_tensors(src, spec)
+    if extend_dst:
+        if peft is not None:
+            if slots is None:
+                raise ConfigError("peft.enabled: the engines' refit adapter slots are not given")
+            dst = with_adapter(dst, slots.params, adapter_tensors(engine_spec, peft), slots.scale)
+        dst = with_draft_tensors(dst, engine_spec)
+    if placement is not None:
+        plan = plan_for_placement(src, dst, placement, links or Links(), bucket_bytes=bucket_bytes,
+                                  allow_cast=allow_cast, not_direct=not_direct)
+    else:
+        plan = get_plan(src, dst, bucket_bytes=bucket_bytes, allow_cast=allow_cast, not_direct=not_direct)
+    adapter_plan = None
+    if peft is not None:
+        adapter_plan = get_plan(adapters_only(src), adapters_only(dst), bucket_bytes=bucket_bytes,
+                                allow_cast=allow_cast)
+    return RefitPlans(src, dst, plan, adapter_plan)
+
+
+def with_draft_tensors(side: SideLayout, spec: ModelSpec) -> SideLayout:
+    """``side`` with the MTP layers' canonical tensors in its table where it holds any of them
+    (a trainer built with megatron's MTP block, an engine that runs the draft)."""
+    if not spec.mtp_layers:
+        return side
+    draft = draft_tensors(spec)
+    if not any(q.canonical in draft for q in side.pieces()):
+        return side
+    return replace(side, tensors={**side.tensors, **draft})
+
+
+def check_adapter_shapes(src: SideLayout, tensors: dict, peft: PeftConfig) -> None:
+    """Every adapter matrix the training ranks hold has the shape ``peft`` gives it (``dim``):
+    one line naming the first that does not, before anything is planned."""
+    extent: dict[str, list[int]] = {}
+    for q in src.pieces():
+        if q.canonical in tensors:
+            e = extent.setdefault(q.canonical, [0] * len(q.box.offsets))
+            for i, (o, n) in enumerate(zip(q.box.offsets, q.box.sizes)):
+                e[i] = max(e[i], o + n)
+    for name, held in extent.items():
+        want = list(tensors[name][0])
+        if held != want:
+            raise ConfigError(f"peft.dim={peft.dim}: the training ranks hold {name} as {held}, the settings say {want}")

@@ -1,0 +1,93 @@
+"""Megatron-core ranks that refit a vLLM ``LLM`` through vLLM's trainer-side API only
+(``WeightTransferTrainerFactory.trainer_init`` + ``send_weights``), the engine living in the
+test process: rank 0's weight-sync client forwards each of vLLM's calls to that ``LLM``'s own
+methods (``init_weight_transfer_engine``, ``start_weight_update``, ...), and asks the test
+process to read what the engine serves after each refit (``probe``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mcore_reshard.adapters.megatron.build import init_megatron
+from mcore_reshard.adapters.megatron.endpoint import TrainerEndpoint
+from mcore_reshard.adapters.megatron.rules import MegatronParallel
+from mcore_reshard.adapters.megatron.train import TrainSettings, build_policy
+from mcore_reshard.infra.checkpoint import load_canonical
+from mcore_reshard.layout import load_model_spec
+from mcore_reshard.testing.worlds import WorldCtx
+
+
+class ForwardingClient:
+    """vLLM's ``VLLMWeightSyncClient`` calls, each run by the test process on its ``LLM``
+    (``serve_engine_calls``): vLLM's own offline API, one call at a time."""
+
+    def __init__(self, calls: Any, replies: Any) -> None:
+        self.calls, self.replies = calls, replies
+
+    def _call(self, name: str, *args: Any, **kw: Any) -> Any:
+        self.calls.put((name, args, kw))
+        error, value = self.replies.get(timeout=600)
+        if error:
+            raise RuntimeError(error)
+        return value
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self._call("init_weight_transfer_engine", {"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self._call("start_weight_update")
+
+    def start_draft_weight_update(self) -> None:
+        self._call("start_draft_weight_update")
+
+    def update_weights(self, update_info: dict) -> None:
+        self._call("update_weights", {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._call("finish_weight_update", weight_version=weight_version)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._call("shutdown_weight_transfer_engine")
+
+    def probe(self, step: int) -> None:
+        """Not a vLLM call: the test process reads what the engine serves now."""
+        self._call("probe", step)
+
+
+def trainer_api_job(ctx: WorldCtx, ckpt: str, dtype: str, par: MegatronParallel, info: dict, tokens: list,
+                    steps: int, calls: Any, replies: Any, build: dict) -> dict:
+    """``steps`` times: a training step (none before the first refit when ``steps`` counts it
+    as 0), then ``send_weights``; every rank's reports and the trainer's logprobs of
+    ``tokens[0]`` after each."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from mcore_reshard.adapters.vllm.backend import ReshardTrainerInitInfo, TrainerShards
+    from mcore_reshard.layout.lora import PeftConfig
+
+    spec = load_model_spec(ckpt, dtype=dtype)
+    init_megatron(par, ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)
+    peft = PeftConfig.from_wire(info["peft"]) if info.get("peft") else None
+    policy = build_policy(spec, par, TrainSettings(dtype=dtype, lr=build.get("lr", 0.05)), peft=peft,
+                          mtp=build.get("mtp", False))
+    policy.load_canonical(load_canonical(ckpt))
+    source = TrainerShards(TrainerEndpoint(policy.chunks, spec, sync_params=policy.sync_params))
+    client = ForwardingClient(calls, replies)
+    engine = WeightTransferTrainerFactory.trainer_init(ReshardTrainerInitInfo(rank=ctx.rank, **info), client=client,
+                                                       source=source)
+    out: dict[str, Any] = {"plans": [], "reports": [], "trainer": [],
+                           "bytes_min": engine.plans.plan.bytes_min,
+                           "adapter_bytes_min": engine.plans.adapter_plan.bytes_min if engine.plans.adapter_plan else 0,
+                           "planned": sorted({t.canonical for t in engine.plans.plan.transfers})}
+    for step in range(steps):
+        if step or build.get("train_first"):
+            for _ in range(build.get("train_steps", 1)):
+                policy.train_step(tokens)
+        out["plans"].append(engine.plan.bytes_min)
+        engine.send_weights()
+        out["reports"].append(sorted((r.side, r.rank, r.verified, r.bytes_received - r.bytes_headers, r.bytes_full,
+                                      r.delta.on) for r in engine.last_reports if r is not None))
+        out["trainer"].append(policy.logprobs(tokens[:1])[0])
+        if ctx.rank == 0:
+            client.probe(step)
+    engine.shutdown()
+    return out
