@@ -12,3 +12,10 @@
 ``conftest.py`` owns their lifetimes (closed at session end) and orders the tests so that the
 ones sharing an engine or a pool run together.
 """
+
+import threading
+
+#: Held while the session's background starts processes outside a test (the warm megatron
+#: worlds): a test that checks that a call started no process holds it around its check, so a
+#: process the background starts meanwhile is not taken for one the call started.
+PROCESS_STARTS = threading.Lock()

@@ -166,7 +166,14 @@ def prestart(sizes: Sequence[int]) -> None:
     """Start warm worlds of these sizes now, on a daemon thread (their ranks import megatron
     in the background; with the fast start, the first one waits for the fork server to import
     torch, megatron-core and vLLM, which must not hold up the tests)."""
-    threading.Thread(target=lambda: [_world(n) for n in sizes], name="warm-megatron-worlds", daemon=True).start()
+    from . import PROCESS_STARTS
+
+    def start() -> None:
+        for n in sizes:
+            with PROCESS_STARTS:
+                _world(n)
+
+    threading.Thread(target=start, name="warm-megatron-worlds", daemon=True).start()
 
 
 def run_world(fn: Callable[..., Any], world: int, args: Sequence[Any] = (), *, timeout_s: float = 300.0,
