@@ -58,8 +58,13 @@ LIVE_ORDER: list[tuple[str, frozenset[str]]] = [
     ("test_fp8", frozenset({"megatron"})),
     # fp32 tiny MoE (seed 7): engines TP1 and TP2, the TP2xEP2 trainer pool
     ("test_endpoints", frozenset({"megatron", "live"})),
-    # the fp32 tiny MoE TP1 engine above through vLLM's trainer API; its LoRA and MTP engines are its own
+    # a LoRA TP2 engine (cached), which vLLM's trainer API then refits in a second session; the
+    # fp32 tiny MoE TP1 engine above and an MTP-drafting engine (cached) through the trainer API,
+    # then test_mtp_vllm's driver on the same drafting engine (nothing stops an engine between:
+    # vLLM's metrics registry is per process, and the acceptance check reads it)
+    ("test_lora_refit", frozenset({"megatron", "live"})),
     ("test_trainer_api", frozenset({"megatron", "live"})),
+    ("test_mtp_vllm", frozenset({"live"})),
     ("test_colocated", frozenset({"live"})),
     ("test_refit_layouts", frozenset({"live"})),
     ("test_refit_e2e", frozenset({"live"})),

@@ -59,25 +59,28 @@ def _enqueued(llm, lora) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def job(ckpt_cache):
-    """The LoRA policy, a TP2 ``LLM`` engine (``engines[0]``: ``generate``, ``enqueue``) and a TP1
-    ``AsyncLLM`` engine (``engines[1]``: the async client path), refit together."""
-    from mcore_reshard.adapters.vllm.engine import start_async_engine, start_engine, stop_engine
+def job(ckpt_cache, engine_cache):
+    """The LoRA policy, a TP2 ``LLM`` engine (``engines[0]``: ``generate``, ``enqueue``; from the
+    session's cache: test_trainer_api's LoRA case then refits it in a session of its own) and a
+    TP1 ``AsyncLLM`` engine (``engines[1]``: the async client path), refit together."""
+    from mcore_reshard.adapters.vllm.engine import start_async_engine, stop_engine
     from mcore_reshard.jobs.refit import local_cluster, policy_engine_args
 
     ckpt = ckpt_cache.get(family="qwen3", dtype="bfloat16")
     spec = load_model_spec(ckpt, dtype="bfloat16")
-    kw = dict(dtype="bfloat16", weight_transfer_config={"backend": "mcore_reshard"}, **policy_engine_args(PEFT))
-    engines = [start_engine(str(ckpt), tp=2, **kw)]
+    engines = [engine_cache.get(ckpt, tp=2, dtype="bfloat16", engine_args=policy_engine_args(PEFT))]
     try:
-        engines.append(start_async_engine(str(ckpt), tp=1, **kw))
+        engines.append(start_async_engine(str(ckpt), tp=1, dtype="bfloat16",
+                                          weight_transfer_config={"backend": "mcore_reshard"},
+                                          **policy_engine_args(PEFT)))
         with local_cluster(spec, ckpt, MegatronParallel(tp=2), VllmParallel(tp=2),
                            RefitConfig(buffer_bytes=1 << 16, timeout_s=60.0), train={"lr": 0.05}, engines=engines,
                            peft=PEFT) as c:
             yield c
     finally:
-        for llm in engines:
+        for llm in engines[1:]:
             stop_engine(llm)
+        engine_cache.check(engines[0])
 
 
 def test_the_first_refit_moves_the_base_and_every_later_one_the_adapter_only(job):
@@ -213,6 +216,25 @@ def test_settings_either_side_cannot_hold_are_refused_in_one_line(job):
         install_refit_adapter(torch.nn.Linear(2, 2), PEFT, job.spec, VllmParallel(tp=2), 0)
     job.driver.disconnect()  # the job's own driver takes the engine back at its next refit
     assert job.driver.refit().verified
+
+
+def test_a_restarted_driver_plans_the_installed_adapter_slots_once(job):
+    """A new driver (a restarted job) on an engine whose refit adapter is installed: the
+    engine's workers describe its slots too, and the plan still holds each slot once (the
+    rules'); the new driver's first refit moves base and adapter at the minimum. (Before,
+    every slot was planned twice and the refit was refused on every rank.)"""
+    from mcore_reshard.jobs.refit import local_cluster
+
+    with local_cluster(job.spec, job.checkpoint, MegatronParallel(tp=2), VllmParallel(tp=2),
+                       RefitConfig(buffer_bytes=1 << 16, timeout_s=60.0), train={"lr": 0.05},
+                       engines=job.engines[:1], peft=PEFT) as c:
+        d = c.driver
+        d.make_plan()
+        held = [(p.rank, p.name) for p in d.dst.params]
+        assert len(held) == len(set(held)) and any("lora_a_stacked" in n for _, n in held)
+        m = d.refit()
+        assert m.verified and m.at_minimum and m.bytes_moved == m.bytes_min > d.adapter_plan.bytes_min
+        assert d.plan is d.adapter_plan
 
 
 def test_a_moe_policys_expert_adapters_refit_into_fused_moe_slots_as_vllms_own_load(ckpt_cache, tmp_path):

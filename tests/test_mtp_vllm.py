@@ -28,17 +28,16 @@ SPEC = {"method": "mtp", "num_speculative_tokens": 1}
 PATTERN = [(5 + 37 * i) % 900 + 20 for i in range(8)]
 
 
-@pytest.fixture(scope="module")
-def engine(ckpt_cache):
-    from mcore_reshard.adapters.vllm.engine import start_engine, stop_engine
+#: The drafting engine's arguments (``engine_cache``: test_trainer_api's MTP case shares it).
+MTP_ENGINE = {"speculative_config": SPEC, "disable_log_stats": False}
 
+
+@pytest.fixture(scope="module")
+def engine(ckpt_cache, engine_cache):
     ckpt = ckpt_cache.get(family="deepseek_v3", dtype="float32", overrides={"num_nextn_predict_layers": 1})
-    llm = start_engine(str(ckpt), tp=1, dtype="float32", speculative_config=SPEC, disable_log_stats=False,
-                       weight_transfer_config={"backend": "mcore_reshard"})
-    try:
-        yield ckpt, load_model_spec(ckpt, dtype="float32"), llm
-    finally:
-        stop_engine(llm)
+    llm = engine_cache.get(ckpt, tp=1, dtype="float32", engine_args=MTP_ENGINE)
+    yield ckpt, load_model_spec(ckpt, dtype="float32"), llm
+    engine_cache.check(llm)
 
 
 def test_vllm_mtp_draft_holds_what_the_draft_layout_says(engine):

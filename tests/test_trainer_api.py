@@ -96,26 +96,22 @@ def test_delta_refits_through_the_trainer_api_move_what_changed(ckpt_cache, shar
     assert token_mult_prob_error(served[1], served[0]) > 1.001  # the step reached the engine
 
 
-def test_a_lora_policy_moves_base_and_adapter_first_then_the_adapter_only(ckpt_cache):
-    """A megatron TP2 bf16 LoRA policy into a TP1 bf16 engine with LoRA slots
+def test_a_lora_policy_moves_base_and_adapter_first_then_the_adapter_only(ckpt_cache, shared_engine):
+    """A megatron TP2 bf16 LoRA policy into a TP2 bf16 engine with LoRA slots
     (``peft=``): the first ``send_weights`` moves base and adapter (B = 0: the adapter serves
     the base model), every later one the adapter only, at the adapter plan's minimum; the
     base stays bit for bit and the adapter serves the trained policy."""
-    from mcore_reshard.adapters.vllm.engine import start_engine, stop_engine
     from mcore_reshard.adapters.vllm.lora_slots import refit_lora_request
     from mcore_reshard.jobs.refit import policy_engine_args
 
     ckpt = ckpt_cache.get(family="qwen3", dtype="bfloat16")
-    llm = start_engine(str(ckpt), tp=1, dtype="bfloat16", weight_transfer_config={"backend": "mcore_reshard"},
-                       **policy_engine_args(PEFT))
+    # test_lora_refit's engine (cached): its refit adapter is installed already, by that module's drivers
+    llm = shared_engine(ckpt, tp=2, dtype="bfloat16", engine_args=policy_engine_args(PEFT))
     lora = refit_lora_request(PEFT)
-    try:
-        info = {"engine_tp": 1, "timeout_s": 60.0, "peft": PEFT.to_wire(), "bucket_bytes": 1 << 16}
-        ranks, served = _drive(llm, 2, (str(ckpt), "bfloat16", MegatronParallel(tp=2), info,
-                                        [TOKENS, TOKENS[::-1]], 2, {}),
-                               lambda step: (_logprobs(llm), _logprobs(llm, lora)))
-    finally:
-        stop_engine(llm)
+    info = {"engine_tp": 2, "timeout_s": 60.0, "peft": PEFT.to_wire(), "bucket_bytes": 1 << 16}
+    ranks, served = _drive(llm, 2, (str(ckpt), "bfloat16", MegatronParallel(tp=2), info,
+                                    [TOKENS, TOKENS[::-1]], 2, {}),
+                           lambda step: (_logprobs(llm), _logprobs(llm, lora)))
     rank0 = ranks[0]
     assert rank0["plans"] == [rank0["bytes_min"], rank0["adapter_bytes_min"]]
     assert rank0["adapter_bytes_min"] < rank0["bytes_min"] / 10
@@ -129,28 +125,26 @@ def test_a_lora_policy_moves_base_and_adapter_first_then_the_adapter_only(ckpt_c
     assert max(abs(a - b) for a, b in zip(adapted, rank0["trainer"][1])) < 0.05  # bf16 on both sides
 
 
-def test_an_mtp_draft_moves_with_the_target_in_one_vote(ckpt_cache):
+def test_an_mtp_draft_moves_with_the_target_in_one_vote(ckpt_cache, shared_engine):
     """A DeepSeek-V3 policy with megatron's MTP block into an engine drafting with the MTP
     layers (``engine_speculative_config``): every draft tensor is in the one plan, every rank
     of both sides verifies it at the plan's minimum, and the engine serves what megatron
     computes."""
-    from mcore_reshard.adapters.vllm.engine import prompt_logprobs, start_engine, stop_engine
+    from mcore_reshard.adapters.vllm.engine import prompt_logprobs
     from mcore_reshard.layout import load_model_spec
     from mcore_reshard.layout.mtp import draft_tensors
     from mcore_reshard.refit.verify import token_mult_prob_error
 
-    speculative = {"method": "mtp", "num_speculative_tokens": 1}
+    from test_mtp_vllm import MTP_ENGINE
+
+    speculative = MTP_ENGINE["speculative_config"]
     ckpt = ckpt_cache.get(family="deepseek_v3", dtype="float32", overrides={"num_nextn_predict_layers": 1})
-    llm = start_engine(str(ckpt), tp=1, dtype="float32", speculative_config=speculative,
-                       weight_transfer_config={"backend": "mcore_reshard"})
-    try:
-        before = prompt_logprobs(llm, TOKENS)
-        info = {"engine_tp": 1, "timeout_s": 60.0, "engine_speculative_config": speculative}
-        ranks, served = _drive(llm, 1, (str(ckpt), "float32", MegatronParallel(tp=1), info, [TOKENS], 1,
-                                        {"mtp": True, "train_first": True, "lr": 0.01}),
-                               lambda step: prompt_logprobs(llm, TOKENS))
-    finally:
-        stop_engine(llm)
+    llm = shared_engine(ckpt, tp=1, dtype="float32", engine_args=MTP_ENGINE)  # test_mtp_vllm's, cached
+    before = prompt_logprobs(llm, TOKENS)
+    info = {"engine_tp": 1, "timeout_s": 60.0, "engine_speculative_config": speculative}
+    ranks, served = _drive(llm, 1, (str(ckpt), "float32", MegatronParallel(tp=1), info, [TOKENS], 1,
+                                    {"mtp": True, "train_first": True, "lr": 0.01}),
+                           lambda step: prompt_logprobs(llm, TOKENS))
     rank0 = ranks[0]
     assert set(draft_tensors(load_model_spec(ckpt, dtype="float32"))) <= set(rank0["planned"])
     received, full, verified, _ = _moved(rank0["reports"][0])

@@ -77,6 +77,10 @@ def plan_refit(src: SideLayout, dst: SideLayout, spec: ModelSpec, engine_spec: M
         if peft is not None:
             if slots is None:
                 raise ConfigError("peft.enabled: the engines' refit adapter slots are not given")
+            # The slots are the rules' whatever the engine described: a worker whose refit adapter
+            # is installed already (a driver restarted, a second session) also describes them.
+            ours = {(p.rank, p.name) for p in slots.params}
+            dst = replace(dst, params=tuple(p for p in dst.params if (p.rank, p.name) not in ours))
             dst = with_adapter(dst, slots.params, adapter_tensors(engine_spec, peft), slots.scale)
         dst = with_draft_tensors(dst, engine_spec)
     if placement is not None:

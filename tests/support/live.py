@@ -30,7 +30,7 @@ import time
 from collections import OrderedDict
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 __all__ = ["Checkpoints", "EngineCache", "PoolCache", "cluster", "POOLS", "engine_healthy", "rss_mib", "refit_pids",
            "assert_idle"]
@@ -149,18 +149,20 @@ class EngineCache:
 
     @staticmethod
     def key(ckpt: Path | str, *, tp: int = 1, dtype: str = "float32", enable_ep: bool = False,
-            direct: bool = False) -> tuple:
-        return (model_key(ckpt), dtype, tp, enable_ep, direct)
+            direct: bool = False, engine_args: Mapping[str, Any] | None = None) -> tuple:
+        return (model_key(ckpt), dtype, tp, enable_ep, direct, json.dumps(engine_args or {}, sort_keys=True))
 
     def get(self, ckpt: Path | str, *, tp: int = 1, dtype: str = "float32", enable_ep: bool = False,
-            direct: bool = False, fresh: bool = False) -> Any:
+            direct: bool = False, fresh: bool = False, engine_args: Mapping[str, Any] | None = None) -> Any:
         """The running engine of that key, or a new one loaded from ``ckpt`` by vLLM's own
         loader. ``fresh=True``: always a new one (a test that needs vLLM's load of ``ckpt`` as
-        its reference), which then stays cached for the next test like any other."""
+        its reference), which then stays cached for the next test like any other.
+        ``engine_args``: more of vLLM's engine arguments, part of the key (a LoRA policy's
+        slots, ``speculative_config``: the LoRA and drafting engines are cached too)."""
         from mcore_reshard.adapters.vllm.engine import start_engine
         from mcore_reshard.adapters.vllm.plugin import BACKEND
 
-        k = self.key(ckpt, tp=tp, dtype=dtype, enable_ep=enable_ep, direct=direct)
+        k = self.key(ckpt, tp=tp, dtype=dtype, enable_ep=enable_ep, direct=direct, engine_args=engine_args)
         llm = self._engines.get(k)
         if llm is not None and fresh:
             self._log(f"engine {k[1:]} replaced by a fresh one")
@@ -180,7 +182,8 @@ class EngineCache:
             self._stop(old)
         t0 = time.monotonic()
         llm = start_engine(str(ckpt), tp=tp, dtype=dtype, enable_ep=enable_ep, direct=direct,
-                           worker_extension_cls=engine_extension(), weight_transfer_config={"backend": BACKEND})
+                           worker_extension_cls=engine_extension(), weight_transfer_config={"backend": BACKEND},
+                           **dict(engine_args or {}))
         self.started += 1
         self._log(f"engine {k[1:]} started in {time.monotonic() - t0:.1f}s ({len(self._engines) + 1} running)")
         self._engines[k] = llm
