@@ -125,6 +125,12 @@ class RefitEndpoint:
         self.refusal = ""
 
     @property
+    def slice(self) -> RankPlan | None:
+        """This rank's plan slice as ``set_plan`` kept it (None before one), read-only: what a
+        destination checks against what it holds (the refit itself runs ``plan_slice``)."""
+        return self._slice
+
+    @property
     def who(self) -> str:
         return f"{'training rank' if self.side == 'src' else 'vLLM destination rank'} {self.rank}"
 

@@ -265,7 +265,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUpd
         held = {p.name: p for p in self.params()}
         mine = {n: p.numel - p.padding for n, p in held.items()}
         # Tensors carried as their bits (``RankPlan.reinterpret``) are counted in wire elements.
-        s = endpoint._slice
+        s = endpoint.slice
         for name, real in s.reinterpret:
             if name in held:
                 if held[name].dtype != real:
@@ -273,7 +273,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUpd
                                      f"this worker holds it in {held[name].dtype}")
                 mine[name] *= DTYPE_BYTES[real] // DTYPE_BYTES[s.dtype]
         got: dict[str, int] = {}
-        for t in endpoint._slice.transfers:
+        for t in s.transfers:
             if t.dst_name not in mine:
                 raise RefitError(f"vLLM destination rank {rank}: plan {digest} writes {t.dst_name!r}, "
                                  f"which this worker does not hold")
@@ -373,9 +373,9 @@ class ReshardWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUpd
         fault = update_info.fault if update_info.fault is not None and update_info.fault.strikes(rank) else None
         applier = self.applier(request.atomic)
         participant: Any = applier
-        sink, self.received = refit_sink(applier, request.verify is VerifyMode.FULL, fault)
+        sink, self.received = refit_sink(applier.sink, request.verify is VerifyMode.FULL, fault)
         if fault is not None and fault.alter_baseline is not None:
-            participant = AlteredBaseline(applier, fault.alter_baseline)
+            participant = AlteredBaseline(applier, applier.sink, fault.alter_baseline)
         outcome, self.last_report = self.endpoint.transfer_and_vote(
             request, {}, sink, participant, fault=fault.fault if fault is not None else None)
         return request, applier, outcome
@@ -386,7 +386,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUpd
         if self.endpoint is not None:
             self.endpoint.delta.reset()
         if self._applier is not None:
-            self._applier.forget_baselines()
+            self._applier.sink.forget_baselines()
 
     def status(self) -> WorkerStatus:
         """This worker's serving state, the version it holds and the last refit's outcome.
