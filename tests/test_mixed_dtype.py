@@ -155,7 +155,7 @@ ZERO_COPY = 256 * 512 * 4 + 512 * 512 * 2
 
 
 class _ResolveOnly:
-    """The smallest sink (``resolve``, ``commit``): the fp32 bias is resolved in its own dtype
+    """The smallest sink (``resolve``, ``commit_box``): the fp32 bias is resolved in its own dtype
     and seen as wire elements by the transport (``ReinterpretSink``)."""
 
     def __init__(self, tensors) -> None:
@@ -164,7 +164,7 @@ class _ResolveOnly:
     def resolve(self, name, view):
         return local_view(self.tensors[name], view)
 
-    def commit(self, name, view) -> None:
+    def commit_box(self, name, view) -> None:
         pass
 
 

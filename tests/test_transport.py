@@ -238,7 +238,7 @@ TZ = {"w": ((1024, 1024), "float32"), "b": ((8,), "float32")}
 
 
 class _ResolveOnly:
-    """The smallest sink: ``resolve`` and ``commit``, no ``baseline`` (full refits only)."""
+    """The smallest sink: ``resolve`` and ``commit_box``, no ``baseline`` (full refits only)."""
 
     def __init__(self, tensors) -> None:
         self.tensors, self.committed = tensors, 0
@@ -246,7 +246,7 @@ class _ResolveOnly:
     def resolve(self, name, view):
         return local_view(self.tensors[name], view)
 
-    def commit(self, name, view) -> None:
+    def commit_box(self, name, view) -> None:
         self.committed += 1
 
 
@@ -262,7 +262,7 @@ def _zero_copy_main(rank: int, world: int, port: int, q: Any) -> None:
         s_rank, d_rank = rm.roles(rank)
         group = RefitGroup.create("127.0.0.1", port, rank, world, 20.0, rank == 0, rank_map=rm)
         out["ok"] = refit_once(plan, src, dst, s_rank, d_rank, group, rm, 3, tensors=TZ)
-        # the smallest sink (resolve and commit): zero-copy boxes land in what it resolves
+        # the smallest sink (resolve and commit_box): zero-copy boxes land in what it resolves
         canon = canonical(TZ, 4)
         d = locals_of(dst, d_rank, None) if d_rank is not None else {}
         sink = _ResolveOnly(d) if d_rank is not None else None

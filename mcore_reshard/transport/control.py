@@ -150,6 +150,11 @@ class SignedStore:
         self._old_keys: list[str] = []  # ... and of the one before (deleted when the next begins)
 
     # -- naming and signing ------------------------------------------------------------------
+    def derived_key(self, purpose: str) -> bytes:
+        """A key for ``purpose`` (e.g. naming shared-memory segments) derived from the job's
+        secret: the MAC key itself never leaves this object."""
+        return hmac.new(self._key, f"derive|{purpose}".encode(), hashlib.sha256).digest()
+
     def _slot(self, kind: str, epoch: int, seq: int, rank: int) -> str:
         tag = hmac.new(self._key, f"slot\0{self.nonce}\0{kind}\0{epoch}\0{seq}\0{rank}".encode(), hashlib.sha256)
         return f"{kind}/{tag.hexdigest()[:24]}"

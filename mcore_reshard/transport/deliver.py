@@ -3,11 +3,11 @@
 One path for every box, through the sink's two calls (``sink.py``): each box's tensor is
 resolved, written -- the packed boxes of a message in one batch (``packing.unpack_into``), a
 zero-copy box already received into it, a delta's patched box as the baseline plus its
-changes -- and, when verifying, hashed where it now lies; then every box is committed, in wire
-order. A delta's unchanged box is not resolved: it is hashed where the destination holds it
-(``baseline``) and committed as kept. The hash is of the destination's tensor before a
-commit may repack a layer, so verification checks the parameter itself, not only the bytes
-received.
+changes -- and, when verifying, hashed where it now lies; then every box is committed
+(``commit_box``), in wire order. A delta's unchanged box is not resolved: it is hashed where
+the destination holds it (``baseline``) and committed as kept. The hash is of the
+destination's tensor before ``commit_box`` may repack a layer, so verification checks the
+parameter itself, not only the bytes received.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class Delivery:
             self.ledger.received(peer, rows)
         t2 = time.perf_counter()
         for t in ts:
-            sink.commit(t.dst_name, t.dst_view)
+            sink.commit_box(t.dst_name, t.dst_view)
         t3 = time.perf_counter()
         self.tally.phase["unpack"] += (t1 - t0) + (t3 - t2)
         self.tally.phase["verify"] += t2 - t1

@@ -5,7 +5,7 @@ the other end holds. The sender keeps a copy, in the wire dtype, of what it last
 (``DeltaState.baseline``: every box of its plan slice back to back, on the parameters'
 device -- host memory here; ``delta_state_bytes``), updated in place as it encodes; the
 receiver's baseline is what its destination holds now (``Sink.baseline``: the live parameter,
-or for a layer vLLM repacks, the model-format copy ``VllmApplier`` keeps of its last commit).
+or for a layer vLLM repacks, the model-format copy ``VllmSink`` keeps of its last commit).
 A delta is against that baseline only if every rank of the refit committed the same refit last
 (``DeltaState.offer``: the id of that refit, under this plan digest), checked in the
 agreement exchange before any byte moves (``decide``); otherwise the refit is full and its
@@ -21,10 +21,10 @@ Encoding, per box, decided at run time from the bits (``-0.0 != 0.0``, NaN paylo
 A message is its boxes' encodings back to back in plan order; its header (one int64 per box)
 goes ahead of it in the same bucket (``HeaderExchange``), so the receiver posts a receive of
 the right size. The receiver writes a changed box as its baseline plus the changes into the
-tensor the sink resolves, and commits an unchanged one as kept, through the same two calls as
-a full refit: staging, vLLM's layerwise reload, the two-phase commit and the checksums are
-unchanged, and the checksum compares the *whole* new box (the sender hashes its new weights,
-not the delta), so a wrong baseline cannot pass.
+tensor the sink resolves, and commits an unchanged one as kept (``commit_box``), through the
+same two calls as a full refit: staging, vLLM's layerwise reload, the two-phase commit and the
+checksums are unchanged, and the checksum compares the *whole* new box (the sender hashes its
+new weights, not the delta), so a wrong baseline cannot pass.
 """
 
 from __future__ import annotations

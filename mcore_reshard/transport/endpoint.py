@@ -1,7 +1,7 @@
 """What both ends of a refit share: the group, the plan slice, and the commit sequence.
 
 The trainer endpoint (``adapters/megatron/endpoint.py``) and the vLLM weight-transfer engine
-(``adapters/vllm/weight_transfer.py``) each own one :class:`RefitEndpoint`, which runs the
+(``adapters/vllm/backend/engine.py``) each own one :class:`RefitEndpoint`, which runs the
 sequence of every refit once, for both::
 
     open -> move the bytes -> prepare -> vote -> commit | abort
@@ -92,7 +92,8 @@ class Outcome:
     """The agreed result of one refit, as this rank read it after the vote.
 
     ``known`` False: this rank could not read the decision (the store's host died); it did
-    not commit, and an engine worker in that state must not serve (``weight_transfer.py``)."""
+    not commit, and an engine worker in that state must not serve
+    (``adapters/vllm/backend/engine.py``)."""
 
     commit: bool
     reports: list[RankReport | None]  # by group rank; None where a rank never voted
@@ -123,6 +124,12 @@ class RefitEndpoint:
         #: Why this rank refuses every refit until it is sent a new slice (e.g. a vLLM worker
         #: that does not hold what its slice writes): its vote is "no" with this line.
         self.refusal = ""
+
+    @property
+    def slice(self) -> RankPlan | None:
+        """This rank's plan slice as ``set_plan`` kept it (None before one), read-only: what a
+        destination checks against what it holds (the refit itself runs ``plan_slice``)."""
+        return self._slice
 
     @property
     def who(self) -> str:

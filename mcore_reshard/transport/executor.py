@@ -9,7 +9,7 @@ This module is the orchestrator; each concern lives in a part of its own:
   from ``plan/tags.py``, the one tag space the planner asks too.
 * ``relay.py`` -- fan-out relays: forwarding what a relay group's member received.
 * ``deliver.py`` and ``sink.py`` -- handing boxes to the destination's ``Sink`` through its
-  two calls (``resolve``, ``commit``; ``baseline`` for deltas): one path for every box.
+  two calls (``resolve``, ``commit_box``; ``baseline`` for deltas): one path for every box.
 * ``ledger.py`` -- the checksums that prove source tensor == destination tensor.
 * ``reinterpret.py`` -- tensors the plan carries as their bits, seen in wire units.
 * ``delta.py`` -- delta refits: each message encoded against what the receiver holds

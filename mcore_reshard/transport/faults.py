@@ -13,7 +13,7 @@ from ..errors import RefitError
 from ..wire.faults import Fault
 from .views import BIT_VIEWS
 
-__all__ = ["corrupt", "flip_first", "ExitAfterReads", "ExitAfterCommits"]
+__all__ = ["corrupt", "flip_first", "ExitAfterReads", "ExitAfterBoxes"]
 
 
 def corrupt(fault: Fault, k: int, messages: Mapping[Any, torch.Tensor], copy_first: Callable[[], torch.Tensor]) -> None:
@@ -50,9 +50,9 @@ class ExitAfterReads(dict):
         return super().__getitem__(key)
 
 
-class ExitAfterCommits:
-    """A sink whose process exits abruptly once ``n`` boxes were committed: a destination dying
-    mid-transfer (``EngineFault.exit_after_writes``)."""
+class ExitAfterBoxes:
+    """A sink whose process exits abruptly once ``n`` boxes were in place (``commit_box``): a
+    destination dying mid-transfer (``EngineFault.exit_after_writes``)."""
 
     def __init__(self, sink: Any, n: int) -> None:
         self.sink, self._left = sink, n
@@ -64,8 +64,8 @@ class ExitAfterCommits:
     def resolve(self, name: str, view: Any) -> torch.Tensor:
         return self.sink.resolve(name, view)
 
-    def commit(self, name: str, view: Any) -> None:
+    def commit_box(self, name: str, view: Any) -> None:
         if self._left <= 0:
             os._exit(19)
         self._left -= 1
-        self.sink.commit(name, view)
+        self.sink.commit_box(name, view)

@@ -14,7 +14,6 @@ Failure model: every wait has a timeout; after any ``RefitError`` the group is b
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -101,11 +100,6 @@ class RefitControl(ControlPlane):
 
     def barrier(self, timeout_s: float | None = None) -> None:
         self.exchange(None, timeout_s)
-
-    def derived_key(self, purpose: str) -> bytes:
-        """A key for ``purpose`` (e.g. naming shared-memory segments) derived from the job's
-        secret; the control plane's own MAC key never leaves it."""
-        return hmac.new(self._key, f"derive|{purpose}".encode(), hashlib.sha256).digest()
 
     # -- liveness --------------------------------------------------------------------------
 

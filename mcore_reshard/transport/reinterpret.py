@@ -76,9 +76,9 @@ class ReinterpretSink:
                              f"its {real[0]} bits")
         return x.view(self.wire)
 
-    def commit(self, name: str, view: View) -> None:
+    def commit_box(self, name: str, view: View) -> None:
         real = self.real.get(name)
-        self.inner.commit(name, view if real is None else _real_view(view, real[1], name))
+        self.inner.commit_box(name, view if real is None else _real_view(view, real[1], name))
 
     def _baseline(self, name: str, view: View) -> torch.Tensor:
         real = self.real.get(name)

@@ -3,12 +3,13 @@
 
 The transport asks the sink where a box goes (``resolve``), writes it there itself -- copied from
 the receive buffer, or received straight into it when it is contiguous -- hashes what the
-destination now holds, and tells the sink it is done (``commit``). So hashing, zero-copy, delta
-boxes (kept or patched), the ``verify=full`` copy and fault exits are transport parts that work
-through these calls (``deliver.py``, ``delta.py``, :class:`Mirror`, ``faults.py``), and a sink
-only knows where its tensors are and what to do once a box is in place (count it, process a
+destination now holds, and tells the sink it is done (``commit_box``). So hashing, zero-copy,
+delta boxes (kept or patched), the ``verify=full`` copy and fault exits are transport parts that
+work through these calls (``deliver.py``, ``delta.py``, :class:`Mirror`, ``faults.py``), and a
+sink only knows where its tensors are and what to do once a box is in place (count it, process a
 layer it completes). A box committed without being resolved keeps the values the destination
-holds there: a delta refit found it unchanged. ``baseline`` (optional) is what the destination
+holds there: a delta refit found it unchanged. (The refit's own commit, of every box at once
+after the vote, is its participant's: ``endpoint.Participant.commit``.) ``baseline`` (optional) is what the destination
 serves now, the values a delta's changes apply to; a sink without it takes full refits only.
 """
 
@@ -26,14 +27,14 @@ __all__ = ["Sink", "TensorSink", "Mirror", "as_sink", "baseline_of", "sink_dtype
 
 @runtime_checkable
 class Sink(Protocol):
-    """Receives every box a destination rank gets (e.g. ``VllmApplier``)."""
+    """Receives every box a destination rank gets (e.g. ``adapters.vllm.sinks.VllmSink``)."""
 
     def resolve(self, name: str, view: View) -> torch.Tensor:
         """The tensor the box at ``view`` of local tensor ``name`` is written into (shape
         ``view.shape``, on the sink's device): the live tensor, a staged copy or a shadow."""
         ...
 
-    def commit(self, name: str, view: View) -> None:
+    def commit_box(self, name: str, view: View) -> None:
         """The box's values are in place (in the tensor ``resolve`` gave; a box never resolved
         in this refit keeps what the destination holds)."""
         ...
@@ -55,7 +56,7 @@ class TensorSink:
     def resolve(self, name: str, view: View) -> torch.Tensor:
         return local_view(self.tensors[name], view)
 
-    def commit(self, name: str, view: View) -> None:
+    def commit_box(self, name: str, view: View) -> None:
         """Written in place: nothing left to do."""
 
     def baseline(self, name: str, view: View) -> torch.Tensor:
@@ -80,10 +81,10 @@ class Mirror:
         x = self._resolved[(name, view)] = self.inner.resolve(name, view)
         return x
 
-    def commit(self, name: str, view: View) -> None:
+    def commit_box(self, name: str, view: View) -> None:
         x = self._resolved.pop((name, view), None)
         local_view(self.copies[name], view).copy_(x if x is not None else self.baseline(name, view))
-        self.inner.commit(name, view)
+        self.inner.commit_box(name, view)
 
 
 def as_sink(dst: Any) -> Sink:
@@ -92,12 +93,12 @@ def as_sink(dst: Any) -> Sink:
         return TensorSink(dst)
     if isinstance(dst, Sink):
         return dst
-    raise TypeError(f"destination must be a mapping of tensors or a sink with resolve() and commit(); got {type(dst)}")
+    raise TypeError(f"destination must be a mapping of tensors or a sink with resolve() and commit_box(); got {type(dst)}")
 
 
 def sink_dtypes(sink: Sink, names: Sequence[str]) -> set[torch.dtype]:
     """The element types the sink holds ``names`` in: a ``TensorSink``'s tensors, or a sink's
-    ``params`` (e.g. ``VllmApplier``: name -> ``LocalParam``)."""
+    ``params`` (e.g. ``VllmSink``: name -> ``LocalParam``)."""
     if isinstance(sink, TensorSink):
         return {sink.tensors[n].dtype for n in names}
     params: Mapping[str, LocalParam] | None = getattr(sink, "params", None)

@@ -2,7 +2,7 @@
 
 A refit has two ends, each implemented once: the trainer endpoint inside a Megatron-Core rank
 (``adapters/megatron/endpoint.py``) and the vLLM weight-transfer engine inside a vLLM worker
-(``adapters/vllm/weight_transfer.py``). A driver -- this project's job, or an RL framework's
+(``adapters/vllm/backend/engine.py``). A driver -- this project's job, or an RL framework's
 own controller -- moves these messages between them, over whatever control channel it has
 (vLLM's ``collective_rpc``, Ray calls, queues). The lifecycle is vLLM's weight-transfer one:
 

@@ -2,9 +2,10 @@
 
 A delta's box is rebuilt from what the worker holds now. For a parameter vLLM repacks after
 loading (``reload`` mode) the live tensor is kernel format, so the worker keeps its model-format
-values as last committed -- the copy a delta starts from (``VllmApplier.current``). The copy
-changes only at a commit: a parameter written whole takes a clone of its shadow just before vLLM
-repacks it; one a delta only patched takes the same changes, O(changed), instead of a clone.
+values as last committed -- the copy a delta starts from (``sinks.VllmSink.baseline``: the
+sink holds these copies). The copy changes only at a commit: a parameter written whole takes a
+clone of its shadow just before vLLM repacks it; one a delta only patched takes the same
+changes, O(changed), instead of a clone.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from ...transport.broadcast import HF_PREFIX, BroadcastJoin, BroadcastStats, bro
 from ...transport.group import RefitGroup
 from .engine import engine_info
 from .layers import reprepack_cpu_moe
-from .weight_transfer import canonical_tensors, served_spec
+from .record import canonical_tensors, served_spec
 from .worker import ReshardWorkerExtension
 
 __all__ = ["HF_BROADCAST_EXTENSION", "HFBroadcastWorkerExtension", "reload_weights", "runs_baseline", "hf_join",

@@ -6,11 +6,14 @@ that a refit may write in place (``direct``) or a kernel-format one that vLLM's
 processed there, then swapped in). The shadow helpers below are that swap's parts: a shallow
 copy of a layer that vLLM's reload functions may rebind freely (``shadow_module``), the live
 tensor taking the processed values (``swap_into``), and the CPU MoE prepack vLLM 0.32 forgets
-on reload (``reprepack_cpu_moe``). ``VllmApplier`` (``apply.py``) drives them.
+on reload (``reprepack_cpu_moe``). ``ParamTable`` is how the applier's parts address the
+parameters a refit writes. ``Shadows`` (``shadows.py``) drives the swap's parts for the refit's
+participant, ``VllmApplier`` (``apply.py``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -21,7 +24,7 @@ from .lora_rules import is_slot_name, parse_slot_name
 
 __all__ = ["derivations", "DIRECT", "RELOAD", "MLA_NOTE", "owner", "LoraSlot", "guarded", "TargetAndDraft", "plain_linear_enabled",
            "kernel_is_model_format", "mla_absorbers", "reabsorb", "select_modes", "aliased", "swap_into", "shadow_module", "viewed_storages",
-           "reprepack_cpu_moe", "MISSING", "open_shadow", "process_shadow", "commit_shadow"]
+           "reprepack_cpu_moe", "MISSING", "open_shadow", "process_shadow", "commit_shadow", "ParamTable"]
 
 #: Why MLA's kv_b_proj is never written in place (the plan report lists it with this reason).
 MLA_NOTE = ("MLA kv_b_proj: vLLM absorbs it into W_UK/W_UV after loading (kernel format != model format); "
@@ -35,7 +38,7 @@ class LoraSlot:
     """One slot of a LoRA layer's stacked A or B (``lora_rules.slot_name``), addressed as the
     applier addresses a parameter: ``value`` is the live slot (a view into the stacked tensor,
     so it is always written in place, never rebound); ``layer`` is the module whose forward
-    reads it (the applier's gate)."""
+    reads it (the forward gate's, ``gate.py``)."""
 
     __slots__ = ("layer", "value")
 
@@ -170,6 +173,54 @@ def select_modes(model: torch.nn.Module, params: Sequence[LocalParam]) -> dict[s
         modes[lp.name] = DIRECT if same and kernel_is_model_format(layer) else RELOAD
     return modes
 
+
+@dataclass(frozen=True, eq=False)
+class ParamTable:
+    """Every parameter a refit writes on one worker, looked up once (a box takes several
+    lookups): its ``LocalParam`` and mode (``select_modes``), the module (or LoRA slot) that
+    holds it and its attribute there, each module's name, and the parameters under each module
+    name (attribute -> local name: one shadow takes them all). Shared, never changed, by the
+    applier's parts: the participant, its shadows and gate, and the sink."""
+
+    model: torch.nn.Module
+    params: Mapping[str, LocalParam]
+    modes: Mapping[str, str]
+    owners: Mapping[str, tuple["torch.nn.Module | LoraSlot", str]]
+    #: ``id(module)`` -> its name (the first ``named_modules`` gives).
+    prefix: Mapping[int, str]
+    names_under: Mapping[str, Mapping[str, str]]
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, params: Sequence[LocalParam],
+           modes: Mapping[str, str] | None = None) -> "ParamTable":
+        """The table of ``params`` on ``model``; ``modes`` default to ``select_modes``."""
+        by_name = {p.name: p for p in params}
+        names_under: dict[str, dict[str, str]] = {}
+        for n in by_name:
+            prefix, _, attr = n.rpartition(".")
+            names_under.setdefault(prefix, {})[attr] = n
+        return cls(model, by_name, dict(modes) if modes is not None else select_modes(model, params),
+                   {n: owner(model, n) for n in by_name}, {id(m): name for name, m in model.named_modules()},
+                   names_under)
+
+    def live(self, name: str) -> torch.Tensor:
+        """The tensor the engine serves for ``name`` (kernel format where its mode is reload)."""
+        holder, attr = self.owners[name]
+        return getattr(holder, attr).data
+
+    def expected(self, name: str) -> int:
+        """The elements a refit writes into ``name``: all but its padding."""
+        lp = self.params[name]
+        return lp.numel - lp.padding
+
+    def module_params(self, name: str) -> list[str]:
+        """The reload-mode parameters of ``name``'s module (one shadow, one processing)."""
+        names = self.names_under.get(self.prefix[id(self.owners[name][0])], {})
+        return [n for n in names.values() if self.modes[n] == RELOAD]
+
+    def guarded(self) -> list[torch.nn.Module]:
+        """Each module whose forward reads a parameter written here, once (the gate's)."""
+        return list({id(guarded(m)): guarded(m) for m, _ in self.owners.values()}.values())
 
 
 MISSING = object()

@@ -22,9 +22,11 @@ def register() -> None:
     from . import fast_start, session
     from .backend import ReshardTrainerEngine, ReshardWeightTransferEngine
 
-    if BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(BACKEND, ReshardWeightTransferEngine)
-    if BACKEND not in WeightTransferTrainerFactory._registry:
-        WeightTransferTrainerFactory.register_engine(BACKEND, ReshardTrainerEngine)
+    for factory, end in ((WeightTransferEngineFactory, ReshardWeightTransferEngine),
+                         (WeightTransferTrainerFactory, ReshardTrainerEngine)):
+        try:
+            factory.register_engine(BACKEND, end)
+        except ValueError:  # vLLM's answer to a second registration of the name (no public lookup)
+            pass
     fast_start.install()
     session.install()

@@ -18,13 +18,26 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from ...layout.descriptor import Box, LayoutError, LocalParam, Piece, View, contiguous_strides, unravel
+from ...layout.spec import ModelSpec, spec_from_hf_config
 from ...transport.views import TORCH_DTYPES
 from .stamps import install_recording_stamps, restore_after_recording
 
-__all__ = ["record_local_params", "pieces_from_copy", "chain_geometry"]
+__all__ = ["record_local_params", "pieces_from_copy", "chain_geometry", "served_spec", "canonical_tensors"]
 
 #: (offset, shape, stride) of a strided window, in elements.
 Geometry = tuple[int, tuple[int, ...], tuple[int, ...]]
+
+
+def served_spec(vllm_config: Any) -> ModelSpec:
+    """The served model's spec, from its HF config, in the engine's dtype."""
+    mc = vllm_config.model_config
+    return spec_from_hf_config(mc.hf_config, dtype=str(mc.dtype).replace("torch.", ""))
+
+
+def canonical_tensors(vllm_config: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Canonical HF tensors (name -> shape, dtype) of the served model, from its HF config: what
+    the recording replays vLLM's loaders on."""
+    return served_spec(vllm_config).tensor_table()
 
 
 def chain_geometry(shape: Sequence[int], ops: Sequence[tuple], *, what: str) -> Geometry:

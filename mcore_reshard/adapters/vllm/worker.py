@@ -1,7 +1,7 @@
 """vLLM worker extension: what vLLM's weight-transfer API cannot carry.
 
 Refits themselves go through the registered weight-transfer engine
-(``weight_transfer.py``); this extension is only a diagnostic: recording descriptors
+(``backend/engine.py``); this extension is only a diagnostic: recording descriptors
 (``mr_describe``), status, the received copy for ``verify=full``, the raw-bandwidth probe and
 live checksums. A driver plans a plain engine from the rules instead. Use with
 ``LLM(..., worker_extension_cls="mcore_reshard.adapters.vllm.worker.ReshardWorkerExtension")``
@@ -30,7 +30,7 @@ from ...wire.protocol import WorkerLayout, WorkerStatus
 from ...transport.views import box_slices
 from .apply import RefitIncomplete, VllmApplier, select_modes
 from .layers import owner
-from .record import record_local_params
+from .record import canonical_tensors, record_local_params, served_spec
 
 __all__ = ["ReshardWorkerExtension", "REFIT_EXTENSION", "PLAIN_LINEAR_ENV", "install_plain_linear"]
 
@@ -69,7 +69,7 @@ class ReshardWorkerExtension:
 
     def _mr_engine(self) -> Any:
         """This worker's ``mcore_reshard`` weight-transfer engine, or None."""
-        from .weight_transfer import ReshardWeightTransferEngine
+        from .backend.engine import ReshardWeightTransferEngine
 
         eng = getattr(self, "weight_transfer_engine", None)
         return eng if isinstance(eng, ReshardWeightTransferEngine) else None
@@ -81,8 +81,6 @@ class ReshardWorkerExtension:
             return eng.params()
         cached = getattr(self, "_mr_cached_params", None)
         if cached is None:
-            from .weight_transfer import canonical_tensors, served_spec
-
             cached = record_local_params(
                 self._mr_model(), canonical_tensors(self.vllm_config), self.mr_rank_info()["rank"],  # type: ignore[attr-defined]
                 vllm_config=self.vllm_config, device=self.mr_rank_info()["device"],  # type: ignore[attr-defined]

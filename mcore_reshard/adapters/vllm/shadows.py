@@ -1,0 +1,181 @@
+"""What a refit writes into beside the live weights, until its commit swaps it in.
+
+Per local parameter, by its mode (``layers.select_modes``):
+
+* direct, atomic: a **staged copy** of the live tensor, swapped in at the commit;
+* direct, streaming: the live tensor itself (nothing held; the live weights change at once);
+* reload: the **shadow** of its module -- a shallow copy put back into model format
+  (``layers.open_shadow``), processed by vLLM once complete (``process_shadow``), then its
+  processed tensors swapped into the live layer (``commit_shadow``) and MLA's absorbed weights
+  rebuilt (``reabsorb``).
+
+:class:`Shadows` holds them for the refit's participant (``apply.VllmApplier``), which decides
+when they are swapped in or dropped; the sink (``sinks.VllmSink``) writes into them.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator, Mapping
+
+import torch
+
+from .layers import (DIRECT, ParamTable, aliased, commit_shadow, mla_absorbers, open_shadow, process_shadow,
+                     reabsorb, swap_into, viewed_storages)
+
+__all__ = ["Shadows", "LayerShadow"]
+
+
+@dataclass
+class LayerShadow:
+    """Progress of one reload-mode module (the unit vLLM processes): the live module, and the
+    shadow copy that receives and is processed until the commit."""
+
+    layer: torch.nn.Module
+    shadow: torch.nn.Module
+    names: dict[str, str]  # param attribute -> local name
+    processed: bool = False
+    committed: bool = False
+
+
+def _timed(phase: str):
+    """Add a method's wall time to ``self.timings[phase]`` (a perf_counter pair per layer)."""
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def inner(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(self, *args, **kwargs)
+            finally:
+                self.timings[phase] += time.perf_counter() - t0
+
+        return inner
+
+    return wrap
+
+
+class Shadows:
+    """One refit's staged copies and layer shadows on one worker (see the module docstring).
+
+    ``atomic``: direct parameters are staged (else written live); ``rebind``: a commit rebinds
+    each live tensor to its shadow's storage (O(1)) instead of copying into it, only where
+    nothing captured the live storages (a CPU engine run eagerly). ``timings``: seconds per
+    phase (open, process, commit) of the refit under way; ``live_changed``: whether it changed
+    what the engine serves yet (a streaming write, a committed layer or a swapped copy)."""
+
+    def __init__(self, table: ParamTable, atomic: bool, device: torch.device, rebind: bool) -> None:
+        self.table, self.atomic, self.device, self.rebind = table, atomic, device, rebind
+        self._absorbers = mla_absorbers(table.model)
+        self._viewed = viewed_storages(table.model)
+        self.reset()
+
+    def reset(self) -> None:
+        """A new refit: nothing held (a failed refit's shadows are dropped with it)."""
+        self.timings = {"open": 0.0, "process": 0.0, "commit": 0.0}
+        self.staged: dict[str, torch.Tensor] = {}
+        self.layers: dict[int, LayerShadow] = {}
+        self.live_changed = False
+
+    def holds(self, name: str) -> bool:
+        """Whether writes to ``name`` already have their tensor: the live one (direct,
+        streaming), its staged copy (direct, atomic) or its module's shadow (reload)."""
+        if self.table.modes[name] == DIRECT:
+            return not self.atomic or name in self.staged
+        return id(self.table.owners[name][0]) in self.layers
+
+    def target(self, name: str) -> torch.Tensor:
+        """The model-format tensor that receives writes for ``name``, made at its first write."""
+        layer, pname = self.table.owners[name]
+        if self.table.modes[name] == DIRECT:
+            live = getattr(layer, pname).data
+            if not self.atomic:
+                self.live_changed = True
+                return live
+            if name not in self.staged:
+                # Every element is written before the commit (the sink's ``check_complete``;
+                # padding is zeroed at ``prepare``), so the staged copy starts empty, not as a clone.
+                self.staged[name] = torch.empty_like(live)
+            return self.staged[name]
+        st = self.layers.get(id(layer))
+        if st is None:
+            st = self._open(layer)
+        return getattr(st.shadow, pname).data
+
+    def made_with(self, name: str) -> tuple[str, ...]:
+        """The parameters whose tensors ``target(name)`` made: ``name`` alone (a staged copy),
+        or every parameter its module's shadow takes."""
+        if self.table.modes[name] == DIRECT:
+            return (name,)
+        return tuple(self.layer_of(name).names.values())
+
+    def layer_of(self, name: str) -> LayerShadow:
+        """The shadow of reload-mode parameter ``name``'s module (opened)."""
+        return self.layers[id(self.table.owners[name][0])]
+
+    def unprocessed(self) -> list[LayerShadow]:
+        return [st for st in self.layers.values() if not st.processed]
+
+    def touched(self) -> Iterator[str]:
+        """Every parameter that has a staged copy or a shadow in this refit."""
+        yield from (n for st in self.layers.values() for n in st.names.values())
+        yield from self.staged
+
+    @_timed("open")
+    def _open(self, layer: torch.nn.Module) -> LayerShadow:
+        """A shadow of ``layer`` in (zeroed) model format; the live layer is not touched."""
+        t = self.table
+        prefix = t.prefix[id(layer)]
+        shadow, names = open_shadow(layer, prefix, t.names_under.get(prefix, {}), t.params, t.modes, self.device)
+        st = self.layers[id(layer)] = LayerShadow(layer, shadow, names)
+        return st
+
+    @_timed("process")
+    def process(self, st: LayerShadow, before: Callable[[Mapping[str, torch.Tensor]], None]) -> None:
+        """vLLM's per-layer processing, on the shadow's model-format tensors; ``before`` sees
+        them (by local name) just before vLLM repacks them (the sink's delta baselines)."""
+        st.processed = True
+        before({local: getattr(st.shadow, attr).data for attr, local in st.names.items()})
+        process_shadow(st.shadow, self.device)
+
+    @_timed("commit")
+    def commit_layer(self, st: LayerShadow) -> None:
+        """The shadow's processed tensors into the live layer (``commit_shadow``), then MLA's
+        absorbed weights rebuilt from the new ``kv_b_proj``."""
+        self.live_changed = True
+        commit_shadow(st.layer, st.shadow, set(st.names), self.rebind, self._viewed)
+        st.committed = True
+        st.shadow = st.layer  # the shadow's tensors are released with it
+        with self.device:
+            for attn in self._absorbers.get(id(st.layer), ()):
+                reabsorb(attn)
+
+    def swap_in(self) -> None:
+        """The refit's commit (atomic): every staged copy into its live tensor, every shadow
+        into its layer. Raises where a swap fails (the participant then stops serving)."""
+        for name, staged in self.staged.items():
+            layer, pname = self.table.owners[name]
+            self.live_changed = True
+            swap_into(getattr(layer, pname), staged, self.rebind and not aliased(layer, pname))
+        for st in self.layers.values():
+            self.commit_layer(st)
+        self.staged.clear()
+
+    def drop(self) -> None:
+        """The refit failed: uncommitted layers changed only their shadows, and staged copies
+        nothing live, so dropping them is the whole undo."""
+        self.layers = {k: st for k, st in self.layers.items() if st.committed}
+        self.staged.clear()
+
+    def nbytes(self) -> int:
+        """Bytes held beside the live weights until the commit: staged direct parameters and
+        the reload layers' shadow tensors."""
+        from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
+
+        staged = sum(t.numel() * t.element_size() for t in self.staged.values())
+        shadows = sum(t.numel() * t.element_size() for st in self.layers.values() if not st.committed
+                      for name, t in get_layer_tensors(st.shadow).items()
+                      if getattr(st.layer, name, None) is not t)
+        return staged + shadows
