@@ -105,7 +105,7 @@ def destination_main(rank: int, inbox: Any, results: Any, layouts: list, spec: A
 
     from mcore_reshard.adapters.vllm.rules import vllm_layout
     from mcore_reshard.wire.protocol import JoinInfo, RefitRequest
-    from mcore_reshard.transport.endpoint import IN_PLACE, RefitEndpoint
+    from mcore_reshard.transport.participant import IN_PLACE, RefitEndpoint
     from mcore_reshard.transport.executor import TensorSink
     from mcore_reshard.transport.views import TORCH_DTYPES
 

@@ -78,7 +78,7 @@ def main() -> None:
         mine = plan.for_rank("dst", 0)
         t3 = time.perf_counter()
         rep = plan_report(plan)
-        from mcore_reshard.plan.topology import Links, placement_report
+        from mcore_reshard.plan.placed import Links, placement_report
         from mcore_reshard.settings.topology import TopologyConfig
 
         placed = placement_report(plan, src, dst, TopologyConfig().place(src.world_size, dst.world_size), Links())

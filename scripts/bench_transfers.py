@@ -28,7 +28,7 @@ from mcore_reshard.settings.config import plan_from_recipe
 from mcore_reshard.settings.config import load_plan
 from mcore_reshard.layout import Box, LocalParam, Piece, SideLayout, View
 from mcore_reshard.plan import build_plan
-from mcore_reshard.plan.topology import placement_report, plan_for_placement
+from mcore_reshard.plan.placed import placement_report, plan_for_placement
 from mcore_reshard.infra.ports import free_port
 from mcore_reshard.wire.protocol import RankMap, VerifyMode
 from mcore_reshard.transport.executor import TransferOptions, execute_plan

@@ -21,7 +21,7 @@ from mcore_reshard.plan.wire import slice_to_wire
 from mcore_reshard.infra.ports import free_port
 from mcore_reshard.wire.protocol import JoinInfo, RankMap, RankReport, RefitRequest, VerifyMode
 from mcore_reshard.testing.worlds import WorldCtx
-from mcore_reshard.transport.endpoint import IN_PLACE, RefitEndpoint
+from mcore_reshard.transport.participant import IN_PLACE, RefitEndpoint
 from mcore_reshard.transport.executor import TensorSink
 from mcore_reshard.transport.views import TORCH_DTYPES
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from mcore_reshard.plan.topology import RankPlacement, placement_report, plan_for_placement
+from mcore_reshard.plan.placed import RankPlacement, placement_report, plan_for_placement
 from mcore_reshard.infra.ports import free_port
 from mcore_reshard.wire.faults import Fault
 from mcore_reshard.transport.executor import TensorSink, TransferOptions, execute_plan, zero_fill_padding

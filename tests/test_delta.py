@@ -17,7 +17,7 @@ import torch
 from mcore_reshard.errors import ConfigError
 from mcore_reshard.plan import build_plan
 from mcore_reshard.plan.tags import direct_tag, header_tag
-from mcore_reshard.plan.topology import RankPlacement, plan_for_placement
+from mcore_reshard.plan.placed import RankPlacement, plan_for_placement
 from mcore_reshard.infra.ports import free_port
 from mcore_reshard.wire.protocol import RefitRequest
 from mcore_reshard.transport.delta import DeltaRun, DeltaState, decide, encoded_numel, refit_id

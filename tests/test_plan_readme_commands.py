@@ -15,7 +15,7 @@ import pytest
 from mcore_reshard.cli import main
 from mcore_reshard.settings.config import load_plan, side_layouts
 from mcore_reshard.plan.cache import clear_plan_cache
-from mcore_reshard.plan.topology import placement_report, plan_for_placement
+from mcore_reshard.plan.placed import placement_report, plan_for_placement
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -16,7 +16,7 @@ from mcore_reshard.layout import Box
 from mcore_reshard.plan import get_plan
 from mcore_reshard.plan.floor import _covered
 from mcore_reshard.plan.planner import build_plan
-from mcore_reshard.plan.topology import (
+from mcore_reshard.plan.placed import (
     LINK_CLASSES,
     Links,
     Location,

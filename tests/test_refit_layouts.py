@@ -22,7 +22,7 @@ from mcore_reshard.infra.checkpoint import make_tiny_checkpoint
 from mcore_reshard.errors import RefitFailed
 from mcore_reshard.wire.faults import EngineFault, Faults
 from mcore_reshard.layout import load_model_spec
-from mcore_reshard.plan.topology import Location, RankPlacement, placement_report
+from mcore_reshard.plan.placed import Location, RankPlacement, placement_report
 from mcore_reshard.settings.policy import RefitConfig
 from mcore_reshard.wire.protocol import VerifyMode
 from mcore_reshard.jobs.refit import local_cluster

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from mcore_reshard.plan.topology import RankPlacement, placement_report, plan_for_placement, relay_groups
+from mcore_reshard.plan.placed import RankPlacement, placement_report, plan_for_placement, relay_groups
 from mcore_reshard.infra.ports import free_port
 from mcore_reshard.transport.group import RankMap, RefitGroup
 from support.worlds import T, refit_once, ship, spawn_ranks
@@ -101,7 +101,7 @@ def test_relayed_refit_writes_every_member_and_catches_a_bad_write():
 def _moe_layouts():
     from mcore_reshard.adapters.megatron.rules import MegatronParallel, megatron_layout
     from mcore_reshard.adapters.vllm.rules import VllmParallel, vllm_layout
-    from mcore_reshard.plan.topology import Location
+    from mcore_reshard.plan.placed import Location
     from toy_layouts import tiny_spec
 
     spec = tiny_spec(moe=True)

@@ -1,4 +1,4 @@
-"""``VllmApplier`` as the refit's participant (``transport.endpoint.Participant``), on a plain
+"""``VllmApplier`` as the refit's participant (``transport.participant.Participant``), on a plain
 torch module whose parameters vLLM would keep in model format (``direct``): what each of
 ``open``, ``prepare``, ``commit`` and ``abort`` leaves served, and the worker's own gate --
 no model step runs on a torn model, nor on a worker that could not learn a refit's decision

@@ -27,7 +27,7 @@ from ..layout import ModelSpec, load_model_spec
 from ..refit.metrics import RefitMetrics
 from ..plan import plan_report
 from ..plan.report import format_bytes
-from ..plan.topology import RankPlacement
+from ..plan.placed import RankPlacement
 from ..infra.ports import free_port
 from ..wire.protocol import VerifyMode
 from ..settings import TINY_MODELS
@@ -118,7 +118,7 @@ class LocalCluster:
         pairs = [(int(a), int(b)) for a, b in pairs]
         probing = self.pool.raw_bandwidth(pairs, nbytes, t)
         got: list = []
-        errors = self.driver.on_engines(lambda d, _: got.extend(raw_bandwidth(d.engine, pairs, nbytes, t)),
+        errors = self.driver.calls.on(lambda d, _: got.extend(raw_bandwidth(d.engine, pairs, nbytes, t)),
                                         what="raw_bandwidth")
         got += probing.wait()
         if errors:
@@ -170,7 +170,7 @@ def local_cluster(spec: ModelSpec, checkpoint: Path, training: Any, vllm: Any, r
     pool, open a driver on them, and close all of it.
     ``engines``: use these running engines instead (they are left running: several trainer
     layouts can refit one engine in turn, each joining a new refit group). ``placement``: where
-    each rank sits (``plan.topology.RankPlacement``; default: ``refit.placement=colocated`` builds
+    each rank sits (``plan.placed.RankPlacement``; default: ``refit.placement=colocated`` builds
     :func:`colocated_placement`, else no placement, direct plans). ``async_engine``: start
     vLLM's ``AsyncLLM`` (:class:`~mcore_reshard.adapters.vllm.engine.AsyncEngine`: clients keep
     generating while the driver's calls run) instead of the offline ``LLM``. ``peft``: a LoRA

@@ -8,7 +8,7 @@ planner (local plan -> global plan -> finish), one module each:
                   and ``reinterpret`` (``validate``: dtypes that differ, tensors carried as
                   their bits) read both sides first; each adds a typed record to the plan
                   (``plan.extensions``) only where it finds something. ``placement`` and
-                  ``relays`` run on a made plan (``plan.topology``).
+                  ``relays`` run on a made plan (``plan.placed``).
 1. ``validate``   both sides describe the same canonical tensors (casts only where allowed),
                   one element type on the wire, source boxes tile every tensor, destination
                   pieces lie inside their tensors and never overlap.

@@ -28,7 +28,7 @@ from ..layout import ModelSpec, SideLayout
 from ..layout.lora import PeftConfig, adapter_tensors, adapters_only, with_adapter
 from ..layout.mtp import draft_tensors
 from .cache import get_plan
-from .topology import Links, plan_for_placement
+from .placed import Links, plan_for_placement
 from .types import TransferPlan
 
 __all__ = ["RefitPlans", "plan_refit", "with_draft_tensors", "check_adapter_shapes"]
@@ -66,7 +66,7 @@ def plan_refit(src: SideLayout, dst: SideLayout, spec: ModelSpec, engine_spec: M
     dtype ``engine_spec``) extended for the policy's features (the module docstring), and
     their plans. ``slots``: the engines' refit adapter slots (a LoRA policy; ranks offset per
     engine); ``extend_dst=False``: ``dst`` is complete as given (a caller's own layout).
-    ``placement`` / ``links``: plan for where every rank sits (``plan.topology``)."""
+    ``placement`` / ``links``: plan for where every rank sits (``plan.placed``)."""
     peft = peft if peft is not None and peft.enabled else None
     if peft is not None:
         tensors = adapter_tensors(spec, peft)

@@ -92,7 +92,7 @@ class RefitDriver:
         #: there (default: free here, for trainers on this machine).
         self.host = host
         self._port = port or (lambda: free_port(host))
-        #: Where every rank sits (``plan.topology.RankPlacement``): the plan then prefers fan-out
+        #: Where every rank sits (``plan.placed.RankPlacement``): the plan then prefers fan-out
         #: relays where they lower the modelled time at ``links``' bandwidths.
         self.placement, self.links = placement, links
         self.last_reports: list[RankReport] = []
@@ -113,7 +113,8 @@ class RefitDriver:
         self._nonce = ""  # the current refit group's (fresh at every join): part of every refit's identity
         #: The engines as refit destinations (``self.engines`` are what the caller passed).
         self.destinations = [as_destination(e) for e in self.engines]
-        #: Every call on the engines, with a deadline, and which engines are refused (``dead``).
+        #: Every call on the engines (``driver.calls.on(fn, args)``), each with a deadline, and which
+        #: engines are refused (``dead``).
         self.calls = EngineCallers(self.destinations)
         #: Seconds an engine may take to answer ``update_weights`` once every trainer is done.
         self.engine_grace_s = ENGINE_GRACE_S
@@ -193,7 +194,7 @@ class RefitDriver:
         for lo, eng in zip(self.engine_offsets, self.engine_infos):
             slices = {r: slice_to_wire(plan.for_rank("dst", r)) for r in range(lo, lo + eng.world_size)}
             inits.append(EngineInitInfo(replace(info, dst_offset=lo), digest, slices, lora=self.peft))
-        errors = self.on_engines(lambda d, init: d.join(init), inits, what="init_weight_transfer_engine",
+        errors = self.calls.on(lambda d, init: d.join(init), inits, what="init_weight_transfer_engine",
                                  deadline_s=self.refit_config.timeout_s + 60.0)
         try:
             joining.wait()
@@ -224,22 +225,6 @@ class RefitDriver:
         until the call they left running returns (then readmitted)."""
         return self.calls.dead
 
-    def on_engines(self, fn: Callable[[Any, Any], Any], args: Sequence[Any] | None = None, *, what: str = "call",
-                   deadline_s: float = 300.0, only: int | None = None) -> list[str]:
-        """Run ``fn(destination, arg)`` on every engine (or engine ``only``) at once, each with a
-        deadline; one error line per failure (``EngineCallers.on``)."""
-        return self.calls.on(fn, args, what=what, deadline_s=deadline_s, only=only)
-
-    def start_on_engines(self, fn: Callable[[Any, Any], Any], args: Sequence[Any] | None = None, *,
-                         what: str = "call", only: int | None = None) -> EngineCalls:
-        return self.calls.start(fn, args, what=what, only=only)
-
-    def wait_on_engines(self, calls: EngineCalls, deadline_s: float) -> list[str]:
-        return self.calls.wait(calls, deadline_s)
-
-    def dead_line(self, e: int) -> str:
-        return self.calls.line(e)
-
     def readmit(self) -> list[int]:
         """Unresponsive engines that answer again, taken back gated: each stays paused until a
         refit commits on all of its workers (the refit it missed may have left a mix)."""
@@ -253,7 +238,7 @@ class RefitDriver:
         that answer again)."""
         self.readmit()
         if self.dead:
-            raise RefitFailed("; ".join(self.dead_line(e) for e in sorted(self.dead)))
+            raise RefitFailed("; ".join(self.calls.line(e) for e in sorted(self.dead)))
 
     # -- refits -------------------------------------------------------------------------------
     def request(self) -> RefitRequest:
@@ -316,7 +301,7 @@ class RefitDriver:
         got: list[list[WorkerStatus]] = [[] for _ in self.engines]
         errors = [f"engine {e}: its workers cannot be asked (no diagnostics extension, worker_extension_cls)"
                   for e, info in enumerate(self.engine_infos) if not info.reports]
-        errors += self.on_engines(lambda d, e: got[e].extend(d.status() or []), list(range(len(self.engines))),
+        errors += self.calls.on(lambda d, e: got[e].extend(d.status() or []), list(range(len(self.engines))),
                                   what="status", deadline_s=30.0)
         if errors:
             raise RefitFailed("; ".join(errors))
@@ -334,7 +319,7 @@ class RefitDriver:
             self.trainers.leave().wait(CLOSE_DEADLINE_S)
         except Exception as exc:  # noqa: BLE001 - best effort on the way out
             _log.warning("closing the refit driver: the trainers did not leave: %s", first_error_line(exc))
-        errors = self.on_engines(lambda d, _: d.close(), what="shutdown_weight_transfer_engine",
+        errors = self.calls.on(lambda d, _: d.close(), what="shutdown_weight_transfer_engine",
                                  deadline_s=CLOSE_DEADLINE_S)
         if errors:
             _log.warning("closing the refit driver: %s", "; ".join(errors))

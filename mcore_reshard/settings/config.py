@@ -34,7 +34,7 @@ from ..plan import check_sides, get_plan, plan_report
 from ..plan.cache import derived_from, get_layouts
 from ..plan.planner import gc_paused
 from ..plan.report import PlanReport, format_bytes
-from ..plan.topology import PlacementReport, placement_report, plan_for_placement
+from ..plan.placed import PlacementReport, placement_report, plan_for_placement
 from ..wire.protocol import one_line
 from .models import megatron_build_problem
 from . import (CONFIG_DIR, LOCAL_DTYPES, MAX_LOCAL_PROCESSES, MAX_PLAN_TRANSFERS, MAX_WORLD, PLAN_CONFIG,

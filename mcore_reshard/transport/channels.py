@@ -41,7 +41,7 @@ __all__ = ["DIRECT_MIN_BYTES", "BucketPosts", "Channel", "GroupChannel", "LocalC
            "ShmChannel", "ZeroCopyChannel"]
 
 #: A receive channel: (source rank, via, relay group). ``via`` is this rank, or -- with fan-out
-#: relays (``plan.topology``) -- the member of the relay group that receives the message from
+#: relays (``plan.placed``) -- the member of the relay group that receives the message from
 #: the source and forwards it to the others; the group is -1 for a message that is not relayed.
 ChannelKey = tuple[int, int, int]
 #: A sent message: (destination rank, relay group).

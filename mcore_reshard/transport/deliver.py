@@ -21,7 +21,7 @@ from ..plan.types import Transfer
 from ..wire.faults import Fault
 from .channels import ChannelKey
 from .checksum import digest_at
-from .faults import flip_first
+from .injection import flip_first
 from .group import RefitError
 from .ledger import ChecksumLedger
 from .packing import unpack_into

@@ -14,7 +14,7 @@ This module is the orchestrator; each concern lives in a part of its own:
 * ``reinterpret.py`` -- tensors the plan carries as their bits, seen in wire units.
 * ``delta.py`` -- delta refits: each message encoded against what the receiver holds
   (headers ahead of the data; a changed box written as its baseline plus the changes).
-* ``faults.py`` -- fault injection, which only tests and soak runs set.
+* ``injection.py`` -- fault injection, which only tests and soak runs set.
 
 Every wait has a timeout and failures name the peer and the bucket.
 """
@@ -38,7 +38,7 @@ from .dataplane import error_class
 from .deliver import Delivery
 from .delta import DeltaDecoder, DeltaEncoder, DeltaRun, HeaderExchange
 from ..wire.faults import Fault
-from .faults import corrupt
+from .injection import corrupt
 from .group import RankMap, RefitGroup
 from .ledger import ChecksumLedger, box_hasher
 from .packing import message_numel, pack

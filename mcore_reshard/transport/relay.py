@@ -1,4 +1,4 @@
-"""Fan-out relays (``plan.topology``): one member of a relay group receives a message from its
+"""Fan-out relays (``plan.placed``): one member of a relay group receives a message from its
 source and forwards the same bytes (no packing) to the other members.
 
 A relayed message comes from a peer that forwards only once its own direct messages arrived,

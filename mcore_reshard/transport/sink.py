@@ -5,7 +5,7 @@ The transport asks the sink where a box goes (``resolve``), writes it there itse
 the receive buffer, or received straight into it when it is contiguous -- hashes what the
 destination now holds, and tells the sink it is done (``commit_box``). So hashing, zero-copy,
 delta boxes (kept or patched), the ``verify=full`` copy and fault exits are transport parts that
-work through these calls (``deliver.py``, ``delta.py``, :class:`Mirror`, ``faults.py``), and a
+work through these calls (``deliver.py``, ``delta.py``, :class:`Mirror`, ``injection.py``), and a
 sink only knows where its tensors are and what to do once a box is in place (count it, process a
 layer it completes). A box committed without being resolved keeps the values the destination
 holds there: a delta refit found it unchanged. (The refit's own commit, of every box at once

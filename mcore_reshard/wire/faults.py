@@ -8,7 +8,7 @@ injects. Nothing here runs in a production refit: ``RefitDriver.refit(faults=...
 only way in, the executor, the endpoints and the sinks take these as typed, optional arguments,
 and each does nothing when its field is None. No production code patches an attribute to
 inject one. What acts on a fault where bytes live (the bit flip, the exit after n reads or
-writes) is in ``transport/faults.py``; these types are messages, so they import no torch.
+writes) is in ``transport/injection.py``; these types are messages, so they import no torch.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class Fault:
     checksums must catch. With ``tensor`` set it strikes at the destination instead: the first
     box of that local tensor it receives (at view offset ``offset`` where >= 0) is corrupted
     where it landed, before it is hashed -- a broken write, which the checksums must catch too. ``exit`` ends the rank's process abruptly at protocol step ``at``;
-    ``sleep`` stalls it there for ``seconds``. Steps (``transport/endpoint.py``):
+    ``sleep`` stalls it there for ``seconds``. Steps (``transport/participant.py``):
     ``before_vote`` (after its last byte), ``after_vote`` (before the decision is known),
     ``after_decision`` (the decision read, before this rank commits). An ``exit`` with
     ``seconds`` waits that long first (so its peers get that far too)."""

@@ -14,7 +14,7 @@ values: nothing here is ever unpickled, and a setting (e.g.
 engine's init info (:class:`EngineInitInfo`) and the diagnostics extension's replies
 (:class:`WorkerStatus`, :class:`WorkerLayout`; the received tensors of ``verify=full``
 are ``transport.views.ReceivedWeights``, raw bytes). Both ends answer a refit the same way: a vote over the refit group carrying
-their ``RankReport`` or one error line (``transport/endpoint.py``). Bytes never travel in these
+their ``RankReport`` or one error line (``transport/participant.py``). Bytes never travel in these
 messages; they move over the refit group (``transport``).
 """
 

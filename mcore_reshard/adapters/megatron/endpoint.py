@@ -22,8 +22,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ...layout import LayoutError, LocalParam, ModelSpec
 from ...wire.protocol import JoinInfo, RankReport, RefitRequest
-from ...transport.endpoint import IN_PLACE, Outcome, RefitEndpoint
-from ...transport.faults import ExitAfterReads
+from ...transport.participant import IN_PLACE, Outcome, RefitEndpoint
+from ...transport.injection import ExitAfterReads
 from ...wire.faults import Fault
 from .live import _unwrap, describe, named_local_params
 from .lora import policy_peft
@@ -99,7 +99,7 @@ class TrainerEndpoint:
               die_after_reads: int | None = None, raise_after_reads: int | None = None) -> RankReport:
         """Send this rank's boxes, vote, and return this rank's report. Raises ``RefitFailed``
         naming every failing rank of either side when the refit did not commit. Fault
-        injection for tests: ``fault`` (``transport.faults.Fault``); ``die_after_reads``: this
+        injection for tests: ``fault`` (``transport.injection.Fault``); ``die_after_reads``: this
         rank's process exits abruptly at its n-th read of a local tensor (dying mid-refit);
         ``raise_after_reads``: that read raises instead (a failure mid-transfer)."""
         self._sync()

@@ -40,7 +40,7 @@ import torch
 
 from ...errors import RefitIncomplete
 from ...layout.descriptor import LocalParam, View
-from ...transport.endpoint import Prepared
+from ...transport.participant import Prepared
 from ...wire.protocol import RefitRequest
 from .gate import ForwardGate, Serving
 from .layers import DIRECT, MLA_NOTE, RELOAD, ParamTable, mla_absorbers, plain_linear_enabled, reprepack_cpu_moe, select_modes
@@ -52,7 +52,7 @@ __all__ = ["VllmApplier", "VllmSink", "RefitIncomplete", "select_modes", "plain_
 
 
 class VllmApplier:
-    """The refit's participant on one vLLM worker (``transport.endpoint.Participant``): its
+    """The refit's participant on one vLLM worker (``transport.participant.Participant``): its
     lifecycle -- ``open``, ``prepare``, then ``commit`` or ``abort`` -- over a small state
     machine per parameter: direct (into the live tensor), staged (a copy, swapped in at the
     commit) or shadow (a model-format copy of its module, processed by vLLM and swapped in).
@@ -126,7 +126,7 @@ class VllmApplier:
         if self.state == "not_serving":
             raise RefitIncomplete(self.reason)
 
-    # -- the refit's participant (``transport.endpoint.Participant``) ------------------------
+    # -- the refit's participant (``transport.participant.Participant``) ------------------------
     def open(self, request: RefitRequest) -> bool:
         """A refit starts: a refit that never reached its end here is dropped first. Returns
         whether every parameter can rebuild a box from what it holds (``delta_ready``)."""

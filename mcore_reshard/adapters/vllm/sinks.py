@@ -22,8 +22,8 @@ import torch
 
 from ...errors import RefitIncomplete
 from ...layout.descriptor import LayoutError, LocalParam, View
-from ...transport.endpoint import Participant, Prepared
-from ...transport.faults import ExitAfterBoxes
+from ...transport.participant import Participant, Prepared
+from ...transport.injection import ExitAfterBoxes
 from ...transport.sink import Mirror
 from ...transport.views import TORCH_DTYPES, copy_unless_same, local_view, zero_padding
 from ...wire.faults import EngineFault

@@ -19,7 +19,7 @@ from ...errors import ConfigError
 from ...layout import ModelSpec
 from ...plan.planner import gc_paused
 from ...plan.report import PlanReport, format_bytes, plan_report
-from ...plan.topology import Links, placement_report, plan_for_placement
+from ...plan.placed import Links, placement_report, plan_for_placement
 from ...settings import resolve_model
 from ...settings.topology import TopologyConfig
 from .recipe import GrpoRecipe

@@ -155,7 +155,7 @@ class HFBroadcastTransport:
         t0 = time.perf_counter()
         sending = driver.trainers.run(SendBroadcast(self._gather_plan, cfg.buffer_bytes, request.timeout_s))
         dst_stats: list[BroadcastStats] = []
-        errors = driver.on_engines(lambda d, _: dst_stats.extend(hf_receive(d, cfg.buffer_bytes, request.timeout_s)))
+        errors = driver.calls.on(lambda d, _: dst_stats.extend(hf_receive(d, cfg.buffer_bytes, request.timeout_s)))
         try:
             src_stats = sending.wait()
         except Exception:
@@ -189,7 +189,7 @@ class HFBroadcastTransport:
         port, world = driver.free_port(), 1 + driver.dst.world_size
         joining = driver.trainers.run(JoinBroadcast(driver.host, port, world, timeout_s, driver.secret))
         joins = [BroadcastJoin(driver.host, port, world, timeout_s, lo, driver.secret) for lo in driver.engine_offsets]
-        errors = driver.on_engines(hf_join, joins)
+        errors = driver.calls.on(hf_join, joins)
         joining.wait()
         if errors:
             raise RefitFailed("hf_broadcast join: " + "; ".join(errors))
@@ -199,5 +199,5 @@ class HFBroadcastTransport:
         """Both ends leave the broadcast group."""
         if self._joined is driver:
             self._joined = None
-        driver.on_engines(lambda d, _: hf_leave(d), what="hf_leave", deadline_s=30.0)
+        driver.calls.on(lambda d, _: hf_leave(d), what="hf_leave", deadline_s=30.0)
         driver.trainers.run(LeaveBroadcast()).wait()

@@ -12,7 +12,7 @@ and drives it with vLLM's own calls:
     llm.finish_weight_update()                                                 # commits or rolls back
     llm.reset_prefix_cache()   # KV blocks computed with the old weights
 
-The refit's sequence is ``transport.endpoint.RefitEndpoint``'s, with :class:`VllmApplier` as
+The refit's sequence is ``transport.participant.RefitEndpoint``'s, with :class:`VllmApplier` as
 this worker's participant (vLLM's layerwise reload into shadows where the kernel repacks, in
 place or staged where it keeps model format). Every rank of the refit (trainers and every
 engine's workers) votes over the group's control plane inside ``update_weights``, and one
@@ -41,7 +41,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 from ....errors import RefitError
 from ....layout.descriptor import LocalParam
 from ....layout.lora import PeftConfig
-from ....transport.endpoint import RefitEndpoint
+from ....transport.participant import RefitEndpoint
 from ....wire.protocol import EngineInitInfo, EngineUpdateInfo, RankReport, VerifyMode, WorkerStatus, first_error_line
 from ..apply import VllmApplier
 from ..sinks import AlteredBaseline, refit_sink

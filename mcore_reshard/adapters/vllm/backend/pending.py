@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from vllm.config import set_current_vllm_config
 
-from ....transport.endpoint import Outcome
+from ....transport.participant import Outcome
 from ....wire.protocol import EngineUpdateInfo, RefitRequest, first_error_line
 from ..apply import VllmApplier
 

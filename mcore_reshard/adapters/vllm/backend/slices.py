@@ -16,7 +16,7 @@ import torch
 from ....errors import RefitError
 from ....layout.descriptor import DTYPE_BYTES, LocalParam
 from ....plan.types import RankPlan
-from ....transport.endpoint import RefitEndpoint
+from ....transport.participant import RefitEndpoint
 from ....wire.protocol import EngineInitInfo, first_error_line
 from ....wire.slice_store import fetch_slice
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ....transport.endpoint import Outcome
+from ....transport.participant import Outcome
 from ....wire.protocol import RefitRequest, WorkerStatus
 from ..apply import VllmApplier
 

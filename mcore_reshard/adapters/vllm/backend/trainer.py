@@ -428,8 +428,10 @@ def _register() -> None:
     ``plugin.register`` does the same in vLLM's processes, idempotent)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    if BACKEND not in WeightTransferTrainerFactory._registry:
+    try:
         WeightTransferTrainerFactory.register_engine(BACKEND, ReshardTrainerEngine)
+    except ValueError:  # vLLM's answer to a second registration of the name (no public lookup)
+        pass
 
 
 _register()
