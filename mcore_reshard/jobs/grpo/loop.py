@@ -415,8 +415,13 @@ def run_grpo(recipe: Any, *, address: str | None = None, as_json: bool = False) 
     metrics_path = log_dir / "metrics.jsonl"
     err = sys.stderr
     interrupted = False
-    previous = signal.getsignal(signal.SIGTERM)
-    signal.signal(signal.SIGTERM, _interrupt)  # a terminated run stops its actors like Ctrl-C
+    # Ctrl-C and a terminated run stop the actors the same way, whatever this process inherited:
+    # a process started while its parent ignored or blocked SIGINT (a launcher, a thread of a
+    # test session) would otherwise run to its last step through every Ctrl-C.
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    for sig in previous:
+        signal.signal(sig, _interrupt)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, set(previous))
     run = GrpoRun(recipe, address=address)
     try:
         print(f"grpo: starting Ray ({'embedded local cluster' if (address or recipe.ray.address) is None else address}), "
@@ -435,7 +440,9 @@ def run_grpo(recipe: Any, *, address: str | None = None, as_json: bool = False) 
         print(f"error: {one_line(exc)}", file=err)
         return 1
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            if handler is not None:  # None: set outside Python, nothing to restore
+                signal.signal(sig, handler)
     history = run.history
     if not history:
         return 130 if interrupted else 1
