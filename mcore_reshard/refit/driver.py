@@ -57,7 +57,7 @@ CLOSE_DEADLINE_S = 30.0
 
 class Transport(Protocol):
     """One way of moving a refit's weights from the trainers into the engines: the driver hands
-    it the request and itself (trainers, engines, layouts, plan, and ``on_engines`` to call every
+    it the request and itself (trainers, engines, layouts, plan, and ``calls.on`` to call every
     engine at once with a deadline)."""
 
     #: ``RefitMetrics.transport``.
