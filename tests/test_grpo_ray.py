@@ -202,11 +202,13 @@ def test_colocated_run_keeps_same_device_bytes_off_the_group():
 
 def _async_run(workdir: Path, *overrides: str) -> dict:
     """``mcore-reshard grpo`` on the async recipe for three steps, with completions long enough
-    (160 tokens, 4 sequences at a time) that the next step's requests are still decoding when
-    a step's refit lands in flight."""
+    (240 tokens, 4 sequences at a time: the engine's 256-token context less the prompt) that the
+    next step's requests are still decoding when a step's refit lands in flight (with 160, the
+    training and refit of a step under a full test session's load outlasted them once in
+    three sessions)."""
     logs = workdir / "logs"
     cmd = [sys.executable, "-m", "mcore_reshard.cli", "grpo", str(ASYNC_RECIPE), "grpo.max_num_steps=3",
-           "grpo.verify_full_every_n_steps=3", "policy.generation.max_new_tokens=160", f"logger.log_dir={logs}",
+           "grpo.verify_full_every_n_steps=3", "policy.generation.max_new_tokens=240", f"logger.log_dir={logs}",
            *overrides]
     return _cli(cmd, logs, 500)
 
