@@ -377,7 +377,7 @@ def test_a_rank_that_raises_reaches_every_rank_within_a_second_with_every_hint_d
     assert all("raised on purpose" in e for e in a.errors), a.errors
 
 
-def _dropped_receive(rank: int, port: int, q) -> None:
+def _dropped_receive(rank: int, world: int, port: int, q) -> None:
     """Rank 1 posts a receive and drops its ``Work`` (a refit unwinding at an abort); rank 0
     then sends its bytes. Rank 1 reports its busy threads, then closes; rank 0 reports how its
     own pending receive from rank 1 ended and its busy threads after."""
@@ -397,7 +397,7 @@ def _dropped_receive(rank: int, port: int, q) -> None:
         g.control.barrier()
         g.control.barrier()  # rank 0 has sent
         time.sleep(0.5)
-        q.put((1, busy([os.getpid()], seconds=1.5)))
+        q.put((1, {"hot": busy([os.getpid()], seconds=1.5)}))
         g.control.barrier()
         g.close(barrier=False)
         time.sleep(3.0)  # alive while rank 0 looks: its pending wait must fail on the closed sockets
@@ -415,7 +415,7 @@ def _dropped_receive(rank: int, port: int, q) -> None:
         ended = str(exc)
     seconds = time.monotonic() - t0
     g.close(barrier=False)
-    q.put((0, (ended, seconds, busy([os.getpid()], seconds=1.0))))
+    q.put((0, {"ended": ended, "seconds": seconds, "hot": busy([os.getpid()], seconds=1.0)}))
 
 
 @pytest.mark.slow  # 2 spawned ranks (gloo's pairs of a second in-process group do not deliver here)
@@ -425,21 +425,10 @@ def test_a_receive_dropped_by_a_failed_refit_leaves_no_thread_spinning_and_close
     loop woke on them forever, a full core (a vLLM worker after a killed trainer, for more than
     ten minutes). The data plane holds every posted receive until it completes or the group
     closes; closing tears every socket down at once, so a peer's pending wait fails at once."""
-    import torch.multiprocessing as mp
+    from support.worlds import spawn_ranks
 
-    ctx = mp.get_context("spawn")
-    q, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_dropped_receive, args=(r, port, q), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        got = dict(q.get(timeout=120) for _ in range(2))
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-    assert got[1] == {}, got  # the receiver's loop is idle with the bytes of a dropped receive arrived
-    ended, seconds, hot = got[0]
+    got = spawn_ranks(_dropped_receive, 2, free_port(), wait_s=120.0)
+    assert got[1]["hot"] == {}, got  # the receiver's loop is idle with the bytes of a dropped receive arrived
+    ended, seconds = got[0]["ended"], got[0]["seconds"]
     assert re.search("(?i)closed|reset", ended) and seconds < 2.0, (ended, seconds)
-    assert hot == {}, hot
+    assert got[0]["hot"] == {}, got[0]["hot"]

@@ -171,11 +171,12 @@ class RankCall(Generic[T]):
 
 def every_rank(what: str, normalize: Callable[..., tuple[Any, ...]] | None = None) -> Callable[..., "Pending[Any]"]:
     """The group form of the rank method ``what``: the same call started on every rank at once
-    (``normalize`` makes its arguments plain values first: token ids as tuples of ints)."""
+    (``normalize`` makes its leading positional arguments plain values first: token ids as
+    tuples of ints; named arguments go through by name)."""
 
     def call(self: "TrainerGroup", *args: Any, **kwargs: Any) -> "Pending[Any]":
         if normalize is not None:
-            args, kwargs = normalize(*args, **kwargs), {}
+            args = normalize(*args)
         return self._each(RankCall(what, tuple(args), tuple(sorted(kwargs.items()))))
 
     call.__name__ = call.__qualname__ = what
@@ -187,10 +188,8 @@ def _tokens(token_ids: TokenIds) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(int(t) for t in seq) for seq in token_ids)
 
 
-def _with_tokens(token_ids: TokenIds, *rest: Any, **named: Any) -> tuple[Any, ...]:
-    """Token ids as tuples of ints, then the other arguments in the method's order (``lr``,
-    ``version``: the only named ones, each the method's second parameter)."""
-    return (_tokens(token_ids), *rest, *named.values())
+def _with_tokens(token_ids: TokenIds, *rest: Any) -> tuple[Any, ...]:
+    return (_tokens(token_ids), *rest)
 
 
 def _snapshot_args(version: int, keep: Sequence[int]) -> tuple[Any, ...]:

@@ -80,10 +80,9 @@ class Destination(Protocol):
 
     def info(self) -> DestinationInfo: ...
 
-    def describe(self, spec: ModelSpec, peft: Any = None) -> Described:
-        """The pieces each worker holds for a refit of ``spec`` (in the engine's dtype) -- with
-        ``peft``, its LoRA refit adapter's slots too; an engine that drafts learns its draft
-        first and describes it beside the target."""
+    def describe(self, spec: ModelSpec) -> Described:
+        """The pieces each worker holds for a refit of ``spec`` (in the engine's dtype); an
+        engine that drafts learns its draft first and describes it beside the target."""
 
     def join(self, init: Any) -> None:
         """Join a refit group (``wire.protocol.EngineInitInfo``)."""

@@ -16,7 +16,6 @@ from ...layout import ModelSpec
 from ...transport.destination import Described, DestinationInfo
 from ...wire.protocol import EngineInitInfo, EngineUpdateInfo, WorkerStatus, first_error_line
 from .engine import STATUS_DEADLINE_S, describe, engine_call, engine_info, worker_status
-from .lora_rules import vllm_lora_layout
 from .rules import vllm_layout
 
 __all__ = ["VllmEngine", "engine_is_dead"]
@@ -60,13 +59,13 @@ class VllmEngine:
         return DestinationInfo(i.world_size, i.dtype, i.parallel, reports=i.diagnostics, can_pause=True,
                                draft=i.draft)
 
-    def describe(self, spec: ModelSpec, peft: Any = None) -> Described:
+    def describe(self, spec: ModelSpec) -> Described:
         """Each worker's pieces: recorded by its own loaders (the diagnostics extension), else
         the rules' layout of its parallel sizes (an engine that checks its slice at init).
         ``spec`` is in the engine's dtype. An engine that drafts learns where its draft is
         first, through vLLM's own draft session (nothing sent: ``start_draft_weight_update``
-        then ``finish_weight_update``); a LoRA policy's refit adapter slots are the rules'
-        (each worker installs and checks them at init)."""
+        then ``finish_weight_update``). A LoRA policy's refit adapter slots are the rules'
+        (``plan.refit_plans.plan_refit`` adds them; each worker installs and checks them at init)."""
         i = engine_info(self.engine)
         if i.draft:
             _checked(self.engine.start_draft_weight_update)
@@ -82,10 +81,6 @@ class VllmEngine:
         else:
             rules = vllm_layout(spec, replace(i.parallel, replicas=1))
             per_worker = [list(rules.for_rank(r)) for r in range(rules.world_size)]
-        if peft is not None:
-            slots = vllm_lora_layout(spec, replace(i.parallel, replicas=1), peft)
-            for r, worker in enumerate(per_worker):
-                worker.extend(p for p in slots.params if p.rank == r)
         return Described(tuple(tuple(w) for w in per_worker), not_direct)
 
     def join(self, init: EngineInitInfo) -> None:

@@ -152,7 +152,7 @@ class VllmServer:
         world = int(self.client.call("GET", "/get_world_size", self.client.timeouts.call_s)["world_size"])
         return DestinationInfo(world, "", can_pause=True, name=self.client.url)
 
-    def describe(self, spec: ModelSpec, peft: Any = None) -> Described:
+    def describe(self, spec: ModelSpec) -> Described:
         raise RefitFailed(f"{self.client.url}: a server's workers cannot be asked what they hold over HTTP: plan "
                           f"against its layout by the rules (adapters.vllm.rules.vllm_layout)")
 

@@ -31,7 +31,7 @@ class WeightSyncClient:
     def info(self) -> DestinationInfo:
         return DestinationInfo(self.world_size, "", name=type(self.client).__name__)
 
-    def describe(self, spec: ModelSpec, peft: Any = None) -> Described:
+    def describe(self, spec: ModelSpec) -> Described:
         raise RefitFailed("vLLM's weight-sync client cannot ask the engine what its workers hold: the trainers plan "
                           "against its layout by the rules (ReshardTrainerInitInfo.engine_*)")
 
