@@ -75,6 +75,8 @@ LIVE_ORDER: list[tuple[str, frozenset[str]]] = [
     ("test_faults", frozenset({"live"})),
     # the same engine and pool, refit while generating
     ("test_overlap", frozenset({"live"})),
+    # a tied fp32 dense TP2 engine and a bf16 TP1 one (cached), with pools of their own
+    ("test_canary", frozenset({"engines"})),
     # tiny DeepSeek-V3 engines, q_lora TP1 and plain q TP2 (engines only: the pools above close)
     ("test_deepseek_refit", frozenset({"engines"})),
     ("test_deepseek_vllm", frozenset({"engines"})),

@@ -32,6 +32,7 @@ from ..infra.ports import free_port
 from ..wire.protocol import VerifyMode
 from ..settings import TINY_MODELS
 from ..training.pool import LocalTrainerGroup, TrainerSetup
+from ..refit.canary import TOKEN_MULT_PROB_BOUND
 from ..refit.verify import full_verification, token_mult_prob_error
 
 T = TypeVar("T")
@@ -270,10 +271,6 @@ def _run_job(job: Any, workdir: Path, as_json: bool) -> int:
     return 0 if ok else 1
 
 
-#: Healthy token_mult_prob_error after a refit: fp32 computes the same model on both sides up
-#: to kernel order (1.001); bf16 kernels differ between megatron and vLLM, and NeMo RL calls a
-#: step healthy below 1.05.
-TOKEN_MULT_PROB_BOUND = {"float32": 1.001, "bfloat16": 1.05, "float16": 1.05}
 
 
 def _table(results, stale: float, baseline, reshard) -> str:

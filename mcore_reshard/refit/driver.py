@@ -41,7 +41,8 @@ from ..plan.refit_plans import RefitPlans, plan_refit
 from ..plan.types import TransferPlan
 from ..plan.wire import slice_to_wire
 from ..infra.ports import free_port
-from ..wire.protocol import (EngineInitInfo, EngineUpdateInfo, JoinInfo, RankMap, RankReport, RefitRequest, WorkerStatus, first_error_line,
+from .canary import make_canary
+from ..wire.protocol import (Canary, EngineInitInfo, EngineUpdateInfo, JoinInfo, RankMap, RankReport, RefitRequest, WorkerStatus, first_error_line,
                        refit_id)
 from ..training.ranks import TrainerGroup
 from ..settings.policy import RefitConfig
@@ -242,9 +243,22 @@ class RefitDriver:
 
     # -- refits -------------------------------------------------------------------------------
     def request(self) -> RefitRequest:
+        """The next refit's request from the refit config; with ``refit.canary`` it carries the
+        canary, its reference computed now by the trainers from the weights they will send."""
         cfg = self.refit_config
         return RefitRequest(self.plan.digest(), cfg.verify, cfg.timeout_s, cfg.atomic, overlap=cfg.overlap,
-                            delta=cfg.delta, delta_state_limit_bytes=cfg.delta_state_limit_bytes)
+                            delta=cfg.delta, delta_state_limit_bytes=cfg.delta_state_limit_bytes,
+                            canary=self.canary() if cfg.canary else None)
+
+    def canary(self) -> Canary:
+        """The canary of the next refit (``refit.canary``): the trainers' logprobs of the fixed
+        sequences under their current weights, the bound of the engines' precision."""
+        cfg = self.refit_config
+        dtype = self.engine_infos[0].dtype if self.engine_infos else self.spec.dtype
+        if not callable(getattr(self.trainers, "logprobs", None)):
+            raise ConfigError("refit.canary=true needs trainers that compute logprobs (TrainerGroup.logprobs)")
+        return make_canary(self.spec.vocab, dtype, cfg.canary_sequences, cfg.canary_tokens, cfg.canary_bound,
+                           lambda seqs: self.trainers.logprobs(seqs).wait()[0])
 
     def next_epoch(self) -> int:
         """The number of the next refit on this driver's groups (signed messages are bound to it)."""

@@ -9,20 +9,13 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any, Sequence
 
 from ..errors import RefitError
 from ..layout import SideLayout
+from ..wire.protocol import token_mult_prob_error
 
 __all__ = ["token_mult_prob_error", "full_verification"]
-
-
-def token_mult_prob_error(gen_logprobs: Sequence[float], train_logprobs: Sequence[float]) -> float:
-    """mean(exp(|gen - train|)) over tokens: 1.0 when both sides compute the same model."""
-    if len(gen_logprobs) != len(train_logprobs) or not gen_logprobs:
-        raise ValueError(f"logprob lengths differ: {len(gen_logprobs)} vs {len(train_logprobs)}")
-    return sum(math.exp(abs(a - b)) for a, b in zip(gen_logprobs, train_logprobs)) / len(gen_logprobs)
 
 
 def full_verification(src: SideLayout, dst: SideLayout, trainer_locals: Sequence[dict[str, Any]],

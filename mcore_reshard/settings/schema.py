@@ -110,6 +110,16 @@ class RefitConfig:
     #: ``colocated`` (training rank i and vLLM worker i share device i on one node: the plan
     #: prefers same-device senders, whose bytes then move through shared memory).
     placement: str = "separate"
+    #: The canary vote (``docs/canary.md``): before an engine serves new weights, every engine
+    #: computes the logprobs of a few fixed token sequences on them and votes no when they
+    #: differ from the trainers' (under the policy just sent) beyond ``canary_bound``.
+    #: Checksums prove the bytes; this proves what the engine computes.
+    canary: bool = False
+    #: Its bound on ``token_mult_prob_error``; 0: the precision's (fp32 1.001, bf16 1.05).
+    canary_bound: float = 0.0
+    #: How many canary sequences, and how many tokens each.
+    canary_sequences: int = 2
+    canary_tokens: int = 16
 
     @property
     def bucket_bytes(self) -> int:
@@ -117,7 +127,7 @@ class RefitConfig:
         return max(1, self.buffer_bytes // 2)
 
     def __post_init__(self) -> None:
-        for name in ("enabled", "allow_cast", "atomic", "overlap", "recompute_kv_cache_after_weight_updates"):
+        for name in ("enabled", "allow_cast", "atomic", "overlap", "recompute_kv_cache_after_weight_updates", "canary"):
             value = getattr(self, name)
             _check(isinstance(value, bool), f"refit.{name}={value!r} is not a boolean (true or false)")
         for name, allowed in (("transport", TRANSPORTS), ("apply_mode", APPLY), ("placement", PLACEMENTS),
@@ -125,6 +135,16 @@ class RefitConfig:
             value = getattr(self, name)
             _check(isinstance(value, str) and value in allowed, f"refit.{name}={value!r} is not one of {list(allowed)}")
         object.__setattr__(self, "verify", VerifyMode.parse(self.verify, "refit.verify"))
+        b = self.canary_bound
+        _check(isinstance(b, (int, float)) and not isinstance(b, bool) and (b == 0 or b > 1.0),
+               f"refit.canary_bound={b!r} must be 0 (the precision's bound) or a token_mult_prob_error above 1.0")
+        for name, least in (("canary_sequences", 1), ("canary_tokens", 2)):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and not isinstance(value, bool) and value >= least,
+                   f"refit.{name}={value!r} must be an integer >= {least}")
+        if self.canary:
+            _check(self.transport == "reshard", f"refit.canary=true needs refit.transport=reshard (the "
+                                                f"{self.transport} baseline has no vote to put it in)")
         if self.overlap:
             _check(self.atomic, "refit.overlap=true needs refit.atomic=true: a streaming refit writes live weights "
                                 "as buckets arrive, which the steps generating meanwhile would read")

@@ -94,7 +94,10 @@ class MegatronTrainerRank(TrainerRank):
         return self.policy.train_step(self._batch(token_ids), lr=lr)
 
     def logprobs(self, token_ids: Sequence[Sequence[int]], version: int | None = None) -> list[list[float]]:
-        """Next-token logprobs under the current weights, or under the snapshot of ``version``."""
+        """Next-token logprobs under the current weights (made whole first: the optimizer's
+        parameter sync, as a refit reads them -- a forward that skips the gather would read a
+        stale shard), or under the snapshot of ``version``."""
+        self._sync()
         if version is not None:
             if version not in self.snapshots:
                 raise KeyError(f"no snapshot of policy version {version} (held: {sorted(self.snapshots)})")

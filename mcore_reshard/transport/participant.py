@@ -4,7 +4,7 @@ The trainer endpoint (``adapters/megatron/endpoint.py``) and the vLLM weight-tra
 (``adapters/vllm/backend/engine.py``) each own one :class:`RefitEndpoint`, which runs the
 sequence of every refit once, for both::
 
-    open -> move the bytes -> prepare -> vote -> commit | abort
+    open -> move the bytes -> prepare -> [canary check] -> vote -> commit | abort
 
 Each side brings a :class:`Participant` (what it does around the vote) and, on the inference
 side, a sink (where the bytes go). The trainer's participant has nothing to stage
@@ -16,6 +16,7 @@ close-on-failure, the pair lookup of the bandwidth probe and the report format l
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Protocol
 
@@ -24,7 +25,7 @@ import torch
 from ..errors import RefitError, RefitFailed
 from ..plan.types import RankPlan
 from ..plan.wire import slice_from_wire
-from ..wire.protocol import JoinInfo, RankReport, RefitRequest, first_error_line
+from ..wire.protocol import Canary, JoinInfo, RankReport, RefitRequest, first_error_line
 from .delta import DeltaRun, DeltaState, decide, refit_id
 from .executor import TransferOptions, TransferStats, execute_plan, raw_send_bandwidth
 from ..wire.faults import Fault
@@ -60,6 +61,11 @@ class Participant(Protocol):
 
     def prepare(self) -> Prepared: ...
 
+    def check(self, canary: Canary) -> None:
+        """The canary vote (``RefitRequest.canary``, a blocking refit): after every rank
+        prepared, what this rank would serve is run on the canary; raises (a "no" vote) when
+        it fails. A rank that serves nothing has nothing to check."""
+
     def commit(self) -> None: ...
 
     def abort(self, reason: str) -> None: ...
@@ -75,6 +81,9 @@ class _InPlace:
 
     def prepare(self) -> Prepared:
         return Prepared()
+
+    def check(self, canary: Canary) -> None:
+        pass
 
     def commit(self) -> None:
         pass
@@ -187,7 +196,16 @@ class RefitEndpoint:
         try:
             stats = self._run(request, src_tensors, sink, participant, progress, fault)
             ready = participant.prepare()
-            report = self.report(stats, ready.phases)
+            phases = dict(ready.phases)
+            if request.canary is not None and not request.overlap:
+                # Every rank staged before any engine runs its canary forward: that forward is a
+                # collective over the engine's workers, which one that failed must not leave
+                # waiting (a failed rank's abort ends this wait at once).
+                t0 = time.perf_counter()
+                self.group.control.exchange("staged", request.timeout_s)
+                participant.check(request.canary)
+                phases["canary"] = time.perf_counter() - t0
+            report = self.report(stats, phases)
             report = replace(report, peak_extra_bytes=report.peak_extra_bytes + ready.held_bytes,
                              delta=replace(report.delta, state_bytes=report.delta.state_bytes + ready.baseline_bytes))
         except BaseException as exc:  # noqa: BLE001 - voted on, then kept as the outcome

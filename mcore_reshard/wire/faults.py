@@ -96,6 +96,12 @@ class EngineFault:
     fault: Fault | None = None
     exit_after_writes: int | None = None
     alter_baseline: str | None = None
+    #: Post-load processing skipped for the layer of this local parameter (its kernel keeps
+    #: what it was built from before: bytes right, computation stale).
+    skip_processing: str | None = None
+    #: The worker's LM head is cut loose from the tied embedding before the refit, so the refit
+    #: updates the embedding only (a tied head updated on one side).
+    untie_head: bool = False
 
     def strikes(self, rank: int) -> bool:
         """Whether this fault is for destination ``rank``."""
@@ -110,7 +116,9 @@ class EngineFault:
         return EngineFault(tuple(int(r) for r in rank) if isinstance(rank, list) else int(rank),
                            Fault.from_wire(d) if d.get("at") or d.get("tensor") else None,  # a step, or a landed box
                            int(d["exit_after_writes"]) if d.get("exit_after_writes") is not None else None,
-                           str(d["alter_baseline"]) if d.get("alter_baseline") is not None else None)
+                           str(d["alter_baseline"]) if d.get("alter_baseline") is not None else None,
+                           str(d["skip_processing"]) if d.get("skip_processing") is not None else None,
+                           bool(d.get("untie_head", False)))
 
     def to_wire(self) -> dict[str, Any]:
         """``EngineUpdateInfo.fault``: what the weight-transfer engine reads."""
@@ -121,6 +129,10 @@ class EngineFault:
             out["exit_after_writes"] = self.exit_after_writes
         if self.alter_baseline is not None:
             out["alter_baseline"] = self.alter_baseline
+        if self.skip_processing is not None:
+            out["skip_processing"] = self.skip_processing
+        if self.untie_head:
+            out["untie_head"] = True
         return out
 
 

@@ -24,7 +24,7 @@ import enum
 import hashlib
 import math
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from ..errors import ConfigError
 from ..layout.descriptor import Box, LocalParam, Piece, View
@@ -37,6 +37,8 @@ __all__ = ["BACKEND",
     "RankMap",
     "JoinInfo",
     "RefitRequest",
+    "Canary",
+    "token_mult_prob_error",
     "refit_id",
     "RankReport",
     "EngineInitInfo",
@@ -182,6 +184,50 @@ def refit_id(plan_digest: str, nonce: str, epoch: int) -> str:
     return f"{plan_digest[:16]}:{h}"
 
 
+def token_mult_prob_error(gen_logprobs: Sequence[float], train_logprobs: Sequence[float]) -> float:
+    """mean(exp(|gen - train|)) over tokens: 1.0 when both sides compute the same model (NeMo
+    RL's measure of a refit's health)."""
+    if len(gen_logprobs) != len(train_logprobs) or not gen_logprobs:
+        raise ValueError(f"logprob lengths differ: {len(gen_logprobs)} vs {len(train_logprobs)}")
+    return sum(math.exp(abs(a - b)) for a, b in zip(gen_logprobs, train_logprobs)) / len(gen_logprobs)
+
+
+@dataclass(frozen=True)
+class Canary:
+    """What a refit's canary vote checks (``refit.canary``): before an engine serves new
+    weights it computes the prompt logprobs of ``tokens`` (a few fixed sequences) on them, and
+    votes no when ``token_mult_prob_error`` against ``reference`` -- the trainers' logprobs of
+    the same tokens under the policy just sent -- exceeds ``bound``. Checksums prove the bytes
+    arrived as planned; this proves the engine computes the policy (a layout wrong the same way
+    on both sides, a kernel not rebuilt after loading, a head left stale). ``dtype`` names the
+    precision the bound was chosen for (messages)."""
+
+    tokens: tuple[tuple[int, ...], ...]
+    reference: tuple[tuple[float, ...], ...]
+    bound: float
+    dtype: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tokens", tuple(tuple(int(t) for t in s) for s in self.tokens))
+        object.__setattr__(self, "reference", tuple(tuple(float(x) for x in s) for s in self.reference))
+        if not self.tokens or any(len(s) < 2 for s in self.tokens):
+            raise ConfigError("canary: needs at least one sequence of two or more tokens")
+        if len(self.reference) != len(self.tokens) or any(
+                len(r) != len(s) - 1 for r, s in zip(self.reference, self.tokens)):
+            raise ConfigError(f"canary: reference logprobs do not match the sequences ({len(self.reference)} for "
+                              f"{len(self.tokens)}; one value per token after the first)")
+        if not isinstance(self.bound, (int, float)) or not self.bound > 1.0:
+            raise ConfigError(f"canary: bound={self.bound!r} must be a token_mult_prob_error above 1.0")
+
+    def to_wire(self) -> dict:
+        return {"tokens": [list(s) for s in self.tokens], "reference": [list(r) for r in self.reference],
+                "bound": self.bound, "dtype": self.dtype}
+
+    @staticmethod
+    def from_wire(d: Mapping[str, Any]) -> "Canary":
+        return Canary(d["tokens"], d["reference"], float(d["bound"]), str(d.get("dtype", "")))
+
+
 @dataclass(frozen=True)
 class RefitRequest:
     """One refit: which plan (every rank holds its slice already), how to verify, how long
@@ -211,6 +257,9 @@ class RefitRequest:
     #: The most bytes of baseline one rank keeps for delta refits (0: no limit); a rank over
     #: it keeps none, and refits stay full.
     delta_state_limit_bytes: int = 0
+    #: The canary vote (``Canary``): every engine checks what it computes on the new weights
+    #: before they serve; None: bytes only.
+    canary: Canary | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "verify", VerifyMode.parse(self.verify))
@@ -233,11 +282,15 @@ class RefitRequest:
     def to_wire(self) -> dict:
         return {"plan_digest": self.plan_digest, "verify": self.verify.value, "timeout_s": self.timeout_s,
                 "atomic": self.atomic, "epoch": self.epoch, "version": self.version, "overlap": self.overlap,
-                "delta": self.delta, "delta_state_limit_bytes": self.delta_state_limit_bytes}
+                "delta": self.delta, "delta_state_limit_bytes": self.delta_state_limit_bytes,
+                **({"canary": self.canary.to_wire()} if self.canary is not None else {})}
 
     @staticmethod
     def from_wire(d: Mapping[str, Any]) -> "RefitRequest":
-        return RefitRequest(**dict(d))
+        d = dict(d)
+        if d.get("canary") is not None:
+            d["canary"] = Canary.from_wire(d["canary"])
+        return RefitRequest(**d)
 
 
 @dataclass(frozen=True)

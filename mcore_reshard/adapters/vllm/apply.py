@@ -33,15 +33,17 @@ its model steps raise :class:`RefitIncomplete` -- never a silent half-written mo
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Sequence, Mapping
+from typing import Callable, Sequence, Mapping
 
 import torch
 
 from ...errors import RefitIncomplete
 from ...layout.descriptor import LocalParam, View
 from ...transport.participant import Prepared
-from ...wire.protocol import RefitRequest
+from ...wire.protocol import Canary, RefitRequest
+from .canary import CanaryFailed
 from .gate import ForwardGate, Serving
 from .layers import DIRECT, MLA_NOTE, RELOAD, ParamTable, mla_absorbers, plain_linear_enabled, reprepack_cpu_moe, select_modes
 from .shadows import Shadows
@@ -67,7 +69,8 @@ class VllmApplier:
 
     def __init__(self, model: torch.nn.Module, params: Sequence[LocalParam], *,
                  modes: Mapping[str, str] | None = None, atomic: bool = False,
-                 device: torch.device | str = "cpu", rebind: bool = False) -> None:
+                 device: torch.device | str = "cpu", rebind: bool = False,
+                 probe: Callable[..., None] | None = None) -> None:
         self.model = model
         self.table = ParamTable.of(model, params, modes)
         self.params, self.modes = self.table.params, self.table.modes
@@ -87,6 +90,12 @@ class VllmApplier:
         #: The weights were torn when this refit began: only a whole refit's ``finish`` heals them.
         self._torn = False
         self._prepared = False
+        #: The canary's forward on this worker (``canary.py``): ``probe(canary, every)`` raises
+        #: when the engine's logprobs on the weights a forward now reads fail the canary (on the
+        #: engine's first worker, or on ``every`` one); ``probe(None)`` only says whether this
+        #: engine can run one (raises why not). None: it cannot.
+        self.probe = probe
+        self._canary: Canary | None = None
 
     # -- what the worker serves (``gate.Serving``, shared with the gate and the sink) ------------
     @property
@@ -134,6 +143,11 @@ class VllmApplier:
             self._fail("superseded by a new refit")
         self.begin()
         self._opened, self._overlap = True, request.overlap
+        self._canary = request.canary
+        if self._canary is not None:  # an engine that cannot run it refuses before a byte moves
+            if self.probe is None:
+                raise CanaryFailed("refit.canary: this worker has no canary forward")
+            self.probe(None)
         ready = self.delta_ready()
         self.sink.keep_baselines(request.delta != "off")
         return ready
@@ -147,10 +161,27 @@ class VllmApplier:
         return Prepared(phases, baseline_bytes=self.sink.baseline_bytes(),
                         held_bytes=self.shadows.nbytes() if self._overlap else 0)
 
+    def check(self, canary: Canary, every: bool = False) -> None:
+        """The canary vote of a blocking refit, after ``prepare``: the engine's forward on what
+        it would serve -- the staged weights (atomic: the live ones are untouched, and kept
+        for the rollback), or the live ones a streaming refit already wrote -- against the
+        trainers' logprobs. Raises (this worker's "no") when it fails."""
+        with self.shadows.trial() if self.atomic else contextlib.nullcontext():
+            self.probe(canary, every)
+
     def commit(self) -> None:
         """Everyone staged and verified: swap in together (atomic; a streaming refit committed
-        at ``prepare``)."""
+        at ``prepare``). An overlapped refit's canary runs here, on the shadows, before the
+        swap (the engine is paused for it), on every worker: when it fails nothing is swapped
+        in, the old weights stay whole, and this raises (the engine serves the old weights; one
+        whose workers disagree is gated by the driver's confirmation)."""
         self._opened = False
+        if self.atomic and self._overlap and self._canary is not None and self.state == "updating":
+            try:
+                self.check(self._canary, every=True)
+            except BaseException as exc:
+                self._fail(f"canary failed: {exc}")
+                raise
         if self.atomic:
             self.finish()
 

@@ -116,6 +116,44 @@ def mla_absorbers(model: torch.nn.Module) -> dict[int, list[torch.nn.Module]]:
     return out
 
 
+def tied_dependents(model: torch.nn.Module) -> dict[int, list[torch.nn.Module]]:
+    """``id(module) -> [other modules with their own kernel state over one of its parameters]``:
+    vLLM ties an LM head to the input embedding by sharing the ``Parameter``
+    (``ParallelLMHead.tie_weights``) while the head keeps kernel state of its own built from
+    it at load (on CPU, the packed ``cpu_linear``). A refit writes the embedding only (the
+    plan moves a tied tensor once), so the head's state must be rebuilt with it
+    (``Shadows.process``), or the engine computes with the old head."""
+    owners: dict[int, torch.nn.Module] = {}
+    out: dict[int, list[torch.nn.Module]] = {}
+    for m in model.modules():
+        for p in m._parameters.values():
+            if p is None:
+                continue
+            first = owners.setdefault(id(p), m)
+            if first is not m and getattr(m, "quant_method", None) is not None:
+                out.setdefault(id(first), []).append(m)
+    return out
+
+
+def process_dependent(dependent: torch.nn.Module, shadow: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """A shadow of ``dependent`` (a module sharing a parameter with ``shadow``'s live layer,
+    ``tied_dependents``) over the new values in ``shadow``, processed by its own quant method;
+    the live module is not touched."""
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    out = shadow_module(dependent)
+    live = shadow.__dict__.get("_mr_live")
+    for name, p in dependent._parameters.items():
+        for lname, lp in (live._parameters.items() if live is not None else ()):
+            if lp is p and shadow._parameters.get(lname) is not None:
+                out._parameters[name] = shadow._parameters[lname]
+    qm = getattr(out, "quant_method", None)
+    if isinstance(qm, QuantizeMethodBase):
+        with device, torch.no_grad():
+            qm.process_weights_after_loading(out)
+    return out
+
+
 def reabsorb(attn: torch.nn.Module) -> None:
     """Rebuild W_UK / W_UV from the (new) kv_b_proj. Unquantized models compute in the
     weight's dtype, which is the ``act_dtype`` vLLM passes at load."""
@@ -294,6 +332,7 @@ def open_shadow(layer: torch.nn.Module, prefix: str, names: dict[str, str], para
         raise RuntimeError(f"{prefix}: a vLLM layerwise reload is already in progress on this layer")
     shadow = shadow_module(layer)
     shadow.__dict__["_mr_derivations"] = derivations(layer)  # from the live loaders, before the restore
+    shadow.__dict__["_mr_live"] = layer  # whose parameters the shadow stands for (``process_dependent``)
     # The shadow's own reload bookkeeping, from the metadata vLLM recorded at load (the live
     # layer's entry in vLLM's LAYERWISE_INFO is never touched).
     info = LayerReloadingInfo(restore_metadata=live_info.restore_metadata, restore_device=live_info.restore_device)
@@ -359,3 +398,16 @@ def commit_shadow(live: torch.nn.Module, shadow: torch.nn.Module, written: set[s
         # ``_cpu_unpacked_conv_weight`` beside the packed weight): stale if not carried over.
         if (not k.startswith("_") or k.startswith("_cpu_")) and live.__dict__.get(k, MISSING) is not v:
             live.__dict__[k] = v
+
+
+def untie_head(model: torch.nn.Module) -> None:
+    """Fault injection (``EngineFault.untie_head``, tests only): an LM head tied to the input
+    embedding gets a copy of it as its own weight, which no refit then writes -- the head
+    of a tied model left stale while the embedding is updated."""
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or embed is None or head.weight is not embed.weight:
+        return
+    copy = shadow_module(head)
+    copy._parameters["weight"] = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False)
+    model.lm_head = copy

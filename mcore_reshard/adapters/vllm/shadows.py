@@ -15,15 +15,16 @@ when they are swapped in or dropped; the sink (``sinks.VllmSink``) writes into t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, Mapping
 
 import torch
 
-from .layers import (DIRECT, ParamTable, aliased, commit_shadow, mla_absorbers, open_shadow, process_shadow,
-                     reabsorb, swap_into, viewed_storages)
+from .layers import (DIRECT, ParamTable, aliased, commit_shadow, mla_absorbers, open_shadow, process_dependent,
+                     process_shadow, reabsorb, swap_into, tied_dependents, viewed_storages)
 
 __all__ = ["Shadows", "LayerShadow"]
 
@@ -38,6 +39,9 @@ class LayerShadow:
     names: dict[str, str]  # param attribute -> local name
     processed: bool = False
     committed: bool = False
+    #: Modules with kernel state of their own over this layer's parameters (a tied LM head,
+    #: ``layers.tied_dependents``), each with its shadow processed from the new values.
+    dependents: list[tuple[torch.nn.Module, torch.nn.Module]] = field(default_factory=list)
 
 
 def _timed(phase: str):
@@ -70,6 +74,10 @@ class Shadows:
         self.table, self.atomic, self.device, self.rebind = table, atomic, device, rebind
         self._absorbers = mla_absorbers(table.model)
         self._viewed = viewed_storages(table.model)
+        self._tied = tied_dependents(table.model)
+        #: Fault injection (``EngineFault.skip_processing``, tests only): the layers holding these
+        #: local parameters are not processed after loading -- their kernel state stays stale.
+        self.skip_processing: frozenset[str] = frozenset()
         self.reset()
 
     def reset(self) -> None:
@@ -138,7 +146,9 @@ class Shadows:
         them (by local name) just before vLLM repacks them (the sink's delta baselines)."""
         st.processed = True
         before({local: getattr(st.shadow, attr).data for attr, local in st.names.items()})
-        process_shadow(st.shadow, self.device)
+        if self.skip_processing.isdisjoint(st.names.values()):
+            process_shadow(st.shadow, self.device)
+            st.dependents = [(d, process_dependent(d, st.shadow, self.device)) for d in self._tied.get(id(st.layer), ())]
 
     @_timed("commit")
     def commit_layer(self, st: LayerShadow) -> None:
@@ -146,6 +156,9 @@ class Shadows:
         absorbed weights rebuilt from the new ``kv_b_proj``."""
         self.live_changed = True
         commit_shadow(st.layer, st.shadow, set(st.names), self.rebind, self._viewed)
+        for dependent, shadow in st.dependents:  # the tied head's kernel state, rebuilt from the new values
+            commit_shadow(dependent, shadow, set(), self.rebind, self._viewed)
+        st.dependents = []
         st.committed = True
         st.shadow = st.layer  # the shadow's tensors are released with it
         with self.device:
@@ -162,6 +175,46 @@ class Shadows:
         for st in self.layers.values():
             self.commit_layer(st)
         self.staged.clear()
+
+    @contextlib.contextmanager
+    def trial(self) -> Iterator[None]:
+        """While inside, a forward of the live model reads what this refit holds (the canary's
+        view of the new weights), and the live tensors are untouched: each staged parameter's
+        ``data`` points at its staged copy, each processed shadow's tensors and kernel handles
+        stand in its live layer (the same objects, so vLLM's forward context still finds
+        them); on the way out everything live is put back as it was. Only where no model
+        step runs meanwhile (the engine paused, the worker inside a refit call)."""
+        undo: list[Callable[[], None]] = []
+        try:
+            for name, staged in self.staged.items():
+                layer, pname = self.table.owners[name]
+                param = getattr(layer, pname)
+                old = param.data
+                param.data = staged
+                undo.append(lambda p=param, o=old: setattr(p, "data", o))
+            pairs = [(st.layer, st.shadow) for st in self.layers.values() if not st.committed]
+            pairs += [pair for st in self.layers.values() if not st.committed for pair in st.dependents]
+            for live, shadow in pairs:
+                state = (dict(live._parameters), dict(live._buffers), dict(live.__dict__))
+                live._parameters.update({k: v for k, v in shadow._parameters.items() if v is not None})
+                live._buffers.update({k: v for k, v in shadow._buffers.items() if v is not None})
+                for k, v in shadow.__dict__.items():
+                    if not k.startswith("_") or k.startswith("_cpu_"):
+                        live.__dict__[k] = v
+
+                def back(m: torch.nn.Module = live, saved: tuple = state) -> None:
+                    m._parameters.clear()
+                    m._parameters.update(saved[0])
+                    m._buffers.clear()
+                    m._buffers.update(saved[1])
+                    m.__dict__.clear()
+                    m.__dict__.update(saved[2])
+
+                undo.append(back)
+            yield
+        finally:
+            for fn in reversed(undo):
+                fn()
 
     def drop(self) -> None:
         """The refit failed: uncommitted layers changed only their shadows, and staged copies

@@ -235,6 +235,9 @@ class AlteredBaseline:
     def prepare(self) -> Prepared:
         return self.participant.prepare()
 
+    def check(self, canary: Any) -> None:
+        self.participant.check(canary)
+
     def commit(self) -> None:
         self.participant.commit()
 

@@ -42,9 +42,11 @@ from ....errors import RefitError
 from ....layout.descriptor import LocalParam
 from ....layout.lora import PeftConfig
 from ....transport.participant import RefitEndpoint
-from ....wire.protocol import EngineInitInfo, EngineUpdateInfo, RankReport, VerifyMode, WorkerStatus, first_error_line
+from ....wire.protocol import Canary, EngineInitInfo, EngineUpdateInfo, RankReport, VerifyMode, WorkerStatus, first_error_line
 from ..apply import VllmApplier
 from ..sinks import AlteredBaseline, refit_sink
+from ..canary import CanaryFailed, check_canary, engine_logprobs, unsupported
+from ..layers import untie_head
 from .pending import Background, Received, Unreadable, Voted, wants_overlap
 from .pieces import EnginePieces
 from .slices import join_with_slice
@@ -122,11 +124,35 @@ class ReshardWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUpd
         params = self.params()
         if ap is None or ap.atomic != atomic or set(ap.params) != {p.name for p in params}:
             new = VllmApplier(self.served, params, atomic=atomic, device=self.device,
-                              rebind=rebind_commits(self.vllm_config, self.device))
+                              rebind=rebind_commits(self.vllm_config, self.device), probe=self.canary)
             if ap is not None:
                 new.inherit(ap)  # a torn model stays gated across a change of mode
             ap = self._applier = new
         return ap
+
+    def canary(self, canary: Canary | None, every: bool = False) -> None:
+        """The canary vote's forward on this worker (``VllmApplier.probe``): the engine's own
+        model on the canary's sequences, over whatever weights a forward reads now. Every
+        worker of the engine runs it (its collectives); the engine's first worker alone judges
+        it, so a failure is one line -- ``every``: each worker does (an overlapped refit's
+        swap, where each decides for itself). ``None``: only whether this engine can run one."""
+        who = self.engine_name()
+        why = unsupported(self.vllm_config)
+        if why:
+            raise CanaryFailed(f"{who}: refit.canary is on, but {why}")
+        if canary is None:
+            return
+        got = engine_logprobs(self.vllm_config, self._default_model, self.device, canary.tokens)
+        if every or self.local_rank == 0:
+            check_canary(canary, got, who)
+
+    def engine_name(self) -> str:
+        """This worker's engine, by the destination ranks it holds in the refit group."""
+        world = int(self.vllm_config.parallel_config.world_size)
+        if self.endpoint is None:
+            return f"vLLM worker {self.local_rank}"
+        first = self.endpoint.rank - self.local_rank % world
+        return f"engine of destination ranks {first}..{first + world - 1}"
 
     # -- vLLM's lifecycle ---------------------------------------------------------------------
     def parse_init_info(self, init_dict: dict[str, Any]) -> EngineInitInfo:
@@ -236,6 +262,10 @@ class ReshardWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUpd
         fault = update_info.fault if update_info.fault is not None and update_info.fault.strikes(self.endpoint.rank) \
             else None
         applier = self.applier(request.atomic)
+        applier.shadows.skip_processing = frozenset(
+            [fault.skip_processing] if fault is not None and fault.skip_processing else [])
+        if fault is not None and fault.untie_head:
+            untie_head(self._default_model)
         participant: Any = applier
         sink, self.received = refit_sink(applier.sink, request.verify is VerifyMode.FULL, fault)
         if fault is not None and fault.alter_baseline is not None:

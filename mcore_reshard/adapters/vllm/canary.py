@@ -1,0 +1,150 @@
+"""The canary vote on a vLLM worker: what the engine computes on the new weights, before they serve.
+
+Checksums prove that every box arrived where the plan put it. They cannot see a plan that is
+wrong the same way on both sides, nor state vLLM derives from the weights after loading that
+was not rebuilt. So with ``refit.canary`` on, each worker runs its model on a few fixed token
+sequences (``wire.protocol.Canary``) over the weights it is about to serve and votes no when the
+prompt logprobs differ from the trainers' by more than the bound.
+
+The forward is vLLM's own model (its kernels, its repacked and derived tensors) run outside the
+scheduler, so no client request is ever scheduled on weights that have not passed: one prefill
+request per sequence, with the attention metadata built by each layer group's own metadata
+builder and a private KV cache of just the blocks it needs (the engine's KV cache, and the
+requests paused in it, are not touched). Run where no model step runs meanwhile: inside
+``update_weights`` (the engine is paused for a blocking refit) or ``finish_weight_update``
+(paused for an overlapped refit's swap). Every worker of the engine runs it at once (the
+tensor-parallel collectives of the forward), and every worker gets the whole logits.
+
+Supported: decoder models whose layers with forward-time state are vLLM's standard
+``Attention`` (any backend with a metadata builder) and ``FusedMoE``; on one pipeline stage;
+without LoRA. :func:`unsupported` says in one line why another engine cannot run it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from ...errors import RefitError
+from ...wire.protocol import Canary, token_mult_prob_error
+
+__all__ = ["CanaryFailed", "unsupported", "engine_logprobs", "check_canary"]
+
+
+class CanaryFailed(RefitError):
+    """The engine's logprobs on the new weights differ from the trainers' beyond the bound."""
+
+
+def _forward_layers(vllm_config: Any) -> dict[str, Any]:
+    return dict(vllm_config.compilation_config.static_forward_context)
+
+
+def unsupported(vllm_config: Any) -> str:
+    """Why this engine cannot run the canary's forward ("" when it can)."""
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+
+    par = vllm_config.parallel_config
+    if int(getattr(par, "pipeline_parallel_size", 1)) > 1:
+        return "the canary's forward runs on one pipeline stage (this engine has pipeline_parallel_size > 1)"
+    if getattr(vllm_config, "lora_config", None) is not None:
+        return "the canary's forward runs the base model, not a LoRA adapter (this engine serves LoRA)"
+    for name, layer in _forward_layers(vllm_config).items():
+        moe = isinstance(getattr(layer, "quant_method", None), FusedMoEMethodBase)  # a MoE layer's own forward
+        if not (moe or type(layer) is Attention):
+            return (f"layer {name} is a {type(layer).__name__} (the canary's forward builds metadata for "
+                    f"standard attention only: MLA, Mamba and linear-attention layers are not supported)")
+    return ""
+
+
+def _blocks_dim(cache: torch.Tensor, vllm_config: Any) -> int:
+    """Which dimension of a layer's KV cache counts its blocks (the backend's layout)."""
+    blocks = getattr(vllm_config.cache_config, "num_gpu_blocks", None)
+    for d, size in enumerate(cache.shape[:2]):
+        if size == blocks:
+            return d
+    raise RefitError(f"canary: cannot tell the blocks dimension of a KV cache of shape {tuple(cache.shape)} "
+                     f"({blocks} blocks)")
+
+
+def _metadata(vllm_config: Any, device: torch.device, n: int) -> tuple[dict[str, Any], dict[str, torch.Tensor],
+                                                                         dict[str, torch.Tensor]]:
+    """One prefill request of ``n`` tokens: every attention layer's metadata (built by its
+    backend's own builder, one per group of layers with one KV cache spec), slot mapping, and a
+    private KV cache holding just its blocks."""
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    groups: dict[Any, list[str]] = {}
+    layers = _forward_layers(vllm_config)
+    for name, layer in layers.items():
+        if isinstance(layer, Attention):
+            spec = layer.get_kv_cache_spec(vllm_config)
+            groups.setdefault((layer.attn_backend, spec), []).append(name)
+    md: dict[str, Any] = {}
+    slots: dict[str, torch.Tensor] = {}
+    caches: dict[str, torch.Tensor] = {}
+    for (backend, spec), names in groups.items():
+        bs = spec.block_size
+        nb = (n + bs - 1) // bs
+        qsl = torch.tensor([0, n], dtype=torch.int32)
+        common = CommonAttentionMetadata(
+            query_start_loc=qsl.to(device), query_start_loc_cpu=qsl, seq_lens=torch.tensor([n], dtype=torch.int32,
+                                                                                         device=device),
+            num_reqs=1, num_actual_tokens=n, max_query_len=n, max_seq_len=n,
+            block_table_tensor=torch.arange(nb, dtype=torch.int32, device=device)[None],
+            slot_mapping=torch.arange(n, dtype=torch.int64, device=device), causal=True)
+        builder = backend.get_builder_cls()(spec, names, vllm_config, device)
+        built = builder.build(0, common)
+        for name in names:
+            layer = layers[name]
+            md[name], slots[name] = built, common.slot_mapping
+            live = layer.kv_cache
+            shape = list(live.shape)
+            shape[_blocks_dim(live, vllm_config)] = nb  # the backend's own layout, with just these blocks
+            caches[name] = torch.zeros(shape, dtype=live.dtype, device=live.device)
+    return md, slots, caches
+
+
+@torch.inference_mode()
+def engine_logprobs(vllm_config: Any, model: torch.nn.Module, device: torch.device,
+                    sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+    """The log-probability of each token after its prefix (``len(s) - 1`` values per
+    sequence), as vLLM's ``prompt_logprobs`` computes it, from ``model``'s current weights."""
+    from vllm.forward_context import set_forward_context
+
+    layers = _forward_layers(vllm_config)
+    out: list[list[float]] = []
+    for seq in sequences:
+        ids = [int(t) for t in seq]
+        n = len(ids)
+        md, slots, caches = _metadata(vllm_config, device, n)
+        saved = {name: layers[name].kv_cache for name in caches}
+        try:
+            for name, cache in caches.items():
+                layers[name].kv_cache = cache
+            x = torch.tensor(ids, dtype=torch.long, device=device)
+            pos = torch.arange(n, dtype=torch.long, device=device)
+            with set_forward_context(md, vllm_config, num_tokens=n, slot_mapping=slots):
+                hidden = model(input_ids=x, positions=pos)
+            logits = model.compute_logits(hidden)
+        finally:
+            for name, cache in saved.items():
+                layers[name].kv_cache = cache
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        target = torch.tensor(ids[1:], dtype=torch.long, device=lp.device)
+        out.append(lp[:-1].gather(1, target[:, None])[:, 0].cpu().tolist())
+    return out
+
+
+def check_canary(canary: Canary, got: Sequence[Sequence[float]], who: str) -> list[float]:
+    """The error of every canary sequence; raises ``CanaryFailed`` naming ``who`` (the engine),
+    the worst canary, its error and the bound when one exceeds it."""
+    errors = [token_mult_prob_error(list(g), list(r)) for g, r in zip(got, canary.reference)]
+    worst = max(range(len(errors)), key=lambda i: errors[i])
+    if not errors[worst] <= canary.bound:  # NaN fails too
+        raise CanaryFailed(f"{who}: canary {worst + 1} of {len(errors)} ({len(canary.tokens[worst])} tokens): "
+                           f"token_mult_prob_error {errors[worst]:.6f} > bound {canary.bound:g}"
+                           f"{f' ({canary.dtype})' if canary.dtype else ''}: the new weights are not served")
+    return errors

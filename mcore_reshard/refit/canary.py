@@ -1,0 +1,52 @@
+"""The canary a refit carries (``refit.canary``): fixed token sequences, the trainers' logprobs
+of them under the policy being sent, and the bound an engine's own logprobs must meet.
+
+Each engine's workers run the sequences through the engine's model on the new weights before
+they serve (``adapters/vllm/canary.py``) and vote no past the bound, so a refit whose bytes
+are right but whose engine computes something else (a layout wrong the same way on both
+sides, state derived from the weights left stale) fails like any failed refit: the old
+weights are served, or the engine is gated. What it costs and what it catches:
+``docs/canary.md``.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Callable, Sequence
+
+from ..errors import ConfigError
+from ..wire.protocol import Canary
+
+__all__ = ["TOKEN_MULT_PROB_BOUND", "canary_sequences", "make_canary", "canary_bound"]
+
+#: Healthy token_mult_prob_error after a refit: fp32 computes the same model on both sides up
+#: to kernel order (1.001); bf16 kernels differ between megatron and vLLM, and NeMo RL calls a
+#: step healthy below 1.05.
+TOKEN_MULT_PROB_BOUND = {"float32": 1.001, "bfloat16": 1.05, "float16": 1.05}
+
+#: The canary's sequences are drawn once from this seed: every refit of every job checks the same ones.
+CANARY_SEED = 0x6361_6E61
+
+
+def canary_sequences(vocab: int, count: int, length: int) -> tuple[tuple[int, ...], ...]:
+    """``count`` fixed sequences of ``length`` token ids below ``vocab`` (the same every time)."""
+    rng = random.Random(CANARY_SEED)
+    return tuple(tuple(rng.randrange(vocab) for _ in range(length)) for _ in range(count))
+
+
+def canary_bound(dtype: str, override: float = 0.0) -> float:
+    """The bound for weights served in ``dtype``: ``override`` when set, else the precision's."""
+    if override:
+        return float(override)
+    if dtype not in TOKEN_MULT_PROB_BOUND:
+        raise ConfigError(f"refit.canary_bound: no default bound for dtype {dtype!r}; set one")
+    return TOKEN_MULT_PROB_BOUND[dtype]
+
+
+def make_canary(vocab: int, dtype: str, count: int, length: int, bound: float,
+                reference: Callable[[list[list[int]]], Sequence[Sequence[float]]]) -> Canary:
+    """The canary of one refit: the fixed sequences, ``reference(sequences)`` -- the trainers'
+    logprobs of each token after its prefix under the weights being sent -- and the bound."""
+    seqs = canary_sequences(vocab, count, length)
+    ref = reference([list(s) for s in seqs])
+    return Canary(seqs, tuple(tuple(r) for r in ref), canary_bound(dtype, bound), dtype)
