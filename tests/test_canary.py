@@ -17,7 +17,7 @@ from dataclasses import replace
 import pytest
 
 from mcore_reshard.adapters.megatron.rules import MegatronParallel
-from mcore_reshard.adapters.vllm.engine import greedy, prompt_logprobs
+from mcore_reshard.adapters.vllm.engine import greedy, prompt_logprobs, sample, start_engine, stop_engine
 from mcore_reshard.adapters.vllm.rules import VllmParallel
 from mcore_reshard.errors import ConfigError, RefitFailed
 from mcore_reshard.jobs.refit import local_cluster
@@ -27,7 +27,7 @@ from mcore_reshard.settings.policy import RefitConfig
 from mcore_reshard.testing.wrong_layouts import swap_canonical_rows
 from mcore_reshard.wire.faults import EngineFault, Faults
 from mcore_reshard.wire.protocol import Canary, RefitRequest, token_mult_prob_error
-from support.live import engine_healthy
+from support.live import engine_healthy, trained_checkpoint
 
 TOKENS = [11, 42, 7, 99, 123, 5, 77, 300, 8, 64, 512, 3]
 TIED = {"tie_word_embeddings": True}
@@ -93,6 +93,39 @@ def test_correct_refits_pass_the_canary_across_training(cluster):
         assert m.verified and m.bytes_moved == m.bytes_min
         assert m.phases["dst_canary"] > 0 and m.phases["src_canary"] > 0
         assert cluster.logprob_error(TOKENS) < EXACT
+
+
+@pytest.mark.slow
+def test_a_tied_models_refit_equals_a_fresh_engine(cluster, tied, tmp_path):
+    """Derived state: vLLM's LM head tied to the embedding keeps its own packed copy on CPU. After
+    refits across training the refitted engine serves bit for bit what a fresh engine loading
+    the trained checkpoint serves (before the fix the head stayed at the first load's weights)."""
+    ckpt, spec = tied
+    cluster.step(TOKENS)
+    assert cluster.refit_once().verified
+    refitted = _served(cluster)
+    saved = trained_checkpoint(cluster, spec, ckpt, tmp_path / "trained")
+    fresh = start_engine(str(saved), tp=2)  # vLLM's own load (not the cache: same key as the refitted one)
+    try:
+        assert prompt_logprobs(fresh, TOKENS) == refitted
+    finally:
+        stop_engine(fresh)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "streaming"])
+def test_no_request_reuses_kv_cached_under_older_weights(cluster, atomic):
+    """A prompt whose prefix was cached before the refit generates, after it, what it generates
+    from an empty cache on the new weights (the same tokens and logprobs)."""
+    llm, d = cluster.engines[0], cluster.driver
+    block = llm.llm_engine.vllm_config.cache_config.block_size
+    prompt = [(7 * i + 3) % 1000 for i in range(block + 8)]
+    sample(llm, [prompt], 1, 4, 0.0, 0)  # its first block is now in the prefix cache
+    cluster.step(TOKENS)
+    assert d.refit(replace(d.request(), atomic=atomic)).verified
+    after = sample(llm, [prompt], 1, 4, 0.0, 0)
+    llm.reset_prefix_cache()
+    assert after == sample(llm, [prompt], 1, 4, 0.0, 0)
 
 
 @pytest.mark.slow

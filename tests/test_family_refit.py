@@ -16,7 +16,6 @@ bit-identical logprobs. A bf16 GLM-4.5 policy widens its router weight on the wa
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -24,12 +23,12 @@ import torch
 from mcore_reshard.adapters.megatron.rules import MegatronParallel
 from mcore_reshard.adapters.vllm.engine import after_refit, describe, prompt_logprobs
 from mcore_reshard.adapters.vllm.rules import VllmParallel, vllm_rank_params
-from mcore_reshard.infra.checkpoint import checkpoint_form, make_tiny_checkpoint
+from mcore_reshard.infra.checkpoint import make_tiny_checkpoint
 from mcore_reshard.jobs.refit import local_cluster, token_mult_prob_error
 from mcore_reshard.layout import load_model_spec
 from mcore_reshard.settings.policy import RefitConfig
-from mcore_reshard.transport.views import local_view
 from mcore_reshard.wire.protocol import VerifyMode
+from support.live import trained_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -69,23 +68,6 @@ def _pieces(params):
             {lp.name: (tuple(lp.shape), lp.dtype) for lp in params})
 
 
-def _trained_checkpoint(c, spec, like, out):
-    """The trainers' weights now, assembled from every rank's pieces as an HF checkpoint
-    (the table's shapes reshaped back to the checkpoint's) beside ``like``'s config."""
-    from safetensors.torch import save_file
-
-    local = c.pool.local_tensors().wait()
-    canon = {n: torch.empty(shape, dtype=torch.float32) for n, (shape, _) in spec.tensor_table().items()}
-    for p in c.driver.src.params:
-        for pc in p.pieces:
-            box = tuple(slice(o, o + n) for o, n in zip(pc.box.offsets, pc.box.sizes))
-            canon[pc.canonical][box] = local_view(local[p.rank][p.name], pc.view)
-    out.mkdir()
-    shutil.copy(like / "config.json", out / "config.json")
-    save_file({n: t.contiguous() for n, t in checkpoint_form(canon, spec).items()}, str(out / "model.safetensors"))
-    return out
-
-
 @pytest.mark.parametrize("family, training, tp", CASES, ids=[c[0] for c in CASES])
 def test_refit_trains_and_equals_vllms_own_load(ckpts, family, training, tp, engine_cache, tmp_path):
     a, b = ckpts[family]
@@ -110,7 +92,7 @@ def test_refit_trains_and_equals_vllms_own_load(ckpts, family, training, tp, eng
         trained = prompt_logprobs(llm, TOKENS)
         assert trained != want
         assert c.logprob_error(TOKENS) < FP32_BOUND
-        saved = _trained_checkpoint(c, spec, b, tmp_path / "trained")
+        saved = trained_checkpoint(c, spec, b, tmp_path / "trained")
     fresh = engine_cache.get(saved, tp=tp, fresh=True)
     assert prompt_logprobs(fresh, TOKENS) == trained  # a fresh engine on the trained checkpoint
     assert json.loads((saved / "config.json").read_text())["architectures"] == spec.hf_config["architectures"]

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 __all__ = ["Checkpoints", "EngineCache", "PoolCache", "cluster", "POOLS", "engine_healthy", "rss_mib", "refit_pids",
-           "assert_idle"]
+           "assert_idle", "trained_checkpoint"]
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -373,3 +373,27 @@ def _on_exit(c: Any) -> None:
         c.pool.keep = True
     elif c.pool is not None and c.setup is not None:  # restarted in the test: keep the new one
         c.pool = POOLS.adopt(c.setup, c.pool)
+
+
+def trained_checkpoint(c: Any, spec: Any, like: Path, out: Path) -> Path:
+    """The trainers of cluster ``c`` as an HF checkpoint now: every rank's pieces assembled into
+    the canonical tensors (the table's shapes reshaped back to the checkpoint's), beside
+    ``like``'s config -- what a fresh engine loads to compare with a refitted one."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    from mcore_reshard.infra.checkpoint import checkpoint_form
+    from mcore_reshard.transport.views import local_view
+
+    local = c.pool.local_tensors().wait()
+    canon = {n: torch.empty(shape, dtype=torch.float32) for n, (shape, _) in spec.tensor_table().items()}
+    for p in c.driver.src.params:
+        for pc in p.pieces:
+            box = tuple(slice(o, o + n) for o, n in zip(pc.box.offsets, pc.box.sizes))
+            canon[pc.canonical][box] = local_view(local[p.rank][p.name], pc.view)
+    out.mkdir()
+    shutil.copy(Path(like) / "config.json", out / "config.json")
+    save_file({n: t.contiguous() for n, t in checkpoint_form(canon, spec).items()}, str(out / "model.safetensors"))
+    return out

@@ -43,7 +43,6 @@ def _forward_layers(vllm_config: Any) -> dict[str, Any]:
 def unsupported(vllm_config: Any) -> str:
     """Why this engine cannot run the canary's forward ("" when it can)."""
     from vllm.model_executor.layers.attention import Attention
-    from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 
     par = vllm_config.parallel_config
     if int(getattr(par, "pipeline_parallel_size", 1)) > 1:
@@ -51,7 +50,7 @@ def unsupported(vllm_config: Any) -> str:
     if getattr(vllm_config, "lora_config", None) is not None:
         return "the canary's forward runs the base model, not a LoRA adapter (this engine serves LoRA)"
     for name, layer in _forward_layers(vllm_config).items():
-        moe = isinstance(getattr(layer, "quant_method", None), FusedMoEMethodBase)  # a MoE layer's own forward
+        moe = "MoE" in type(layer).__name__  # FusedMoE / MoERunner: its forward needs no metadata
         if not (moe or type(layer) is Attention):
             return (f"layer {name} is a {type(layer).__name__} (the canary's forward builds metadata for "
                     f"standard attention only: MLA, Mamba and linear-attention layers are not supported)")
