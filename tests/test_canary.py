@@ -174,7 +174,7 @@ def test_skipped_post_load_processing_fails_the_canary(cluster):
 
 
 @pytest.mark.slow
-def test_a_streaming_refit_that_fails_the_canary_gates_the_engine(cluster, tied, engine_cache):
+def test_a_streaming_refit_that_fails_the_canary_gates_the_engine(cluster):
     """Streaming (``atomic=false``) writes live weights as they arrive: a canary failure cannot
     roll back, so the engine refuses model steps until a refit succeeds."""
     d = cluster.driver

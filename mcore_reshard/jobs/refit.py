@@ -271,8 +271,6 @@ def _run_job(job: Any, workdir: Path, as_json: bool) -> int:
     return 0 if ok else 1
 
 
-
-
 def _table(results, stale: float, baseline, reshard) -> str:
     head = (f"{'refit':<44} {'transport':<13} {'moved':>11} {'full':>11} {'minimum':>11} {'changed':>8} "
             f"{'seconds':>8} {'peak buf':>10} {'verified':>8} {'tok_mult_prob_err':>17}")

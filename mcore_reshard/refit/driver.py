@@ -255,8 +255,6 @@ class RefitDriver:
         sequences under their current weights, the bound of the engines' precision."""
         cfg = self.refit_config
         dtype = self.engine_infos[0].dtype if self.engine_infos else self.spec.dtype
-        if not callable(getattr(self.trainers, "logprobs", None)):
-            raise ConfigError("refit.canary=true needs trainers that compute logprobs (TrainerGroup.logprobs)")
         return make_canary(self.spec.vocab, dtype, cfg.canary_sequences, cfg.canary_tokens, cfg.canary_bound,
                            lambda seqs: self.trainers.logprobs(seqs).wait()[0])
 

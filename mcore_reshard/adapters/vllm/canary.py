@@ -115,10 +115,13 @@ def engine_logprobs(vllm_config: Any, model: torch.nn.Module, device: torch.devi
 
     layers = _forward_layers(vllm_config)
     out: list[list[float]] = []
+    built: dict[int, tuple] = {}  # by length: every position is written before it is read
     for seq in sequences:
         ids = [int(t) for t in seq]
         n = len(ids)
-        md, slots, caches = _metadata(vllm_config, device, n)
+        if n not in built:
+            built[n] = _metadata(vllm_config, device, n)
+        md, slots, caches = built[n]
         saved = {name: layers[name].kv_cache for name in caches}
         try:
             for name, cache in caches.items():

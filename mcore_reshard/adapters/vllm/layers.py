@@ -24,7 +24,8 @@ from .lora_rules import is_slot_name, parse_slot_name
 
 __all__ = ["derivations", "DIRECT", "RELOAD", "MLA_NOTE", "owner", "LoraSlot", "guarded", "TargetAndDraft", "plain_linear_enabled",
            "kernel_is_model_format", "mla_absorbers", "reabsorb", "select_modes", "aliased", "swap_into", "shadow_module", "viewed_storages",
-           "reprepack_cpu_moe", "MISSING", "open_shadow", "process_shadow", "commit_shadow", "ParamTable"]
+           "reprepack_cpu_moe", "MISSING", "open_shadow", "process_shadow", "commit_shadow", "carried", "ParamTable",
+           "tied_dependents", "process_dependent", "untie_head"]
 
 #: Why MLA's kv_b_proj is never written in place (the plan report lists it with this reason).
 MLA_NOTE = ("MLA kv_b_proj: vLLM absorbs it into W_UK/W_UV after loading (kernel format != model format); "
@@ -135,16 +136,18 @@ def tied_dependents(model: torch.nn.Module) -> dict[int, list[torch.nn.Module]]:
     return out
 
 
-def process_dependent(dependent: torch.nn.Module, shadow: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """A shadow of ``dependent`` (a module sharing a parameter with ``shadow``'s live layer,
-    ``tied_dependents``) over the new values in ``shadow``, processed by its own quant method;
-    the live module is not touched."""
+def process_dependent(dependent: torch.nn.Module, layer: torch.nn.Module, shadow: torch.nn.Module,
+                      device: torch.device) -> torch.nn.Module:
+    """A shadow of ``dependent`` (a module sharing a parameter with ``layer``,
+    ``tied_dependents``) over the new values in ``layer``'s ``shadow``, processed by its own
+    quant method alone; the live module is not touched. (The whole ``process_shadow`` is not
+    the same here: run on a dependent it made GLM-4.5's refit differ from vLLM's own load,
+    ``test_family_refit.py``.)"""
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
     out = shadow_module(dependent)
-    live = shadow.__dict__.get("_mr_live")
     for name, p in dependent._parameters.items():
-        for lname, lp in (live._parameters.items() if live is not None else ()):
+        for lname, lp in layer._parameters.items():
             if lp is p and shadow._parameters.get(lname) is not None:
                 out._parameters[name] = shadow._parameters[lname]
     qm = getattr(out, "quant_method", None)
@@ -332,7 +335,6 @@ def open_shadow(layer: torch.nn.Module, prefix: str, names: dict[str, str], para
         raise RuntimeError(f"{prefix}: a vLLM layerwise reload is already in progress on this layer")
     shadow = shadow_module(layer)
     shadow.__dict__["_mr_derivations"] = derivations(layer)  # from the live loaders, before the restore
-    shadow.__dict__["_mr_live"] = layer  # whose parameters the shadow stands for (``process_dependent``)
     # The shadow's own reload bookkeeping, from the metadata vLLM recorded at load (the live
     # layer's entry in vLLM's LAYERWISE_INFO is never touched).
     info = LayerReloadingInfo(restore_metadata=live_info.restore_metadata, restore_device=live_info.restore_device)
@@ -376,6 +378,13 @@ def viewed_storages(model: torch.nn.Module) -> frozenset[int]:
     return frozenset(b.untyped_storage().data_ptr() for b in model.buffers() if b is not None and b.numel())
 
 
+def carried(attr: str) -> bool:
+    """Whether a module attribute that vLLM's processing set on a shadow stands for the live
+    module's too (kernel handles such as ``cpu_linear``, and CPU processing's private ``_cpu_*``
+    copies; torch's own ``_parameters`` and the like are not)."""
+    return not attr.startswith("_") or attr.startswith("_cpu_")
+
+
 def commit_shadow(live: torch.nn.Module, shadow: torch.nn.Module, written: set[str], rebind: bool,
                   viewed: frozenset[int] = frozenset()) -> None:
     """A processed shadow's tensors into the live kernel tensors (copied in place, as vLLM's
@@ -396,7 +405,7 @@ def commit_shadow(live: torch.nn.Module, shadow: torch.nn.Module, written: set[s
     for k, v in shadow.__dict__.items():
         # ``_cpu_*``: CPU processing's private copies (Qwen3-Next's conv1d keeps
         # ``_cpu_unpacked_conv_weight`` beside the packed weight): stale if not carried over.
-        if (not k.startswith("_") or k.startswith("_cpu_")) and live.__dict__.get(k, MISSING) is not v:
+        if carried(k) and live.__dict__.get(k, MISSING) is not v:
             live.__dict__[k] = v
 
 

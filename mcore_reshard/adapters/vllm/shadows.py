@@ -23,7 +23,7 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 
-from .layers import (DIRECT, ParamTable, aliased, commit_shadow, mla_absorbers, open_shadow, process_dependent,
+from .layers import (DIRECT, ParamTable, aliased, carried, commit_shadow, mla_absorbers, open_shadow, process_dependent,
                      process_shadow, reabsorb, swap_into, tied_dependents, viewed_storages)
 
 __all__ = ["Shadows", "LayerShadow"]
@@ -148,7 +148,8 @@ class Shadows:
         before({local: getattr(st.shadow, attr).data for attr, local in st.names.items()})
         if self.skip_processing.isdisjoint(st.names.values()):
             process_shadow(st.shadow, self.device)
-            st.dependents = [(d, process_dependent(d, st.shadow, self.device)) for d in self._tied.get(id(st.layer), ())]
+            st.dependents = [(d, process_dependent(d, st.layer, st.shadow, self.device))
+                             for d in self._tied.get(id(st.layer), ())]
 
     @_timed("commit")
     def commit_layer(self, st: LayerShadow) -> None:
@@ -198,9 +199,7 @@ class Shadows:
                 state = (dict(live._parameters), dict(live._buffers), dict(live.__dict__))
                 live._parameters.update({k: v for k, v in shadow._parameters.items() if v is not None})
                 live._buffers.update({k: v for k, v in shadow._buffers.items() if v is not None})
-                for k, v in shadow.__dict__.items():
-                    if not k.startswith("_") or k.startswith("_cpu_"):
-                        live.__dict__[k] = v
+                live.__dict__.update({k: v for k, v in shadow.__dict__.items() if carried(k)})
 
                 def back(m: torch.nn.Module = live, saved: tuple = state) -> None:
                     m._parameters.clear()
