@@ -12,6 +12,7 @@ A correct refit never fails it, in fp32 and in bf16 (``scripts/canary_soak.py`` 
 
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
 
 import pytest
@@ -27,7 +28,7 @@ from mcore_reshard.settings.policy import RefitConfig
 from mcore_reshard.testing.wrong_layouts import swap_canonical_rows
 from mcore_reshard.wire.faults import EngineFault, Faults
 from mcore_reshard.wire.protocol import Canary, RefitRequest, token_mult_prob_error
-from support.live import engine_healthy, trained_checkpoint
+from support.live import engine_healthy, enqueued_logprobs, trained_checkpoint
 
 TOKENS = [11, 42, 7, 99, 123, 5, 77, 300, 8, 64, 512, 3]
 TIED = {"tie_word_embeddings": True}
@@ -168,7 +169,8 @@ def test_skipped_post_load_processing_fails_the_canary(cluster):
     with pytest.raises(RefitFailed, match=r"CanaryFailed: .*token_mult_prob_error"):
         cluster.driver.refit(faults=Faults(engine=EngineFault(rank=(0, 1), skip_processing=name)))
     assert _served(cluster) == old
-    assert len(greedy(cluster.engines[0], [TOKENS], 3)[0]) == 3  # generate serves the old weights
+    assert enqueued_logprobs(cluster.engines[0], TOKENS) == old  # enqueue too
+    assert len(greedy(cluster.engines[0], [TOKENS], 3)[0]) == 3
     cluster.refit_once()
     assert cluster.logprob_error(TOKENS) < EXACT
 
@@ -184,10 +186,24 @@ def test_a_streaming_refit_that_fails_the_canary_gates_the_engine(cluster):
         d.refit(replace(d.request(), atomic=False),
                 faults=Faults(engine=EngineFault(rank=(0, 1), skip_processing=name)))
     assert "not_serving" in str(d.gated) and engine_healthy(cluster.engines[0]) == "paused (gated)"
+    from vllm import SamplingParams
+
+    llm = cluster.engines[0]
     with pytest.raises(Exception):
-        prompt_logprobs(cluster.engines[0], TOKENS)
-    cluster.refit_once()  # a whole refit heals it
-    assert not d.gated and cluster.logprob_error(TOKENS) < EXACT
+        prompt_logprobs(llm, TOKENS)  # generate is refused
+    # enqueue: the request waits, no model step runs on the torn weights...
+    llm.enqueue([{"prompt_token_ids": TOKENS}], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0),
+                use_tqdm=False)
+    got: dict = {}
+    waiter = threading.Thread(target=lambda: got.update(out=llm.wait_for_completion(use_tqdm=False)), daemon=True)
+    waiter.start()
+    waiter.join(2.0)
+    assert waiter.is_alive() and "out" not in got
+    cluster.refit_once()  # ...until a whole refit heals it; then it runs on the new weights
+    waiter.join(60)
+    assert "out" in got and not d.gated and cluster.logprob_error(TOKENS) < EXACT
+    new = [float(lp[t].logprob) for t, lp in zip(TOKENS[1:], got["out"][0].prompt_logprobs[1:])]
+    assert new == _served(cluster)
 
 
 @pytest.mark.slow
@@ -219,6 +235,24 @@ def test_a_tied_head_updated_on_one_side_only_fails_the_canary(cluster):
     with pytest.raises(RefitFailed, match=r"CanaryFailed"):
         cluster.driver.refit(faults=Faults(engine=EngineFault(rank=(0, 1), untie_head=True)))
     assert _served(cluster) == old
+
+
+@pytest.mark.slow
+def test_a_failed_canary_keeps_the_old_weights_for_the_async_engine(tied):
+    """The same failure through vLLM's ``AsyncLLM`` (the engine behind ``vllm serve``): the
+    refit fails on the canary, the old weights serve its requests, the next refit heals."""
+    ckpt, spec = tied
+    with local_cluster(spec, ckpt, MegatronParallel(tp=1), VllmParallel(tp=1), RefitConfig(timeout_s=30.0, canary=True),
+                       train={"lr": 0.05}, async_engine=True) as c:
+        aeng = c.engines[0]
+        assert c.refit_once().verified
+        name = next(p.name for p in c.driver.dst.params if p.name.endswith("layers.1.self_attn.o_proj.weight"))
+        c.step(TOKENS)
+        old = prompt_logprobs(aeng, TOKENS)
+        with pytest.raises(RefitFailed, match=r"CanaryFailed"):
+            c.driver.refit(faults=Faults(engine=EngineFault(rank=0, skip_processing=name)))
+        assert prompt_logprobs(aeng, TOKENS) == old
+        assert c.refit_once().verified and c.logprob_error(TOKENS) < EXACT
 
 
 @pytest.mark.slow

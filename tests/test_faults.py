@@ -30,6 +30,7 @@ from mcore_reshard.layout import load_model_spec
 from mcore_reshard.settings.policy import RefitConfig
 from mcore_reshard.wire.protocol import WorkerLayout
 from support.live import cluster as shared_cluster
+from support.live import enqueued_logprobs
 from mcore_reshard.wire.faults import Fault
 
 pytestmark = pytest.mark.slow
@@ -124,18 +125,8 @@ def test_a_trainer_that_raises_mid_transfer_with_every_hint_deleted_is_known_in_
     assert "training rank 1" in msg and "injected failure" in msg, msg
     assert "unresponsive" not in msg and not d.dead and not d.gated, msg
     assert _served(llm) == old
-    assert _through_enqueue(llm) == old
+    assert enqueued_logprobs(llm, TOKENS) == old
     _restored(cluster)
-
-
-def _through_enqueue(llm) -> list[float]:
-    """``enqueue`` + ``wait_for_completion``, no helper in between: the prompt's logprobs."""
-    from vllm import SamplingParams
-
-    llm.enqueue([{"prompt_token_ids": TOKENS}], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0),
-                use_tqdm=False)
-    out = llm.wait_for_completion(use_tqdm=False)[0]
-    return [float(lp[t].logprob) for t, lp in zip(TOKENS[1:], out.prompt_logprobs[1:])]
 
 
 def test_vllm_worker_stalled_before_its_vote_aborts_and_the_engine_keeps_the_old_weights(cluster):
@@ -447,7 +438,7 @@ def test_a_persistent_store_writer_and_a_late_reader_never_leave_two_engines_ser
             waiter.join(2.0)
             assert waiter.is_alive() and "out" not in got
         else:
-            assert _through_enqueue(llm) == prompt_logprobs(llm, TOKENS)
+            assert enqueued_logprobs(llm, TOKENS) == prompt_logprobs(llm, TOKENS)
         pending = aeng.submit(_async_prompt_logprobs(aeng.engine, TOKENS))
         if served[1] == "gated":
             with pytest.raises(concurrent.futures.TimeoutError):

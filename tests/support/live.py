@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 __all__ = ["Checkpoints", "EngineCache", "PoolCache", "cluster", "POOLS", "engine_healthy", "rss_mib", "refit_pids",
-           "assert_idle", "trained_checkpoint"]
+           "assert_idle", "trained_checkpoint", "enqueued_logprobs"]
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -397,3 +397,14 @@ def trained_checkpoint(c: Any, spec: Any, like: Path, out: Path) -> Path:
     shutil.copy(Path(like) / "config.json", out / "config.json")
     save_file({n: t.contiguous() for n, t in checkpoint_form(canon, spec).items()}, str(out / "model.safetensors"))
     return out
+
+
+def enqueued_logprobs(llm: Any, tokens: list[int]) -> list[float]:
+    """``LLM.enqueue`` + ``wait_for_completion``, no helper in between (a client path of its
+    own): the prompt's logprobs."""
+    from vllm import SamplingParams
+
+    llm.enqueue([{"prompt_token_ids": tokens}], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0),
+                use_tqdm=False)
+    out = llm.wait_for_completion(use_tqdm=False)[0]
+    return [float(lp[t].logprob) for t, lp in zip(tokens[1:], out.prompt_logprobs[1:])]
