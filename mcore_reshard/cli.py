@@ -18,10 +18,6 @@ import sys
 from typing import Sequence
 
 from .errors import ConfigError
-from .jobs.grpo.dry_run import dry_run
-from .jobs.grpo.loop import run_grpo
-from .jobs.grpo.recipe import load_grpo_recipe
-from .jobs.refit import run_refit_job
 from .layout import LayoutError
 from .wire.protocol import one_line as _one_line
 from .settings.config import load_plan, load_refit_job, plan_recipe
@@ -46,6 +42,8 @@ def _cmd_refit(args, overrides: Sequence[str]) -> int:
     for flag in ("recipe", "dtensor"):
         if getattr(args, flag):
             raise ConfigError(f"--{flag} is an option of 'plan', not of 'refit'")
+    from .jobs.refit import run_refit_job  # torch and the job's runners: not for 'plan'
+
     job = load_refit_job(overrides)  # every check, before any process starts
     if job.chose:
         print(job.chose, file=sys.stderr)
@@ -69,6 +67,9 @@ def _cmd_grpo(args, overrides: Sequence[str]) -> int:
             raise ConfigError(f"--{flag} is an option of 'plan', not of 'grpo'")
     if not overrides:
         raise _UsageError("grpo needs a recipe file: mcore-reshard grpo RECIPE [a.b.c=value ...] [--dry-run]")
+    from .jobs.grpo.dry_run import dry_run
+    from .jobs.grpo.recipe import load_grpo_recipe
+
     path, *rest = overrides
     recipe = load_grpo_recipe(path, rest)
     if args.dry_run:
@@ -79,6 +80,8 @@ def _cmd_grpo(args, overrides: Sequence[str]) -> int:
         return 0
     if recipe.local_problem is not None:  # before anything heavy is imported
         raise ConfigError(recipe.local_problem)
+    from .jobs.grpo.loop import run_grpo  # torch, Ray and the trainers: only for a run
+
     _say_cpu_notice_once()
     return run_grpo(recipe, address=args.address, as_json=args.json)
 
