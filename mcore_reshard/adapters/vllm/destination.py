@@ -1,8 +1,9 @@
 """A vLLM engine in this process as a refit destination (``transport.destination.Destination``).
 
-``VllmEngine`` wraps an ``LLM``, an ``AsyncEngine`` (vLLM's ``AsyncLLM`` on its own loop) or a
-handle that forwards their calls to another process: vLLM's own weight-transfer API and the
-diagnostics extension's RPCs, each step of a refit one call. This module (with
+``VllmEngine`` wraps an ``LLM`` or an ``AsyncEngine`` (vLLM's ``AsyncLLM`` on its own loop):
+vLLM's own weight-transfer API and the diagnostics extension's RPCs, each step of a refit one
+call. (A Ray actor holding one is a destination of its own, ``jobs.grpo.ray_cluster.ActorDestination``,
+whose steps the actor runs on this class.) This module (with
 ``http.py`` and ``backend/``) is where the refit's orchestration meets vLLM's method names.
 """
 

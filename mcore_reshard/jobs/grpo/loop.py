@@ -45,7 +45,7 @@ from ...training.pool import TrainerSetup
 from ...refit.verify import full_verification, token_mult_prob_error
 from .algorithm import (GrpoBatch, TargetTokensTask, completion_logprobs, group_advantages, token_versions,
                         trajectory_age)
-from .ray_cluster import Completion, RayJob, RayTrainerGroup, start_engines, stop_engines
+from .ray_cluster import ActorDestination, Completion, RayJob, RayTrainerGroup, start_engines, stop_engines
 
 __all__ = ["GrpoRun", "StepMetrics", "run_grpo"]
 
@@ -148,7 +148,7 @@ class GrpoRun:
         placement = None
         if r.colocated:
             placement = _colocated(r, self.trainers.nodes, [e.info for e in engines])
-        self.driver = RefitDriver(self.trainers, engines, r.refit, r.spec, host=self.trainers.host,
+        self.driver = RefitDriver(self.trainers, [ActorDestination(e) for e in engines], r.refit, r.spec, host=self.trainers.host,
                                   port=self.trainers.free_port, placement=placement, peft=r.peft)
         self.driver.__enter__()
         self._closers.append(lambda: self.driver.__exit__(None, None, None))

@@ -7,7 +7,7 @@ two sides land on separate nodes of a real cluster when the training bundles fil
 refit group's master is the first training bundle: its node IP (asked there, never assumed) and
 a port free on that node. The driver talks to the actors through the same rank protocol as to
 local processes (:class:`RayTrainerGroup` implements ``ranks.TrainerGroup`` over actors; an
-:class:`EngineHandle` has an ``LLM``'s weight-transfer methods), so
+engine actor is a refit destination, :class:`ActorDestination`), so
 :class:`~mcore_reshard.refit.driver.RefitDriver` runs unchanged.
 
 Security: an embedded cluster (no address) runs with Ray's token auth and a per-job token in
@@ -36,7 +36,7 @@ from ...training.ranks import RankCall, TrainerGroup
 from ...training.pool import MegatronTrainerRank
 from ..refit import policy_engine_args
 
-__all__ = ["RayJob", "RayTrainerGroup", "EngineActor", "AsyncEngineActor", "EngineHandle",
+__all__ = ["RayJob", "RayTrainerGroup", "EngineActor", "AsyncEngineActor", "EngineHandle", "ActorDestination",
            "Completion", "start_engines", "node_of"]
 
 #: How long start-up (a model built on every training rank, an engine loaded and compiled) may
@@ -316,6 +316,10 @@ class EngineActor:
     def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.llm, name)(*args, **kwargs)
 
+    def step(self, name: str, *args: Any) -> Any:
+        """One refit step (a ``Destination`` method) on the engine's in-process destination."""
+        return getattr(_held_destination(self), name)(*args)
+
     def sample(self, prompts: list[list[int]], n: int, max_tokens: int, temperature: float,
                seed: int) -> list[list[Completion]]:
         """``n`` sampled completions per prompt (see :func:`completions`)."""
@@ -353,6 +357,14 @@ class AsyncEngineActor:
 
         return await asyncio.get_running_loop().run_in_executor(None, lambda: getattr(self.llm, name)(*args, **kwargs))
 
+    async def step(self, name: str, *args: Any) -> Any:
+        """One refit step on the engine's in-process destination, in a thread (requests keep
+        decoding on the engine's loop)."""
+        import asyncio
+
+        dest = _held_destination(self)
+        return await asyncio.get_running_loop().run_in_executor(None, lambda: getattr(dest, name)(*args))
+
     async def sample(self, prompts: list[list[int]], n: int, max_tokens: int, temperature: float,
                      seed: int) -> list[list[Completion]]:
         """As :meth:`EngineActor.sample`; the requests run on the engine's loop while this
@@ -364,6 +376,17 @@ class AsyncEngineActor:
 
     async def shutdown(self) -> None:
         close_engine(self.llm)
+
+
+def _held_destination(actor: Any) -> Any:
+    """The destination of the engine an actor holds (``refit.engines.as_destination``: an
+    ``LLM`` or ``AsyncEngine`` as ``adapters.vllm.destination.VllmEngine``), made once."""
+    dest = actor.__dict__.get("_destination")
+    if dest is None:
+        from ...refit.engines import as_destination
+
+        dest = actor._destination = as_destination(actor.llm)
+    return dest
 
 
 class EngineHandle:
@@ -379,10 +402,14 @@ class EngineHandle:
         self.world_size, self.dtype = self.engine_info.world_size, self.engine_info.dtype
 
     def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        return self.wait(name, self.actor.call.remote(name, *args, **kwargs))
+
+    def wait(self, name: str, ref: Any) -> Any:
+        """The result of the actor's call ``name`` (``ref``) within the handle's timeout; a
+        dead actor, a missed deadline or the engine's own error as one line naming the engine."""
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError
 
-        ref = self.actor.call.remote(name, *args, **kwargs)
         try:
             return ray.get(ref, timeout=self.timeout_s)
         except RayActorError as exc:
@@ -407,6 +434,58 @@ class EngineHandle:
     def sample(self, *args: Any) -> Any:
         """Start sampling (returns a Ray object ref: engines sample concurrently)."""
         return self.actor.sample.remote(*args)
+
+
+class ActorDestination:
+    """A Ray actor holding an engine, as a refit destination (``transport.destination``): each
+    step of the protocol is one remote call, which the actor runs on the in-process destination
+    of the engine it holds (:func:`_held_destination`) and answers within the handle's
+    deadline. Nothing here knows the engine's kind: the actor's own adapter does."""
+
+    def __init__(self, handle: EngineHandle) -> None:
+        self.handle = handle
+        self._info: Any = None
+
+    def __repr__(self) -> str:
+        return f"ActorDestination(engine {self.handle.index})"
+
+    def _step(self, name: str, *args: Any) -> Any:
+        return self.handle.wait(name, self.handle.actor.step.remote(name, *args))
+
+    def info(self) -> Any:
+        if self._info is None:  # what the engine is does not change: asked once
+            self._info = replace(self._step("info"), name=f"engine {self.handle.index}")
+        return self._info
+
+    def describe(self, spec: Any) -> Any:
+        return self._step("describe", spec)
+
+    def join(self, init: Any) -> None:
+        self._step("join", init)
+
+    def pause(self, swap: bool) -> None:
+        self._step("pause", swap)
+
+    def begin(self) -> None:
+        self._step("begin")
+
+    def transfer(self, update: Any) -> None:
+        self._step("transfer", update)
+
+    def conclude(self, version: str | None) -> None:
+        self._step("conclude", version)
+
+    def status(self) -> Any:
+        return self._step("status")
+
+    def refresh(self, version: str, recompute: bool = False) -> str:
+        return self._step("refresh", version, recompute)
+
+    def resume(self) -> None:
+        self._step("resume")
+
+    def close(self) -> None:
+        self._step("close")
 
 
 def start_engines(model_dir: str, replicas: int, tp: int, dtype: str, apply_mode: str, *, timeout_s: float,
