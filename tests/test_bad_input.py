@@ -37,8 +37,9 @@ RECIPE = REPO / "recipes" / "grpo-qwen3-30b-a3b-megatron-reshard.yaml"
 
 @pytest.fixture
 def no_job(monkeypatch):
-    """The CLI's ``run_refit_job`` as a stub: the CLI's refit gets a RefitJob and starts nothing."""
-    import mcore_reshard.cli as cli
+    """The CLI's ``run_refit_job`` as a stub: the CLI's refit gets a RefitJob and starts nothing
+    (the CLI imports it from ``jobs.refit`` when a refit runs)."""
+    import mcore_reshard.jobs.refit as cli
 
     calls = []
 

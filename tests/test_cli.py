@@ -57,6 +57,17 @@ def test_console_entry_point_runs():
     assert rep["bytes_planned"] == rep["bytes_min"]
 
 
+def test_plan_imports_no_runtime():
+    """``plan`` works on metadata: the CLI imports torch, megatron, vLLM and Ray only in the
+    commands that run processes (a second of a command the planner itself takes ~1 s of)."""
+    code = ("import sys; from mcore_reshard.cli import main; main(['plan', '--json', 'model=qwen3-8b', "
+            "'training.ep=1', 'vllm.tp=4', 'vllm.replicas=4']); "
+            "print(sorted(m for m in ('torch', 'megatron', 'vllm', 'ray') if m in sys.modules), file=sys.stderr)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.strip().splitlines()[-1] == "[]"
+
+
 def test_table_output(capsys):
     assert main(["plan", "model=llama-3.1-8b", "training.ep=1", "training.pp=1", "training.dp=4", "training.tp=4",
                  "vllm.tp=8", "vllm.replicas=2"]) == 0

@@ -50,8 +50,9 @@ def _one_line_error(capsys, argv, key: str) -> str:
 @pytest.fixture
 def loop_stub(monkeypatch):
     """The CLI's GRPO loop (``mcore_reshard.jobs.grpo.loop.run_grpo``) as a stub that records
-    its calls: these tests check what happens before the loop, so nothing starts."""
-    import mcore_reshard.cli as cli
+    its calls: these tests check what happens before the loop, so nothing starts (the CLI
+    imports it from there when a run starts)."""
+    import mcore_reshard.jobs.grpo.loop as cli
 
     calls = []
 
