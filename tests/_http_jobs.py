@@ -26,6 +26,7 @@ from mcore_reshard.errors import RefitError, RefitFailed
 from mcore_reshard.layout import SideLayout, load_model_spec
 from mcore_reshard.plan import build_plan
 from mcore_reshard.plan.wire import slice_to_wire
+from mcore_reshard.refit.canary import make_canary
 from mcore_reshard.infra.ports import free_port
 from mcore_reshard.wire.protocol import JoinInfo, RankMap, RefitRequest, first_error_line
 from mcore_reshard.wire.slice_store import publish_slices, slice_digests
@@ -118,12 +119,15 @@ def http_two_refits_job(ctx: WorldCtx, ckpt: str, dtype: str, par: MegatronParal
                         tokens: list[int], to_controller: Any) -> dict:
     """Two refits in one group: the weights after a training step, then ``ckpt`` itself again
     (what the server loaded at start; an overlapped refit), each handed to the controller as
-    JSON."""
+    JSON, each with the canary on (``refit.canary``: the policy's likely tokens after each
+    prefix of fixed sequences, the server's workers vote on their own forward over them)."""
     policy, ep, src, dst, plan = _trained_endpoint(ctx, ckpt, dtype, par, vllm, tokens)
     digest = plan.digest()
     rank_map = RankMap.disaggregated(src.world_size, dst.world_size)
     dst_slices = {str(r): slice_to_wire(plan.for_rank("dst", r)) for r in range(dst.world_size)}
-    first = RefitRequest(digest, timeout_s=120.0, version="refit-1")
+    vocab = policy.spec.vocab
+    first = RefitRequest(digest, timeout_s=120.0, version="refit-1",
+                         canary=make_canary(vocab, dtype, 2, 8, 0.0, policy.top_logprobs))
     _rejoin(ep, ctx, rank_map, dst_slices, digest, first, "http-two-1", to_controller)
     ep.set_plan(slice_to_wire(plan.for_rank("src", ctx.rank)), digest)
     ep.refit(first)
@@ -133,7 +137,8 @@ def http_two_refits_job(ctx: WorldCtx, ckpt: str, dtype: str, par: MegatronParal
     policy.load_canonical(load_canonical(ckpt))  # the server's own checkpoint, refit back
     # overlapped: /update_weights returns at once, the workers receive on their own threads,
     # /finish_weight_update swaps
-    second = RefitRequest(digest, timeout_s=120.0, version="refit-2", overlap=True)
+    second = RefitRequest(digest, timeout_s=120.0, version="refit-2", overlap=True,
+                          canary=make_canary(vocab, dtype, 2, 8, 0.0, policy.top_logprobs))
     if ctx.rank == 0:
         to_controller.put({"update_info": {"request": second.to_wire()}})
     ep.refit(second)
@@ -144,8 +149,9 @@ def http_two_refits_job(ctx: WorldCtx, ckpt: str, dtype: str, par: MegatronParal
     full = [sum(r.bytes_full for r in rs) for rs in dst_reports]
     delta = [all(r.delta.on for r in rs) for rs in dst_reports]
     verified = [sorted((r.side, r.rank) for r in rs if r is not None and r.verified) for rs in reports]
+    canary = [[r.phases.get("canary", 0.0) > 0 for r in rs] for rs in dst_reports]
     return {"logprobs_1": logprobs_1, "bytes_min": plan.bytes_min, "received": received, "full": full,
-            "delta": delta, "verified": verified,
+            "delta": delta, "verified": verified, "canary": canary,
             "ranks": sorted([("src", r) for r in range(src.world_size)] + [("dst", r) for r in range(dst.world_size)])}
 
 

@@ -56,6 +56,12 @@ def test_the_canary_travels_in_the_request_and_is_fixed():
     c = Canary(seqs, tuple(tuple(-1.0 for _ in s[1:]) for s in seqs), 1.05, "bfloat16")
     r = RefitRequest("abc", canary=c)
     assert RefitRequest.from_wire(r.to_wire()) == r
+    assert c.scored() == tuple(s[1:] for s in seqs)  # no targets: each sequence's own next tokens
+    likely = replace(c, targets=tuple(tuple(7 for _ in s[1:]) for s in seqs))
+    r = RefitRequest("abc", canary=likely)
+    assert RefitRequest.from_wire(r.to_wire()) == r and r.canary.scored()[0] == (7,) * 7
+    with pytest.raises(ConfigError, match=r"targets do not match the sequences"):
+        replace(c, targets=((1, 2),))
     assert "canary" not in RefitRequest("abc").to_wire()  # off: the request is as before
 
 
@@ -94,6 +100,12 @@ def test_correct_refits_pass_the_canary_across_training(cluster):
         assert m.verified and m.bytes_moved == m.bytes_min
         assert m.phases["dst_canary"] > 0 and m.phases["src_canary"] > 0
         assert cluster.logprob_error(TOKENS) < EXACT
+    # What the canary scores: after each prefix, the token the trained policy finds most likely
+    # -- the token the engine itself decodes greedily there on the refitted weights.
+    canary = cluster.driver.canary()
+    prefixes = [list(s[:i + 1]) for s in canary.tokens for i in range(len(s) - 1)]
+    assert [t[0] for t in greedy(cluster.engines[0], prefixes, 1)] == [t for s in canary.targets for t in s]
+    assert all(lp <= 0.0 for r in canary.reference for lp in r)
 
 
 @pytest.mark.slow

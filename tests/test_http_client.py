@@ -143,7 +143,8 @@ def test_bad_input_is_one_line_naming_the_parameter():
         server_argv("--port")
 
 
-def test_server_argv_adds_the_backend_unless_named():
+def test_server_argv_adds_the_backend_and_the_versioned_route_unless_named():
     assert server_argv("ckpt", ["--port", "1"]) == ["--model", "ckpt", "--weight-transfer-config", BACKEND_CONFIG,
-                                                    "--port", "1"]
-    assert server_argv("ckpt", ["--weight-transfer-config={}"]) == ["--model", "ckpt", "--weight-transfer-config={}"]
+                                                    "--enable-scale-out", "--port", "1"]
+    assert server_argv("ckpt", ["--weight-transfer-config={}", "--no-enable-scale-out"]) == [
+        "--model", "ckpt", "--weight-transfer-config={}", "--no-enable-scale-out"]

@@ -33,7 +33,8 @@ from mcore_reshard.adapters.megatron.rules import MegatronParallel
 from mcore_reshard.adapters.vllm.rules import VllmParallel
 from mcore_reshard.infra.checkpoint import make_tiny_checkpoint
 from mcore_reshard.errors import RefitFailed
-from mcore_reshard.refit.servers import ServerClient, Timeouts, prompt_logprobs, refit_servers, wait_healthy
+from mcore_reshard.refit.servers import (ServerClient, Timeouts, generate_tokens, prompt_logprobs, refit_servers,
+                                         wait_healthy)
 from mcore_reshard.infra.ports import free_port
 from mcore_reshard.jobs.serve import server_env
 from mcore_reshard.refit.verify import token_mult_prob_error
@@ -44,6 +45,8 @@ from support.live import assert_idle
 pytestmark = pytest.mark.slow
 
 TOKENS = [11, 42, 7, 99, 123, 5, 77, 300, 8, 64, 512, 3]
+#: Longer than a KV block: its prefix is what a prefix cache keeps.
+LONG_PROMPT = [(37 * i + 11) % 900 for i in range(40)]
 SERVER_TP = int(os.environ.get("MCORE_RESHARD_HTTP_TEST_TP", "2"))
 TIMEOUTS = Timeouts(call_s=60.0, pause_s=120.0, init_s=300.0, update_s=300.0)
 
@@ -271,14 +274,27 @@ def test_http_server_tp1_two_refits_equal_the_trainers_then_its_own_fresh_load(t
     a training step (every rank verified, bytes at the minimum, served logprobs within the fp32
     bound of megatron's), then the server's own checkpoint refit back, overlapped (received in
     the background, swapped at ``/finish_weight_update``): its logprobs then equal exactly those
-    it served at start (vLLM's own load of that checkpoint, a fresh engine). While that refit is
+    it served at start (vLLM's own load of that checkpoint, a fresh engine). Both carry the
+    canary (``refit.canary``), which the server's worker runs and passes. While that refit is
     in flight (``/update_weights`` returned, the swap not yet made) the server is not paused and
-    serves the trained weights, exactly."""
+    serves the trained weights, exactly.
+
+    Caches keyed by weight version: a prompt whose KV was cached under the first refit's weights
+    decodes, after the second, exactly what the fresh engine decoded (tokens and log-probs).
+
+    Outputs that say their weights: a greedy request through vLLM's token-in/token-out route
+    (``generate_tokens``) runs across that swap (frozen after 16 tokens by a ``keep`` pause, as
+    the swap's own pause would, so the swap lands inside it whatever the machine's speed). Its
+    result names "refit-1" for the tokens before the swap and "refit-2" after it, and the tokens
+    of each span are what those weights decode (the second span teacher-forced: the running
+    request's KV is recomputed on the new weights)."""
     import torch.multiprocessing as mp
 
     url, model, _log, _pid = tp1_server
     api = ServerClient(url, TIMEOUTS)
     fresh = prompt_logprobs(url, model, TOKENS)
+    prompt, n = LONG_PROMPT, 64
+    first = generate_tokens(url, prompt, n)  # the fresh engine's greedy decode (and its KV cached)
     q = mp.get_context("spawn").Queue()
     out: dict = {}
     t = _trainers(http_two_refits_job, model, 1, q, out)
@@ -287,17 +303,38 @@ def test_http_server_tp1_two_refits_equal_the_trainers_then_its_own_fresh_load(t
         refit_servers([url], msg["update_info"], "refit-1", init_info=msg["init_info"], timeouts=TIMEOUTS)
         assert api.weight_version() == "refit-1" and not api.is_paused()
         trained = prompt_logprobs(url, model, TOKENS)
+        old = generate_tokens(url, prompt, n)  # its prompt's KV now cached under refit-1's weights
+        assert old.weight_versions == (("refit-1", 0, n),) and len(old.token_ids) == n
         msg = q.get(timeout=600)
         during: list = []
+        spanning: dict = {}
+        frozen = threading.Event()
+
+        def spanning_request() -> None:
+            try:
+                spanning["out"] = generate_tokens(url, prompt, n, timeout_s=600.0,
+                                                  on_tokens=lambda k: k >= 16 and frozen.set())
+            except BaseException as exc:  # noqa: BLE001 - asserted below
+                spanning["error"] = exc
 
         def serve_meanwhile() -> None:  # the refit is in flight: the old weights, no pause
             during.append((api.is_paused(), api.weight_version(), prompt_logprobs(url, model, TOKENS)))
+            t_req.start()
+            assert frozen.wait(120)
+            api.pause("keep")  # freeze the request mid-way; the swap pauses (keep) again, then resumes
 
+        t_req = threading.Thread(target=spanning_request)
         notes = refit_servers([url], msg["update_info"], "refit-2", timeouts=TIMEOUTS,  # same group
-                              before_swap=serve_meanwhile)
+                              before_swap=serve_meanwhile, recompute_kv_cache_after_weight_updates=True)
         assert api.weight_version() == "refit-2" and not api.is_paused() and notes == []
         assert during == [(False, "refit-1", trained)]
         back = prompt_logprobs(url, model, TOKENS)
+        again = generate_tokens(url, prompt, n)  # the prompt cached under refit-1, decoded on refit-2
+        t_req.join(timeout=600)
+        assert "error" not in spanning, spanning.get("error")
+        across = spanning["out"]
+        k = across.weight_versions[1][1] if len(across.weight_versions) == 2 else -1
+        forced = generate_tokens(url, prompt + list(across.token_ids[:k]), n - k) if k > 0 else None
     finally:
         t.join(timeout=900)
     assert "error" not in out, out.get("error")
@@ -307,9 +344,20 @@ def test_http_server_tp1_two_refits_equal_the_trainers_then_its_own_fresh_load(t
     assert rank0["full"] == [rank0["bytes_min"]] * 2 and rank0["delta"] == [False, True]
     assert rank0["received"][0] == rank0["bytes_min"] >= rank0["received"][1] > 0
     assert rank0["verified"] == [rank0["ranks"]] * 2  # every rank of both sides, both refits
+    # the canary over HTTP: the blocking refit's worker ran it before its vote; the overlapped
+    # one's runs at the swap, inside /finish_weight_update, after the report (and passed: served)
+    assert rank0["canary"][0] == [True]
     assert token_mult_prob_error(trained, rank0["logprobs_1"]) < 1.001
     assert token_mult_prob_error(trained, fresh) > 1.01  # the training step reached the server
     assert back == fresh, max(abs(a - b) for a, b in zip(back, fresh))  # fp32, TP1: bit for bit
+    # no request reuses KV cached under older weights: the prompt cached under refit-1 decodes,
+    # on refit-2's weights (the checkpoint), exactly what the fresh engine decoded
+    assert (again.token_ids, again.logprobs) == (first.token_ids, first.logprobs) and len(first.logprobs) == n
+    assert again.weight_versions == (("refit-2", 0, n),) and old.logprobs != first.logprobs
+    # the request that ran across the swap: both versions, the token where they change
+    assert across.weight_versions == (("refit-1", 0, k), ("refit-2", k, n)) and 16 <= k < n, across.weight_versions
+    assert across.token_ids[:k] == old.token_ids[:k]  # the trained weights' greedy tokens
+    assert across.token_ids[k:] == forced.token_ids and forced.weight_versions == (("refit-2", 0, n - k),)
 
 
 def test_trainers_refit_a_server_through_vllms_own_trainer_api_only(tp1_server):

@@ -9,7 +9,9 @@ point (``vllm.entrypoints.launchers.api_server.entry.main``) without the CLI wra
 It sets ``VLLM_SERVER_DEV_MODE=1`` (the RL routes -- ``/pause``, ``/init_weight_transfer_engine``,
 ``/update_weights``, ... -- are registered only in dev mode; see ``docs/http-server.md`` for
 what else that exposes) and adds ``--weight-transfer-config '{"backend": "mcore_reshard"}'``
-unless the arguments name a weight-transfer config themselves.
+unless the arguments name a weight-transfer config themselves, and ``--enable-scale-out``: vLLM's
+token-in/token-out route ``/inference/v1/generate``, whose results carry the weight versions
+their tokens were sampled under (``adapters.vllm.http.generate_tokens``; the OpenAI routes do not).
 """
 
 from __future__ import annotations
@@ -27,12 +29,16 @@ BACKEND_CONFIG = json.dumps({"backend": "mcore_reshard"})
 
 def server_argv(model: str, extra: Sequence[str] = ()) -> list[str]:
     """The api_server arguments (after the program name): the model, the backend unless
-    ``extra`` sets ``--weight-transfer-config``, then ``extra`` as given."""
+    ``extra`` sets ``--weight-transfer-config``, the token-in/token-out route (whose results
+    carry their weight versions) unless ``extra`` names ``--enable-scale-out`` either way, then
+    ``extra`` as given."""
     if not model or model.startswith("-"):
         raise ValueError(f"model={model!r}: the first argument must be the checkpoint path or model name")
     extra = list(extra)
     named = any(a == "--weight-transfer-config" or a.startswith("--weight-transfer-config=") for a in extra)
-    return ["--model", model] + ([] if named else ["--weight-transfer-config", BACKEND_CONFIG]) + extra
+    scale_out = any(a.startswith(("--enable-scale-out", "--no-enable-scale-out")) for a in extra)
+    return (["--model", model] + ([] if named else ["--weight-transfer-config", BACKEND_CONFIG])
+            + ([] if scale_out else ["--enable-scale-out"]) + extra)
 
 
 def server_env(base: dict[str, str] | None = None) -> dict[str, str]:

@@ -1,5 +1,6 @@
-"""The canary a refit carries (``refit.canary``): fixed token sequences, the trainers' logprobs
-of them under the policy being sent, and the bound an engine's own logprobs must meet.
+"""The canary a refit carries (``refit.canary``): fixed token sequences, the policy's most likely
+token after each of their prefixes with the trainers' log-prob of it under the policy being
+sent, and the bound an engine's own log-probs must meet.
 
 Each engine's workers run the sequences through the engine's model on the new weights before
 they serve (``adapters/vllm/canary.py``) and vote no past the bound, so a refit whose bytes
@@ -44,9 +45,13 @@ def canary_bound(dtype: str, override: float = 0.0) -> float:
 
 
 def make_canary(vocab: int, dtype: str, count: int, length: int, bound: float,
-                reference: Callable[[list[list[int]]], Sequence[Sequence[float]]]) -> Canary:
-    """The canary of one refit: the fixed sequences, ``reference(sequences)`` -- the trainers'
-    logprobs of each token after its prefix under the weights being sent -- and the bound."""
+                top: Callable[[list[list[int]]], Sequence[tuple[Sequence[int], Sequence[float]]]]) -> Canary:
+    """The canary of one refit: the fixed sequences, and after each prefix the token the policy
+    being sent finds most likely and its log-prob there (``top(sequences)``: the trainers'
+    ``top_logprobs``) -- the targets and the reference -- and the bound. Likely tokens, not the
+    sequences' own: the precision's bound holds for the tokens a policy samples, not for its
+    distribution's tail (``wire.protocol.Canary``)."""
     seqs = canary_sequences(vocab, count, length)
-    ref = reference([list(s) for s in seqs])
-    return Canary(seqs, tuple(tuple(r) for r in ref), canary_bound(dtype, bound), dtype)
+    got = top([list(s) for s in seqs])
+    return Canary(seqs, tuple(tuple(lp) for _, lp in got), canary_bound(dtype, bound), dtype,
+                  targets=tuple(tuple(tok) for tok, _ in got))

@@ -251,12 +251,13 @@ class RefitDriver:
                             canary=self.canary() if cfg.canary else None)
 
     def canary(self) -> Canary:
-        """The canary of the next refit (``refit.canary``): the trainers' logprobs of the fixed
-        sequences under their current weights, the bound of the engines' precision."""
+        """The canary of the next refit (``refit.canary``): the trainers' most likely tokens after
+        each prefix of the fixed sequences and their log-probs under the current weights, the
+        bound of the engines' precision."""
         cfg = self.refit_config
         dtype = self.engine_infos[0].dtype if self.engine_infos else self.spec.dtype
         return make_canary(self.spec.vocab, dtype, cfg.canary_sequences, cfg.canary_tokens, cfg.canary_bound,
-                           lambda seqs: self.trainers.logprobs(seqs).wait()[0])
+                           lambda seqs: self.trainers.top_logprobs(seqs).wait()[0])
 
     def next_epoch(self) -> int:
         """The number of the next refit on this driver's groups (signed messages are bound to it)."""

@@ -42,12 +42,14 @@ from typing import Any, Callable, Mapping, Sequence
 
 import httpx
 
-from ..adapters.vllm.http import ServerClient, Timeouts, VllmServer, prompt_logprobs, wait_healthy
+from ..adapters.vllm.http import (ServedTokens, ServerClient, Timeouts, VllmServer, generate_tokens, prompt_logprobs,
+                                  wait_healthy)
 from ..errors import ConfigError, RefitFailed
 from ..transport.destination import EngineCallers
 from ..transport.sequence import EngineRefit, EngineRun
 
-__all__ = ["Timeouts", "ServerClient", "refit_servers", "wait_healthy", "prompt_logprobs"]
+__all__ = ["Timeouts", "ServerClient", "refit_servers", "wait_healthy", "prompt_logprobs", "generate_tokens",
+           "ServedTokens"]
 
 
 def _per_server(init_info: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None,

@@ -104,6 +104,12 @@ class MegatronTrainerRank(TrainerRank):
             return self._under(self.snapshots[version], token_ids)
         return self.policy.logprobs(self._batch(token_ids))[: len(token_ids)]
 
+    def top_logprobs(self, token_ids: Sequence[Sequence[int]]) -> list[tuple[list[int], list[float]]]:
+        """Per sequence: the most likely next token after each prefix and its log-prob, under the
+        current weights (synced first, as :meth:`logprobs`)."""
+        self._sync()
+        return self.policy.top_logprobs(self._batch(token_ids))[: len(token_ids)]
+
     def snapshot(self, version: int, keep: Sequence[int]) -> int:
         """Keep a copy of the local weights as ``version``, drop versions not in ``keep``;
         returns the bytes the snapshots hold (host memory, beside the model)."""

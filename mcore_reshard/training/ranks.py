@@ -144,8 +144,8 @@ class TrainerRank:
 
 #: The training calls: this project's policy answers them (``pool.MegatronTrainerRank``); a
 #: framework's rank, which answers the refit calls only, refuses each in one line.
-TRAINING_CALLS = ("train_step", "logprobs", "snapshot", "grpo_step", "reference_logprobs", "local_tensors",
-                  "raw_bandwidth")
+TRAINING_CALLS = ("train_step", "logprobs", "top_logprobs", "snapshot", "grpo_step", "reference_logprobs",
+                  "local_tensors", "raw_bandwidth")
 
 
 @dataclass(frozen=True)
@@ -275,6 +275,10 @@ class TrainerGroup:
     train_step: Callable[..., Pending[float]] = every_rank("train_step", _with_tokens)
     #: ``logprobs(token_ids, version=None)``: under the current weights, or snapshot ``version``'s
     logprobs: Callable[..., Pending[list[list[float]]]] = every_rank("logprobs", _with_tokens)
+    #: ``top_logprobs(token_ids)``: per sequence, the policy's most likely next token after each
+    #: prefix and its log-prob, under the current weights (the canary's reference)
+    top_logprobs: Callable[[TokenIds], Pending[list[tuple[list[int], list[float]]]]] = every_rank(
+        "top_logprobs", _with_tokens)
     #: ``snapshot(version, keep)``: keep the weights as ``version``, drop those not in ``keep``
     snapshot: Callable[[int, Sequence[int]], Pending[int]] = every_rank("snapshot", _snapshot_args)
     grpo_step: Callable[[TokenIds, GrpoBatch, PgLossSettings], Pending[float]] = every_rank("grpo_step", _with_tokens)

@@ -195,37 +195,58 @@ def token_mult_prob_error(gen_logprobs: Sequence[float], train_logprobs: Sequenc
 @dataclass(frozen=True)
 class Canary:
     """What a refit's canary vote checks (``refit.canary``): before an engine serves new
-    weights it computes the prompt logprobs of ``tokens`` (a few fixed sequences) on them, and
-    votes no when ``token_mult_prob_error`` against ``reference`` -- the trainers' logprobs of
-    the same tokens under the policy just sent -- exceeds ``bound``. Checksums prove the bytes
-    arrived as planned; this proves the engine computes the policy (a layout wrong the same way
-    on both sides, a kernel not rebuilt after loading, a head left stale). ``dtype`` names the
-    precision the bound was chosen for (messages)."""
+    weights it runs ``tokens`` (a few fixed sequences) through its model on them and takes, after
+    each prefix, the log-prob of ``targets`` (one token per position but the last; empty: each
+    sequence's own next token, prompt logprobs), and votes no when ``token_mult_prob_error``
+    against ``reference`` -- the trainers' log-probs of the same targets under the policy just
+    sent -- exceeds ``bound``. Checksums prove the bytes arrived as planned; this proves the
+    engine computes the policy (a layout wrong the same way on both sides, a kernel not rebuilt
+    after loading, a head left stale). ``dtype`` names the precision the bound was chosen for
+    (messages).
+
+    The targets a refit sends are the policy's own most likely tokens (``refit.canary``'s
+    reference is the trainers' ``top_logprobs``): the bound is NeMo RL's, measured on tokens the
+    policy samples, and a sequence's random next tokens sit in the tail of a trained policy's
+    distribution, where two precisions' kernels legitimately differ by more than it."""
 
     tokens: tuple[tuple[int, ...], ...]
     reference: tuple[tuple[float, ...], ...]
     bound: float
     dtype: str = ""
+    targets: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tokens", tuple(tuple(int(t) for t in s) for s in self.tokens))
         object.__setattr__(self, "reference", tuple(tuple(float(x) for x in s) for s in self.reference))
+        object.__setattr__(self, "targets", tuple(tuple(int(t) for t in s) for s in self.targets))
         if not self.tokens or any(len(s) < 2 for s in self.tokens):
             raise ConfigError("canary: needs at least one sequence of two or more tokens")
         if len(self.reference) != len(self.tokens) or any(
                 len(r) != len(s) - 1 for r, s in zip(self.reference, self.tokens)):
             raise ConfigError(f"canary: reference logprobs do not match the sequences ({len(self.reference)} for "
                               f"{len(self.tokens)}; one value per token after the first)")
+        if self.targets and (len(self.targets) != len(self.tokens) or any(
+                len(t) != len(s) - 1 for t, s in zip(self.targets, self.tokens))):
+            raise ConfigError(f"canary: targets do not match the sequences ({len(self.targets)} for "
+                              f"{len(self.tokens)}; one token per position but the last)")
         if not isinstance(self.bound, (int, float)) or not self.bound > 1.0:
             raise ConfigError(f"canary: bound={self.bound!r} must be a token_mult_prob_error above 1.0")
 
+    def scored(self) -> tuple[tuple[int, ...], ...]:
+        """The token scored after each prefix of each sequence: ``targets``, else its next token."""
+        return self.targets or tuple(s[1:] for s in self.tokens)
+
     def to_wire(self) -> dict:
-        return {"tokens": [list(s) for s in self.tokens], "reference": [list(r) for r in self.reference],
-                "bound": self.bound, "dtype": self.dtype}
+        out = {"tokens": [list(s) for s in self.tokens], "reference": [list(r) for r in self.reference],
+               "bound": self.bound, "dtype": self.dtype}
+        if self.targets:
+            out["targets"] = [list(t) for t in self.targets]
+        return out
 
     @staticmethod
     def from_wire(d: Mapping[str, Any]) -> "Canary":
-        return Canary(d["tokens"], d["reference"], float(d["bound"]), str(d.get("dtype", "")))
+        return Canary(d["tokens"], d["reference"], float(d["bound"]), str(d.get("dtype", "")),
+                      tuple(d.get("targets", ())))
 
 
 @dataclass(frozen=True)

@@ -84,6 +84,18 @@ def forward_logits(model, tokens: "torch.Tensor", vocab: int) -> "torch.Tensor":
     return gather_from_tensor_model_parallel_region(out)[..., :vocab]
 
 
+def _top_logprobs(logits: "torch.Tensor", vocab: int) -> "torch.Tensor":
+    """``[2, s-1]`` of one sequence's vocab-parallel logits ``[1, s, V/tp]``: the most likely
+    next token after each prefix (row 0, as float) and its fp32 log-prob over the real vocab
+    (row 1). The logits are gathered over TP: a canary's few positions, not a batch's."""
+    import torch
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    full = gather_from_tensor_model_parallel_region(logits[:, :-1].contiguous())[..., :vocab].float()
+    best, token = torch.log_softmax(full, dim=-1)[0].max(dim=-1)
+    return torch.stack([token.float(), best])
+
+
 def _masked_vocab_parallel_logits(logits: "torch.Tensor", vocab: int) -> "torch.Tensor":
     """fp32 vocab-parallel logits with the padded vocab columns (global index >= vocab) at -inf."""
     import torch
@@ -199,10 +211,11 @@ class Policy:
         r = ps.get_data_parallel_rank()
         return [(i, list(token_ids[i])) for i in range(r, len(token_ids), dp)]
 
-    def _run_schedule(self, mine: list[tuple[int, list[int]]], forward_only: bool, per_seq):
+    def _run_schedule(self, mine: list[tuple[int, list[int]]], forward_only: bool, per_seq, measure=None):
         """Run megatron's schedule over ``mine`` (one sequence per micro-batch). ``per_seq(lp,
-        index)`` maps the ``[T-1]`` target log-probs of a sequence to ``(loss, payload)``.
-        Returns the payloads this rank computed (last stage only) by sequence index."""
+        index)`` maps the ``[T-1]`` target log-probs of a sequence (or what ``measure(logits,
+        tokens)`` makes of its output instead) to ``(loss, payload)``. Returns the payloads
+        this rank computed (last stage only) by sequence index."""
         import torch
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -217,7 +230,7 @@ class Policy:
             out = model(x, pos, attention_mask=None)
 
             def loss_func(output_tensor):
-                lp = _target_logprobs(output_tensor, x, spec.vocab)[0]
+                lp = _target_logprobs(output_tensor, x, spec.vocab)[0] if measure is None else measure(output_tensor, x)
                 loss, payload = per_seq(lp, b["index"])
                 return loss, {"index": b["index"], "loss": loss.detach().clone(), "payload": payload}
 
@@ -287,6 +300,18 @@ class Policy:
     def logprobs(self, token_ids: Sequence[Sequence[int]]) -> list[list[float]]:
         """log p(token_i | tokens_<i) for i >= 1 of every sequence (fp32 log-softmax over the real
         vocab), forward only through the schedule; the same lists on every rank."""
+        return self._forward_payloads(token_ids)
+
+    def top_logprobs(self, token_ids: Sequence[Sequence[int]]) -> list[tuple[list[int], list[float]]]:
+        """Per sequence: the most likely token after each prefix ``tokens_<=i`` (i < T-1) and its
+        log-prob (fp32 log-softmax over the real vocab): the likely tokens a refit's canary scores
+        (``refit.canary``). Forward only; the same lists on every rank."""
+        out = self._forward_payloads(token_ids, lambda logits, x: _top_logprobs(logits, self.spec.vocab))
+        return [([int(t) for t in tok], lp) for tok, lp in out]
+
+    def _forward_payloads(self, token_ids: Sequence[Sequence[int]], measure=None) -> list[Any]:
+        """Every sequence's forward-only result (``_run_schedule``'s ``measure``; default: its
+        target log-probs) as lists, gathered to every rank."""
         import torch
         from megatron.core import parallel_state as ps
 
@@ -296,7 +321,7 @@ class Policy:
             return lp.sum() * 0.0, lp.detach().tolist()
 
         with torch.no_grad():
-            res = self._run_schedule(mine, forward_only=True, per_seq=per_seq)
+            res = self._run_schedule(mine, forward_only=True, per_seq=per_seq, measure=measure)
         local = {i: d["payload"] for i, d in res.items()} if ps.get_tensor_model_parallel_rank() == 0 else {}
         gathered: list[Any] = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(gathered, local)

@@ -11,10 +11,11 @@ a refit is confirmed by its own outcome, and a server whose refit failed stays p
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import httpx
 
@@ -23,7 +24,8 @@ from ...layout import ModelSpec
 from ...transport.destination import Described, DestinationInfo
 from ...wire.protocol import WorkerStatus
 
-__all__ = ["Timeouts", "ServerClient", "VllmServer", "wait_healthy", "prompt_logprobs"]
+__all__ = ["Timeouts", "ServerClient", "VllmServer", "wait_healthy", "prompt_logprobs", "ServedTokens",
+           "generate_tokens"]
 
 
 @dataclass(frozen=True)
@@ -228,3 +230,54 @@ def prompt_logprobs(base_url: str, model: str, token_ids: Sequence[int], timeout
                                 "prompt_logprobs": 0})
     rows = out["choices"][0]["prompt_logprobs"]
     return [float(row[str(tok)]["logprob"]) for tok, row in zip(token_ids[1:], rows[1:])]
+
+
+@dataclass(frozen=True)
+class ServedTokens:
+    """A server's completion with the weights that sampled it: ``weight_versions`` are
+    ``(version, start, end)`` spans over the output tokens (vLLM's ``WeightVersionSpan``): one
+    span, or -- a refit that swapped weights while the request ran -- the old version, then
+    the new one from the token where they changed. ``logprobs``: each token's log-prob as the
+    engine sampled it."""
+
+    token_ids: tuple[int, ...]
+    weight_versions: tuple[tuple[str, int, int], ...]
+    logprobs: tuple[float, ...] = ()
+
+
+def generate_tokens(base_url: str, token_ids: Sequence[int], max_tokens: int, *, timeout_s: float = 120.0,
+                    on_tokens: Callable[[int], Any] | None = None) -> ServedTokens:
+    """A greedy completion of a token-id prompt (``max_tokens`` tokens, EOS ignored, with each
+    token's log-prob) through
+    vLLM's token-in/token-out route ``/inference/v1/generate``, streamed; ``on_tokens(n)`` is
+    called as each chunk brings the count to ``n``. The OpenAI routes' responses do not say
+    which weights produced them; this route's final chunk does (the server needs
+    ``--enable-scale-out``, which ``jobs.serve`` adds). Raises ``RefitFailed`` naming the
+    server on an HTTP error or a missed deadline."""
+    url = base_url.rstrip("/") + "/inference/v1/generate"
+    body = {"token_ids": list(token_ids), "stream": True,
+            "sampling_params": {"temperature": 0.0, "max_tokens": int(max_tokens), "ignore_eos": True, "logprobs": 0}}
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    spans: tuple[tuple[str, int, int], ...] = ()
+    try:
+        with httpx.Client() as http, http.stream("POST", url, json=body, timeout=timeout_s) as r:
+            if r.status_code != 200:
+                r.read()
+                raise RefitFailed(f"{base_url}: POST /inference/v1/generate: {_error_text(r)}")
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                for choice in json.loads(line[len("data: "):]).get("choices", ()):
+                    tokens.extend(int(t) for t in choice.get("token_ids") or ())
+                    logprobs.extend(float(c["logprob"]) for c in (choice.get("logprobs") or {}).get("content") or ())
+                    if choice.get("weight_versions"):
+                        spans = tuple((str(s["version"]), int(s["start"]), int(s["end"]))
+                                      for s in choice["weight_versions"])
+                if on_tokens is not None:
+                    on_tokens(len(tokens))
+    except httpx.TimeoutException:
+        raise RefitFailed(f"{base_url}: POST /inference/v1/generate: no reply within {timeout_s:g}s") from None
+    except httpx.HTTPError as exc:
+        raise RefitFailed(f"{base_url}: POST /inference/v1/generate: {type(exc).__name__}: {exc}") from None
+    return ServedTokens(tuple(tokens), spans, tuple(logprobs))

@@ -142,7 +142,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUpd
             raise CanaryFailed(f"{who}: refit.canary is on, but {why}")
         if canary is None:
             return
-        got = engine_logprobs(self.vllm_config, self._default_model, self.device, canary.tokens)
+        got = engine_logprobs(self.vllm_config, self._default_model, self.device, canary.tokens, canary.scored())
         if every or self.local_rank == 0:
             check_canary(canary, got, who)
 
