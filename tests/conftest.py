@@ -67,6 +67,8 @@ LIVE_ORDER: list[tuple[str, frozenset[str]]] = [
     ("test_mtp_vllm", frozenset({"live"})),
     ("test_colocated", frozenset({"live"})),
     ("test_refit_layouts", frozenset({"live"})),
+    # a DTensor (FSDP2 + TP) policy through vLLM's trainer API, into the dense qwen2 TP1 engine
+    ("test_dtensor_source", frozenset({"live"})),
     ("test_refit_e2e", frozenset({"live"})),
     # the fp32 tiny MoE TP2 and TP1 engines above, then dense TP1 / TP2 direct / MoE TP2xEP2
     ("test_vllm_live", frozenset({"live"})),

@@ -7,7 +7,7 @@ One tiny dense fp32 model with tied embeddings (vLLM keeps a packed copy of the 
 CPU: derived state a refit must rebuild), megatron TP2 -> a vLLM TP2 engine in the default
 (repacked-kernel) mode. Each injected fault runs in its own refit: a layout with two heads
 swapped on both sides, post-load processing skipped for one layer, a tied head left stale.
-A correct refit never fails it, in fp32 and in bf16 (``scripts/canary_soak.py`` runs 100).
+A correct refit never fails it, in fp32 and in bf16 (``scripts/bench_canary.py --soak 100`` runs 100 of each).
 """
 
 from __future__ import annotations

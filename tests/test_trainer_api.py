@@ -9,7 +9,6 @@ checked here without an engine.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import pytest
@@ -32,40 +31,14 @@ def _logprobs(llm, lora=None) -> list[float]:
 
 
 def _drive(llm, world: int, args: tuple, probe) -> tuple[list, list]:
-    """Run the trainers (``trainer_api_job``) while this thread runs each vLLM call they send
-    on ``llm``; ``probe(step)`` reads what ``llm`` serves after each refit. (ranks, probes)."""
-    import torch.multiprocessing as mp
-
+    """Run the trainers (``trainer_api_job``, ``args`` less its queues) while this thread runs
+    each vLLM call they send on ``llm`` (``support.live.drive_trainer_api``)."""
     from _trainer_api_jobs import trainer_api_job
+    from support.live import drive_trainer_api
     from support.megatron import run_world
 
-    manager = mp.get_context("spawn").Manager()  # its queues reach ranks that are already running
-    try:
-        calls, replies, out, probes = manager.Queue(), manager.Queue(), {}, []
-
-        def trainers() -> None:
-            try:
-                out["ranks"] = run_world(trainer_api_job, world, args[:-1] + (calls, replies, args[-1]),
-                                         timeout_s=600)
-            except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
-                out["error"] = exc
-            calls.put(None)
-
-        t = threading.Thread(target=trainers, daemon=True)
-        t.start()
-        while (call := calls.get(timeout=600)) is not None:
-            name, a, kw = call
-            try:
-                probes.append(probe(*a)) if name == "probe" else getattr(llm, name)(*a, **kw)
-                replies.put(("", None))
-            except Exception as exc:  # noqa: BLE001 - raised on the trainer's side
-                replies.put((f"{type(exc).__name__}: {exc}".splitlines()[0], None))
-        t.join(timeout=60)
-        if "error" in out:
-            raise out["error"]
-        return out["ranks"], probes
-    finally:
-        manager.shutdown()
+    return drive_trainer_api(llm, lambda queues: run_world(trainer_api_job, world, args[:-1] + queues + args[-1:],
+                                                           timeout_s=600), probe)
 
 
 def _moved(reports: list) -> tuple[int, int, bool, bool]:

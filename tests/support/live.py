@@ -408,3 +408,40 @@ def enqueued_logprobs(llm: Any, tokens: list[int]) -> list[float]:
                 use_tqdm=False)
     out = llm.wait_for_completion(use_tqdm=False)[0]
     return [float(lp[t].logprob) for t, lp in zip(tokens[1:], out.prompt_logprobs[1:])]
+
+
+def drive_trainer_api(llm: Any, trainers: Any, probe: Any) -> tuple[list, list]:
+    """Trainer ranks that reach ``llm`` through vLLM's trainer API only: ``trainers((calls,
+    replies))`` runs them (returns their results), their ``ForwardingClient`` (``_trainer_api_jobs``)
+    sends each of vLLM's calls on ``calls``, and this thread runs it on ``llm``; ``probe(step)``
+    reads what ``llm`` serves after each refit. (ranks' results, probes)."""
+    import threading
+
+    import torch.multiprocessing as mp
+
+    manager = mp.get_context("spawn").Manager()  # its queues reach ranks that are already running
+    try:
+        calls, replies, out, probes = manager.Queue(), manager.Queue(), {}, []
+
+        def run() -> None:
+            try:
+                out["ranks"] = trainers((calls, replies))
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
+                out["error"] = exc
+            calls.put(None)
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        while (call := calls.get(timeout=600)) is not None:
+            name, a, kw = call
+            try:
+                probes.append(probe(*a)) if name == "probe" else getattr(llm, name)(*a, **kw)
+                replies.put(("", None))
+            except Exception as exc:  # noqa: BLE001 - raised on the trainer's side
+                replies.put((f"{type(exc).__name__}: {exc}".splitlines()[0], None))
+        t.join(timeout=60)
+        if "error" in out:
+            raise out["error"]
+        return out["ranks"], probes
+    finally:
+        manager.shutdown()

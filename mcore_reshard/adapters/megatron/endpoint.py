@@ -18,13 +18,10 @@ rank's ``RankReport`` (``last_reports``), which is how the inference side report
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 from ...layout import LayoutError, LocalParam, ModelSpec
-from ...wire.protocol import JoinInfo, RankReport, RefitRequest
-from ...transport.participant import IN_PLACE, Outcome, RefitEndpoint
-from ...transport.injection import ExitAfterReads
-from ...wire.faults import Fault
+from ...transport.source import SourceEndpoint
 from .live import _unwrap, describe, named_local_params
 from .lora import policy_peft
 
@@ -40,22 +37,16 @@ def sync_params_before_refit(chunks: Sequence[Any]) -> None:
             sync(force_sync=True)
 
 
-class TrainerEndpoint:
-    """One training rank's end of the refit protocol (see the module docstring)."""
+class TrainerEndpoint(SourceEndpoint):
+    """One Megatron-Core training rank's end of the refit protocol (see the module docstring):
+    its pieces from the rules, checked against the live chunks; its tensors the chunks' own."""
 
     def __init__(self, model_chunks: Sequence[Any], spec: ModelSpec, *, rank: int | None = None,
                  sync_params: Callable[[], None] | None = None, device: str = "cpu") -> None:
-        import torch.distributed as dist
-
+        super().__init__(spec, rank=rank, device=device)
         self.chunks = list(model_chunks)
-        self.spec = spec
-        self.rank = dist.get_rank() if rank is None else rank
         self._sync = sync_params or (lambda: sync_params_before_refit(self.chunks))
-        self._endpoint = RefitEndpoint("src", self.rank, device)
         self._params: list[LocalParam] | None = None
-        #: Every rank's report of the last refit, by refit-group rank (None: no vote).
-        self.last_reports: list[RankReport | None] = []
-        self.last_outcome: Outcome | None = None
 
     def describe(self) -> list[LocalParam]:
         """This rank's pieces, predicted by the rules and checked name by name against the
@@ -64,15 +55,12 @@ class TrainerEndpoint:
             self._params = describe(self.chunks, self.spec)
         return self._params
 
-    def join(self, info: JoinInfo) -> int:
-        return self._endpoint.join(info)
+    def sync(self) -> None:
+        self._sync()
 
-    def set_plan(self, slice_wire: Mapping[str, Any], plan_digest: str) -> str:
-        """Keep this rank's slice; a LoRA policy first checks the scaling the plan sends its B
-        with against its own ``alpha / r`` (the engine folds the plan's into its slots)."""
-        return self._endpoint.set_plan(slice_wire, plan_digest, check=self._check_scale)
-
-    def _check_scale(self, rank_plan: Any) -> None:
+    def check_plan(self, rank_plan: Any) -> None:
+        """A LoRA policy checks the scaling the plan sends its B with against its own
+        ``alpha / r`` (the engine folds the plan's into its slots)."""
         peft = policy_peft(_unwrap(self.chunks[0]))
         scale = rank_plan.get("lora")
         for name, factor in (scale.locals if scale is not None else ()):
@@ -94,32 +82,3 @@ class TrainerEndpoint:
             held = str(p.dtype).removeprefix("torch.")
             out[name] = p.data if want is None or held == want else p.data.to(getattr(torch, want))
         return out
-
-    def refit(self, request: RefitRequest, progress: bool = False, fault: Fault | None = None,
-              die_after_reads: int | None = None, raise_after_reads: int | None = None) -> RankReport:
-        """Send this rank's boxes, vote, and return this rank's report. Raises ``RefitFailed``
-        naming every failing rank of either side when the refit did not commit. Fault
-        injection for tests: ``fault`` (``transport.injection.Fault``); ``die_after_reads``: this
-        rank's process exits abruptly at its n-th read of a local tensor (dying mid-refit);
-        ``raise_after_reads``: that read raises instead (a failure mid-transfer)."""
-        self._sync()
-        tensors: Mapping[str, Any] = self.local_tensors()
-        if die_after_reads is not None:
-            tensors = ExitAfterReads(tensors, die_after_reads)
-        elif raise_after_reads is not None:
-            tensors = ExitAfterReads(tensors, raise_after_reads, raises=True)
-        outcome, report = self._endpoint.refit(request, tensors, None, IN_PLACE, progress=progress, fault=fault)
-        self.last_outcome, self.last_reports = outcome, outcome.reports
-        outcome.raise_if_failed()
-        return report
-
-    def raw_bandwidth(self, pairs: list[tuple[int, int]], nbytes: int, timeout_s: float) -> float | None:
-        return self._endpoint.raw_bandwidth(pairs, nbytes, timeout_s)
-
-    @property
-    def group(self):
-        """The refit group (the HF baseline gathers over it)."""
-        return self._endpoint.group
-
-    def leave(self) -> None:
-        self._endpoint.leave()

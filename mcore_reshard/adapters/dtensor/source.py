@@ -1,0 +1,112 @@
+"""A rank of a DTensor policy as a refit source: each parameter's local shard as one box of its
+canonical tensor, read from its mesh and placements.
+
+The project's descriptors are DTensor-equivalent (``layout/dtensor.py`` prints every layout's
+``Shard``/``Replicate``/``_StridedShard`` form); this is the other direction. Where the local
+shard of a parameter sits in the global tensor is what torch's own
+``compute_local_shape_and_global_offset`` says -- the function DTensor's checkpoint metadata
+(DCP's chunk list) is built from -- so FSDP2's ``Shard(0)`` over the data-parallel mesh
+dimension, tensor parallelism's ``Shard`` on the other, and the ``_StridedShard`` FSDP2 puts
+over a TP-sharded dimension all come out as they do in a distributed checkpoint. Ranks that
+hold the same box (``Replicate`` on a mesh dimension) are replicas: the planner sends each box
+once, from whichever of them carries the least load. No rank gathers a parameter to refit it.
+
+Refused in one line, before a byte moves (``LayoutError``, naming the parameter): a name with
+no canonical tensor, a global shape other than the canonical one, a ``Partial`` placement (a
+pending reduction: not yet a value), a local shard that is not the box torch places it at.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+
+from ...layout import LayoutError, LocalParam, ModelSpec
+from ...layout.descriptor import Box, Piece, View, contiguous_strides
+from ...transport.source import SourceEndpoint
+
+__all__ = ["dtensor_params", "DTensorEndpoint", "canonical_name"]
+
+#: Module-path parts that wrappers add to a parameter's name and HF's names do not have
+#: (``torch.compile``'s, activation checkpointing's, FSDP1's).
+WRAPPER_PARTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+
+
+def canonical_name(fqn: str) -> str:
+    """``fqn`` without the parts wrappers add (``WRAPPER_PARTS``): the HF name."""
+    return ".".join(p for p in fqn.split(".") if p not in WRAPPER_PARTS)
+
+
+def _box(fqn: str, p: torch.Tensor) -> tuple[Box, torch.Tensor]:
+    """Where ``p``'s local shard sits in its global tensor, and the local shard itself."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(p, DTensor):
+        return Box.full(tuple(p.shape)), p.detach()
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if any(pl.is_partial() for pl in p.placements):
+        raise LayoutError(f"parameter {fqn}: placements {tuple(p.placements)} hold a Partial (a pending reduction, "
+                          f"not yet a value): reduce it before a refit")
+    shape, offset = compute_local_shape_and_global_offset(tuple(p.shape), p.device_mesh, p.placements)
+    local = p.to_local().detach()
+    if tuple(local.shape) != tuple(shape):
+        raise LayoutError(f"parameter {fqn}: its local shard is {tuple(local.shape)}, but placements "
+                          f"{tuple(p.placements)} over mesh {tuple(p.device_mesh.shape)} place a box of {tuple(shape)} "
+                          f"at {tuple(offset)}: not one box of the global tensor")
+    return Box(tuple(int(o) for o in offset), tuple(int(s) for s in shape)), local
+
+
+def dtensor_params(named: Iterable[tuple[str, torch.Tensor]], spec: ModelSpec, rank: int,
+                   names: Callable[[str], str] = canonical_name) -> list[LocalParam]:
+    """Rank ``rank``'s pieces: one per parameter in ``named`` (``model.named_parameters()``;
+    DTensors or plain tensors, which are whole), named by ``names(fqn)`` in ``spec``. A shard
+    with no elements (more ranks than rows) holds nothing and is left out. Refusals: see the
+    module docstring."""
+    table = spec.tensor_table()
+    out: list[LocalParam] = []
+    for fqn, p in named:
+        canonical = names(fqn)
+        if canonical not in table:
+            raise LayoutError(f"parameter {fqn}: {canonical!r} is not a tensor of {spec.name or 'the model'} "
+                              f"(the names must be HF's; pass names= to map them)")
+        shape, _ = table[canonical]
+        if tuple(p.shape) != tuple(shape):
+            raise LayoutError(f"parameter {fqn}: global shape {tuple(p.shape)}, but {canonical} is {tuple(shape)}")
+        box, local = _box(fqn, p)
+        if box.numel == 0:
+            continue
+        view = View(0, box.sizes, contiguous_strides(box.sizes))
+        dtype = str(local.dtype).removeprefix("torch.")
+        out.append(LocalParam(rank, fqn, box.sizes, dtype, (Piece(rank, fqn, canonical, box, view),)))
+    return out
+
+
+class DTensorEndpoint(SourceEndpoint):
+    """A DTensor policy's rank as a refit source: ``model``'s parameters (``named_parameters``,
+    with ``names`` mapping their names to HF's) described by their placements, sent from their
+    local shards. Give it to vLLM's trainer API as ``TrainerShards(DTensorEndpoint(model, spec))``."""
+
+    def __init__(self, model: torch.nn.Module, spec: ModelSpec, *, rank: int | None = None, device: str = "cpu",
+                 names: Callable[[str], str] = canonical_name) -> None:
+        super().__init__(spec, rank=rank, device=device)
+        self.model = model
+        self.names = names
+        self._params: list[LocalParam] | None = None
+
+    def describe(self) -> list[LocalParam]:
+        """This rank's pieces (cached: placements do not change between refits)."""
+        if self._params is None:
+            self._params = dtensor_params(self.model.named_parameters(), self.spec, self.rank, self.names)
+        return self._params
+
+    def local_tensors(self) -> Mapping[str, Any]:
+        """Every described parameter's local shard, by its name (the optimizer's own storage:
+        read, never copied)."""
+        held = {lp.name for lp in self.describe()}
+        out = {}
+        for fqn, p in self.model.named_parameters():
+            if fqn in held:
+                out[fqn] = _box(fqn, p)[1]
+        return out

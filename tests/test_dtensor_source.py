@@ -1,0 +1,91 @@
+"""A DTensor policy as a refit source (``adapters/dtensor``): NeMo RL's DTensor backend builds
+its policy as an HF model, tensor-parallel through ``parallelize_module`` and FSDP2-sharded
+(``fully_shard``) over data parallelism. Its ranks refit a vLLM engine through vLLM's trainer
+API (``TrainerShards(DTensorEndpoint(model, spec))``), each rank sending the boxes its local
+shards hold -- read from their placements, never gathered -- and the engine ends bit for bit
+where a fresh engine loading the trained weights starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mcore_reshard.layout import load_model_spec
+
+pytestmark = pytest.mark.slow  # spawned ranks and an engine
+
+TOKENS = [11, 42, 7, 99, 123, 5, 77, 300, 8, 64]
+
+
+def _logprobs(llm) -> list[float]:
+    from mcore_reshard.adapters.vllm.engine import prompt_logprobs
+
+    return prompt_logprobs(llm, TOKENS)
+
+
+def test_an_fsdp2_and_tp_policy_refits_live_and_equals_a_fresh_engine(ckpt_cache, shared_engine, tmp_path: Path):
+    """Four gloo ranks on a (dp=2, tp=2) mesh: FSDP2's ``Shard(0)`` over dp, TP's ``Shard`` on
+    the projections, FSDP2's ``_StridedShard`` where both cut one dimension. Three refits of a
+    TP1 engine, two AdamW steps between them: every refit verified by every rank of both sides
+    and at the per-rank minimum; each piece is the box torch's own placement arithmetic gives;
+    the engine serves, after the last, exactly what a fresh engine loading the trained weights
+    serves (fp32), and differs from what it served before training."""
+    from _dtensor_jobs import dtensor_trainer_api_job
+    from mcore_reshard.adapters.vllm.engine import start_engine, stop_engine
+    from mcore_reshard.testing.worlds import run_world
+    from support.live import drive_trainer_api
+
+    ckpt = ckpt_cache.get(family="qwen2", dtype="float32")
+    llm = shared_engine(ckpt, tp=1)
+    saved = tmp_path / "trained"
+    info = {"engine_tp": 1, "timeout_s": 60.0, "bucket_bytes": 1 << 16}
+    args = (str(ckpt), 2, 2, info, TOKENS, 3, str(saved))
+    ranks, served = drive_trainer_api(
+        llm, lambda queues: run_world(dtensor_trainer_api_job, 4, args + queues, timeout_s=600), lambda step: _logprobs(llm))
+
+    spec = load_model_spec(ckpt, dtype="float32")
+    rank3 = ranks[3]
+    assert "_StridedShard(dim=0" in rank3["placements"]["model.layers.0.self_attn.q_proj.weight"]
+    # rank 3 is (dp 1, tp 1): q_proj's rows [128, 256) are TP's second half, of which FSDP2's
+    # second half is [192, 256)
+    q = next(p for p in rank3["pieces"] if p[0] == "model.layers.0.self_attn.q_proj.weight")
+    rows = spec.tensor_table()["model.layers.0.self_attn.q_proj.weight"][0][0]
+    assert q[1][0] == 3 * rows // 4 and q[2][0] == rows // 4
+    # every element of every canonical tensor is held by some rank, no rank holds more than its shard
+    held = sum(n for r in ranks for p in r["pieces"] for n in [_numel(p[2])])
+    total = sum(_numel(shape) for shape, _ in spec.tensor_table().values())
+    assert total <= held < 2 * total  # (norms are replicated over tp: held twice, sent once)
+    for step in range(3):
+        reports = ranks[0]["reports"][step]
+        assert all(r[2] for r in reports) and len(reports) == 4 + 1  # 4 trainers + the engine's worker
+        assert sum(r[3] for r in reports if r[0] == "dst") in (ranks[0]["bytes_min"], 0) or step
+    assert sum(r[3] for r in ranks[0]["reports"][0] if r[0] == "dst") == ranks[0]["bytes_min"]
+    assert served[1] != served[0] and served[2] != served[1]  # each step reached the engine
+    fresh = start_engine(str(saved), tp=1)
+    try:
+        assert _logprobs(fresh) == served[2]  # bit for bit, fp32
+    finally:
+        stop_engine(fresh)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def test_layouts_that_cannot_be_described_are_refused_in_one_line(ckpt_cache):
+    """Before anything is planned: a name that is not HF's, a global shape other than the
+    canonical one, a Partial placement (a pending reduction) -- each one line naming the
+    parameter and what is wrong."""
+    from _dtensor_jobs import refusal_lines
+    from mcore_reshard.testing.worlds import run_world
+
+    ckpt = ckpt_cache.get(family="qwen2", dtype="float32")
+    lines = run_world(refusal_lines, 2, (str(ckpt),), timeout_s=120)[0]
+    assert all("\n" not in line for line in lines), lines
+    assert "parameter model.layers.0.mlp.not_hf.weight: 'model.layers.0.mlp.not_hf.weight' is not a tensor" in lines[0]
+    assert "parameter model.layers.0.mlp.down_proj.weight: global shape" in lines[1] and "but" in lines[1]
+    assert "Partial" in lines[2] and "reduce it before a refit" in lines[2]
