@@ -53,6 +53,7 @@ def dtensor_trainer_api_job(ctx: WorldCtx, ckpt: str, dp: int, tp: int, info: di
     from mcore_reshard.adapters.dtensor import DTensorEndpoint
     from mcore_reshard.adapters.dtensor.source import canonical_name
     from mcore_reshard.adapters.vllm.backend import ReshardTrainerInitInfo, TrainerShards
+    from mcore_reshard.errors import RefitFailed
     from mcore_reshard.layout import load_model_spec
 
     dist.init_process_group("gloo", init_method=f"tcp://{ctx.master_addr}:{ctx.master_port}", rank=ctx.rank,
@@ -74,9 +75,13 @@ def dtensor_trainer_api_job(ctx: WorldCtx, ckpt: str, dp: int, tp: int, info: di
             opt.zero_grad()
             model(input_ids=x, labels=x).loss.backward()
             opt.step()
-        engine.send_weights()
-        out["reports"].append(sorted((r.side, r.rank, r.verified, r.bytes_received - r.bytes_headers)
-                                     for r in engine.last_reports if r is not None))
+        try:
+            engine.send_weights()
+        except RefitFailed as exc:  # asserted by the test (replicas that drifted apart)
+            out.setdefault("failed", {})[step] = str(exc)
+        else:
+            out["reports"].append(sorted((r.side, r.rank, r.verified, r.bytes_received - r.bytes_headers)
+                                         for r in engine.last_reports if r is not None))
         if ctx.rank == 0:
             client.probe(step)
     engine.shutdown()

@@ -69,6 +69,32 @@ def test_an_fsdp2_and_tp_policy_refits_live_and_equals_a_fresh_engine(ckpt_cache
         stop_engine(fresh)
 
 
+def test_replicas_that_drift_apart_refuse_the_refit_and_the_engine_keeps_its_weights(ckpt_cache, shared_engine,
+                                                                                       tmp_path: Path):
+    """Qwen3's per-head ``q_norm``/``k_norm`` under a TP plan that shards the attention heads
+    stay plain parameters, replicated over the TP ranks, while each rank's gradient comes from
+    its own heads: after one optimizer step the TP ranks hold different norms, and the policy is
+    no longer one model. The first refit (before training) commits; the next is refused on
+    every rank before a byte moves, in one line naming the parameters and the ranks, and the
+    engine serves what it served before."""
+    from _dtensor_jobs import dtensor_trainer_api_job
+    from mcore_reshard.testing.worlds import run_world
+    from support.live import drive_trainer_api
+
+    ckpt = ckpt_cache.get(family="qwen3", dtype="float32")
+    llm = shared_engine(ckpt, tp=1)
+    info = {"engine_tp": 1, "timeout_s": 60.0, "bucket_bytes": 1 << 16}
+    args = (str(ckpt), 1, 2, info, TOKENS, 2, str(tmp_path / "trained"))
+    ranks, served = drive_trainer_api(
+        llm, lambda queues: run_world(dtensor_trainer_api_job, 2, args + queues, timeout_s=600), lambda step: _logprobs(llm))
+    assert "failed" not in ranks[0] or 0 not in ranks[0]["failed"]
+    for r in ranks:
+        line = r["failed"][1]
+        assert "replicated parameter(s) differ between the trainer ranks holding them" in line, line
+        assert "self_attn.k_norm.weight" in line and "on ranks 0 and 1" in line and "\n" not in line
+    assert served[1] == served[0]  # the refused refit changed nothing the engine serves
+
+
 def _numel(shape) -> int:
     n = 1
     for s in shape:

@@ -13,15 +13,36 @@ gather). Megatron-Core's ranks (``adapters/megatron/endpoint.py``) and DTensor/F
 
 from __future__ import annotations
 
+import json
 from typing import Any, Mapping
+
+import torch
 
 from ..layout import LocalParam, ModelSpec
 from ..wire.faults import Fault
 from ..wire.protocol import JoinInfo, RankReport, RefitRequest
 from .injection import ExitAfterReads
-from .participant import IN_PLACE, Outcome, RefitEndpoint
+from .participant import IN_PLACE, Outcome, Participant, RefitEndpoint
 
-__all__ = ["SourceEndpoint"]
+__all__ = ["SourceEndpoint", "all_gather_json"]
+
+
+def all_gather_json(value: Any) -> list[Any]:
+    """Every trainer rank's ``value`` (JSON), in rank order, over the default process group:
+    bytes in a tensor, never a pickle (the trainers' group is a network channel too)."""
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    data = json.dumps(value).encode()
+    n = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(n) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, n)
+    width = max(int(s) for s in sizes)
+    mine = torch.zeros(width, dtype=torch.uint8, device=device)
+    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    bufs = [torch.zeros(width, dtype=torch.uint8, device=device) for _ in sizes]
+    dist.all_gather(bufs, mine)
+    return [json.loads(bytes(b[: int(s)].cpu().numpy())) for b, s in zip(bufs, sizes)]
 
 
 class SourceEndpoint:
@@ -56,6 +77,12 @@ class SourceEndpoint:
     def check_plan(self, rank_plan: Any) -> None:
         """Refuse a plan slice this rank cannot send (default: any is fine)."""
 
+    def participant(self) -> Participant:
+        """This rank's part of the refit besides sending, asked after :meth:`sync` (default: a
+        sender stages nothing, ``IN_PLACE``; one whose ``open`` raises refuses the refit before
+        a byte moves -- its "no" vote reaches every rank at once)."""
+        return IN_PLACE
+
     # -- the refit protocol -----------------------------------------------------------------
     def join(self, info: JoinInfo) -> int:
         return self._endpoint.join(info)
@@ -77,7 +104,8 @@ class SourceEndpoint:
             tensors = ExitAfterReads(tensors, die_after_reads)
         elif raise_after_reads is not None:
             tensors = ExitAfterReads(tensors, raise_after_reads, raises=True)
-        outcome, report = self._endpoint.refit(request, tensors, None, IN_PLACE, progress=progress, fault=fault)
+        outcome, report = self._endpoint.refit(request, tensors, None, self.participant(), progress=progress,
+                                               fault=fault)
         self.last_outcome, self.last_reports = outcome, outcome.reports
         outcome.raise_if_failed()
         return report

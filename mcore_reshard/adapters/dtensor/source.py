@@ -14,17 +14,31 @@ once, from whichever of them carries the least load. No rank gathers a parameter
 Refused in one line, before a byte moves (``LayoutError``, naming the parameter): a name with
 no canonical tensor, a global shape other than the canonical one, a ``Partial`` placement (a
 pending reduction: not yet a value), a local shard that is not the box torch places it at.
+
+**Replicas that differ.** The planner takes any replica of a box as the box. A parameter that
+a TP plan leaves replicated over the TP ranks while its gradient there depends on the rank's
+own shard (Qwen3's per-head ``q_norm``/``k_norm`` under a plan that shards the attention heads:
+each TP rank sees only its heads) drifts apart on the TP ranks from the first optimizer step,
+and the policy is no longer one model. The endpoint checks it before every refit
+(``check_replicas``, on by default): the exact checksums of every replicated piece, compared
+across the ranks holding it; a difference refuses the refit on every rank, in one line naming
+the parameter and the ranks, and the engine keeps its weights. (NeMo AutoModel makes such
+parameters DTensors on the TP dimension -- its ``NoParallel`` style -- so their gradients are
+reduced there.)
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
 from ...layout import LayoutError, LocalParam, ModelSpec
 from ...layout.descriptor import Box, Piece, View, contiguous_strides
-from ...transport.source import SourceEndpoint
+from ...transport.checksum import checksums
+from ...transport.participant import IN_PLACE, Participant, Prepared
+from ...transport.source import SourceEndpoint, all_gather_json
 
 __all__ = ["dtensor_params", "DTensorEndpoint", "canonical_name"]
 
@@ -89,11 +103,46 @@ class DTensorEndpoint(SourceEndpoint):
     local shards. Give it to vLLM's trainer API as ``TrainerShards(DTensorEndpoint(model, spec))``."""
 
     def __init__(self, model: torch.nn.Module, spec: ModelSpec, *, rank: int | None = None, device: str = "cpu",
-                 names: Callable[[str], str] = canonical_name) -> None:
+                 names: Callable[[str], str] = canonical_name, check_replicas: bool = True) -> None:
         super().__init__(spec, rank=rank, device=device)
         self.model = model
         self.names = names
+        self.check_replicas = check_replicas
         self._params: list[LocalParam] | None = None
+        self._replicated: list[tuple[str, str]] | None = None  # (local name, piece key) others hold too
+        self._diverged = ""
+
+    def sync(self) -> None:
+        """Before each refit, on every trainer rank at once: whether replicated pieces still
+        agree (``check_replicas``; see the module docstring)."""
+        self._diverged = self.replicas_differ() if self.check_replicas else ""
+
+    def participant(self) -> Participant:
+        return _Refuses(self._diverged) if self._diverged else IN_PLACE
+
+    def replicas_differ(self) -> str:
+        """"" when every piece held by several trainer ranks has the same bits on each; else
+        one line naming what differs. Collective over the trainers' default process group."""
+        if self._replicated is None:  # which pieces other ranks hold too: fixed by the placements
+            keys = [_key(p) for p in self.describe()]
+            held = Counter(k for rank_keys in all_gather_json(keys) for k in rank_keys)
+            self._replicated = [(p.name, k) for p, k in zip(self.describe(), keys) if held[k] > 1]
+        local = self.local_tensors()
+        sums = checksums([local[name] for name, _ in self._replicated]).tolist() if self._replicated else []
+        first: dict[str, tuple[int, list[int]]] = {}
+        differ: list[tuple[str, int, int]] = []
+        for rank, mine in enumerate(all_gather_json({k: s for (_, k), s in zip(self._replicated, sums)})):
+            for k, s in mine.items():
+                r0, s0 = first.setdefault(k, (rank, s))
+                if s0 != s:
+                    differ.append((k, r0, rank))
+        if not differ:
+            return ""
+        k, a, b = differ[0]
+        names = sorted({d[0].split("[")[0] for d in differ})
+        return (f"{len(names)} replicated parameter(s) differ between the trainer ranks holding them, e.g. {k} on "
+                f"ranks {a} and {b} (a parameter replicated over a mesh dimension whose gradients are not reduced "
+                f"over it: make it a DTensor on that dimension); a refit would serve one replica: {', '.join(names[:4])}")
 
     def describe(self) -> list[LocalParam]:
         """This rank's pieces (cached: placements do not change between refits)."""
@@ -110,3 +159,32 @@ class DTensorEndpoint(SourceEndpoint):
             if fqn in held:
                 out[fqn] = _box(fqn, p)[1]
         return out
+
+
+def _key(p: LocalParam) -> str:
+    """A piece's identity across ranks: its canonical tensor and box (``name[0:32, 0:64]``)."""
+    q = p.pieces[0]
+    return f"{q.canonical}[{', '.join(f'{o}:{o + n}' for o, n in zip(q.box.offsets, q.box.sizes))}]"
+
+
+class _Refuses:
+    """A sending rank's participant that refuses the refit at ``open``, before a byte moves
+    (its "no" vote: every rank aborts at once and the engines keep their weights)."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+    def open(self, request: Any) -> bool:
+        raise LayoutError(self.why)
+
+    def prepare(self) -> Prepared:
+        return Prepared()
+
+    def check(self, canary: Any) -> None:
+        pass
+
+    def commit(self) -> None:
+        pass
+
+    def abort(self, reason: str) -> None:
+        pass

@@ -41,7 +41,6 @@ at ``trainer_init`` in one line (``check_features``), before the engine is calle
 
 from __future__ import annotations
 
-import json
 import secrets
 import threading
 import time
@@ -65,6 +64,7 @@ from ....plan.refit_plans import RefitPlans, plan_refit
 from ....plan.wire import slice_to_wire
 from ....transport.destination import EngineCallers
 from ....transport.sequence import EngineRefit, EngineRun
+from ....transport.source import all_gather_json as _all_gather_json
 from ....wire.protocol import (BACKEND, EngineInitInfo, EngineUpdateInfo, JoinInfo, RankMap, RefitRequest, VerifyMode,
                                WorkerLayout, first_error_line, refit_id)
 from ....wire.slice_store import publish_slices, slice_digests
@@ -402,24 +402,6 @@ class _Call:
         if self.thread.is_alive():
             return f"no answer within {timeout_s:.0f}s"
         return self.error
-
-
-def _all_gather_json(value: Any) -> list[Any]:
-    """Every trainer rank's ``value`` (JSON), in rank order, over the default process group:
-    bytes in a tensor, never a pickle."""
-    import torch.distributed as dist
-
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    data = json.dumps(value).encode()
-    n = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    sizes = [torch.zeros_like(n) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, n)
-    width = max(int(s) for s in sizes)
-    mine = torch.zeros(width, dtype=torch.uint8, device=device)
-    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-    bufs = [torch.zeros(width, dtype=torch.uint8, device=device) for _ in sizes]
-    dist.all_gather(bufs, mine)
-    return [json.loads(bytes(b[: int(s)].cpu().numpy())) for b, s in zip(bufs, sizes)]
 
 
 def _register() -> None:
