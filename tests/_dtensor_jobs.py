@@ -1,8 +1,7 @@
-"""Ranks of a DTensor policy, built as NeMo RL's DTensor backend builds one: an HF model,
-tensor-parallel through ``parallelize_module`` on the mesh's "tp" dimension, then FSDP2
-(``fully_shard``) over its "dp" dimension, trained with AdamW on gloo -- refitting a vLLM
-``LLM`` in the test process through vLLM's trainer API only (``_trainer_api_jobs``'
-``ForwardingClient``) with ``TrainerShards(DTensorEndpoint(model, spec))``."""
+"""Ranks of a DTensor policy (``testing.dtensor.build_dtensor_policy``: NeMo RL's DTensor
+backend's shape, FSDP2 + TP), trained with AdamW on gloo, refitting a vLLM ``LLM`` in the test
+process through vLLM's trainer API only (``testing.trainer_api``) with
+``TrainerShards(DTensorEndpoint(model, spec))``."""
 
 from __future__ import annotations
 
@@ -10,33 +9,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from mcore_reshard.testing.dtensor import build_dtensor_policy
 from mcore_reshard.testing.worlds import WorldCtx
-
-#: NeMo RL's tensor-parallel plan of a Qwen/Llama decoder layer (``parallelize_module``).
-TP_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
-           "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
-           "mlp.down_proj": "rowwise"}
-
-
-def build_dtensor_policy(ckpt: str, dp: int, tp: int) -> Any:
-    """The HF model of ``ckpt`` (fp32), TP over "tp", FSDP2 over "dp" (every decoder layer, then
-    the root), on the default process group's ranks."""
-    import torch
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    from transformers import AutoModelForCausalLM
-
-    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    if tp > 1:
-        for layer in model.model.layers:
-            parallelize_module(layer, mesh["tp"], {k: styles[v]() for k, v in TP_PLAN.items()})
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
-    return model
 
 
 def dtensor_trainer_api_job(ctx: WorldCtx, ckpt: str, dp: int, tp: int, info: dict, tokens: list, steps: int,
@@ -49,7 +23,7 @@ def dtensor_trainer_api_job(ctx: WorldCtx, ckpt: str, dp: int, tp: int, info: di
     from safetensors.torch import save_file
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from _trainer_api_jobs import ForwardingClient
+    from mcore_reshard.testing.trainer_api import ForwardingClient
     from mcore_reshard.adapters.dtensor import DTensorEndpoint
     from mcore_reshard.adapters.dtensor.source import canonical_name
     from mcore_reshard.adapters.vllm.backend import ReshardTrainerInitInfo, TrainerShards

@@ -14,44 +14,8 @@ from mcore_reshard.adapters.megatron.rules import MegatronParallel
 from mcore_reshard.adapters.megatron.train import TrainSettings, build_policy
 from mcore_reshard.infra.checkpoint import load_canonical
 from mcore_reshard.layout import load_model_spec
+from mcore_reshard.testing.trainer_api import ForwardingClient
 from mcore_reshard.testing.worlds import WorldCtx
-
-
-class ForwardingClient:
-    """vLLM's ``VLLMWeightSyncClient`` calls, each run by the test process on its ``LLM``
-    (``serve_engine_calls``): vLLM's own offline API, one call at a time."""
-
-    def __init__(self, calls: Any, replies: Any) -> None:
-        self.calls, self.replies = calls, replies
-
-    def _call(self, name: str, *args: Any, **kw: Any) -> Any:
-        self.calls.put((name, args, kw))
-        error, value = self.replies.get(timeout=600)
-        if error:
-            raise RuntimeError(error)
-        return value
-
-    def init_weight_transfer_engine(self, init_info: dict) -> None:
-        self._call("init_weight_transfer_engine", {"init_info": init_info})
-
-    def start_weight_update(self) -> None:
-        self._call("start_weight_update")
-
-    def start_draft_weight_update(self) -> None:
-        self._call("start_draft_weight_update")
-
-    def update_weights(self, update_info: dict) -> None:
-        self._call("update_weights", {"update_info": update_info})
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._call("finish_weight_update", weight_version=weight_version)
-
-    def shutdown_weight_transfer_engine(self) -> None:
-        self._call("shutdown_weight_transfer_engine")
-
-    def probe(self, step: int) -> None:
-        """Not a vLLM call: the test process reads what the engine serves now."""
-        self._call("probe", step)
 
 
 def trainer_api_job(ctx: WorldCtx, ckpt: str, dtype: str, par: MegatronParallel, info: dict, tokens: list,

@@ -34,7 +34,7 @@ def test_an_fsdp2_and_tp_policy_refits_live_and_equals_a_fresh_engine(ckpt_cache
     from _dtensor_jobs import dtensor_trainer_api_job
     from mcore_reshard.adapters.vllm.engine import start_engine, stop_engine
     from mcore_reshard.testing.worlds import run_world
-    from support.live import drive_trainer_api
+    from mcore_reshard.testing.trainer_api import drive_trainer_api
 
     ckpt = ckpt_cache.get(family="qwen2", dtype="float32")
     llm = shared_engine(ckpt, tp=1)
@@ -79,7 +79,7 @@ def test_replicas_that_drift_apart_refuse_the_refit_and_the_engine_keeps_its_wei
     engine serves what it served before."""
     from _dtensor_jobs import dtensor_trainer_api_job
     from mcore_reshard.testing.worlds import run_world
-    from support.live import drive_trainer_api
+    from mcore_reshard.testing.trainer_api import drive_trainer_api
 
     ckpt = ckpt_cache.get(family="qwen3", dtype="float32")
     llm = shared_engine(ckpt, tp=1)

@@ -34,7 +34,7 @@ def _drive(llm, world: int, args: tuple, probe) -> tuple[list, list]:
     """Run the trainers (``trainer_api_job``, ``args`` less its queues) while this thread runs
     each vLLM call they send on ``llm`` (``support.live.drive_trainer_api``)."""
     from _trainer_api_jobs import trainer_api_job
-    from support.live import drive_trainer_api
+    from mcore_reshard.testing.trainer_api import drive_trainer_api
     from support.megatron import run_world
 
     return drive_trainer_api(llm, lambda queues: run_world(trainer_api_job, world, args[:-1] + queues + args[-1:],
