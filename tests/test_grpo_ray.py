@@ -213,7 +213,7 @@ def _async_run(workdir: Path, *overrides: str) -> dict:
     return _cli(cmd, logs, 500)
 
 
-def test_async_run_trains_on_samples_of_the_previous_version_each_token_checked_against_its_own():
+def test_async_run_trains_on_samples_of_the_previous_version_each_token_checked_against_its_own(tmp_path):
     """Asynchronous GRPO (``recipes/grpo-tiny-moe-cpu-async.yaml``: AsyncLLM in an async Ray
     actor, in-flight overlapped refits, importance sampling):
 
@@ -224,8 +224,15 @@ def test_async_run_trains_on_samples_of_the_previous_version_each_token_checked_
       snapshots) is at fp32's bound, while against the current policy it is far above it: the
       samples are off-policy, and the check still proves each refit served what the trainer held;
     * every refit verified at the minimum bytes, ``verify=full`` on the last.
+
+    Whether a refit lands while the next step decodes is a race between that step's training
+    and refit and the next step's decoding; the run starts in the background beside the rest of
+    the suite, whose load can slow one side more than the other. A run in which no refit landed
+    in flight is run once more, on its own, and everything is asserted on that run.
     """
     steps = _steps(BACKGROUND.result("grpo-async", _async_run), 3)
+    if not _landed_in_flight(steps):
+        steps = _steps(_async_run(tmp_path), 3)
     for s in steps:
         assert 1.0 <= s["token_mult_prob_error"] <= 1.001  # each token vs the version that made it
         assert s["policy_version"] == s["step"] and s["dropped_stale_samples"] == 0
@@ -235,9 +242,14 @@ def test_async_run_trains_on_samples_of_the_previous_version_each_token_checked_
     assert [s["generation_versions"][0] for s in steps[1:]] == [0, 1]  # started one version back
     assert all(s["trajectory_age"] == 1 for s in steps[1:])
     # in flight: a batch holds tokens of the version it began at and of the one after
-    assert any(s["generation_versions"][1] == s["generation_versions"][0] + 1 for s in steps[1:]), steps
+    assert _landed_in_flight(steps), steps
     assert all(s["off_policy_token_mult_prob_error"] > 1.01 for s in steps[1:])  # stale vs the current policy
     assert [s["refit_full_verified"] for s in steps] == [False, False, True]
+
+
+def _landed_in_flight(steps: list[dict]) -> bool:
+    """Some step's batch holds tokens of the version it began at and of the one after."""
+    return any(s["generation_versions"][1] == s["generation_versions"][0] + 1 for s in steps[1:])
 
 
 def _drained_run(workdir: Path) -> dict:
