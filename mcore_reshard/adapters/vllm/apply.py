@@ -148,6 +148,9 @@ class VllmApplier:
             if self.probe is None:
                 raise CanaryFailed("refit.canary: this worker has no canary forward")
             self.probe(None)
+            gap = self.shadows.trial_gap() if self.atomic else ""
+            if gap:
+                raise CanaryFailed(f"refit.canary with refit.atomic=true: {gap}")
         ready = self.delta_ready()
         self.sink.keep_baselines(request.delta != "off")
         return ready

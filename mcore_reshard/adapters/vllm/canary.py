@@ -16,8 +16,10 @@ requests paused in it, are not touched). Run where no model step runs meanwhile:
 tensor-parallel collectives of the forward), and every worker gets the whole logits.
 
 Supported: decoder models whose layers with forward-time state are vLLM's standard
-``Attention`` (any backend with a metadata builder) and ``FusedMoE``; on one pipeline stage;
-without LoRA. :func:`unsupported` says in one line why another engine cannot run it.
+``Attention`` or its ``MLAAttention`` (any backend with a metadata builder) and ``FusedMoE``;
+on one pipeline stage; without LoRA. :func:`unsupported` says in one line why another engine
+cannot run it. (An MLA engine runs it on live weights only: a streaming refit;
+``Shadows.trial_gap``.)
 """
 
 from __future__ import annotations
@@ -40,10 +42,18 @@ def _forward_layers(vllm_config: Any) -> dict[str, Any]:
     return dict(vllm_config.compilation_config.static_forward_context)
 
 
+def _attention_types() -> tuple[type, ...]:
+    """The attention layers the canary builds metadata for: vLLM's standard ``Attention`` and
+    its ``MLAAttention`` (DeepSeek's latent attention: one latent row per token in the cache)."""
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    return (Attention, MLAAttention)
+
+
 def unsupported(vllm_config: Any) -> str:
     """Why this engine cannot run the canary's forward ("" when it can)."""
-    from vllm.model_executor.layers.attention import Attention
-
+    kinds = _attention_types()
     par = vllm_config.parallel_config
     if int(getattr(par, "pipeline_parallel_size", 1)) > 1:
         return "the canary's forward runs on one pipeline stage (this engine has pipeline_parallel_size > 1)"
@@ -51,9 +61,9 @@ def unsupported(vllm_config: Any) -> str:
         return "the canary's forward runs the base model, not a LoRA adapter (this engine serves LoRA)"
     for name, layer in _forward_layers(vllm_config).items():
         moe = "MoE" in type(layer).__name__  # FusedMoE / MoERunner: its forward needs no metadata
-        if not (moe or type(layer) is Attention):
+        if not (moe or type(layer) in kinds):
             return (f"layer {name} is a {type(layer).__name__} (the canary's forward builds metadata for "
-                    f"standard attention only: MLA, Mamba and linear-attention layers are not supported)")
+                    f"standard and MLA attention only: Mamba and linear-attention layers are not supported)")
     return ""
 
 
@@ -72,13 +82,13 @@ def _metadata(vllm_config: Any, device: torch.device, n: int) -> tuple[dict[str,
     """One prefill request of ``n`` tokens: every attention layer's metadata (built by its
     backend's own builder, one per group of layers with one KV cache spec), slot mapping, and a
     private KV cache holding just its blocks."""
-    from vllm.model_executor.layers.attention import Attention
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
+    kinds = _attention_types()
     groups: dict[Any, list[str]] = {}
     layers = _forward_layers(vllm_config)
     for name, layer in layers.items():
-        if isinstance(layer, Attention):
+        if type(layer) in kinds:
             spec = layer.get_kv_cache_spec(vllm_config)
             groups.setdefault((layer.attn_backend, spec), []).append(name)
     md: dict[str, Any] = {}
@@ -93,7 +103,9 @@ def _metadata(vllm_config: Any, device: torch.device, n: int) -> tuple[dict[str,
                                                                                          device=device),
             num_reqs=1, num_actual_tokens=n, max_query_len=n, max_seq_len=n,
             block_table_tensor=torch.arange(nb, dtype=torch.int32, device=device)[None],
-            slot_mapping=torch.arange(n, dtype=torch.int64, device=device), causal=True)
+            slot_mapping=torch.arange(n, dtype=torch.int64, device=device), causal=True,
+            seq_lens_cpu_upper_bound=torch.tensor([n], dtype=torch.int32),
+            is_prefilling=torch.tensor([True], device=device))
         builder = backend.get_builder_cls()(spec, names, vllm_config, device)
         built = builder.build(0, common)
         for name in names:
