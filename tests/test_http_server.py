@@ -283,7 +283,7 @@ def test_http_server_tp1_two_refits_equal_the_trainers_then_its_own_fresh_load(t
     decodes, after the second, exactly what the fresh engine decoded (tokens and log-probs).
 
     Outputs that say their weights: a greedy request through vLLM's token-in/token-out route
-    (``generate_tokens``) runs across that swap (frozen after 16 tokens by a ``keep`` pause, as
+    (``generate_tokens``) runs across that swap (frozen after 8 of its 192 tokens by a ``keep`` pause, as
     the swap's own pause would, so the swap lands inside it whatever the machine's speed). Its
     result names "refit-1" for the tokens before the swap and "refit-2" after it, and the tokens
     of each span are what those weights decode (the second span teacher-forced: the running
@@ -293,7 +293,7 @@ def test_http_server_tp1_two_refits_equal_the_trainers_then_its_own_fresh_load(t
     url, model, _log, _pid = tp1_server
     api = ServerClient(url, TIMEOUTS)
     fresh = prompt_logprobs(url, model, TOKENS)
-    prompt, n = LONG_PROMPT, 64
+    prompt, n = LONG_PROMPT, 192  # long: the pause lands while it decodes, whatever the load
     first = generate_tokens(url, prompt, n)  # the fresh engine's greedy decode (and its KV cached)
     q = mp.get_context("spawn").Queue()
     out: dict = {}
@@ -313,7 +313,7 @@ def test_http_server_tp1_two_refits_equal_the_trainers_then_its_own_fresh_load(t
         def spanning_request() -> None:
             try:
                 spanning["out"] = generate_tokens(url, prompt, n, timeout_s=600.0,
-                                                  on_tokens=lambda k: k >= 16 and frozen.set())
+                                                  on_tokens=lambda k: k >= 8 and frozen.set())
             except BaseException as exc:  # noqa: BLE001 - asserted below
                 spanning["error"] = exc
 
@@ -355,7 +355,7 @@ def test_http_server_tp1_two_refits_equal_the_trainers_then_its_own_fresh_load(t
     assert (again.token_ids, again.logprobs) == (first.token_ids, first.logprobs) and len(first.logprobs) == n
     assert again.weight_versions == (("refit-2", 0, n),) and old.logprobs != first.logprobs
     # the request that ran across the swap: both versions, the token where they change
-    assert across.weight_versions == (("refit-1", 0, k), ("refit-2", k, n)) and 16 <= k < n, across.weight_versions
+    assert across.weight_versions == (("refit-1", 0, k), ("refit-2", k, n)) and 8 <= k < n, across.weight_versions
     assert across.token_ids[:k] == old.token_ids[:k]  # the trained weights' greedy tokens
     assert across.token_ids[k:] == forced.token_ids and forced.weight_versions == (("refit-2", 0, n - k),)
 
