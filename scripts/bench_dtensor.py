@@ -35,11 +35,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_refit import BENCH_MODEL, stdout_to_stderr  # noqa: E402
-
-DENSE_MODEL: dict[str, Any] = {k: v for k, v in BENCH_MODEL.items()
-                               if k not in ("num_experts", "num_experts_per_tok", "moe_intermediate_size")}
-DENSE_MODEL["intermediate_size"] = BENCH_MODEL["num_experts"] * BENCH_MODEL["moe_intermediate_size"]
+from bench_lora import DENSE_MODEL  # noqa: E402 - the bench model's size, its experts as one dense MLP
+from bench_refit import stdout_to_stderr  # noqa: E402
 LAYOUTS = {"fsdp2": (2, 1, True), "tp2": (1, 2, True), "replicated": (2, 1, False)}  # dp, tp, fully_shard
 
 

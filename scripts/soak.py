@@ -371,22 +371,14 @@ def _classify(now: Any, old: list[float], new: list[float], bound: float) -> str
 
 
 def _through_enqueue(llm: Any, tokens: list[int]) -> tuple[Any, Any]:
-    """``enqueue`` + ``wait_for_completion`` (no helper in between): the prompt's logprobs,
-    or "refused (queued, no model step)" and the thread still waiting for them."""
-    import threading
+    """``enqueue`` + ``wait_for_completion`` (``testing.clients.Enqueued``): the prompt's logprobs,
+    or "refused (queued, no model step)" and the request still waiting for them."""
+    from mcore_reshard.testing.clients import Enqueued
 
-    from vllm import SamplingParams
-
-    llm.enqueue([{"prompt_token_ids": tokens}], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0),
-                use_tqdm=False)
-    got: dict = {}
-    th = threading.Thread(target=lambda: got.update(out=llm.wait_for_completion(use_tqdm=False)), daemon=True)
-    th.start()
-    th.join(3.0)
-    if th.is_alive():
-        return "refused (queued, no model step)", (th, got)
-    out = got["out"][0]
-    return [float(lp[t].logprob) for t, lp in zip(tokens[1:], out.prompt_logprobs[1:])], None
+    req = Enqueued(llm, tokens)
+    if req.waiting(3.0):
+        return "refused (queued, no model step)", req
+    return req.logprobs(), None
 
 
 def fault_row(c: Any, tokens: list[int], case: FaultCase, atomic: bool, bound: float,
@@ -451,10 +443,7 @@ def fault_row(c: Any, tokens: list[int], case: FaultCase, atomic: bool, bound: f
                           "token_mult_prob_error": err}
         row["restored"] = "yes" if (m.verified and m.at_minimum and err <= bound) else "no"
         if waiting is not None:  # the queued request ran after the restoring refit, on its weights only
-            th, got = waiting
-            th.join(60)
-            out = got["out"][0]
-            ran = [float(lp[t].logprob) for t, lp in zip(tokens[1:], out.prompt_logprobs[1:])]
+            ran = waiting.logprobs(60.0)
             row["enqueue"] += "; ran after the restore on the restored weights" if ran == prompt_logprobs(
                 c.engines[0], tokens) else "; ran after the restore on OTHER weights"
     except Exception as exc:  # noqa: BLE001

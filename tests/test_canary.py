@@ -12,7 +12,6 @@ A correct refit never fails it, in fp32 and in bf16 (``scripts/bench_canary.py -
 
 from __future__ import annotations
 
-import threading
 from dataclasses import replace
 
 import pytest
@@ -25,6 +24,7 @@ from mcore_reshard.jobs.refit import local_cluster
 from mcore_reshard.layout import load_model_spec
 from mcore_reshard.refit.canary import TOKEN_MULT_PROB_BOUND, canary_sequences
 from mcore_reshard.settings.policy import RefitConfig
+from mcore_reshard.testing.clients import Enqueued
 from mcore_reshard.testing.wrong_layouts import swap_canonical_rows
 from mcore_reshard.wire.faults import EngineFault, Faults
 from mcore_reshard.wire.protocol import Canary, RefitRequest, token_mult_prob_error
@@ -198,23 +198,16 @@ def test_a_streaming_refit_that_fails_the_canary_gates_the_engine(cluster):
         d.refit(replace(d.request(), atomic=False),
                 faults=Faults(engine=EngineFault(rank=(0, 1), skip_processing=name)))
     assert "not_serving" in str(d.gated) and engine_healthy(cluster.engines[0]) == "paused (gated)"
-    from vllm import SamplingParams
 
     llm = cluster.engines[0]
     with pytest.raises(Exception):
         prompt_logprobs(llm, TOKENS)  # generate is refused
     # enqueue: the request waits, no model step runs on the torn weights...
-    llm.enqueue([{"prompt_token_ids": TOKENS}], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0),
-                use_tqdm=False)
-    got: dict = {}
-    waiter = threading.Thread(target=lambda: got.update(out=llm.wait_for_completion(use_tqdm=False)), daemon=True)
-    waiter.start()
-    waiter.join(2.0)
-    assert waiter.is_alive() and "out" not in got
+    queued = Enqueued(llm, TOKENS)
+    assert queued.waiting(2.0)
     cluster.refit_once()  # ...until a whole refit heals it; then it runs on the new weights
-    waiter.join(60)
-    assert "out" in got and not d.gated and cluster.logprob_error(TOKENS) < EXACT
-    new = [float(lp[t].logprob) for t, lp in zip(TOKENS[1:], got["out"][0].prompt_logprobs[1:])]
+    new = queued.logprobs(60.0)
+    assert not d.gated and cluster.logprob_error(TOKENS) < EXACT
     assert new == _served(cluster)
 
 

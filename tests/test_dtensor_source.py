@@ -7,6 +7,7 @@ where a fresh engine loading the trained weights starts."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -53,14 +54,15 @@ def test_an_fsdp2_and_tp_policy_refits_live_and_equals_a_fresh_engine(ckpt_cache
     rows = spec.tensor_table()["model.layers.0.self_attn.q_proj.weight"][0][0]
     assert q[1][0] == 3 * rows // 4 and q[2][0] == rows // 4
     # every element of every canonical tensor is held by some rank, no rank holds more than its shard
-    held = sum(n for r in ranks for p in r["pieces"] for n in [_numel(p[2])])
-    total = sum(_numel(shape) for shape, _ in spec.tensor_table().values())
+    held = sum(math.prod(p[2]) for r in ranks for p in r["pieces"])
+    total = sum(math.prod(shape) for shape, _ in spec.tensor_table().values())
     assert total <= held < 2 * total  # (norms are replicated over tp: held twice, sent once)
-    for step in range(3):
-        reports = ranks[0]["reports"][step]
+    received = []
+    for reports in ranks[0]["reports"]:
         assert all(r[2] for r in reports) and len(reports) == 4 + 1  # 4 trainers + the engine's worker
-        assert sum(r[3] for r in reports if r[0] == "dst") in (ranks[0]["bytes_min"], 0) or step
-    assert sum(r[3] for r in ranks[0]["reports"][0] if r[0] == "dst") == ranks[0]["bytes_min"]
+        received.append(sum(r[3] for r in reports if r[0] == "dst"))
+    # the first refit moves the minimum; the later ones (deltas) what the AdamW step changed, within it
+    assert len(received) == 3 and received[0] == ranks[0]["bytes_min"] >= max(received[1:]) > 0
     assert served[1] != served[0] and served[2] != served[1]  # each step reached the engine
     fresh = start_engine(str(saved), tp=1)
     try:
@@ -94,12 +96,6 @@ def test_replicas_that_drift_apart_refuse_the_refit_and_the_engine_keeps_its_wei
         assert "self_attn.k_norm.weight" in line and "on ranks 0 and 1" in line and "\n" not in line
     assert served[1] == served[0]  # the refused refit changed nothing the engine serves
 
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def test_layouts_that_cannot_be_described_are_refused_in_one_line(ckpt_cache):

@@ -31,7 +31,7 @@ from .executor import TransferOptions, TransferStats, execute_plan, raw_send_ban
 from ..wire.faults import Fault
 from .group import RefitGroup
 
-__all__ = ["RefitEndpoint", "Outcome", "Participant", "Prepared", "IN_PLACE"]
+__all__ = ["RefitEndpoint", "Outcome", "Participant", "Prepared", "InPlace", "IN_PLACE"]
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ class Participant(Protocol):
     def abort(self, reason: str) -> None: ...
 
 
-class _InPlace:
+class InPlace:
     """The participant of a rank that stages nothing: a sender reads its live weights, a
     plain tensor sink is written in place. Its part of the commit is the endpoint's own (the
     delta baselines, ``DeltaState.settle``)."""
@@ -93,7 +93,7 @@ class _InPlace:
 
 
 #: The participant of every sending rank, and of a destination written in place.
-IN_PLACE: Participant = _InPlace()
+IN_PLACE: Participant = InPlace()
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
+from mcore_reshard.testing.clients import enqueued_logprobs  # noqa: F401 - the tests' import
+
 __all__ = ["Checkpoints", "EngineCache", "PoolCache", "cluster", "POOLS", "engine_healthy", "rss_mib", "refit_pids",
            "assert_idle", "trained_checkpoint", "enqueued_logprobs"]
 
@@ -398,13 +400,3 @@ def trained_checkpoint(c: Any, spec: Any, like: Path, out: Path) -> Path:
     save_file({n: t.contiguous() for n, t in checkpoint_form(canon, spec).items()}, str(out / "model.safetensors"))
     return out
 
-
-def enqueued_logprobs(llm: Any, tokens: list[int]) -> list[float]:
-    """``LLM.enqueue`` + ``wait_for_completion``, no helper in between (a client path of its
-    own): the prompt's logprobs."""
-    from vllm import SamplingParams
-
-    llm.enqueue([{"prompt_token_ids": tokens}], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0),
-                use_tqdm=False)
-    out = llm.wait_for_completion(use_tqdm=False)[0]
-    return [float(lp[t].logprob) for t, lp in zip(tokens[1:], out.prompt_logprobs[1:])]

@@ -37,7 +37,7 @@ import torch
 from ...layout import LayoutError, LocalParam, ModelSpec
 from ...layout.descriptor import Box, Piece, View, contiguous_strides
 from ...transport.checksum import checksums
-from ...transport.participant import IN_PLACE, Participant, Prepared
+from ...transport.participant import IN_PLACE, InPlace, Participant
 from ...transport.source import SourceEndpoint, all_gather_json
 
 __all__ = ["dtensor_params", "DTensorEndpoint", "canonical_name"]
@@ -52,19 +52,26 @@ def canonical_name(fqn: str) -> str:
     return ".".join(p for p in fqn.split(".") if p not in WRAPPER_PARTS)
 
 
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """``p``'s local shard (a plain tensor is whole): the optimizer's own storage, not a copy."""
+    from torch.distributed.tensor import DTensor
+
+    return p.to_local().detach() if isinstance(p, DTensor) else p.detach()
+
+
 def _box(fqn: str, p: torch.Tensor) -> tuple[Box, torch.Tensor]:
     """Where ``p``'s local shard sits in its global tensor, and the local shard itself."""
     from torch.distributed.tensor import DTensor
 
     if not isinstance(p, DTensor):
-        return Box.full(tuple(p.shape)), p.detach()
+        return Box.full(tuple(p.shape)), _local(p)
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if any(pl.is_partial() for pl in p.placements):
         raise LayoutError(f"parameter {fqn}: placements {tuple(p.placements)} hold a Partial (a pending reduction, "
                           f"not yet a value): reduce it before a refit")
     shape, offset = compute_local_shape_and_global_offset(tuple(p.shape), p.device_mesh, p.placements)
-    local = p.to_local().detach()
+    local = _local(p)
     if tuple(local.shape) != tuple(shape):
         raise LayoutError(f"parameter {fqn}: its local shard is {tuple(local.shape)}, but placements "
                           f"{tuple(p.placements)} over mesh {tuple(p.device_mesh.shape)} place a box of {tuple(shape)} "
@@ -152,13 +159,9 @@ class DTensorEndpoint(SourceEndpoint):
 
     def local_tensors(self) -> Mapping[str, Any]:
         """Every described parameter's local shard, by its name (the optimizer's own storage:
-        read, never copied)."""
+        read, never copied; where it sits was worked out once, by :meth:`describe`)."""
         held = {lp.name for lp in self.describe()}
-        out = {}
-        for fqn, p in self.model.named_parameters():
-            if fqn in held:
-                out[fqn] = _box(fqn, p)[1]
-        return out
+        return {fqn: _local(p) for fqn, p in self.model.named_parameters() if fqn in held}
 
 
 def _key(p: LocalParam) -> str:
@@ -167,24 +170,13 @@ def _key(p: LocalParam) -> str:
     return f"{q.canonical}[{', '.join(f'{o}:{o + n}' for o, n in zip(q.box.offsets, q.box.sizes))}]"
 
 
-class _Refuses:
+class _Refuses(InPlace):
     """A sending rank's participant that refuses the refit at ``open``, before a byte moves
-    (its "no" vote: every rank aborts at once and the engines keep their weights)."""
+    (its "no" vote: every rank aborts at once and the engines keep their weights); otherwise
+    a sender's (``InPlace``)."""
 
     def __init__(self, why: str) -> None:
         self.why = why
 
     def open(self, request: Any) -> bool:
         raise LayoutError(self.why)
-
-    def prepare(self) -> Prepared:
-        return Prepared()
-
-    def check(self, canary: Any) -> None:
-        pass
-
-    def commit(self) -> None:
-        pass
-
-    def abort(self, reason: str) -> None:
-        pass

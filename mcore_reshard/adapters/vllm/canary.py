@@ -120,11 +120,10 @@ def _metadata(vllm_config: Any, device: torch.device, n: int) -> tuple[dict[str,
 
 @torch.inference_mode()
 def engine_logprobs(vllm_config: Any, model: torch.nn.Module, device: torch.device,
-                    sequences: Sequence[Sequence[int]],
-                    targets: Sequence[Sequence[int]] | None = None) -> list[list[float]]:
+                    sequences: Sequence[Sequence[int]], targets: Sequence[Sequence[int]]) -> list[list[float]]:
     """The log-probability after each prefix of each sequence (``len(s) - 1`` values) of its
-    target token (``targets``; default: the sequence's own next token, as vLLM's
-    ``prompt_logprobs`` computes it), from ``model``'s current weights."""
+    target token (``Canary.scored``: the policy's likely tokens, or the sequence's own next
+    ones, as vLLM's ``prompt_logprobs`` scores them), from ``model``'s current weights."""
     from vllm.forward_context import set_forward_context
 
     layers = _forward_layers(vllm_config)
@@ -149,8 +148,7 @@ def engine_logprobs(vllm_config: Any, model: torch.nn.Module, device: torch.devi
             for name, cache in saved.items():
                 layers[name].kv_cache = cache
         lp = torch.log_softmax(logits.float(), dim=-1)
-        target = torch.tensor(ids[1:] if targets is None else [int(t) for t in targets[i]], dtype=torch.long,
-                              device=lp.device)
+        target = torch.tensor([int(t) for t in targets[i]], dtype=torch.long, device=lp.device)
         out.append(lp[:-1].gather(1, target[:, None])[:, 0].cpu().tolist())
     return out
 
