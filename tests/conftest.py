@@ -84,6 +84,8 @@ LIVE_ORDER: list[tuple[str, frozenset[str]]] = [
     ("test_deepseek_vllm", frozenset({"engines"})),
     # tiny gpt-oss and GLM-4.5: their own engines (cached, fresh) and trainer pools
     ("test_family_refit", frozenset({"engines"})),
+    # Megatron-FSDP policies: fresh engines (cached) and their own trainer pools
+    ("test_megatron_fsdp", frozenset({"engines"})),
     # own engines and pools only (nothing of the above is reused)
     ("test_process_starts", frozenset()),
     ("test_http_server", frozenset()),

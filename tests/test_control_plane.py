@@ -329,6 +329,7 @@ def test_every_engine_fault_survives_the_wire():
 
 # -- two-phase commit's rule: only the coordinator commits; a rank that voted ok never aborts alone --
 
+@pytest.mark.heavy  # waits out the attack's real deadlines (about 11 s)
 def test_a_persistent_deleting_writer_and_a_late_reader_cannot_split_the_decision():
     """Every vote, decision and signed copy is deleted as soon as it is written, for the whole
     refit, and one rank reads 3 s late. Once, the ranks that read the coordinator's commit in

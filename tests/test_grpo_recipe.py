@@ -28,6 +28,8 @@ QWEN_4N = REPO / "recipes" / "grpo-qwen3-30b-a3b-megatron-reshard.yaml"
 QWEN_8N = REPO / "recipes" / "grpo-qwen3-30b-a3b-8n8g-megatron-reshard.yaml"
 QWEN_ASYNC = REPO / "recipes" / "grpo-qwen3-30b-a3b-megatron-reshard-async.yaml"
 QWEN_FP8 = REPO / "recipes" / "grpo-qwen3-30b-a3b-megatron-reshard-fp8.yaml"
+QWEN_FSDP = REPO / "recipes" / "grpo-qwen3-30b-a3b-megatron-fsdp.yaml"
+TINY_FSDP = REPO / "recipes" / "grpo-tiny-fsdp-cpu.yaml"
 # (recipe, training ranks, generation ranks, engines, training nodes, generation nodes)
 QWEN = [(QWEN_4N, 16, 16, 8, 2, 2), (QWEN_8N, 32, 32, 8, 4, 4)]
 
@@ -145,6 +147,32 @@ def test_tiny_recipe_loads_and_runs_here(capsys):
     assert (rep["training_ranks"], rep["generation_ranks"], rep["slots"]) == (2, 1, 3)
     assert rep["modelled_refit_seconds"] == pytest.approx(rep["busiest_rank_bytes"] / 450e9)
     assert rep["published"] is None and rep["local_problem"] is None
+
+
+def test_megatron_fsdp_recipes(capsys):
+    """``policy.megatron_cfg.use_custom_fsdp``: the tiny recipe runs here (two Megatron-FSDP ranks,
+    data-parallel 2 x expert-parallel 2); the 30B one plans at the minimum bytes, the busiest
+    training rank sending no more than any other (each rank holds its own rows: the planner
+    has no replica to balance, Megatron-FSDP's even buckets do it). A LoRA policy is refused."""
+    tiny = load_grpo_recipe(TINY_FSDP)
+    assert tiny.training.fsdp and (tiny.training.dp, tiny.training.ep) == (2, 2) and tiny.local_problem is None
+    rep = _json(capsys, ["grpo", str(TINY_FSDP), "--dry-run", "--json"])
+    assert rep["bytes_planned"] == rep["bytes_min"] and rep["training_layout"].endswith(",fsdp)")
+    big = load_grpo_recipe(QWEN_FSDP)
+    assert big.training.fsdp and (big.training.pp, big.training.dp, big.training.ep) == (1, 16, 8)
+    with pytest.raises(ConfigError, match=r"use_custom_fsdp=true with peft.enabled=true"):
+        load_grpo_recipe(TINY_FSDP, overrides=["policy.megatron_cfg.peft.enabled=true"])
+
+
+@pytest.mark.heavy  # a full-size plan
+def test_the_30b_megatron_fsdp_dry_run_reports_bytes_and_the_busiest_training_rank(capsys):
+    rep = _json(capsys, ["grpo", str(QWEN_FSDP), "--dry-run", "--json"])
+    assert rep["training_layout"] == "megatron(tp=1,pp=1,vpp=1,ep=8,etp=1,cp=1,dp=16,fsdp)"
+    # the engines' minimum, as without FSDP (the 4n8g recipe: the same engines, trainers PP2 x EP8)
+    assert rep["bytes_planned"] == rep["bytes_min"] == _json(capsys, ["grpo", str(QWEN_4N), "--dry-run", "--json"])["bytes_min"]
+    assert rep["busiest_src_bytes"] <= 1.01 * rep["mean_src_bytes"]  # 16 ranks, each its own rows
+    text = (main(["grpo", str(QWEN_FSDP), "--dry-run"]), capsys.readouterr().out)[1]
+    assert "busiest training rank        rank " in text and "(= minimum)" in text
 
 
 def test_async_recipe_loads_with_nemo_rl_keys_and_runs_here(capsys):
@@ -347,6 +375,11 @@ BAD = [
      "loss_fn.truncated_importance_sampling_ratio=-1.0"),
     ("importance-sampling-string", {"loss_fn.use_importance_sampling_correction": "on"},
      "loss_fn.use_importance_sampling_correction"),
+    # Megatron-FSDP
+    ("fsdp-string", {"policy.megatron_cfg.use_custom_fsdp": "yes"}, "policy.megatron_cfg.use_custom_fsdp"),
+    ("fsdp-with-pipeline", {"policy.megatron_cfg.use_custom_fsdp": True, "cluster.gpus_per_node": 5,
+                            "policy.megatron_cfg.pipeline_model_parallel_size": 2},
+     "Megatron-FSDP with pipeline_model_parallel_size=2"),
 ]
 
 

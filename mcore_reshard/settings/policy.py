@@ -95,6 +95,10 @@ def _training(cfg: Mapping[str, Any], world: int) -> MegatronParallel:
             f"training world {world} (cluster minus generation GPUs) is not a multiple of "
             f"{_M}tensor_model_parallel_size*pipeline_model_parallel_size*context_parallel_size={tp * pp * cp}"
         )
+    if read(cfg, RECIPE.use_custom_fsdp) and pp > 1:
+        raise ConfigError(f"{_M}use_custom_fsdp=true with {_M}pipeline_model_parallel_size={pp}: megatron-core "
+                          f"0.19.2's FSDP builds its device mesh over the whole world as dp_cp x ep x tp, so it does "
+                          f"not compose with pipeline parallelism (Megatron-FSDP with pipeline_model_parallel_size={pp})")
     impl = read(cfg, RECIPE.transformer_impl)
     if impl not in ("transformer_engine", "local"):
         raise ConfigError(f"{_M}transformer_impl={impl!r} is not 'transformer_engine' or 'local'")
@@ -109,6 +113,7 @@ def _training(cfg: Mapping[str, Any], world: int) -> MegatronParallel:
         layer_spec="te" if impl == "transformer_engine" else "local",
         experts="grouped" if read(cfg, RECIPE.moe_grouped_gemm) else "sequential",
         sequence_parallel=read(cfg, RECIPE.sequence_parallel),
+        fsdp=read(cfg, RECIPE.use_custom_fsdp),
     )
 
 
@@ -147,6 +152,10 @@ def from_policy_config(cfg: Mapping[str, Any]) -> RecipeLayout:
                           f"policy.megatron_cfg.peft.enabled=true: only the reshard transport refits a LoRA policy's "
                           f"adapter (the HF broadcast goes through vLLM's loader, which has no adapter path)")
     speculative = read_section(cfg, RECIPE.speculative)
+    if training.fsdp and (peft.enabled or speculative.method):
+        what = "peft.enabled=true (a LoRA policy)" if peft.enabled else "an MTP draft (vllm_cfg.speculative_config)"
+        raise ConfigError(f"{_M}use_custom_fsdp=true with {what}: Megatron-FSDP policies are built without "
+                          f"LoRA adapters or an MTP block here; turn one of them off")
     return RecipeLayout(spec, training, vllm, refit, topology=topology, peft=peft if peft.enabled else None,
                         speculative=speculative if speculative.method else None)
 

@@ -443,6 +443,9 @@ class RecipeKeys:
     make_vocab_size_divisible_by: Field = Field(_M + "make_vocab_size_divisible_by", int, 128, minimum=1)
     moe_grouped_gemm: Field = Field(_M + "moe_grouped_gemm", bool, False)
     sequence_parallel: Field = Field(_M + "sequence_parallel", bool, False)
+    #: Megatron-FSDP (NeMo RL's key; megatron-core calls it ``use_megatron_fsdp`` now): parameters,
+    #: gradients and optimizer states sharded over data parallelism; each rank refits its rows.
+    use_custom_fsdp: Field = Field(_M + "use_custom_fsdp", bool, False)
     # generation: one vLLM engine's sizes
     vllm_tp: Field = Field(_V + "tensor_parallel_size", int, 1, minimum=1)
     vllm_pp: Field = Field(_V + "pipeline_parallel_size", int, 1, minimum=1)

@@ -9,6 +9,7 @@ before any data moves.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Sequence
 
 from ...layout import LayoutError, LocalParam, ModelSpec, SideLayout
@@ -17,6 +18,8 @@ from .lora import policy_peft
 from .lora_rules import megatron_lora_rank_params
 from .mtp_rules import megatron_mtp_rank_params
 from ...layout.mtp import draft_tensors
+from ...layout.rows import rows_of
+from .fsdp import fsdp_rows, fsdp_weights, is_fsdp
 from .rules import TIED_OUTPUT_NOTE, MegatronParallel, megatron_rank_params, rank_coords
 
 __all__ = ["live_parallel", "named_local_params", "describe", "describe_world", "side_tensors", "has_mtp", "widened"]
@@ -36,13 +39,15 @@ WEIGHT_BUFFERS = ("mlp.router.expert_bias",)
 
 def named_local_params(model_chunks: Sequence) -> dict[str, "torch.Tensor"]:  # noqa: F821
     """Local parameters (and :data:`WEIGHT_BUFFERS`) by the names the rules use
-    (``chunk{v}.`` prefix when several chunks)."""
+    (``chunk{v}.`` prefix when several chunks). Under Megatron-FSDP: this rank's rows of each
+    parameter's model weights (``fsdp.fsdp_weights``)."""
     out = {}
     multi = len(model_chunks) > 1
     for v, chunk in enumerate(model_chunks):
         prefix = f"chunk{v}." if multi else ""
         model = _unwrap(chunk)
-        for name, p in model.named_parameters():
+        params = fsdp_weights(chunk) if is_fsdp(chunk) else dict(model.named_parameters())
+        for name, p in params.items():
             out[prefix + name] = p
         for name, b in model.named_buffers():
             if b is not None and name.endswith(WEIGHT_BUFFERS):
@@ -85,6 +90,7 @@ def live_parallel(model_chunks: Sequence) -> tuple[MegatronParallel, int]:
         experts="grouped" if grouped else "sequential",
         sequence_parallel=bool(cfg.sequence_parallel),
         vocab_padded=int(model.vocab_size),
+        fsdp=any(is_fsdp(c) for c in model_chunks),
     )
     rank = dist.get_rank()
     live = dict(tp=ps.get_tensor_model_parallel_rank(), pp=ps.get_pipeline_model_parallel_rank(),
@@ -142,13 +148,16 @@ def describe(model_chunks: Sequence, spec: ModelSpec) -> list[LocalParam]:
     """
     _check_spec(spec, _unwrap(model_chunks[0]).config)
     par, rank = live_parallel(model_chunks)
-    predicted = megatron_rank_params(spec, par, rank)
+    predicted = megatron_rank_params(spec, replace(par, fsdp=False), rank)  # whole; FSDP's rows below
     peft = policy_peft(_unwrap(model_chunks[0]))
     if peft is not None:  # a LoRA policy: its adapters too (``lora_rules``)
         predicted = predicted + megatron_lora_rank_params(spec, par, peft, rank)
     if has_mtp(model_chunks):  # megatron's MTP block (``mtp_rules``)
         predicted = predicted + megatron_mtp_rank_params(spec, par, rank)
     live = named_local_params(model_chunks)
+    if par.fsdp:  # this rank's rows of each parameter, as Megatron-FSDP placed them (``layout.rows``)
+        rows = fsdp_rows(model_chunks, {p.name: live[p.name] for p in predicted if p.name in live})
+        predicted = [rows_of(p, *rows[p.name]) if p.name in rows else p for p in predicted]
     by_name = {p.name: p for p in predicted}
     for name, tensor in live.items():
         if spec.tied and par.pp > 1 and name.endswith("output_layer.weight"):

@@ -88,6 +88,9 @@ class MegatronParallel:
     sequence_parallel: bool = False  # no layout change; recorded for reports
     #: The model's padded vocab when known (live models); None: Megatron-LM's padding rule.
     vocab_padded: int | None = None
+    #: Megatron-FSDP (``use_megatron_fsdp``; NeMo RL's ``use_custom_fsdp``): each rank holds
+    #: only its data-parallel slice of every parameter (rows of it, ``fsdp_rules``).
+    fsdp: bool = False
 
     @property
     def world_size(self) -> int:
@@ -130,6 +133,10 @@ def _check(spec: ModelSpec, par: MegatronParallel) -> None:
         raise LayoutError(f"layer_spec={par.layer_spec!r} is not 'local' or 'te'")
     if par.experts not in ("sequential", "grouped"):
         raise LayoutError(f"experts={par.experts!r} is not 'sequential' or 'grouped'")
+    if par.fsdp and par.pp > 1:
+        raise LayoutError(f"Megatron-FSDP with pipeline_model_parallel_size={par.pp}: megatron-core 0.19.2's FSDP "
+                          f"builds its device mesh over the whole world as dp_cp x ep x tp (_get_dp_tp_mesh), so "
+                          f"it does not compose with pipeline parallelism; use pp=1")
     fam = spec.family
     if fam.check is not None:
         fam.check(spec, "megatron", par.tp)  # the family's own refusals, one line naming the tensor
@@ -408,11 +415,33 @@ def megatron_rank_params(spec: ModelSpec, par: MegatronParallel, rank: int) -> l
         _stamp(rank, spec.dtype, dense, out)
         _stamp(rank, spec.dtype, routed, out)
     _stamp(rank, spec.dtype, post, out)
+    if par.fsdp:
+        out = _fsdp(spec, par, rank, out)
     return out
 
 
+def _fsdp(spec: ModelSpec, par: MegatronParallel, rank: int, params: list[LocalParam]) -> list[LocalParam]:
+    """``params`` cut to the rows Megatron-FSDP leaves ``rank`` (``fsdp_rules``). A tied
+    embedding shared across pipeline stages is a bucket of its own on both ends (megatron's
+    ``shared_embedding``), the last stage's copy included (not described: never a sender)."""
+    from .fsdp_rules import fsdp_cut, fsdp_slices
+
+    shared: frozenset[str] = frozenset()
+    extra: tuple = ()
+    if spec.tied and par.pp > 1:
+        pp_r = rank_coords(par, rank)["pp"]
+        shared = frozenset(p.name for p in params if p.name.endswith("embedding.word_embeddings.weight"))
+        if pp_r == par.pp - 1:
+            last = _chunk_prefix(par, par.vpp - 1)
+            extra = ((last + "output_layer.weight", (padded_vocab(spec, par) // par.tp, spec.hidden)),)
+    c = rank_coords(par, rank)  # the rank's place in the dense and the expert shard groups
+    groups = {False: (c["cp"] + par.cp * c["dp"], par.cp * par.dp), True: (c["edp"], par.edp)}
+    return fsdp_cut(params, fsdp_slices(params, groups, shared, extra))
+
+
 def megatron_layout(spec: ModelSpec, par: MegatronParallel) -> SideLayout:
-    """All ranks of the training world; every DP / CP / expert-DP replica is listed."""
+    """All ranks of the training world; every DP / CP / expert-DP replica is listed (under
+    Megatron-FSDP each with its own rows instead)."""
     _check(spec, par)
     params: list[LocalParam] = []
     for rank in range(par.world_size):
@@ -426,7 +455,8 @@ def megatron_layout(spec: ModelSpec, par: MegatronParallel) -> SideLayout:
     if pattern:
         notes.append(f"{spec.family.title}: megatron-core HybridModel, hybrid_layer_pattern {pattern!r}")
     return SideLayout(
-        name=f"megatron(tp={par.tp},pp={par.pp},vpp={par.vpp},ep={par.ep},etp={par.etp_size},cp={par.cp},dp={par.dp})",
+        name=f"megatron(tp={par.tp},pp={par.pp},vpp={par.vpp},ep={par.ep},etp={par.etp_size},cp={par.cp},dp={par.dp}"
+             f"{',fsdp' if par.fsdp else ''})",
         world_size=par.world_size,
         params=tuple(params),
         tensors=spec.tensor_table(),

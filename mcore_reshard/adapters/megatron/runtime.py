@@ -47,7 +47,7 @@ import importlib
 import sys
 import types
 
-__all__ = ["apply_cpu_patches", "CPU_NOTICE", "quiet_cpu_notices"]
+__all__ = ["apply_cpu_patches", "apply_fsdp_cpu_patches", "CPU_NOTICE", "quiet_cpu_notices"]
 
 #: megatron-core's import-time warnings of what a CPU machine lacks: expected here, said once
 #: by the job (``CPU_NOTICE``) instead of by every process that imports megatron.
@@ -314,3 +314,87 @@ def apply_hybrid_cpu_patches() -> None:
     if getattr(gdn_common, "l2norm", None) is None:
         gdn_common.l2norm = lambda x, eps=1e-6: x * torch.rsqrt((x.float() * x.float()).sum(-1, keepdim=True) + eps).to(x.dtype)
     _HYBRID_APPLIED = True
+
+
+_FSDP_APPLIED = False
+
+#: Megatron-FSDP's modules (``distributed/fsdp``): each builds devices as
+#: ``torch.device(f"cuda:{torch.cuda.current_device()}")`` or ``torch.device("cuda")``.
+_FSDP_MODULES = tuple(f"megatron.core.distributed.fsdp.src.megatron_fsdp.{m}" for m in (
+    "megatron_fsdp", "param_and_grad_buffer", "utils", "fully_shard", "uneven_dtensor", "mixed_precision")) + (
+    "megatron.core.distributed.fsdp.mcore_fsdp_adapter",)
+
+
+def apply_fsdp_cpu_patches() -> None:
+    """What Megatron-FSDP (``use_megatron_fsdp``, formerly ``use_custom_fsdp``) needs on CPU,
+    beyond ``apply_cpu_patches`` (whose null streams, events and ``synchronize`` it uses):
+
+    12. Its modules build devices as ``torch.device(f"cuda:{torch.cuda.current_device()}")``,
+        ``torch.device("cuda")`` and ``device="cuda"`` factories: each module's ``torch`` is the
+        CPU-mapping proxy of patch 5, whose ``device`` maps a CUDA device to the CPU as well.
+    13. ``mcore_fsdp_adapter`` builds its DTensor meshes with
+        ``DeviceMesh.from_group(..., device_type="cuda")``: the CPU mesh over the same groups.
+    14. It makes the TP ranks' RNG states equal by broadcasting them, the CUDA generator's
+        included (``torch.cuda.get_rng_state`` / ``set_rng_state``): the CPU generator's, as
+        patch 2 does for megatron's tracker.
+
+    Nothing of its sharding changes: the flat buffers, their per-rank slices and the DTensors
+    over them are Megatron-FSDP's own."""
+    global _FSDP_APPLIED
+    if _FSDP_APPLIED:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    apply_cpu_patches()
+    from torch.distributed import DeviceMesh
+
+    from megatron.core.distributed.fsdp import mcore_fsdp_adapter
+
+    proxy = _CpuTorch(torch)
+    proxy.__dict__["device"] = _CpuDevice
+    for mod_name in _FSDP_MODULES:
+        mod = importlib.import_module(mod_name)
+        if getattr(mod, "torch", None) is torch:
+            mod.torch = proxy
+    mcore_fsdp_adapter.DeviceMesh = _CpuMesh(DeviceMesh)
+    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    _FSDP_APPLIED = True
+
+
+class _CpuDeviceMeta(type):
+    def __instancecheck__(cls, obj) -> bool:
+        import torch
+
+        return isinstance(obj, torch.device)
+
+
+class _CpuDevice(metaclass=_CpuDeviceMeta):
+    """``torch.device`` for one module: a CUDA device is the CPU (``isinstance`` still works)."""
+
+    def __new__(cls, *args, **kwargs):
+        import torch
+
+        if args and (args[0] == "cuda" or (isinstance(args[0], str) and args[0].startswith("cuda:"))):
+            return torch.device("cpu")
+        return torch.device(*args, **kwargs)
+
+
+class _CpuMesh:
+    """``DeviceMesh`` for one module: ``from_group`` builds a CPU mesh where it asks for CUDA."""
+
+    def __init__(self, mesh_cls) -> None:
+        self._cls = mesh_cls
+
+    def from_group(self, *args, **kwargs):
+        if kwargs.get("device_type") == "cuda":
+            kwargs["device_type"] = "cpu"
+        return self._cls.from_group(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._cls, name)
+
+    def __instancecheck__(self, obj) -> bool:
+        return isinstance(obj, self._cls)

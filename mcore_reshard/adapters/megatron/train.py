@@ -119,6 +119,13 @@ def _target_logprobs(logits: "torch.Tensor", tokens: "torch.Tensor", vocab: int)
     return -vocab_parallel_cross_entropy(masked.contiguous(), tokens[:, 1:].contiguous())
 
 
+def _device() -> "torch.device":
+    """This rank's device: its GPU, or the CPU."""
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 class Policy:
     """A megatron-core policy on this rank: wrapped model chunks, the megatron optimizer, config.
 
@@ -176,7 +183,13 @@ class Policy:
                 for name, p in params.items():
                     if name.endswith("output_layer.weight"):
                         _write_tied_output(p, self.spec, tensors)
-        self.optimizer.reload_model_params()
+        if self.par.fsdp:  # reload_model_params refuses Megatron-FSDP: its own copy
+            from .fsdp import copy_model_to_main
+
+            for chunk in self.chunks:
+                copy_model_to_main(chunk)
+        else:
+            self.optimizer.reload_model_params()
 
     def sync_params(self) -> None:
         """Make the model weights whole (call before a refit reads them).
@@ -190,6 +203,8 @@ class Policy:
         """
         import torch
 
+        if self.par.fsdp:  # a refit reads this rank's slices, which the step wrote
+            return
         if not (self.settings.use_distributed_optimizer and self.settings.overlap_param_gather):
             return
         with torch.no_grad():
@@ -374,6 +389,8 @@ def build_policy(spec: ModelSpec, par: MegatronParallel, settings: TrainSettings
     from .hybrid_build import build_hybrid
     from .runtime import apply_cpu_patches
 
+    if par.fsdp and (mtp or (peft is not None and peft.enabled)):
+        raise ValueError("Megatron-FSDP policies are built without LoRA adapters or an MTP block")
     apply_cpu_patches()
     torch.manual_seed(settings.seed)
     model_parallel_cuda_manual_seed(settings.seed, force_reset_rng=True)
@@ -389,22 +406,37 @@ def build_policy(spec: ModelSpec, par: MegatronParallel, settings: TrainSettings
         from .lora import add_lora
 
         add_lora(raw, spec, peft)
+    # Megatron-FSDP folds the 1/dp gradient scale into NCCL's PREMUL_SUM, which gloo lacks: on
+    # the CPU the gradient is scaled, then summed (its own unfused path).
+    fsdp = {"use_megatron_fsdp": True, "data_parallel_sharding_strategy": "optim_grads_params",
+            "gradient_reduce_div_fusion": torch.cuda.is_available()} if par.fsdp else {}
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=settings.grad_reduce_in_fp32,
         overlap_grad_reduce=settings.overlap_grad_reduce,
         overlap_param_gather=settings.overlap_param_gather,
-        average_in_collective=settings.average_in_collective,
-        use_distributed_optimizer=settings.use_distributed_optimizer,
+        # Megatron-FSDP reads the expert data-parallel group's size for it, which a dense model
+        # has not: the same mean, scaled before the reduction instead.
+        average_in_collective=settings.average_in_collective and not par.fsdp,
+        use_distributed_optimizer=settings.use_distributed_optimizer or par.fsdp,
         check_for_nan_in_grad=True,
+        **fsdp,
     )
     chunks = []
     for i, m in enumerate(raw):
         if bf16:
             m = Float16Module(config, m)
+        if par.fsdp:  # Megatron-LM's get_model: the FSDP wrapper in place of DDP
+            from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+            from .runtime import apply_fsdp_cpu_patches
+
+            apply_fsdp_cpu_patches()
+            chunks.append(FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=m,
+                                                   disable_bucketing=i > 0, device=_device()))
+            continue
         chunks.append(DistributedDataParallel(config=config, ddp_config=ddp_config, module=m,
                                               disable_bucketing=i > 0))
-    for c in chunks:
-        c.broadcast_params()
+        chunks[-1].broadcast_params()
     opt_config = OptimizerConfig(
         optimizer="adam",
         lr=settings.lr,
@@ -416,7 +448,7 @@ def build_policy(spec: ModelSpec, par: MegatronParallel, settings: TrainSettings
         clip_grad=settings.clip_grad,
         bf16=bf16,
         params_dtype=torch.float32,
-        use_distributed_optimizer=settings.use_distributed_optimizer,
+        use_distributed_optimizer=settings.use_distributed_optimizer or par.fsdp,
     )
     optimizer = get_megatron_optimizer(opt_config, chunks)
     config.grad_scale_func = optimizer.scale_loss

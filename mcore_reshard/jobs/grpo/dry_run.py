@@ -159,6 +159,10 @@ class DryRunReport:
     lora_refit_bytes: int | None = None
     #: Speculative decoding's MTP draft: its bytes of the refit's minimum (moved with the target).
     draft_bytes: int | None = None
+    #: The training rank that sends the most, its bytes, and the mean over training ranks.
+    busiest_src_rank: int = 0
+    busiest_src_bytes: int = 0
+    mean_src_bytes: float = 0.0
 
     def to_json(self) -> dict:
         p = self.placement
@@ -207,6 +211,8 @@ class DryRunReport:
               if r.quantized else []),
             ("HF-broadcast baseline bytes", f"{format_bytes(r.bytes_hf_broadcast)}  "
                                             f"({r.bytes_hf_broadcast / max(r.bytes_planned, 1):.1f}x moved)"),
+            ("busiest training rank", f"rank {self.busiest_src_rank}: {format_bytes(self.busiest_src_bytes)} sent  "
+                                      f"(mean {format_bytes(int(self.mean_src_bytes))})"),
             ("busiest destination rank", f"rank {self.busiest_dst_rank}: {format_bytes(self.busiest_dst_bytes)}"),
             ("busiest rank, either side", format_bytes(self.busiest_rank_bytes)),
             ("refit buffer per rank", f"{format_bytes(self.buffer_bytes_per_rank)}  (at most; "
@@ -278,6 +284,8 @@ def _dry_run(recipe: GrpoRecipe, intra_node_gbps: float, inter_node_gbps: float)
     report = plan_report(plan)
     recv = plan.recv_bytes()
     busiest_dst = max(range(len(recv)), key=recv.__getitem__) if recv else 0
+    sent = plan.send_bytes()
+    busiest_src = max(range(len(sent)), key=sent.__getitem__) if sent else 0
     busiest = max(report.max_send_bytes, report.max_recv_bytes)
     link, gbps = (("colocated", intra_node_gbps) if recipe.colocated else
                   ("intra-node", intra_node_gbps) if place.shared_node else ("inter-node", inter_node_gbps))
@@ -288,6 +296,8 @@ def _dry_run(recipe: GrpoRecipe, intra_node_gbps: float, inter_node_gbps: float)
         recipe=recipe.path, model=recipe.model, dtype=recipe.dtype, placement=place, training_layout=src.name,
         vllm_layout=vllm_name, plan=report, busiest_dst_rank=busiest_dst,
         busiest_dst_bytes=recv[busiest_dst] if recv else 0, busiest_rank_bytes=busiest,
+        busiest_src_rank=busiest_src, busiest_src_bytes=sent[busiest_src] if sent else 0,
+        mean_src_bytes=sum(sent) / len(sent) if sent else 0.0,
         buffer_bytes_per_rank=recipe.refit.buffer_bytes, transport=recipe.refit.transport, link=link, link_gbps=float(gbps),
         intra_node_gbps=float(intra_node_gbps), inter_node_gbps=float(inter_node_gbps),
         modelled_refit_seconds=placed.modelled_seconds if (recipe.colocated or not place.shared_node)
