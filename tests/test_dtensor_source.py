@@ -111,3 +111,49 @@ def test_layouts_that_cannot_be_described_are_refused_in_one_line(ckpt_cache):
     assert "parameter model.layers.0.mlp.not_hf.weight: 'model.layers.0.mlp.not_hf.weight' is not a tensor" in lines[0]
     assert "parameter model.layers.0.mlp.down_proj.weight: global shape" in lines[1] and "but" in lines[1]
     assert "Partial" in lines[2] and "reduce it before a refit" in lines[2]
+
+
+def _pieces(layout) -> set:
+    return {(q.rank, q.local_name, q.canonical, q.box, q.view.offset, q.view.shape)
+            for p in layout.params for q in p.pieces}
+
+
+def test_a_dtensor_policy_trains_and_refits_through_the_projects_driver(ckpt_cache, engine_cache, tmp_path: Path):
+    """The GRPO loop's path (``RefitDriver`` over a pool of ``pool.DTensorTrainerRank``: NeMo RL's
+    DTensor policy, FSDP2 x TP on a (dp=2, tp=2) gloo mesh, with the jobs' training calls): the
+    live pieces are the rules' (``adapters.dtensor.rules``, what a dry run plans with); the first
+    refit serves exactly vLLM's own load of the checkpoint; after an AdamW step and a
+    forward-only pass (which leaves FSDP2's root unsharded) the next is verified element for
+    element at the minimum, within fp32's bound of the policy's own logprobs, and a fresh
+    engine on the trained weights serves bit for bit the same."""
+    from mcore_reshard.adapters.dtensor import DTensorParallel
+    from mcore_reshard.adapters.dtensor.rules import dtensor_layout
+    from mcore_reshard.adapters.vllm.rules import VllmParallel
+    from mcore_reshard.jobs.refit import local_cluster
+    from mcore_reshard.settings.policy import RefitConfig
+    from mcore_reshard.wire.protocol import VerifyMode
+    from support.live import trained_checkpoint
+
+    ckpt = ckpt_cache.get(family="qwen2", dtype="float32")
+    spec = load_model_spec(ckpt, dtype="float32")
+    llm = engine_cache.get(ckpt, tp=1, fresh=True)
+    want = _logprobs(llm)
+    training = DTensorParallel(dp=2, tp=2)
+    cfg = RefitConfig(buffer_bytes=1 << 16, timeout_s=60.0, verify=VerifyMode.FULL)
+    with local_cluster(spec, ckpt, training, VllmParallel(tp=1), cfg, train={"lr": 0.01}, engines=[llm]) as c:
+        assert _pieces(c.driver.src) == _pieces(dtensor_layout(spec, training))
+        first = c.refit_once()
+        assert first.verified and first.at_minimum and any("full verification" in n for n in first.notes)
+        assert _logprobs(llm) == want
+        assert c.logprob_error(TOKENS) < 1.001
+        c.step(TOKENS)
+        # a forward-only pass between the step and the refit (a logprob computation, the canary's
+        # reference) leaves FSDP2's root parameters unsharded: the refit reshards them first
+        assert c.logprob_error(TOKENS) > 1.001
+        m = c.refit_once()
+        assert m.verified and m.at_minimum and any("full verification" in n for n in m.notes)
+        trained = _logprobs(llm)
+        assert trained != want and c.logprob_error(TOKENS) < 1.001
+        saved = trained_checkpoint(c, spec, ckpt, tmp_path / "trained")
+    fresh = engine_cache.get(saved, tp=1, fresh=True)
+    assert _logprobs(fresh) == trained

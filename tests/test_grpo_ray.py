@@ -29,6 +29,7 @@ RECIPE = ROOT / "recipes" / "grpo-tiny-moe-cpu.yaml"
 ASYNC_RECIPE = ROOT / "recipes" / "grpo-tiny-moe-cpu-async.yaml"
 LORA_RECIPE = ROOT / "recipes" / "grpo-tiny-lora-cpu.yaml"
 FSDP_RECIPE = ROOT / "recipes" / "grpo-tiny-fsdp-cpu.yaml"
+DTENSOR_RECIPE = ROOT / "recipes" / "grpo-tiny-dtensor-cpu.yaml"
 
 
 def _run_processes() -> set[int]:
@@ -334,6 +335,25 @@ def test_megatron_fsdp_run_refits_every_step_verified():
     assert [s["refit_full_verified"] for s in steps] == [False, True]
 
 
+def _dtensor_run(workdir: Path) -> dict:
+    """``mcore-reshard grpo`` on the tiny DTensor recipe for two steps, ``verify=full`` on the last."""
+    logs = workdir / "logs"
+    cmd = [sys.executable, "-m", "mcore_reshard.cli", "grpo", str(DTENSOR_RECIPE), "grpo.max_num_steps=2",
+           "grpo.verify_full_every_n_steps=2", f"logger.log_dir={logs}"]
+    return _cli(cmd, logs, 400)
+
+
+def test_dtensor_run_refits_every_step_verified():
+    """NeMo RL's DTensor policy (``recipes/grpo-tiny-dtensor-cpu.yaml``: ``policy.dtensor_cfg``,
+    FSDP2 over two ranks) on Ray: every step's refit moves the engine's minimum from the ranks'
+    own shards, verified, ``verify=full`` on the last, and the rollouts' logprobs match the
+    policy's forward at fp32's bound."""
+    steps = _steps(BACKGROUND.result("grpo-dtensor", _dtensor_run), 2)
+    for s in steps:
+        assert 1.0 <= s["token_mult_prob_error"] <= 1.001
+    assert [s["refit_full_verified"] for s in steps] == [False, True]
+
+
 #: Runs ``conftest.py`` starts when the session starts (one at a time, on a background thread)
 #: for these tests: self-contained CLI runs, asserted on where the file order puts the tests.
 BACKGROUND_JOBS = {
@@ -344,6 +364,7 @@ BACKGROUND_JOBS = {
     "test_async_run_two_versions_ahead_with_drained_blocking_refits": ("grpo-async-drained", _drained_run),
     "test_lora_run_refits_the_adapter_only_every_refit_verified": ("grpo-lora", _lora_run),
     "test_megatron_fsdp_run_refits_every_step_verified": ("grpo-fsdp", _fsdp_run),
+    "test_dtensor_run_refits_every_step_verified": ("grpo-dtensor", _dtensor_run),
 }
 
 

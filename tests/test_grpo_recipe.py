@@ -30,6 +30,7 @@ QWEN_ASYNC = REPO / "recipes" / "grpo-qwen3-30b-a3b-megatron-reshard-async.yaml"
 QWEN_FP8 = REPO / "recipes" / "grpo-qwen3-30b-a3b-megatron-reshard-fp8.yaml"
 QWEN_FSDP = REPO / "recipes" / "grpo-qwen3-30b-a3b-megatron-fsdp.yaml"
 TINY_FSDP = REPO / "recipes" / "grpo-tiny-fsdp-cpu.yaml"
+TINY_DTENSOR = REPO / "recipes" / "grpo-tiny-dtensor-cpu.yaml"
 # (recipe, training ranks, generation ranks, engines, training nodes, generation nodes)
 QWEN = [(QWEN_4N, 16, 16, 8, 2, 2), (QWEN_8N, 32, 32, 8, 4, 4)]
 
@@ -162,6 +163,39 @@ def test_megatron_fsdp_recipes(capsys):
     assert big.training.fsdp and (big.training.pp, big.training.dp, big.training.ep) == (1, 16, 8)
     with pytest.raises(ConfigError, match=r"use_custom_fsdp=true with peft.enabled=true"):
         load_grpo_recipe(TINY_FSDP, overrides=["policy.megatron_cfg.peft.enabled=true"])
+
+
+def test_the_dtensor_recipe_selects_nemo_rls_dtensor_backend(tmp_path, capsys):
+    """``policy.dtensor_cfg.enabled`` (``megatron_cfg`` off): a DTensor policy (FSDP2 over the
+    training world, TP by ``tensor_parallel_size``) whose refit is ``dtensor_cfg.mcore_reshard``
+    and whose learning rate is NeMo RL's ``policy.optimizer.kwargs.lr``; it plans at the
+    minimum with each rank sending its own half, and runs here. What the DTensor policy here
+    does not build is one line."""
+    from mcore_reshard.adapters.dtensor import DTensorParallel
+
+    r = load_grpo_recipe(TINY_DTENSOR)
+    assert r.training == DTensorParallel(dp=2, tp=1) and r.lr == 0.05 and r.local_problem is None
+    assert r.refit.buffer_bytes == 262144 and r.spec.num_experts == 0
+    rep = _json(capsys, ["grpo", str(TINY_DTENSOR), "--dry-run", "--json"])
+    assert rep["training_layout"] == "dtensor(dp=2,tp=1)" and rep["bytes_planned"] == rep["bytes_min"]
+    assert rep["busiest_src_bytes"] <= 1.01 * rep["mean_src_bytes"]
+    d = yaml.safe_load(TINY_DTENSOR.read_text())
+    for name, edits, key in [
+        ("both", {"policy.megatron_cfg.enabled": True}, "policy.megatron_cfg.enabled=true and policy.dtensor_cfg"),
+        ("neither", {"policy.dtensor_cfg.enabled": False}, "policy.megatron_cfg.enabled or policy.dtensor_cfg"),
+        ("off", {"policy.dtensor_cfg.mcore_reshard.enabled": False}, "policy.dtensor_cfg.mcore_reshard.enabled"),
+        ("moe", {"policy.model_name": "tiny-moe"}, "policy.dtensor_cfg.enabled=true with"),
+        ("bf16", {"policy.precision": "bfloat16"}, "policy.precision='bfloat16' with policy.dtensor_cfg"),
+        ("cp", {"policy.dtensor_cfg.context_parallel_size": 2}, "policy.dtensor_cfg.context_parallel_size=2"),
+        ("tp3", {"policy.dtensor_cfg.tensor_parallel_size": 3}, "policy.dtensor_cfg.tensor_parallel_size=3"),
+        ("no-lr", {"policy.optimizer": _DROP}, "policy.optimizer.kwargs.lr"),
+    ]:
+        e = yaml.safe_load(yaml.safe_dump(d))
+        for path, value in edits.items():
+            _edit(e, path, value)
+        f = tmp_path / f"{name}.yaml"
+        f.write_text(yaml.safe_dump(e))
+        _one_line_error(capsys, ["grpo", f, "--dry-run"], key)
 
 
 @pytest.mark.heavy  # a full-size plan

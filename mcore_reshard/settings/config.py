@@ -133,10 +133,21 @@ def _side_layouts(spec: ModelSpec, training: MegatronParallel, vllm: VllmParalle
     return src, dst
 
 
+def training_layout(spec: ModelSpec, training: Any) -> SideLayout:
+    """The training side's layout from its sizes: megatron-core's rules, or a DTensor policy's."""
+    from ..adapters.dtensor.parallel import DTensorParallel
+
+    if isinstance(training, DTensorParallel):
+        from ..adapters.dtensor.rules import dtensor_layout
+
+        return dtensor_layout(spec, training)
+    return megatron_layout(spec, training)
+
+
 def _rule_layouts(spec: ModelSpec, training: MegatronParallel, vllm: VllmParallel,
                   vllm_spec: ModelSpec | None) -> tuple[SideLayout, SideLayout]:
     try:
-        src = megatron_layout(spec, training)
+        src = training_layout(spec, training)
     except LayoutError as exc:
         raise LayoutError(f"training layout: {one_line(exc)}") from None
     try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
+from ..adapters.dtensor.parallel import DTensorParallel
 from ..adapters.megatron.rules import MegatronParallel
 from ..adapters.vllm.rules import VllmParallel
 from ..errors import ConfigError
@@ -24,6 +25,7 @@ from .topology import TopologyConfig
 __all__ = [
     "RefitConfig",
     "RecipeLayout",
+    "dtensor_backend",
     "from_policy_config",
     "load_recipe_file",
     "TRANSPORTS",
@@ -38,16 +40,44 @@ _M = "policy.megatron_cfg."
 _V = "policy.generation.vllm_cfg."
 
 
-def _refit(cfg: Mapping[str, Any]) -> RefitConfig:
-    """``policy.megatron_cfg.mcore_reshard``, which must be on (and Megatron-Core with it)."""
+def dtensor_backend(cfg: Mapping[str, Any]) -> bool:
+    """Whether the policy is NeMo RL's DTensor backend (``policy.dtensor_cfg.enabled``) rather
+    than Megatron-Core (``policy.megatron_cfg.enabled``): exactly one of them is on."""
     read_mapping(cfg, "policy")
-    read_mapping(cfg, "policy.megatron_cfg")
-    if not read(cfg, RECIPE.megatron_enabled):
-        raise ConfigError("policy.megatron_cfg.enabled must be true to refit from Megatron-Core")
-    read_mapping(cfg, RECIPE.refit.key, {})
-    if not read(cfg, RECIPE.refit_enabled):
-        raise ConfigError("policy.megatron_cfg.mcore_reshard.enabled is not true: mcore-reshard is off in this recipe")
-    return read_section(cfg, RECIPE.refit)
+    megatron = lookup(cfg, "policy.megatron_cfg") is not None and read(cfg, RECIPE.megatron_enabled)
+    dtensor = lookup(cfg, "policy.dtensor_cfg") is not None and read(cfg, RECIPE.dtensor_enabled)
+    if megatron and dtensor:
+        raise ConfigError("policy.megatron_cfg.enabled=true and policy.dtensor_cfg.enabled=true: a policy has one "
+                          "backend (turn one off)")
+    if not (megatron or dtensor):
+        raise ConfigError("policy.megatron_cfg.enabled or policy.dtensor_cfg.enabled must be true: mcore-reshard "
+                          "refits from Megatron-Core or from a DTensor (FSDP2) policy")
+    return dtensor
+
+
+def _refit(cfg: Mapping[str, Any]) -> RefitConfig:
+    """The policy backend's ``mcore_reshard`` section (``policy.megatron_cfg.mcore_reshard`` or
+    ``policy.dtensor_cfg.mcore_reshard``), which must be on."""
+    dtensor = dtensor_backend(cfg)
+    section, enabled = (RECIPE.dtensor_refit, RECIPE.dtensor_refit_enabled) if dtensor else \
+        (RECIPE.refit, RECIPE.refit_enabled)
+    read_mapping(cfg, section.key, {})
+    if not read(cfg, enabled):
+        raise ConfigError(f"{enabled.key} is not true: mcore-reshard is off in this recipe")
+    return read_section(cfg, section)
+
+
+def _dtensor(cfg: Mapping[str, Any], world: int) -> DTensorParallel:
+    """A DTensor policy's mesh from ``policy.dtensor_cfg`` (data parallel fills ``world``)."""
+    tp = read(cfg, RECIPE.dtensor_tp)
+    for field, what in ((RECIPE.dtensor_cp, "context parallelism"), (RECIPE.dtensor_sp, "sequence parallelism")):
+        if read(cfg, field) not in (1, False):
+            raise ConfigError(f"{field.key}={read(cfg, field)}: the DTensor policy here is FSDP2 x TP (NeMo RL's plan "
+                              f"for a Qwen/Llama layer) without {what}")
+    if world % tp:
+        raise ConfigError(f"training world {world} (cluster minus generation GPUs) is not a multiple of "
+                          f"policy.dtensor_cfg.tensor_parallel_size={tp}")
+    return DTensorParallel(dp=world // tp, tp=tp)
 
 
 def _model(cfg: Mapping[str, Any]) -> ModelSpec:
@@ -140,7 +170,17 @@ def from_policy_config(cfg: Mapping[str, Any]) -> RecipeLayout:
     refit = _refit(cfg)
     spec = _model(cfg)
     train_world, gen_gpus, colocated = _worlds(cfg)
-    training = _training(cfg, train_world)
+    if dtensor_backend(cfg):
+        training: Any = _dtensor(cfg, train_world)
+        if spec.moe_layers or spec.hybrid is not None or spec.mla is not None:
+            raise ConfigError(f"policy.dtensor_cfg.enabled=true with {spec.name or spec.arch}: the DTensor policy "
+                              f"here builds dense Qwen/Llama layers (NeMo RL's TP plan); MoE, MLA and hybrid "
+                              f"models go through policy.megatron_cfg")
+        if spec.dtype != "float32":
+            raise ConfigError(f"policy.precision={spec.dtype!r} with policy.dtensor_cfg.enabled=true: the DTensor "
+                              f"policy here trains in float32")
+    else:
+        training = _training(cfg, train_world)
     vllm = _vllm(cfg, gen_gpus)
     # Non-colocated NeMo RL: training fills its nodes, generation the nodes after them;
     # colocated: training rank i and inference rank i share GPU i.
@@ -152,7 +192,10 @@ def from_policy_config(cfg: Mapping[str, Any]) -> RecipeLayout:
                           f"policy.megatron_cfg.peft.enabled=true: only the reshard transport refits a LoRA policy's "
                           f"adapter (the HF broadcast goes through vLLM's loader, which has no adapter path)")
     speculative = read_section(cfg, RECIPE.speculative)
-    if training.fsdp and (peft.enabled or speculative.method):
+    if isinstance(training, DTensorParallel) and (peft.enabled or speculative.method):
+        raise ConfigError("policy.dtensor_cfg.enabled=true with a LoRA policy or an MTP draft: not built for the "
+                          "DTensor policy here")
+    if isinstance(training, MegatronParallel) and training.fsdp and (peft.enabled or speculative.method):
         what = "peft.enabled=true (a LoRA policy)" if peft.enabled else "an MTP draft (vllm_cfg.speculative_config)"
         raise ConfigError(f"{_M}use_custom_fsdp=true with {what}: Megatron-FSDP policies are built without "
                           f"LoRA adapters or an MTP block here; turn one of them off")

@@ -171,7 +171,8 @@ class RecipeLayout:
     """What a plan needs: the model, both sides' sizes, the refit and where the ranks sit."""
 
     spec: ModelSpec
-    training: MegatronParallel
+    #: megatron-core's sizes, or a DTensor policy's mesh (``adapters.dtensor.DTensorParallel``)
+    training: Any
     vllm: VllmParallel
     refit: RefitConfig
     #: The engine's model when it is configured apart from the trainer's (must match it).
@@ -405,6 +406,7 @@ class RefitConfigKeys:
 # --------------------------------------------------------------------------- recipes (NeMo RL shape)
 
 _M = "policy.megatron_cfg."
+_D = "policy.dtensor_cfg."
 _V = "policy.generation.vllm_cfg."
 _G = "policy.generation."
 _R = "policy.generation.colocated.resources."
@@ -421,6 +423,14 @@ class RecipeKeys:
     peft: Section = Section(_M + "peft", PeftConfig, required=False, names="peft")
     speculative: Section = Section(_V + "speculative_config", SpeculativeConfig, required=False,
                                    names="vllm.speculative_config")
+    # NeMo RL's other policy backend: an HF model under FSDP2 (+ TP), ``policy.dtensor_cfg``
+    dtensor_enabled: Field = Field(_D + "enabled", bool, False)
+    dtensor_refit_enabled: Field = Field(_D + "mcore_reshard.enabled", bool, False)
+    dtensor_refit: Section = Section(_D + "mcore_reshard", RefitConfig, required=False, names="refit")
+    dtensor_tp: Field = Field(_D + "tensor_parallel_size", int, 1, minimum=1)
+    dtensor_cp: Field = Field(_D + "context_parallel_size", int, 1, minimum=1)
+    dtensor_sp: Field = Field(_D + "sequence_parallel", bool, False)
+    dtensor_lr: Field = Field("policy.optimizer.kwargs.lr", float, REQUIRED)
     model_config: Field = Field("policy.model_config", str, REQUIRED)
     model_name: Field = Field("policy.model_name", str, REQUIRED)
     precision: Field = Field("policy.precision", str, "bfloat16", choices=tuple(sorted(DTYPE_BYTES)))

@@ -25,7 +25,8 @@ from ..layout.lora import PeftConfig
 from .losses import GrpoBatch, PgLossSettings, clipped_pg_loss
 from .ranks import RankCall, TrainerGroup, TrainerRank
 
-__all__ = ["TrainerSetup", "MegatronTrainerRank", "LocalTrainerGroup", "TrainerError"]
+__all__ = ["TrainerSetup", "PolicyRank", "MegatronTrainerRank", "DTensorTrainerRank", "trainer_rank",
+           "LocalTrainerGroup", "TrainerError"]
 
 @dataclass(frozen=True)
 class TrainerSetup:
@@ -33,7 +34,8 @@ class TrainerSetup:
     builds its policy from."""
 
     spec: ModelSpec
-    par: MegatronParallel
+    #: megatron-core's sizes, or a DTensor policy's mesh (``adapters.dtensor.DTensorParallel``)
+    par: Any
     checkpoint: str  # HF checkpoint directory, loaded through the descriptors
     port: int  # megatron's own default group rendezvous
     #: Where rank 0 listens for that rendezvous (a Ray job: the first training bundle's node IP).
@@ -52,44 +54,24 @@ class TrainerSetup:
     mtp: bool = False
 
 
-class MegatronTrainerRank(TrainerRank):
-    """A training rank of this project's jobs (a ``ranks.TrainerRank`` that trains): a megatron-core
-    :class:`~.adapters.megatron.train.Policy` built from the checkpoint, its endpoint, and the
-    training calls the jobs need."""
+class PolicyRank(TrainerRank):
+    """A training rank of this project's jobs (a ``ranks.TrainerRank`` that trains): its policy
+    (``self.policy``: ``train_step`` / ``logprobs`` / ``top_logprobs`` / ``local_params``) and the
+    training calls the jobs need, written once for every backend: megatron-core
+    (:class:`MegatronTrainerRank`) and a DTensor policy (:class:`DTensorTrainerRank`)."""
 
-    def __init__(self, rank: int, setup: TrainerSetup) -> None:
-        import torch
-
-        from ..adapters.megatron.build import init_megatron
-        from ..adapters.megatron.endpoint import TrainerEndpoint
-        from ..adapters.megatron.train import TrainSettings, build_policy
-
-        torch.set_num_threads(setup.threads)
-        self.setup = setup
-        init_megatron(setup.par, rank, setup.par.world_size, setup.host, setup.port, setup.timeout_s)
-        settings = TrainSettings(**{"dtype": setup.spec.dtype, **setup.train})
-        self.policy = build_policy(setup.spec, setup.par, settings, peft=setup.peft, mtp=setup.mtp)
-        self.policy.load_canonical(load_canonical(setup.checkpoint))
-        sync = self.policy.sync_params if setup.sync_before_refit else (lambda: None)
-        super().__init__(TrainerEndpoint(self.policy.chunks, setup.spec, rank=rank, sync_params=sync),
-                         sync_params=self.policy.sync_params)
-        self.reference: dict[str, Any] | None = None  # frozen initial weights (GRPO's KL reference)
-        #: Earlier policy versions' weights (async GRPO: a token's logprob under the version
-        #: that generated it), by version.
-        self.snapshots: dict[int, dict[str, Any]] = {}
+    policy: Any
+    reference: dict[str, Any] | None = None  # frozen initial weights (GRPO's KL reference)
+    #: Earlier policy versions' weights (async GRPO: a token's logprob under the version that
+    #: generated it), by version.
+    snapshots: dict[int, dict[str, Any]]
 
     def _batch(self, token_ids: Sequence[Sequence[int]]) -> list[list[int]]:
-        """Each data-parallel rank takes a share, and the interleaved (virtual) pipeline
-        schedule needs a multiple of pp micro-batches:
-        repeat the batch (the mean loss and every sequence's logprobs are unchanged)."""
-        batch = [list(t) for t in token_ids]
-        par = self.setup.par
-        k = par.dp * (par.pp if par.vpp > 1 else 1)  # and each data-parallel rank one share
-        reps = -(-k // len(batch)) if len(batch) % k else 1
-        return batch * reps
+        """The batch as the policy takes it (every sequence, in order)."""
+        return [list(t) for t in token_ids]
 
     def train_step(self, token_ids: Sequence[Sequence[int]], lr: float | None = None) -> float:
-        """One optimizer step of next-token cross-entropy (through megatron's schedule);
+        """One optimizer step of next-token cross-entropy (megatron's schedule, or the DTensor policy's);
         ``lr``: this step's learning rate instead of the configured one."""
         return self.policy.train_step(self._batch(token_ids), lr=lr)
 
@@ -158,6 +140,80 @@ class MegatronTrainerRank(TrainerRank):
         return self.endpoint.raw_bandwidth([tuple(p) for p in pairs], nbytes, timeout_s)
 
 
+class MegatronTrainerRank(PolicyRank):
+    """A training rank of this project's jobs (a ``ranks.TrainerRank`` that trains): a megatron-core
+    :class:`~.adapters.megatron.train.Policy` built from the checkpoint, its endpoint, and the
+    training calls the jobs need."""
+
+    def __init__(self, rank: int, setup: TrainerSetup) -> None:
+        import torch
+
+        from ..adapters.megatron.build import init_megatron
+        from ..adapters.megatron.endpoint import TrainerEndpoint
+        from ..adapters.megatron.train import TrainSettings, build_policy
+
+        torch.set_num_threads(setup.threads)
+        self.setup = setup
+        init_megatron(setup.par, rank, setup.par.world_size, setup.host, setup.port, setup.timeout_s)
+        settings = TrainSettings(**{"dtype": setup.spec.dtype, **setup.train})
+        self.policy = build_policy(setup.spec, setup.par, settings, peft=setup.peft, mtp=setup.mtp)
+        self.policy.load_canonical(load_canonical(setup.checkpoint))
+        sync = self.policy.sync_params if setup.sync_before_refit else (lambda: None)
+        super().__init__(TrainerEndpoint(self.policy.chunks, setup.spec, rank=rank, sync_params=sync),
+                         sync_params=self.policy.sync_params)
+        self.reference = None
+        self.snapshots = {}
+
+    def _batch(self, token_ids: Sequence[Sequence[int]]) -> list[list[int]]:
+        """Each data-parallel rank takes a share, and the interleaved (virtual) pipeline
+        schedule needs a multiple of pp micro-batches:
+        repeat the batch (the mean loss and every sequence's logprobs are unchanged)."""
+        batch = [list(t) for t in token_ids]
+        par = self.setup.par
+        k = par.dp * (par.pp if par.vpp > 1 else 1)  # and each data-parallel rank one share
+        reps = -(-k // len(batch)) if len(batch) % k else 1
+        return batch * reps
+
+
+class DTensorTrainerRank(PolicyRank):
+    """A training rank of a DTensor policy (NeMo RL's DTensor backend: FSDP2 + TP over an HF
+    model, ``adapters.dtensor.policy``): the same training calls, its end of the refit a
+    ``DTensorEndpoint`` (each parameter's local shard, described from its placements)."""
+
+    def __init__(self, rank: int, setup: TrainerSetup) -> None:
+        from datetime import timedelta
+
+        import torch
+        import torch.distributed as dist
+
+        from ..adapters.dtensor.policy import DTensorPolicy
+        from ..adapters.dtensor.source import DTensorEndpoint
+
+        torch.set_num_threads(setup.threads)
+        self.setup = setup
+        dist.init_process_group("gloo", init_method=f"tcp://{setup.host}:{setup.port}", rank=rank,
+                                world_size=setup.par.world_size, timeout=timedelta(seconds=setup.timeout_s))
+        known = {"lr", "weight_decay", "clip_grad", "seed"}
+        unknown = sorted(set(setup.train) - known)
+        if unknown:
+            raise ConfigError(f"a DTensor policy's training settings are {sorted(known)}, not {unknown}")
+        self.policy = DTensorPolicy(setup.spec, setup.par, setup.checkpoint, **setup.train)
+        endpoint = DTensorEndpoint(self.policy.model, setup.spec, rank=rank)
+        # what every read of the weights runs first: FSDP2's parameters back to their shards
+        super().__init__(endpoint, sync_params=endpoint.reshard)
+        self.reference = None
+        self.snapshots = {}
+
+
+def trainer_rank(rank: int, setup: TrainerSetup) -> PolicyRank:
+    """Rank ``rank`` of the policy ``setup`` describes: megatron-core's, or a DTensor policy's."""
+    from ..adapters.dtensor.parallel import DTensorParallel
+
+    if isinstance(setup.par, DTensorParallel):
+        return DTensorTrainerRank(rank, setup)
+    return MegatronTrainerRank(rank, setup)
+
+
 @dataclass(frozen=True)
 class _Command:
     seq: int
@@ -181,7 +237,7 @@ def _rank_main(rank: int, setup: TrainerSetup, commands: Any, replies: Any) -> N
 
     quiet_cpu_notices()  # the job said it once (a rank the fork server made has no PYTHONWARNINGS of the job's)
     try:
-        state = MegatronTrainerRank(rank, setup)
+        state = trainer_rank(rank, setup)
         replies.put(_Reply(rank, 0, True))
     except BaseException:  # noqa: BLE001 - reported to the driver with its traceback
         replies.put(_Reply(rank, 0, False, f"in start-up:\n{traceback.format_exc()}"))

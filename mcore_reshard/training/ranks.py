@@ -20,7 +20,7 @@ drives the engines, then waits for both).
 
 The training side has three names (``docs/architecture.md``): a rank's ``TrainerEndpoint``
 (its end of the refit group, ``adapters.megatron.endpoint``), the :class:`TrainerRank` around
-it that answers the calls where the rank lives (``pool.MegatronTrainerRank`` adds this
+it that answers the calls where the rank lives (``pool.PolicyRank`` adds this
 project's policy and its training calls), and the :class:`TrainerGroup` a driver calls. Each
 call is written once, as the rank's method: a :class:`RankCall` names it, and the group binds
 it to every rank in one line (:func:`every_rank`), over one primitive, "send rank r its call
@@ -67,7 +67,7 @@ class TrainerRank:
     """One training rank as a driver's typed calls reach it (``call.run(rank)``), around that
     rank's ``TrainerEndpoint``: what a framework's own process or actor holds. It answers the
     refit calls, and is what a transport's trainer end (a :class:`RankTask`) sees of the rank;
-    the training calls are this project's policy's (``pool.MegatronTrainerRank``), a framework's
+    the training calls are this project's policy's (``pool.PolicyRank``), a framework's
     rank refuses them. ``sync_params``: the optimizer's parameter sync a transport's trainer
     end runs before it reads the weights (default: the endpoint's own)."""
 
@@ -142,7 +142,7 @@ class TrainerRank:
 # ------------------------------------------------------------------------ typed calls
 
 
-#: The training calls: this project's policy answers them (``pool.MegatronTrainerRank``); a
+#: The training calls: this project's policies answer them (``pool.PolicyRank``); a
 #: framework's rank, which answers the refit calls only, refuses each in one line.
 TRAINING_CALLS = ("train_step", "logprobs", "top_logprobs", "snapshot", "grpo_step", "reference_logprobs",
                   "local_tensors", "raw_bandwidth")
@@ -180,7 +180,7 @@ def every_rank(what: str, normalize: Callable[..., tuple[Any, ...]] | None = Non
         return self._each(RankCall(what, tuple(args), tuple(sorted(kwargs.items()))))
 
     call.__name__ = call.__qualname__ = what
-    call.__doc__ = f"``{what}`` on every rank at once (``TrainerRank.{what}`` / ``MegatronTrainerRank.{what}``)."
+    call.__doc__ = f"``{what}`` on every rank at once (``TrainerRank.{what}`` / ``PolicyRank.{what}``)."
     return call
 
 
@@ -270,7 +270,7 @@ class TrainerGroup:
         """Rank ``r``'s own slice of the plan to rank ``r``."""
         return self.start([RankCall("set_plan", (s, digest)) for s in slices])
 
-    # -- training (``pool.MegatronTrainerRank``'s calls) --------------------------------------------
+    # -- training (``pool.PolicyRank``'s calls) --------------------------------------------------
     #: ``train_step(token_ids, lr=None)``: the loss
     train_step: Callable[..., Pending[float]] = every_rank("train_step", _with_tokens)
     #: ``logprobs(token_ids, version=None)``: under the current weights, or snapshot ``version``'s

@@ -120,9 +120,23 @@ class DTensorEndpoint(SourceEndpoint):
         self._diverged = ""
 
     def sync(self) -> None:
-        """Before each refit, on every trainer rank at once: whether replicated pieces still
-        agree (``check_replicas``; see the module docstring)."""
+        """Before each refit, on every trainer rank at once: the parameters back to their shards
+        (:meth:`reshard`), and whether replicated pieces still agree (``check_replicas``; see
+        the module docstring)."""
+        self.reshard()
         self._diverged = self.replicas_differ() if self.check_replicas else ""
+
+    def reshard(self) -> None:
+        """Every FSDP2 module's parameters back to their sharded DTensors. FSDP2 leaves the root
+        module's parameters unsharded after a forward (its ``reshard_after_forward`` is off for
+        the root, whose backward follows at once): after a forward-only pass -- a logprob
+        computation -- the root's embedding, final norm and head are plain whole tensors until
+        the next backward, and reading them as shards would send the wrong rows."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in self.model.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
 
     def participant(self) -> Participant:
         return _Refuses(self._diverged) if self._diverged else IN_PLACE
@@ -160,8 +174,20 @@ class DTensorEndpoint(SourceEndpoint):
     def local_tensors(self) -> Mapping[str, Any]:
         """Every described parameter's local shard, by its name (the optimizer's own storage:
         read, never copied; where it sits was worked out once, by :meth:`describe`)."""
-        held = {lp.name for lp in self.describe()}
-        return {fqn: _local(p) for fqn, p in self.model.named_parameters() if fqn in held}
+        from torch.distributed.tensor import DTensor
+
+        held = {lp.name: lp for lp in self.describe()}
+        out = {}
+        for fqn, p in self.model.named_parameters():
+            lp = held.get(fqn)
+            if lp is None:
+                continue
+            local = _local(p)
+            if tuple(local.shape) != tuple(lp.shape) or (not isinstance(p, DTensor) and lp.pieces[0].box.sizes != tuple(p.shape)):
+                raise LayoutError(f"parameter {fqn}: its local tensor is {tuple(local.shape)}, described as the box "
+                                  f"{lp.pieces[0].box} (unsharded since it was described? call reshard() first)")
+            out[fqn] = local
+        return out
 
 
 def _key(p: LocalParam) -> str:

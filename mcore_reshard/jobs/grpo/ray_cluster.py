@@ -33,7 +33,7 @@ from ...errors import RefitFailed, TrainerError
 from ...infra.ports import free_port
 from ...wire.protocol import first_error_line
 from ...training.ranks import RankCall, TrainerGroup
-from ...training.pool import MegatronTrainerRank
+from ...training.pool import trainer_rank
 from ..refit import policy_engine_args
 
 __all__ = ["RayJob", "RayTrainerGroup", "EngineActor", "AsyncEngineActor", "EngineHandle", "ActorDestination",
@@ -110,7 +110,7 @@ def node_of() -> dict:
 
 
 class _TrainerActor:
-    """One megatron rank (``pool.MegatronTrainerRank``: policy + trainer endpoint) in a Ray actor,
+    """One training rank (``pool.trainer_rank``: policy + its end of the refit) in a Ray actor,
     answering the rank protocol's typed calls."""
 
     def __init__(self) -> None:
@@ -126,7 +126,7 @@ class _TrainerActor:
         from ...adapters.megatron.runtime import quiet_cpu_notices
 
         quiet_cpu_notices()  # the job said it once
-        self.rank = MegatronTrainerRank(rank, setup)
+        self.rank = trainer_rank(rank, setup)
 
     def run(self, call: RankCall[Any]) -> Any:
         return call.run(self.rank)
@@ -187,7 +187,7 @@ class RayTrainerGroup(TrainerGroup):
     @classmethod
     def megatron(cls, setup: Any, *, timeout_s: float = 300.0, name: str = "mr_trainers",
                  wait: bool = True) -> "RayTrainerGroup":
-        """``setup.par.world_size`` megatron ranks (``pool.MegatronTrainerRank``) as Ray actors in
+        """``setup.par.world_size`` training ranks (``pool.trainer_rank``) as Ray actors in
         one placement group, which this group owns (``close`` ends them).
 
         Start-up: the actors are placed first, rank 0 reports its node IP and two free ports

@@ -21,7 +21,7 @@ from ...adapters.vllm.rules import VllmParallel
 from ...errors import ConfigError
 from ...layout import ModelSpec
 from ...layout.lora import PeftConfig
-from ...settings.policy import from_policy_config
+from ...settings.policy import dtensor_backend, from_policy_config
 from ...settings import (KNOWN_KEYS, LOCAL_DTYPES, RECIPE, TINY_MODELS, AsyncGrpoSettings, ClusterSettings,
                         GenerationSettings, GrpoSettings, LossSettings, RaySettings, RefitConfig, TaskSettings,
                         apply_overrides, check_type, check_world, is_checkpoint_dir, load_recipe, local_cpu_problem,
@@ -96,6 +96,8 @@ def _check_placement(cluster: ClusterSettings, gen_nodes: int, gen_gpn: int, tra
     if cluster.num_nodes > 1 and gen_gpn != cluster.gpus_per_node:
         raise ConfigError(f"{r}.gpus_per_node={gen_gpn} contradicts cluster.gpus_per_node={cluster.gpus_per_node}: "
                           f"on a multi-node cluster generation takes whole nodes ({r}.num_nodes of them)")
+    if not isinstance(training, MegatronParallel):  # a DTensor policy: any world is a mesh of it
+        return
     need = training.etp_size * training.ep * training.pp
     if (training.tp * training.cp * training.dp) % (training.etp_size * training.ep):
         raise ConfigError(
@@ -118,6 +120,8 @@ def _lora_problem(peft: PeftConfig | None, spec: ModelSpec) -> str | None:
 def _local_problem(model: str, dtype: str, impl: str, training: MegatronParallel, vllm: VllmParallel) -> str | None:
     """Why this recipe cannot run on this CPU machine (the limits of ``mcore-reshard refit``)."""
     v = "policy.generation.vllm_cfg."
+    if not isinstance(training, MegatronParallel):  # a DTensor policy: the megatron stack's limits do not apply
+        training = MegatronParallel(dp=training.world_size)
     problem = local_cpu_problem(training, vllm, labels={
         "layer_spec": f"policy.megatron_cfg.transformer_impl={impl!r}",
         "experts": "policy.megatron_cfg.moe_grouped_gemm=true",
@@ -153,9 +157,10 @@ def _loop_settings(cfg: Mapping[str, Any], path: str | Path) -> dict[str, Any]:
     ray = read_section(cfg, RECIPE.ray)
     async_grpo = read_section(cfg, RECIPE.async_grpo)
     cluster = read_section(cfg, RECIPE.cluster)
-    lr = read(cfg, RECIPE.lr)
+    lr_key = RECIPE.dtensor_lr if dtensor_backend(cfg) else RECIPE.lr  # NeMo RL's optimizer of each backend
+    lr = read(cfg, lr_key)
     if not (math.isfinite(lr) and lr > 0):
-        raise ConfigError(f"{RECIPE.lr.key}={lr!r} must be a positive, finite number")
+        raise ConfigError(f"{lr_key.key}={lr!r} must be a positive, finite number")
     log_dir = check_type(RECIPE.log_dir.key, lookup(cfg, RECIPE.log_dir.key) or f"results/{Path(path).stem}", str)
     return dict(grpo=grpo, async_grpo=async_grpo, loss=loss, generation=generation, task=task, ray=ray,
                 cluster=cluster, lr=lr, log_dir=log_dir)
@@ -236,7 +241,7 @@ def load_grpo_recipe(path: str | Path, overrides: Sequence[str] = ()) -> GrpoRec
         _check_placement(s["cluster"], lookup(cfg, r + "num_nodes"), lookup(cfg, r + "gpus_per_node"), training, vllm)
     _check_step(s, spec, training)
     model = _weights(cfg)
-    impl = read(cfg, RECIPE.transformer_impl)
+    impl = "local" if dtensor_backend(cfg) else read(cfg, RECIPE.transformer_impl)
     return GrpoRecipe(path=str(path), model=model, spec=spec, dtype=spec.dtype, training=training, vllm=vllm,
                       refit=refit, colocated=colocated, async_engine=async_engine, **s,
                       local_problem=_lora_problem(layout.peft, spec) or local_train_problem(spec, model)
