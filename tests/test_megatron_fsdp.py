@@ -80,3 +80,24 @@ def test_a_megatron_fsdp_policy_refits_from_each_ranks_rows(ckpt_cache, engine_c
         saved = trained_checkpoint(c, spec, ckpt, tmp_path / "trained")
     fresh = engine_cache.get(saved, tp=1, fresh=True)
     assert prompt_logprobs(fresh, TOKENS) == trained  # a fresh engine on the trained weights
+
+
+def test_a_bf16_megatron_fsdp_policy_refits_its_model_weights(ckpt_cache):
+    """Under mixed precision Megatron-FSDP keeps two slices of every parameter: the bf16 model
+    weights a forward gathers and the fp32 main weights the optimizer steps. The refit sends
+    the model weights (bf16, the engine's dtype: at 2 bytes an element, the minimum), each
+    refit after a step verified element for element and within NeMo RL's bf16 bound of
+    Megatron-FSDP's own forward."""
+    from mcore_reshard.jobs.refit import TOKEN_MULT_PROB_BOUND
+
+    ckpt = ckpt_cache.get(dtype="bfloat16", seed=31)
+    spec = load_model_spec(ckpt, dtype="bfloat16")
+    with local_cluster(spec, ckpt, MegatronParallel(dp=2, fsdp=True), VllmParallel(tp=1), CFG,
+                       train={"lr": 0.01}) as c:
+        first = c.refit_once()
+        assert first.verified and first.at_minimum and c.driver.plan.itemsize == 2
+        c.step(TOKENS)
+        stale = c.logprob_error(TOKENS)
+        m = c.refit_once()
+        assert m.verified and m.at_minimum and any("full verification" in n for n in m.notes)
+        assert stale > c.logprob_error(TOKENS) and c.logprob_error(TOKENS) <= TOKEN_MULT_PROB_BOUND["bfloat16"]
