@@ -94,3 +94,22 @@ def test_megatron_fsdp_with_pipeline_stages_is_refused_in_one_line():
     spec = spec_from_hf_config(TINY_DENSE, dtype="float32")
     with pytest.raises(LayoutError, match=r"^Megatron-FSDP with pipeline_model_parallel_size=2: .* use pp=1$"):
         megatron_rank_params(spec, MegatronParallel(pp=2, dp=2, fsdp=True), 0)
+
+
+def test_a_bucket_that_cuts_a_parameter_inside_a_row_is_refused_in_one_line():
+    """Megatron-FSDP's packing of one layer holding a (1, 3) and a (2, 2) parameter: the chunk
+    is lcm(3, 2) = 6 elements, both are smaller (fragments, packed back to back: 7 elements),
+    and the bucket padded to 2 x 6 gives data-parallel rank 0 elements [0, 6) -- three of the
+    (2, 2) parameter's four, one and a half rows. No box describes that (megatron's own
+    ``view(-1, 2)`` of the slice fails too): one line naming the parameter, before a plan."""
+    from mcore_reshard.adapters.megatron.fsdp_rules import fsdp_slices
+
+    params = [LocalParam(0, "decoder.layers.0.a.weight", (1, 3), "float32", ()),
+              LocalParam(0, "decoder.layers.0.b.weight", (2, 2), "float32", ())]
+    with pytest.raises(LayoutError, match=r"^decoder.layers.0.b.weight: Megatron-FSDP's bucket gives data-parallel "
+                                          r"rank 0 its elements \[0, 3\) of \(2, 2\), not whole rows of 2: a bucket "
+                                          r"the planner cannot cut$"):
+        fsdp_slices(params, {False: (0, 2), True: (0, 1)})
+    # one data-parallel rank: nothing is cut
+    assert fsdp_slices(params, {False: (0, 1), True: (0, 1)}) == {"decoder.layers.0.a.weight": (0, 1),
+                                                                  "decoder.layers.0.b.weight": (0, 2)}
