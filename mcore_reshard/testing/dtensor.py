@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..adapters.dtensor.parallel import DTensorParallel
-from ..adapters.dtensor.policy import TP_PLAN, build_dtensor_model
+from ..adapters.dtensor.parallel import TP_PLAN, DTensorParallel
+from ..adapters.dtensor.policy import build_dtensor_model
 
 __all__ = ["TP_PLAN", "build_dtensor_policy"]
 

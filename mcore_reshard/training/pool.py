@@ -61,10 +61,13 @@ class PolicyRank(TrainerRank):
     (:class:`MegatronTrainerRank`) and a DTensor policy (:class:`DTensorTrainerRank`)."""
 
     policy: Any
-    reference: dict[str, Any] | None = None  # frozen initial weights (GRPO's KL reference)
-    #: Earlier policy versions' weights (async GRPO: a token's logprob under the version that
-    #: generated it), by version.
-    snapshots: dict[int, dict[str, Any]]
+
+    def __init__(self, endpoint: Any, sync_params: Callable[[], None] | None = None) -> None:
+        super().__init__(endpoint, sync_params=sync_params)
+        self.reference: dict[str, Any] | None = None  # frozen initial weights (GRPO's KL reference)
+        #: Earlier policy versions' weights (async GRPO: a token's logprob under the version
+        #: that generated it), by version.
+        self.snapshots: dict[int, dict[str, Any]] = {}
 
     def _batch(self, token_ids: Sequence[Sequence[int]]) -> list[list[int]]:
         """The batch as the policy takes it (every sequence, in order)."""
@@ -161,8 +164,6 @@ class MegatronTrainerRank(PolicyRank):
         sync = self.policy.sync_params if setup.sync_before_refit else (lambda: None)
         super().__init__(TrainerEndpoint(self.policy.chunks, setup.spec, rank=rank, sync_params=sync),
                          sync_params=self.policy.sync_params)
-        self.reference = None
-        self.snapshots = {}
 
     def _batch(self, token_ids: Sequence[Sequence[int]]) -> list[list[int]]:
         """Each data-parallel rank takes a share, and the interleaved (virtual) pipeline
@@ -201,8 +202,6 @@ class DTensorTrainerRank(PolicyRank):
         endpoint = DTensorEndpoint(self.policy.model, setup.spec, rank=rank)
         # what every read of the weights runs first: FSDP2's parameters back to their shards
         super().__init__(endpoint, sync_params=endpoint.reshard)
-        self.reference = None
-        self.snapshots = {}
 
 
 def trainer_rank(rank: int, setup: TrainerSetup) -> PolicyRank:

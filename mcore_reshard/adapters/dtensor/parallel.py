@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DTensorParallel"]
+__all__ = ["DTensorParallel", "TP_PLAN"]
+
+#: NeMo RL's tensor-parallel plan of a Qwen/Llama decoder layer (``parallelize_module``): module ->
+#: style. The builder applies it (``policy.build_dtensor_model``), the rules read it (``rules``).
+TP_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+           "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
+           "mlp.down_proj": "rowwise"}
 
 
 @dataclass(frozen=True)

@@ -15,15 +15,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ...infra.optim import learning_rate
 from ...layout import ModelSpec
-from .parallel import DTensorParallel
+from .parallel import TP_PLAN, DTensorParallel
 
-__all__ = ["TP_PLAN", "build_dtensor_model", "DTensorPolicy"]
-
-#: NeMo RL's tensor-parallel plan of a Qwen/Llama decoder layer (``parallelize_module``).
-TP_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
-           "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
-           "mlp.down_proj": "rowwise"}
+__all__ = ["build_dtensor_model", "DTensorPolicy"]
 
 #: ``loss_fn(logprobs, index)``: as ``adapters.megatron.train.LossFn``.
 LossFn = Callable[[torch.Tensor, int], torch.Tensor]
@@ -118,14 +114,6 @@ class DTensorPolicy:
         loss.backward()
         if self.clip_grad:
             _clip_grads(list(self.model.parameters()), self.clip_grad)
-        groups = self.optimizer.param_groups
-        before = [g["lr"] for g in groups]
-        if lr is not None:
-            for g in groups:
-                g["lr"] = lr
-        try:
+        with learning_rate(self.optimizer, lr):
             self.optimizer.step()
-        finally:
-            for g, v in zip(groups, before):
-                g["lr"] = v
         return float(loss.detach())

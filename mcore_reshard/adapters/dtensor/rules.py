@@ -2,7 +2,7 @@
 
 What ``source.dtensor_params`` reads from a live rank -- each parameter's local shard as the box
 torch's placement arithmetic gives it -- predicted from the HF names, the mesh sizes and NeMo
-RL's tensor-parallel plan (``policy.TP_PLAN``): a ``colwise`` projection is ``Shard(0)`` over
+RL's tensor-parallel plan (``parallel.TP_PLAN``): a ``colwise`` projection is ``Shard(0)`` over
 "tp" (its bias too), a ``rowwise`` one ``Shard(1)`` (its bias replicated); FSDP2 then shards
 dimension 0 over "dp" as ``torch.chunk`` does (ceil-sized chunks, the last ones short or
 empty), inside TP's block where TP cut dimension 0 too (``_StridedShard``). Everything not in
@@ -12,21 +12,17 @@ the plan is replicated over "tp". The live test compares the two.
 from __future__ import annotations
 
 from ...layout import Box, LocalParam, ModelSpec, Piece, SideLayout, View, contiguous_strides
-from .parallel import DTensorParallel
+from .parallel import TP_PLAN, DTensorParallel
 
 __all__ = ["dtensor_rank_params", "dtensor_layout"]
 
-#: NeMo RL's plan (``policy.TP_PLAN``, kept in one place there): module -> style.
-_COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
-_ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
-
-
 def _tp_dim(name: str, ndim: int) -> int | None:
-    """The dimension TP shards ``name`` on, or None (replicated over "tp")."""
+    """The dimension TP shards ``name`` on under ``TP_PLAN``, or None (replicated over "tp")."""
     module, _, leaf = name.rpartition(".")
-    if any(module.endswith("." + m) for m in _COLWISE):
+    style = next((v for m, v in TP_PLAN.items() if module.endswith("." + m)), None)
+    if style == "colwise":
         return 0
-    if any(module.endswith("." + m) for m in _ROWWISE) and leaf == "weight" and ndim == 2:
+    if style == "rowwise" and leaf == "weight" and ndim == 2:
         return 1
     return None
 

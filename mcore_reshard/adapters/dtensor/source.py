@@ -174,8 +174,6 @@ class DTensorEndpoint(SourceEndpoint):
     def local_tensors(self) -> Mapping[str, Any]:
         """Every described parameter's local shard, by its name (the optimizer's own storage:
         read, never copied; where it sits was worked out once, by :meth:`describe`)."""
-        from torch.distributed.tensor import DTensor
-
         held = {lp.name: lp for lp in self.describe()}
         out = {}
         for fqn, p in self.model.named_parameters():
@@ -183,7 +181,7 @@ class DTensorEndpoint(SourceEndpoint):
             if lp is None:
                 continue
             local = _local(p)
-            if tuple(local.shape) != tuple(lp.shape) or (not isinstance(p, DTensor) and lp.pieces[0].box.sizes != tuple(p.shape)):
+            if tuple(local.shape) != tuple(lp.shape):
                 raise LayoutError(f"parameter {fqn}: its local tensor is {tuple(local.shape)}, described as the box "
                                   f"{lp.pieces[0].box} (unsharded since it was described? call reshard() first)")
             out[fqn] = local

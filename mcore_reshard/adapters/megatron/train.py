@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from ...infra.optim import learning_rate
 from ...layout import LocalParam, ModelSpec
 from .rules import MegatronParallel
 
@@ -296,16 +297,8 @@ class Policy:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         res = self._run_schedule(mine, forward_only=False, per_seq=per_seq)
-        groups = self.optimizer.param_groups
-        before = [g["lr"] for g in groups]
-        if lr is not None:
-            for g in groups:
-                g["lr"] = lr
-        try:
+        with learning_rate(self.optimizer, lr):
             update_ok, _grad_norm, _ = self.optimizer.step()
-        finally:
-            for g, v in zip(groups, before):
-                g["lr"] = v
         if not update_ok:
             raise RuntimeError("megatron optimizer skipped the step (non-finite gradients)")
         total = torch.tensor([sum(float(d["loss"]) for d in res.values()), float(len(res))], dtype=torch.float64)
