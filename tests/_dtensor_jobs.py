@@ -70,7 +70,8 @@ def dtensor_trainer_api_job(ctx: WorldCtx, ckpt: str, dp: int, tp: int, info: di
 
 def refusal_lines(ctx: WorldCtx, ckpt: str) -> list[str]:
     """What ``dtensor_params`` says of layouts it cannot describe: a parameter whose name is
-    not HF's, one of another global shape, one with a Partial placement."""
+    not HF's, one of another global shape, one with a Partial placement; then what an endpoint
+    says of an FSDP2 model read after a forward-only pass, before and after ``reshard()``."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -96,5 +97,20 @@ def refusal_lines(ctx: WorldCtx, ckpt: str) -> list[str]:
             lines.append("")
         except LayoutError as exc:
             lines.append(str(exc))
+    # FSDP2 leaves the root's parameters whole after a forward-only pass: reading them as the
+    # shards they were described as is refused; once resharded they are read
+    from mcore_reshard.adapters.dtensor import DTensorEndpoint
+
+    endpoint = DTensorEndpoint(build_dtensor_policy(ckpt, ctx.world_size, 1), spec)
+    endpoint.describe()
+    with torch.no_grad():
+        endpoint.model(input_ids=torch.tensor([[1, 2, 3]]))
+    for _ in range(2):
+        try:
+            endpoint.local_tensors()
+            lines.append("")
+        except LayoutError as exc:
+            lines.append(str(exc))
+        endpoint.reshard()
     dist.destroy_process_group()
     return lines

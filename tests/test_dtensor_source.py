@@ -101,7 +101,8 @@ def test_replicas_that_drift_apart_refuse_the_refit_and_the_engine_keeps_its_wei
 def test_layouts_that_cannot_be_described_are_refused_in_one_line(ckpt_cache):
     """Before anything is planned: a name that is not HF's, a global shape other than the
     canonical one, a Partial placement (a pending reduction) -- each one line naming the
-    parameter and what is wrong."""
+    parameter and what is wrong. And a rank read while FSDP2 holds its root unsharded (after a
+    forward-only pass) is refused in one line instead of sending the wrong rows."""
     from _dtensor_jobs import refusal_lines
     from mcore_reshard.testing.worlds import run_world
 
@@ -111,6 +112,9 @@ def test_layouts_that_cannot_be_described_are_refused_in_one_line(ckpt_cache):
     assert "parameter model.layers.0.mlp.not_hf.weight: 'model.layers.0.mlp.not_hf.weight' is not a tensor" in lines[0]
     assert "parameter model.layers.0.mlp.down_proj.weight: global shape" in lines[1] and "but" in lines[1]
     assert "Partial" in lines[2] and "reduce it before a refit" in lines[2]
+    assert lines[3].startswith("parameter model.embed_tokens.weight: its local tensor is") and \
+        lines[3].endswith("(unsharded since it was described? call reshard() first)"), lines[3]
+    assert lines[4] == ""  # resharded: every shard is its box again
 
 
 def _pieces(layout) -> set:

@@ -15,6 +15,7 @@ import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -288,12 +289,29 @@ def _steps(r: dict, n: int) -> list[dict]:
     return steps
 
 
-def _lora_run(workdir: Path) -> dict:
-    """``mcore-reshard grpo`` on the tiny LoRA recipe for two steps, ``verify=full`` on the last."""
-    logs = workdir / "logs"
-    cmd = [sys.executable, "-m", "mcore_reshard.cli", "grpo", str(LORA_RECIPE), "grpo.max_num_steps=2",
-           "grpo.verify_full_every_n_steps=2", f"logger.log_dir={logs}"]
-    return _cli(cmd, logs, 400)
+def _two_steps(recipe: Path) -> Callable[[Path], dict]:
+    """A background job: ``mcore-reshard grpo recipe`` for two steps, ``verify=full`` on the last."""
+
+    def run(workdir: Path) -> dict:
+        logs = workdir / "logs"
+        cmd = [sys.executable, "-m", "mcore_reshard.cli", "grpo", str(recipe), "grpo.max_num_steps=2",
+               "grpo.verify_full_every_n_steps=2", f"logger.log_dir={logs}"]
+        return _cli(cmd, logs, 400)
+
+    return run
+
+
+def _two_verified_steps(r: dict) -> list[dict]:
+    """A two-step run's steps: every refit verified at the minimum, ``verify=full`` on the last,
+    the rollouts' logprobs within fp32's bound of the policy's."""
+    steps = _steps(r, 2)
+    for s in steps:
+        assert 1.0 <= s["token_mult_prob_error"] <= 1.001
+    assert [s["refit_full_verified"] for s in steps] == [False, True]
+    return steps
+
+
+_lora_run = _two_steps(LORA_RECIPE)
 
 
 def test_lora_run_refits_the_adapter_only_every_refit_verified():
@@ -309,19 +327,12 @@ def test_lora_run_refits_the_adapter_only_every_refit_verified():
     recipe = load_grpo_recipe(LORA_RECIPE)
     slots = vllm_lora_layout(recipe.spec, VllmParallel(tp=1), recipe.peft)
     adapter_bytes = sum(p.numel - p.padding for p in slots.params) * 4  # fp32
-    steps = _steps(BACKGROUND.result("grpo-lora", _lora_run), 2)
-    for s in steps:
+    # the served adapter is the trained one: the rollouts' logprobs within fp32's bound
+    for s in _two_verified_steps(BACKGROUND.result("grpo-lora", _lora_run)):
         assert s["refit_bytes_min"] == s["refit_bytes_full"] == adapter_bytes  # the adapter only
-        assert 1.0 <= s["token_mult_prob_error"] <= 1.001  # the served adapter is the trained one
-    assert [s["refit_full_verified"] for s in steps] == [False, True]
 
 
-def _fsdp_run(workdir: Path) -> dict:
-    """``mcore-reshard grpo`` on the tiny Megatron-FSDP recipe for two steps, ``verify=full`` on the last."""
-    logs = workdir / "logs"
-    cmd = [sys.executable, "-m", "mcore_reshard.cli", "grpo", str(FSDP_RECIPE), "grpo.max_num_steps=2",
-           "grpo.verify_full_every_n_steps=2", f"logger.log_dir={logs}"]
-    return _cli(cmd, logs, 400)
+_fsdp_run = _two_steps(FSDP_RECIPE)
 
 
 def test_megatron_fsdp_run_refits_every_step_verified():
@@ -329,18 +340,10 @@ def test_megatron_fsdp_run_refits_every_step_verified():
     ranks of data-parallel 2 x expert-parallel 2) on Ray: every step's refit moves the engine's
     minimum from the ranks' own rows, verified, ``verify=full`` on the last, and the rollouts'
     logprobs match Megatron-FSDP's forward at fp32's bound."""
-    steps = _steps(BACKGROUND.result("grpo-fsdp", _fsdp_run), 2)
-    for s in steps:
-        assert 1.0 <= s["token_mult_prob_error"] <= 1.001
-    assert [s["refit_full_verified"] for s in steps] == [False, True]
+    _two_verified_steps(BACKGROUND.result("grpo-fsdp", _fsdp_run))
 
 
-def _dtensor_run(workdir: Path) -> dict:
-    """``mcore-reshard grpo`` on the tiny DTensor recipe for two steps, ``verify=full`` on the last."""
-    logs = workdir / "logs"
-    cmd = [sys.executable, "-m", "mcore_reshard.cli", "grpo", str(DTENSOR_RECIPE), "grpo.max_num_steps=2",
-           "grpo.verify_full_every_n_steps=2", f"logger.log_dir={logs}"]
-    return _cli(cmd, logs, 400)
+_dtensor_run = _two_steps(DTENSOR_RECIPE)
 
 
 def test_dtensor_run_refits_every_step_verified():
@@ -348,10 +351,7 @@ def test_dtensor_run_refits_every_step_verified():
     FSDP2 over two ranks) on Ray: every step's refit moves the engine's minimum from the ranks'
     own shards, verified, ``verify=full`` on the last, and the rollouts' logprobs match the
     policy's forward at fp32's bound."""
-    steps = _steps(BACKGROUND.result("grpo-dtensor", _dtensor_run), 2)
-    for s in steps:
-        assert 1.0 <= s["token_mult_prob_error"] <= 1.001
-    assert [s["refit_full_verified"] for s in steps] == [False, True]
+    _two_verified_steps(BACKGROUND.result("grpo-dtensor", _dtensor_run))
 
 
 #: Runs ``conftest.py`` starts when the session starts (one at a time, on a background thread)

@@ -165,12 +165,12 @@ def test_megatron_fsdp_recipes(capsys):
         load_grpo_recipe(TINY_FSDP, overrides=["policy.megatron_cfg.peft.enabled=true"])
 
 
-def test_the_dtensor_recipe_selects_nemo_rls_dtensor_backend(tmp_path, capsys):
+def test_the_dtensor_recipe_selects_nemo_rls_dtensor_backend(capsys):
     """``policy.dtensor_cfg.enabled`` (``megatron_cfg`` off): a DTensor policy (FSDP2 over the
     training world, TP by ``tensor_parallel_size``) whose refit is ``dtensor_cfg.mcore_reshard``
     and whose learning rate is NeMo RL's ``policy.optimizer.kwargs.lr``; it plans at the
     minimum with each rank sending its own half, and runs here. What the DTensor policy here
-    does not build is one line."""
+    does not build is one line (``BAD_DTENSOR``)."""
     from mcore_reshard.adapters.dtensor import DTensorParallel
 
     r = load_grpo_recipe(TINY_DTENSOR)
@@ -179,23 +179,6 @@ def test_the_dtensor_recipe_selects_nemo_rls_dtensor_backend(tmp_path, capsys):
     rep = _json(capsys, ["grpo", str(TINY_DTENSOR), "--dry-run", "--json"])
     assert rep["training_layout"] == "dtensor(dp=2,tp=1)" and rep["bytes_planned"] == rep["bytes_min"]
     assert rep["busiest_src_bytes"] <= 1.01 * rep["mean_src_bytes"]
-    d = yaml.safe_load(TINY_DTENSOR.read_text())
-    for name, edits, key in [
-        ("both", {"policy.megatron_cfg.enabled": True}, "policy.megatron_cfg.enabled=true and policy.dtensor_cfg"),
-        ("neither", {"policy.dtensor_cfg.enabled": False}, "policy.megatron_cfg.enabled or policy.dtensor_cfg"),
-        ("off", {"policy.dtensor_cfg.mcore_reshard.enabled": False}, "policy.dtensor_cfg.mcore_reshard.enabled"),
-        ("moe", {"policy.model_name": "tiny-moe"}, "policy.dtensor_cfg.enabled=true with"),
-        ("bf16", {"policy.precision": "bfloat16"}, "policy.precision='bfloat16' with policy.dtensor_cfg"),
-        ("cp", {"policy.dtensor_cfg.context_parallel_size": 2}, "policy.dtensor_cfg.context_parallel_size=2"),
-        ("tp3", {"policy.dtensor_cfg.tensor_parallel_size": 3}, "policy.dtensor_cfg.tensor_parallel_size=3"),
-        ("no-lr", {"policy.optimizer": _DROP}, "policy.optimizer.kwargs.lr"),
-    ]:
-        e = yaml.safe_load(yaml.safe_dump(d))
-        for path, value in edits.items():
-            _edit(e, path, value)
-        f = tmp_path / f"{name}.yaml"
-        f.write_text(yaml.safe_dump(e))
-        _one_line_error(capsys, ["grpo", f, "--dry-run"], key)
 
 
 @pytest.mark.heavy  # a full-size plan
@@ -417,9 +400,24 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("name, edits, key", BAD, ids=[b[0] for b in BAD])
-def test_bad_recipe_is_one_line(name, edits, key, tmp_path, capsys, loop_stub):
-    d = yaml.safe_load(TINY.read_text())
+#: The DTensor recipe's: what the DTensor policy here does not build, or a backend set twice or not at all.
+BAD_DTENSOR = [
+    ("both", {"policy.megatron_cfg.enabled": True}, "policy.megatron_cfg.enabled=true and policy.dtensor_cfg"),
+    ("neither", {"policy.dtensor_cfg.enabled": False}, "policy.megatron_cfg.enabled or policy.dtensor_cfg"),
+    ("off", {"policy.dtensor_cfg.mcore_reshard.enabled": False}, "policy.dtensor_cfg.mcore_reshard.enabled"),
+    ("moe", {"policy.model_name": "tiny-moe"}, "policy.dtensor_cfg.enabled=true with"),
+    ("bf16", {"policy.precision": "bfloat16"}, "policy.precision='bfloat16' with policy.dtensor_cfg"),
+    ("cp", {"policy.dtensor_cfg.context_parallel_size": 2}, "policy.dtensor_cfg.context_parallel_size=2"),
+    ("tp3", {"policy.dtensor_cfg.tensor_parallel_size": 3}, "policy.dtensor_cfg.tensor_parallel_size=3"),
+    ("no-lr", {"policy.optimizer": _DROP}, "policy.optimizer.kwargs.lr"),
+]
+
+
+@pytest.mark.parametrize("base, name, edits, key",
+                         [(TINY, *b) for b in BAD] + [(TINY_DTENSOR, *b) for b in BAD_DTENSOR],
+                         ids=[b[0] for b in BAD] + [f"dtensor-{b[0]}" for b in BAD_DTENSOR])
+def test_bad_recipe_is_one_line(base, name, edits, key, tmp_path, capsys, loop_stub):
+    d = yaml.safe_load(base.read_text())
     for path, value in edits.items():
         _edit(d, path, value)
     f = tmp_path / f"{name}.yaml"
