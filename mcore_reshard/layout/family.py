@@ -95,7 +95,7 @@ from typing import Any, Callable, Mapping, Sequence, Union
 from .descriptor import Box, LayoutError, View
 
 __all__ = [
-    "Dim", "Placement", "Rep", "Col", "RowPar", "Vocab", "QKV", "Split", "Row", "Block", "Family",
+    "Dim", "Placement", "Rep", "Col", "RowPar", "Vocab", "QKV", "Split", "Row", "Block", "Family", "Tower",
     "standard_dims", "standard_flags", "Window", "window", "split_shape", "split_window", "unit_runs", "col_runs",
 ]
 
@@ -124,6 +124,10 @@ class Placement:
 @dataclass(frozen=True)
 class Rep(Placement):
     """The whole tensor on every rank."""
+
+    #: The library's local shape where it holds the same row-major storage in another shape
+    #: (megatron-core's CLIP ``class_token`` is ``(1, 1, H)``, HF's ``class_embedding`` ``(H,)``).
+    shape: tuple[Dim, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -215,6 +219,28 @@ class Block:
     megatron_layer: int = 0
 
 
+@dataclass(frozen=True)
+class Tower:
+    """A vision encoder and its projector beside the language model (LLaVA): the rows before
+    its layers (patch and position embeddings), one encoder layer's rows, the rows after (the
+    projector), each library's layer prefix, and the tower's own named sizes (``dims``: the
+    same names as the language model's -- ``H``, ``heads``, ``kv_heads``, ``Q``, ``F`` ... --
+    for the tower, so that the shared rules read its rows unchanged). ``pre`` / ``post`` rows
+    carry full names on every side. Both libraries hold the tower on the first pipeline stage.
+    """
+
+    pre: tuple[Row, ...]
+    layer: tuple[Row, ...]
+    post: tuple[Row, ...]
+    #: The encoder layers both libraries build (``spec -> n``).
+    layers: Callable[[Any], int]
+    dims: Callable[[Any], Mapping[str, int]]
+    flags: Callable[[Any], frozenset[str]]
+    hf_layer: str
+    megatron_layer: str
+    vllm_layer: str
+
+
 def standard_dims(spec: Any) -> dict[str, int]:
     """The named sizes every family has (see the module docstring)."""
     D = spec.head_dim
@@ -276,6 +302,12 @@ class Family:
     #: spread its random matrices are drawn with (``infra.checkpoint.make_tiny_checkpoint``).
     tiny: Mapping[str, Any] = field(default_factory=dict, compare=False)
     tiny_std: float = 0.05
+    #: A vision-language family: the vision tower and projector (``Tower``); the language
+    #: model's sizes are read from ``cfg[text_config]``, its megatron-core parameters are under
+    #: ``megatron_prefix`` (LLaVAModel's ``language_model.``).
+    tower: "Tower | None" = None
+    text_config: str | None = None
+    megatron_prefix: str = ""
 
     def __post_init__(self) -> None:
         for name, block in self.blocks.items():

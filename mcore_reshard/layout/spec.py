@@ -17,6 +17,7 @@ from .descriptor import DTYPE_BYTES, LayoutError
 from .families import family, family_of_config
 from .families.deepseek_v3 import MLA
 from .hybrid import Hybrid
+from .vision import Vision
 
 if TYPE_CHECKING:
     from .family import Family
@@ -73,6 +74,9 @@ class ModelSpec:
     #: Hybrid families (Nemotron-H, Qwen3-Next): each layer's mixer and the Mamba / GDN sizes
     #: (``layout.hybrid``); None: every layer is attention + MLP/MoE.
     hybrid: Hybrid | None = None
+    #: Vision-language families (LLaVA): the vision tower and projector (``layout.vision``);
+    #: the other fields describe the language model.
+    vision: Vision | None = None
     dtype: str = "bfloat16"
     rope_theta: float = 1_000_000.0
     rms_eps: float = 1e-6
@@ -138,6 +142,11 @@ def spec_from_hf_config(cfg: Mapping[str, Any], *, dtype: str | None = None, nam
     if hasattr(cfg, "to_dict"):
         cfg = cfg.to_dict()
     fam = family_of_config(cfg)
+    top = cfg
+    if fam.text_config is not None:  # a VLM: the language model's sizes are its text config's
+        cfg = dict(cfg.get(fam.text_config) or {})
+        if "hidden_size" not in cfg:
+            raise LayoutError(f"{fam.title} config has no {fam.text_config}.hidden_size")
     H = int(cfg["hidden_size"])
     nH = int(cfg["num_attention_heads"])
     fields: dict[str, Any] = dict(
@@ -153,12 +162,13 @@ def spec_from_hf_config(cfg: Mapping[str, Any], *, dtype: str | None = None, nam
         rope_theta=float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
         rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
     )
-    fields.update(fam.read(cfg))  # a family may read its depth elsewhere (Nemotron-H: its layer pattern)
+    fields.update(fam.read(top))  # a family may read its depth elsewhere (Nemotron-H: its layer pattern)
     if fields["num_layers"] is None:
         raise LayoutError(f"{fam.title} config has no num_hidden_layers")
-    torch_dtype = dtype or str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").replace("torch.", "")
-    return ModelSpec(arch=fam.name, dtype=torch_dtype, name=name or str(cfg.get("_name_or_path", "")),
-                     hf_config=dict(cfg), **fields)
+    torch_dtype = dtype or str(top.get("torch_dtype") or top.get("dtype") or cfg.get("torch_dtype")
+                               or cfg.get("dtype") or "bfloat16").replace("torch.", "")
+    return ModelSpec(arch=fam.name, dtype=torch_dtype, name=name or str(top.get("_name_or_path", "")),
+                     hf_config=dict(top), **fields)
 
 
 def load_model_spec(path: str | Path, *, dtype: str | None = None) -> ModelSpec:
@@ -198,6 +208,8 @@ def _tensors(spec: ModelSpec) -> dict[str, CanonicalTensor]:
     fam = spec.family
     dims, flags = fam.dims(spec), fam.flags(spec)
     out: dict[str, CanonicalTensor] = {}
+    if fam.tower is not None:
+        out.update(_tower_tensors(spec))
     for row in fam.pre:
         if fam.present(row, flags):
             _add(out, row.hf, row, fam, dims, spec.dtype)
@@ -205,6 +217,22 @@ def _tensors(spec: ModelSpec) -> dict[str, CanonicalTensor]:
         for t in _layer_tensors(spec, layer):
             out[t.name] = t
     for row in fam.post:
+        if fam.present(row, flags):
+            _add(out, row.hf, row, fam, dims, spec.dtype)
+    return out
+
+
+def _tower_tensors(spec: ModelSpec) -> dict[str, CanonicalTensor]:
+    """The vision tower's and projector's tensors (``Family.tower``), in the tower's sizes."""
+    fam, tower = spec.family, spec.family.tower
+    dims, flags = tower.dims(spec), tower.flags(spec)
+    out: dict[str, CanonicalTensor] = {}
+    for row in tower.pre:
+        _add(out, row.hf, row, fam, dims, spec.dtype)
+    for layer in range(tower.layers(spec)):
+        for row in tower.layer:
+            _add(out, tower.hf_layer.format(layer=layer) + row.hf, row, fam, dims, spec.dtype)
+    for row in tower.post:
         if fam.present(row, flags):
             _add(out, row.hf, row, fam, dims, spec.dtype)
     return out

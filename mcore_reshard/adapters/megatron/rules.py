@@ -140,6 +140,9 @@ def _check(spec: ModelSpec, par: MegatronParallel) -> None:
     fam = spec.family
     if fam.check is not None:
         fam.check(spec, "megatron", par.tp)  # the family's own refusals, one line naming the tensor
+    if fam.tower is not None and par.pp > 1:
+        raise LayoutError(f"{fam.title} with pipeline_model_parallel_size={par.pp}: LLaVAModel's encoder stage "
+                          f"split (add_encoder per stage) is not described; use pp=1")
     if par.vpp > 1 and fam.megatron_pattern(spec):
         raise LayoutError(f"{fam.name}: virtual pipeline stages need '|' stage boundaries in megatron's "
                           "hybrid_layer_pattern (select_pipeline_segment); use vpp=1")
@@ -351,21 +354,36 @@ def _dense_templates(spec: ModelSpec, par: MegatronParallel, pp_r: int, tp_r: in
     te = par.layer_spec == "te"
     pre: list[Tmpl] = []
     post: list[Tmpl] = []
+    lm = fam.megatron_prefix
     if pp_r == 0:
-        first = _chunk_prefix(par, 0)
+        if fam.tower is not None:
+            pre += _tower_templates(spec, par, tp_r)
+        first = _chunk_prefix(par, 0) + lm
         pre += row_templates(fam, fam.pre, hf="", local=lambda n: first + n, tp=par.tp, tp_r=tp_r, te=te, dims=dims,
                              flags=flags, padded_vocab=Vp)
     layers = []
     for v, chunk in enumerate(chunks):
         for i, j in enumerate(chunk):
             layer, blocks = mlayers[j]
-            prefix = f"{_chunk_prefix(par, v)}decoder.layers.{i}."
+            prefix = f"{_chunk_prefix(par, v)}{lm}decoder.layers.{i}."
             layers.append(_dense_layer(spec, par, layer, prefix, tp_r, blocks))
     if pp_r == par.pp - 1:
-        last = _chunk_prefix(par, par.vpp - 1)
+        last = _chunk_prefix(par, par.vpp - 1) + lm
         post += row_templates(fam, fam.post, hf="", local=lambda n: last + n, tp=par.tp, tp_r=tp_r, te=te, dims=dims,
                               flags=flags, padded_vocab=Vp)
     return tuple(pre), tuple(tuple(l) for l in layers), tuple(post)
+
+
+def _tower_templates(spec: ModelSpec, par: MegatronParallel, tp_r: int) -> list[Tmpl]:
+    """LLaVAModel's vision tower and projector on TP rank ``tp_r`` (first stage): the family's
+    ``Tower`` rows in the tower's own sizes, its layers under ``vision_model.decoder.layers.{i}.``."""
+    fam, tower = spec.family, spec.family.tower
+    kw = dict(tp=par.tp, tp_r=tp_r, te=par.layer_spec == "te", dims=tower.dims(spec), flags=tower.flags(spec))
+    out = row_templates(fam, tower.pre, hf="", local=lambda n: n, **kw)
+    for i in range(tower.layers(spec)):
+        out += row_templates(fam, tower.layer, hf=tower.hf_layer.format(layer=i),
+                             local=lambda n, i=i: tower.megatron_layer.format(layer=i) + n, **kw)
+    return out + row_templates(fam, tower.post, hf="", local=lambda n: n, **kw)
 
 
 @lru_cache(maxsize=4096)
@@ -378,7 +396,7 @@ def _expert_templates(spec: ModelSpec, par: MegatronParallel, pp_r: int, ep_r: i
         for i, j in enumerate(chunk):
             layer, blocks = mlayers[j]
             if spec.is_moe(layer) and any(fam.blocks[b].experts for b in blocks):
-                out.append(tuple(_expert_layer(spec, par, layer, f"{_chunk_prefix(par, v)}decoder.layers.{i}.",
+                out.append(tuple(_expert_layer(spec, par, layer, f"{_chunk_prefix(par, v)}{fam.megatron_prefix}decoder.layers.{i}.",
                                                ep_r, etp_r, blocks)))
             else:
                 out.append(())

@@ -171,7 +171,10 @@ def _group(fam: Family, name: str, members: list[_Member], tp: int, tp_r: int, d
     if kinds == {Split}:
         return _split(name, first, tp, tp_r, stacked_expert) + (dtype,)
     if len(members) == 1 and kinds == {Rep} and first.row.part is None:
-        return _full(name, first.canonical, first.shape) + (dtype,)
+        full = _full(name, first.canonical, first.shape)
+        if first.pl.shape is not None:  # the same storage in megatron's own shape (CLIP's class_token)
+            full = (name, fam.resolve(first.pl.shape, dims), full[2])
+        return full + (dtype,)
     return _concat(fam, name, members, tp, tp_r, dims) + (dtype,)
 
 

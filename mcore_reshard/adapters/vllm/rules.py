@@ -30,6 +30,7 @@ No vllm or torch import: plans for full-size models are computed from metadata a
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import replace
 from typing import Sequence
@@ -82,6 +83,9 @@ class _Builder:
         self.fam = spec.family
         #: The family's own refusals first (one line naming the tensor), and its notes at this TP.
         self.family_notes = self.fam.check(spec, "vllm", par.tp) if self.fam.check is not None else ()
+        if self.fam.tower is not None and par.pp > 1:
+            raise LayoutError(f"{self.fam.title} with vllm pipeline_parallel_size={par.pp}: vLLM builds the vision "
+                              f"tower on every stage; not described, use pp=1")
         self.d = check_dims(spec, par)
         self.dims, self.flags = self.fam.dims(spec), self.fam.flags(spec)
         self._blocks: dict[tuple[str, int], tuple[_Entry, ...]] = {}
@@ -90,6 +94,12 @@ class _Builder:
         self._views: dict[tuple, View] = {}
         self._views_by_slot: dict[tuple, list] = {}
         self._names: dict[tuple[int, str], tuple[str, ...]] = {}
+        #: A VLM's tower and projector read the same rules in the tower's sizes (``Family.tower``).
+        self.tower = None
+        if self.fam.tower is not None:
+            self.tower = copy.copy(self)
+            self.tower.dims, self.tower.flags = self.fam.tower.dims(spec), self.fam.tower.flags(spec)
+            self.tower._blocks = {}
         layers = range(spec.num_layers + spec.mtp_layers)
         self._prefix = [self.fam.hf_layer.format(layer=i) for i in layers]  # canonical names
         self._local = [self.fam.vllm_layer.format(layer=i) for i in layers]  # vLLM's
@@ -219,6 +229,8 @@ class _Builder:
         # others the embedding on the first stage (also the last when tied: the head *is* it)
         # and the norm and head on the last.
         everywhere = fam.vllm_top_on_every_stage
+        if first and self.tower is not None:
+            self.tower_params(out, rank)
         if first or everywhere or (s.tied and last):
             add(self.block("<pre>", fam.pre, tp_r))
         elif fam.vllm_every_stage:
@@ -231,6 +243,19 @@ class _Builder:
         elif fam.vllm_every_stage:
             add(self.block("<post*>", [r for r in fam.post if r.hf in fam.vllm_every_stage], tp_r))
         return out
+
+    def tower_params(self, out: list[LocalParam], rank: int) -> None:
+        """A VLM's vision tower and projector on ``rank`` (``clip.py``, ``llava.py``)."""
+        tower, tb, tp_r = self.fam.tower, self.tower, rank % self.par.tp
+        for key, rows, layers in (("<tower-pre>", tower.pre, [None]), ("<tower-layer>", tower.layer,
+                                  range(tower.layers(self.spec))), ("<tower-post>", tower.post, [None])):
+            for layer in layers:
+                p = "" if layer is None else tower.hf_layer.format(layer=layer)
+                q = "" if layer is None else tower.vllm_layer.format(layer=layer)
+                for suffix, shape, pieces, dtype in tb.block(key, rows, tp_r):
+                    name = q + suffix
+                    out.append(LocalParam(rank, name, shape, dtype or self.spec.dtype,
+                                          tuple(Piece(rank, name, p + c, b, v) for c, b, v in pieces)))
 
     def layer_params(self, out: list[LocalParam], rank: int, layer: int, local: str | None = None) -> None:
         """Decoder layer ``layer``'s parameters on ``rank``, named under ``local`` (default

@@ -14,6 +14,7 @@ from .deepseek_v3 import DEEPSEEK_V3
 from .dense import LLAMA, QWEN2, QWEN3
 from .glm4_moe import GLM4_MOE
 from .gpt_oss import GPT_OSS
+from .llava import LLAVA
 from .nemotron_h import NEMOTRON_H
 from .qwen3_moe import QWEN3_MOE
 from .qwen3_next import QWEN3_NEXT
@@ -22,7 +23,7 @@ __all__ = ["FAMILIES", "family", "family_of_config", "supported_architectures"]
 
 #: Every family by name (``ModelSpec.arch``).
 FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, DEEPSEEK_V3, GPT_OSS, GLM4_MOE,
-                                                   NEMOTRON_H, QWEN3_NEXT)}
+                                                   NEMOTRON_H, QWEN3_NEXT, LLAVA)}
 
 
 def family(name: str) -> Family:

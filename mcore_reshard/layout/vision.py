@@ -1,0 +1,76 @@
+"""What a vision-language family's spec carries beyond its language model: the vision tower's
+sizes and how the language model takes its output (LLaVA's CLIP tower and MLP projector).
+
+The table (``layout/families/llava.py``) reads these. Metadata only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from .descriptor import LayoutError
+
+__all__ = ["Vision", "read_vision"]
+
+
+@dataclass(frozen=True, slots=True)
+class Vision:
+    """A CLIP-style vision tower and its projector (HF ``CLIPVisionConfig`` names in comments)."""
+
+    kind: str  # the tower's HF model_type ("clip_vision_model")
+    hidden: int  # hidden_size
+    #: The tower layers the model uses: LLaVA takes ``vision_feature_layer``'s output, so the
+    #: layers after it (and ``post_layernorm``) are in the checkpoint but in neither library's
+    #: model (vLLM's ``_get_num_hidden_layers``; megatron-core builds that many layers).
+    layers: int
+    checkpoint_layers: int  # num_hidden_layers
+    heads: int  # num_attention_heads
+    intermediate: int  # intermediate_size
+    image: int  # image_size
+    patch: int  # patch_size
+    channels: int = 3  # num_channels
+    projector_bias: bool = True  # multimodal_projector_bias
+    image_token: int = -1  # image_token_index: the placeholder the processor expands per patch
+    layer_norm_eps: float = 1e-5
+
+    @property
+    def patches(self) -> int:
+        return (self.image // self.patch) ** 2
+
+    @property
+    def positions(self) -> int:
+        """Position embeddings: the patches and the class token."""
+        return self.patches + 1
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+def read_vision(cfg: Mapping[str, Any]) -> Vision:
+    """A LLaVA config's tower, or one line naming what the table does not describe."""
+    v = cfg.get("vision_config") or {}
+    kind = v.get("model_type", "clip_vision_model")
+    if kind != "clip_vision_model":
+        raise LayoutError(f"LLaVA vision_config.model_type={kind!r}: the table describes the CLIP tower "
+                          f"(clip_vision_model) only")
+    if cfg.get("vision_feature_select_strategy", "default") != "default":
+        raise LayoutError(f"LLaVA vision_feature_select_strategy={cfg['vision_feature_select_strategy']!r}: "
+                          f"megatron-core's LLaVAModel drops the class token ('default') only")
+    n = int(v.get("num_hidden_layers", 24))
+    feature = cfg.get("vision_feature_layer", -2)
+    if not isinstance(feature, int):
+        raise LayoutError(f"LLaVA vision_feature_layer={feature!r}: one layer (an int) is described, not a list")
+    used = n + feature + 1 if feature < 0 else feature
+    if not 1 <= used <= n:
+        raise LayoutError(f"LLaVA vision_feature_layer={feature} is outside the tower's {n} layers")
+    hidden, heads = int(v.get("hidden_size", 1024)), int(v.get("num_attention_heads", 16))
+    if hidden % heads:
+        raise LayoutError(f"vision_config.hidden_size={hidden} is not a multiple of num_attention_heads={heads}")
+    return Vision(kind=kind, hidden=hidden, layers=used, checkpoint_layers=n, heads=heads,
+                  intermediate=int(v.get("intermediate_size", 4096)), image=int(v.get("image_size", 336)),
+                  patch=int(v.get("patch_size", 14)), channels=int(v.get("num_channels", 3)),
+                  projector_bias=bool(cfg.get("multimodal_projector_bias", True)),
+                  image_token=int(cfg.get("image_token_index", cfg.get("image_token_id", -1))),
+                  layer_norm_eps=float(v.get("layer_norm_eps", 1e-5)))
