@@ -85,7 +85,8 @@ def make_tiny_checkpoint(path: str | Path, overrides: dict[str, Any] | None = No
     fam = family_of_config(cfg_kwargs)
     model_type = fam.model_types[0]
     weight_std = fam.tiny_std if weight_std is None else weight_std
-    config = transformers.AutoConfig.for_model(model_type, **{k: v for k, v in cfg_kwargs.items() if k != "architectures"})
+    config = transformers.AutoConfig.for_model(model_type, **{k: v for k, v in cfg_kwargs.items()
+                                                              if k not in ("architectures", "model_type")})
     config.architectures = [arch]
     torch.manual_seed(seed)
     model_cls = getattr(transformers, arch)
@@ -99,6 +100,10 @@ def make_tiny_checkpoint(path: str | Path, overrides: dict[str, Any] | None = No
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
+    if fam.tower is not None:  # the hub's tower names, a tokenizer and a processor (vLLM's multimodal path)
+        from .vlm import finish_vlm_checkpoint
+
+        finish_vlm_checkpoint(out, cfg_kwargs)
     if cfg_kwargs.get("num_nextn_predict_layers"):
         _write_mtp_layers(out, model.state_dict(), weight_std)
     return out

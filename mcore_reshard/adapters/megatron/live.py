@@ -32,6 +32,13 @@ def _unwrap(module):
     return module
 
 
+def _language(model):
+    """The language model of ``model``: a ``LLaVAModel``'s ``language_model`` (a ``GPTModel``),
+    else the model itself."""
+    lm = getattr(model, "language_model", None)
+    return model if lm is None else lm
+
+
 #: Persistent buffers that are model weights: the router's aux-loss-free balancing bias
 #: (HF ``e_score_correction_bias``), updated outside the optimizer and saved in checkpoints.
 WEIGHT_BUFFERS = ("mlp.router.expert_bias",)
@@ -67,7 +74,7 @@ def live_parallel(model_chunks: Sequence) -> tuple[MegatronParallel, int]:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    model = _unwrap(model_chunks[0])
+    model = _language(_unwrap(model_chunks[0]))
     cfg = model.config
     names = named_local_params(model_chunks)
     vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
@@ -146,7 +153,7 @@ def describe(model_chunks: Sequence, spec: ModelSpec) -> list[LocalParam]:
     that is missing, or a shape mismatch. The tied last-stage ``output_layer.weight`` copy is
     the one parameter deliberately not described (never a sender).
     """
-    _check_spec(spec, _unwrap(model_chunks[0]).config)
+    _check_spec(spec, _language(_unwrap(model_chunks[0])).config)
     par, rank = live_parallel(model_chunks)
     predicted = megatron_rank_params(spec, replace(par, fsdp=False), rank)  # whole; FSDP's rows below
     peft = policy_peft(_unwrap(model_chunks[0]))

@@ -47,7 +47,7 @@ import importlib
 import sys
 import types
 
-__all__ = ["apply_cpu_patches", "apply_fsdp_cpu_patches", "CPU_NOTICE", "quiet_cpu_notices"]
+__all__ = ["apply_cpu_patches", "apply_fsdp_cpu_patches", "apply_vision_cpu_patches", "CPU_NOTICE", "quiet_cpu_notices"]
 
 #: megatron-core's import-time warnings of what a CPU machine lacks: expected here, said once
 #: by the job (``CPU_NOTICE``) instead of by every process that imports megatron.
@@ -314,6 +314,30 @@ def apply_hybrid_cpu_patches() -> None:
     if getattr(gdn_common, "l2norm", None) is None:
         gdn_common.l2norm = lambda x, eps=1e-6: x * torch.rsqrt((x.float() * x.float()).sum(-1, keepdim=True) + eps).to(x.dtype)
     _HYBRID_APPLIED = True
+
+
+_VISION_APPLIED = False
+
+
+def apply_vision_cpu_patches() -> None:
+    """What megatron-core's LLaVA needs without Transformer Engine, beyond ``apply_cpu_patches``:
+
+    12. ``CLIPViTModel``'s ``ln_pre`` / ``ln_post`` default to ``TENorm``, else
+        ``torch.nn.LayerNorm``, which rejects the ``config=`` that ``build_module`` passes, and
+        ``LLaVAModel`` passes neither: the defaults become ``WrappedTorchNorm`` (torch
+        LayerNorm from ``config.normalization``, the same ``weight`` / ``bias``).
+    """
+    global _VISION_APPLIED
+    if _VISION_APPLIED:
+        return
+    from megatron.core.models.vision.clip_vit_model import CLIPViTModel
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    init = CLIPViTModel.__init__
+    defaults = list(init.__defaults__)
+    defaults[0] = defaults[1] = WrappedTorchNorm  # ln_pre_impl, ln_post_impl
+    init.__defaults__ = tuple(defaults)
+    _VISION_APPLIED = True
 
 
 _FSDP_APPLIED = False

@@ -63,6 +63,9 @@ class TrainSettings:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     seed: int = 1234
+    #: A vision-language policy's frozen parts (``LLaVAModel.freeze``): the tower, the projector.
+    freeze_vision_model: bool = False
+    freeze_vision_projection: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("bfloat16", "float32"):
@@ -227,23 +230,33 @@ class Policy:
         r = ps.get_data_parallel_rank()
         return [(i, list(token_ids[i])) for i in range(r, len(token_ids), dp)]
 
-    def _run_schedule(self, mine: list[tuple[int, list[int]]], forward_only: bool, per_seq, measure=None):
+    def _run_schedule(self, mine: list[tuple[int, list[int]]], forward_only: bool, per_seq, measure=None,
+                      images: Sequence[Any] | None = None):
         """Run megatron's schedule over ``mine`` (one sequence per micro-batch). ``per_seq(lp,
         index)`` maps the ``[T-1]`` target log-probs of a sequence (or what ``measure(logits,
         tokens)`` makes of its output instead) to ``(loss, payload)``. Returns the payloads
-        this rank computed (last stage only) by sequence index."""
+        this rank computed (last stage only) by sequence index. ``images``: a vision-language
+        policy's pixel values per sequence (``[n, 3, H, W]`` or None), by sequence index."""
         import torch
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         spec = self.spec
-        batches = [{"index": i, "tokens": torch.tensor([t], dtype=torch.long)} for i, t in mine]
+        if images is not None and spec.vision is None:
+            raise ValueError(f"images given to a {spec.family.title} policy, which has no vision tower")
+        batches = [{"index": i, "tokens": torch.tensor([t], dtype=torch.long),
+                    "images": None if images is None else images[i]} for i, t in mine]
         seq_len = len(mine[0][1])
 
         def forward_step(data_iterator, model):
             b = next(data_iterator)
             x = b["tokens"]
-            pos = torch.arange(x.shape[1])[None]
-            out = model(x, pos, attention_mask=None)
+            if spec.vision is not None:  # LLaVA: the tower's embeddings spliced in at the placeholders
+                from .vlm import llava_forward
+
+                out = llava_forward(model, x, b["images"], spec)
+            else:
+                pos = torch.arange(x.shape[1])[None]
+                out = model(x, pos, attention_mask=None)
 
             def loss_func(output_tensor):
                 lp = _target_logprobs(output_tensor, x, spec.vocab)[0] if measure is None else measure(output_tensor, x)
@@ -279,7 +292,7 @@ class Policy:
         return not (cfg.num_moe_experts and cfg.tensor_model_parallel_size > 1 and not cfg.sequence_parallel)
 
     def train_step(self, token_ids: Sequence[Sequence[int]], loss_fn: LossFn | None = None,
-                   lr: float | None = None) -> float:
+                   lr: float | None = None, images: Sequence[Any] | None = None) -> float:
         """One optimizer step on ``token_ids`` (the global batch: sequence i goes to data-parallel
         rank ``i % dp``; one sequence per micro-batch; equal lengths). Default loss: next-token
         cross-entropy averaged over positions. ``lr``: this step's learning rate instead of the
@@ -296,7 +309,7 @@ class Policy:
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        res = self._run_schedule(mine, forward_only=False, per_seq=per_seq)
+        res = self._run_schedule(mine, forward_only=False, per_seq=per_seq, images=images)
         with learning_rate(self.optimizer, lr):
             update_ok, _grad_norm, _ = self.optimizer.step()
         if not update_ok:
@@ -305,10 +318,10 @@ class Policy:
         torch.distributed.all_reduce(total)  # last-stage ranks only contribute; TP copies cancel out
         return float(total[0] / total[1])
 
-    def logprobs(self, token_ids: Sequence[Sequence[int]]) -> list[list[float]]:
+    def logprobs(self, token_ids: Sequence[Sequence[int]], images: Sequence[Any] | None = None) -> list[list[float]]:
         """log p(token_i | tokens_<i) for i >= 1 of every sequence (fp32 log-softmax over the real
         vocab), forward only through the schedule; the same lists on every rank."""
-        return self._forward_payloads(token_ids)
+        return self._forward_payloads(token_ids, images=images)
 
     def top_logprobs(self, token_ids: Sequence[Sequence[int]]) -> list[tuple[list[int], list[float]]]:
         """Per sequence: the most likely token after each prefix ``tokens_<=i`` (i < T-1) and its
@@ -317,7 +330,8 @@ class Policy:
         out = self._forward_payloads(token_ids, lambda logits, x: _top_logprobs(logits, self.spec.vocab))
         return [([int(t) for t in tok], lp) for tok, lp in out]
 
-    def _forward_payloads(self, token_ids: Sequence[Sequence[int]], measure=None) -> list[Any]:
+    def _forward_payloads(self, token_ids: Sequence[Sequence[int]], measure=None,
+                          images: Sequence[Any] | None = None) -> list[Any]:
         """Every sequence's forward-only result (``_run_schedule``'s ``measure``; default: its
         target log-probs) as lists, gathered to every rank."""
         import torch
@@ -329,7 +343,7 @@ class Policy:
             return lp.sum() * 0.0, lp.detach().tolist()
 
         with torch.no_grad():
-            res = self._run_schedule(mine, forward_only=True, per_seq=per_seq, measure=measure)
+            res = self._run_schedule(mine, forward_only=True, per_seq=per_seq, measure=measure, images=images)
         local = {i: d["payload"] for i, d in res.items()} if ps.get_tensor_model_parallel_rank() == 0 else {}
         gathered: list[Any] = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(gathered, local)
@@ -388,7 +402,16 @@ def build_policy(spec: ModelSpec, par: MegatronParallel, settings: TrainSettings
     torch.manual_seed(settings.seed)
     model_parallel_cuda_manual_seed(settings.seed, force_reset_rng=True)
     bf16 = settings.dtype == "bfloat16"
-    if spec.hybrid is not None:  # Nemotron-H, Qwen3-Next: megatron-core's HybridModel
+    if spec.vision is not None:  # LLaVA: megatron-core's LLaVAModel (``vlm``)
+        if mtp or (peft is not None and peft.enabled) or par.fsdp:
+            raise ValueError(f"{spec.family.title}: MTP, LoRA and Megatron-FSDP policies of a vision-language "
+                             f"family are not built")
+        from .vlm import build_llava
+
+        raw = build_llava(spec, par, dtype=settings.dtype, max_seq=max_seq)
+        raw[0].freeze(freeze_language_model=False, freeze_vision_model=settings.freeze_vision_model,
+                      freeze_vision_projection=settings.freeze_vision_projection)
+    elif spec.hybrid is not None:  # Nemotron-H, Qwen3-Next: megatron-core's HybridModel
         if mtp or (peft is not None and peft.enabled):
             raise ValueError(f"{spec.family.title}: MTP and LoRA policies of a hybrid family are not built")
         raw = build_hybrid(spec, par, dtype=settings.dtype, max_seq=max_seq)

@@ -1,0 +1,74 @@
+"""A tiny vision-language checkpoint's extras, and synthetic images.
+
+vLLM's multimodal processors need a tokenizer and an image processor (they refuse
+``skip_tokenizer_init``), and the hub's LLaVA checkpoints name the CLIP tower
+``vision_tower.vision_model.*`` where transformers 5 saves ``vision_tower.*``. With no hub
+here, :func:`finish_vlm_checkpoint` renames the saved tensors to the hub form (what vLLM's
+``llava.py`` loads) and writes a word-level tokenizer (one token per id, ``<image>`` at the
+config's ``image_token_index``) and a ``LlavaProcessor`` with a CLIP image processor sized
+to the tower. Prompts stay token ids: the tokenizer only lets vLLM's processor find and expand
+the image placeholder.
+
+:func:`colour_squares` draws the synthetic images the tests and the multimodal GRPO task use.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+__all__ = ["finish_vlm_checkpoint", "colour_squares", "COLOURS", "hub_names"]
+
+#: Hub form of a LLaVA checkpoint's tower (transformers 5 saves it without ``vision_model.``).
+_TOWER, _HUB_TOWER = "vision_tower.", "vision_tower.vision_model."
+
+
+def hub_names(tensors: Mapping[str, Any]) -> dict[str, Any]:
+    """transformers 5's LLaVA tensor names -> the hub's (what vLLM's loader maps)."""
+    out = {}
+    for name, t in tensors.items():
+        if name.startswith(_TOWER) and not name.startswith(_HUB_TOWER):
+            name = _HUB_TOWER + name[len(_TOWER):]
+        out[name] = t
+    return out
+
+
+def finish_vlm_checkpoint(out: Path, cfg: Mapping[str, Any]) -> None:
+    """Rename the saved tower to the hub form; write the tokenizer and the processor."""
+    from safetensors.torch import load_file, save_file
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import CLIPImageProcessor, LlavaProcessor, PreTrainedTokenizerFast
+
+    for f in sorted(Path(out).glob("*.safetensors")):
+        save_file({k: v.contiguous() for k, v in hub_names(load_file(str(f))).items()}, str(f), metadata={"format": "pt"})
+    text, vision = cfg["text_config"], cfg["vision_config"]
+    image_token = int(cfg["image_token_index"])
+    vocab = {f"t{i}": i for i in range(int(text["vocab_size"]))}
+    vocab = {("<image>" if i == image_token else name): i for name, i in vocab.items()}
+    tok = Tokenizer(WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", pad_token="t0", eos_token="t1",
+                                        bos_token="t2")
+    size = int(vision["image_size"])
+    images = CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
+    processor = LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=int(vision["patch_size"]),
+                               vision_feature_select_strategy=cfg.get("vision_feature_select_strategy", "default"),
+                               image_token="<image>", num_additional_image_tokens=1)
+    processor.save_pretrained(out)
+
+
+#: The colours of :func:`colour_squares`' squares, by name.
+COLOURS: dict[str, tuple[int, int, int]] = {"red": (230, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 230)}
+
+
+def colour_squares(size: int, squares: Sequence[tuple[str, int, int, int]], background=(245, 245, 245)):
+    """A ``size`` x ``size`` RGB PIL image with squares ``(colour, x, y, side)`` drawn on it."""
+    from PIL import Image, ImageDraw
+
+    img = Image.new("RGB", (size, size), background)
+    draw = ImageDraw.Draw(img)
+    for colour, x, y, side in squares:
+        draw.rectangle([x, y, x + side - 1, y + side - 1], fill=COLOURS[colour])
+    return img
