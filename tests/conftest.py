@@ -86,6 +86,8 @@ LIVE_ORDER: list[tuple[str, frozenset[str]]] = [
     ("test_family_refit", frozenset({"engines"})),
     # Megatron-FSDP policies: fresh engines (cached) and their own trainer pools
     ("test_megatron_fsdp", frozenset({"engines"})),
+    # tiny LLaVA: fresh engines (cached) and a TP2 trainer pool of its own
+    ("test_vlm_refit", frozenset({"engines"})),
     # own engines and pools only (nothing of the above is reused)
     ("test_process_starts", frozenset()),
     ("test_http_server", frozenset()),

@@ -17,7 +17,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-__all__ = ["finish_vlm_checkpoint", "colour_squares", "COLOURS", "hub_names"]
+__all__ = ["finish_vlm_checkpoint", "colour_squares", "COLOURS", "hub_names", "pixel_values", "is_vlm_checkpoint",
+           "expand_images"]
 
 #: Hub form of a LLaVA checkpoint's tower (transformers 5 saves it without ``vision_model.``).
 _TOWER, _HUB_TOWER = "vision_tower.", "vision_tower.vision_model."
@@ -57,6 +58,35 @@ def finish_vlm_checkpoint(out: Path, cfg: Mapping[str, Any]) -> None:
                                vision_feature_select_strategy=cfg.get("vision_feature_select_strategy", "default"),
                                image_token="<image>", num_additional_image_tokens=1)
     processor.save_pretrained(out)
+
+
+def expand_images(tokens: Sequence[int], image_token: int, per_image: int) -> list[int]:
+    """A prompt with one placeholder per image, as vLLM's processor expands it (``per_image``
+    placeholders each, LLaVA's one per patch): the sequence the engine runs and reports, and
+    the one a trainer scores."""
+    out: list[int] = []
+    for t in tokens:
+        out += [t] * (per_image if t == image_token else 1)
+    return out
+
+
+def is_vlm_checkpoint(path: str | Path) -> bool:
+    """Whether the checkpoint at ``path`` is a vision-language model's (its config has a
+    ``vision_config``): its engines need the tokenizer and the image processor."""
+    import json
+
+    try:
+        return "vision_config" in json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def pixel_values(path: str | Path, images: Sequence[Any]):
+    """``images`` (PIL) as the checkpoint's image processor gives them to the model, the same
+    preprocessing vLLM's processor runs: ``[n, 3, H, W]`` fp32."""
+    from transformers import AutoImageProcessor
+
+    return AutoImageProcessor.from_pretrained(str(path))(images=list(images), return_tensors="pt")["pixel_values"]
 
 
 #: The colours of :func:`colour_squares`' squares, by name.

@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 from ..adapters.vllm.plugin import BACKEND
 from ..infra.checkpoint import make_tiny_checkpoint
+from ..infra.vlm import expand_images, pixel_values
 from ..refit.driver import RefitDriver, ReshardTransport, Transport
 from ..refit.engines import engine_world
 from ..errors import RefitFailed
@@ -99,16 +100,30 @@ class LocalCluster:
             m = replace(m, notes=m.notes + (note,))
         return m
 
-    def logprob_error(self, tokens: Sequence[int]) -> float:
-        """token_mult_prob_error of every engine against a megatron forward; the worst one."""
+    def logprob_error(self, tokens: Sequence[int], image: Any = None) -> float:
+        """token_mult_prob_error of every engine against a megatron forward; the worst one.
+        ``image``: a vision-language policy's prompt image (a PIL image), which the engines
+        take as it is and the trainers as its pixel values (the checkpoint's image processor)."""
         from ..adapters.vllm.engine import prompt_logprobs
 
-        train = self.pool.logprobs([list(tokens)]).wait()[0][0]
-        return max(token_mult_prob_error(prompt_logprobs(llm, list(tokens)), train) for llm in self.engines)
+        images, seq = self._with_image(tokens, image)
+        train = self.pool.logprobs([seq], **images).wait()[0][0]
+        return max(token_mult_prob_error(prompt_logprobs(llm, list(tokens), image=image), train)
+                   for llm in self.engines)
 
-    def step(self, tokens: Sequence[int], lr: float | None = None) -> float:
-        """One optimizer step on every trainer (``lr``: instead of the configured one)."""
-        return self.pool.train_step([list(tokens)], lr).wait()[0]
+    def _with_image(self, tokens: Sequence[int], image: Any) -> tuple[dict, list[int]]:
+        """The trainers' form of a prompt with one image placeholder per image: its pixel
+        values, and the sequence with each placeholder expanded as vLLM's processor does."""
+        if image is None:
+            return {}, list(tokens)
+        v = self.spec.vision
+        return {"images": [pixel_values(self.checkpoint, [image])]}, expand_images(tokens, v.image_token, v.patches)
+
+    def step(self, tokens: Sequence[int], lr: float | None = None, image: Any = None) -> float:
+        """One optimizer step on every trainer (``lr``: instead of the configured one; ``image``
+        as :meth:`logprob_error`'s)."""
+        images, seq = self._with_image(tokens, image)
+        return self.pool.train_step([seq], lr, **images).wait()[0]
 
     def raw_bandwidth(self, pairs: Sequence[tuple[int, int]], nbytes: int) -> float:
         """The local floor: one ``nbytes`` gloo message per (source, destination) group-rank

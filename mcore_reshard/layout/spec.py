@@ -132,6 +132,12 @@ class ModelSpec:
         """name -> (global shape, dtype): the ``SideLayout.tensors`` form."""
         return {t.name: (t.shape, t.dtype) for t in self.tensors().values()}
 
+    def tower_tensors(self) -> frozenset[str]:
+        """A vision-language model's tensors its multimodal encoder computes with: the vision
+        tower's and the projector's (an engine caches their output per image); empty for a
+        text model."""
+        return frozenset(_tower_tensors(self)) if self.family.tower is not None else frozenset()
+
     def total_bytes(self) -> int:
         return sum(math.prod(t.shape) * DTYPE_BYTES[t.dtype] for t in self.tensors().values())
 

@@ -31,7 +31,7 @@ from .cache import get_plan
 from .placed import Links, plan_for_placement
 from .types import TransferPlan
 
-__all__ = ["RefitPlans", "plan_refit", "with_draft_tensors", "check_adapter_shapes"]
+__all__ = ["RefitPlans", "plan_refit", "with_draft_tensors", "check_adapter_shapes", "moves_encoder"]
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,14 @@ def plan_refit(src: SideLayout, dst: SideLayout, spec: ModelSpec, engine_spec: M
         adapter_plan = get_plan(adapters_only(src), adapters_only(dst), bucket_bytes=bucket_bytes,
                                 allow_cast=allow_cast)
     return RefitPlans(src, dst, plan, adapter_plan)
+
+
+def moves_encoder(plan: TransferPlan, spec: ModelSpec) -> bool:
+    """Whether ``plan`` writes any weight a multimodal encoder computes with (the vision tower,
+    the projector): the engines then drop their cached encoder outputs when it commits
+    (``RefitRequest.encoders``). A frozen tower's later refits move none of it: the cache stays."""
+    tower = spec.tower_tensors()
+    return bool(tower) and any(t.canonical in tower for t in plan.transfers)
 
 
 def with_draft_tensors(side: SideLayout, spec: ModelSpec) -> SideLayout:

@@ -37,7 +37,7 @@ from ..wire.faults import Faults
 from ..layout import ModelSpec, SideLayout
 from ..layout.lora import PeftConfig
 from .metrics import RefitMetrics, bytes_at_minimum, reshard_metrics
-from ..plan.refit_plans import RefitPlans, plan_refit
+from ..plan.refit_plans import RefitPlans, moves_encoder, plan_refit
 from ..plan.types import TransferPlan
 from ..plan.wire import slice_to_wire
 from ..infra.ports import free_port
@@ -248,7 +248,8 @@ class RefitDriver:
         cfg = self.refit_config
         return RefitRequest(self.plan.digest(), cfg.verify, cfg.timeout_s, cfg.atomic, overlap=cfg.overlap,
                             delta=cfg.delta, delta_state_limit_bytes=cfg.delta_state_limit_bytes,
-                            canary=self.canary() if cfg.canary else None)
+                            canary=self.canary() if cfg.canary else None,
+                            encoders=moves_encoder(self.plan, self.spec))
 
     def canary(self) -> Canary:
         """The canary of the next refit (``refit.canary``): the trainers' most likely tokens after
@@ -380,7 +381,8 @@ class ReshardTransport:
     def _engine_refit(driver: RefitDriver, request: RefitRequest, faults: Faults) -> EngineRefit:
         run = EngineRun(EngineUpdateInfo(request, faults.engine), request.label(driver.refit_id(request)),
                         driver.refit_id(request), overlap=request.overlap, grace_s=driver.engine_grace_s,
-                        recompute=driver.refit_config.recompute_kv_cache_after_weight_updates)
+                        recompute=driver.refit_config.recompute_kv_cache_after_weight_updates,
+                        encoders=request.encoders)
         return EngineRefit(driver.calls, run, driver.gated)
 
     def begin(self, driver: RefitDriver, request: RefitRequest, faults: Faults | None) -> "PendingRefit":

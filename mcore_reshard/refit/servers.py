@@ -100,7 +100,8 @@ def refit_servers(servers: Sequence[str], update_info: Mapping[str, Any], weight
     with httpx.Client() as http:
         calls = EngineCallers([VllmServer(ServerClient(s, timeouts, http)) for s in servers])
         run = EngineRun(dict(update_info), weight_version, overlap=overlap, grace_s=timeouts.update_s,
-                        recompute=recompute_kv_cache_after_weight_updates, kind="servers")
+                        recompute=recompute_kv_cache_after_weight_updates, kind="servers",
+                        encoders=bool(isinstance(request, Mapping) and request.get("encoders")))
         refit = EngineRefit(calls, run)
         errors = refit.start(inits)
         waited: Exception | None = None

@@ -73,12 +73,24 @@ class PolicyRank(TrainerRank):
         """The batch as the policy takes it (every sequence, in order)."""
         return [list(t) for t in token_ids]
 
-    def train_step(self, token_ids: Sequence[Sequence[int]], lr: float | None = None) -> float:
-        """One optimizer step of next-token cross-entropy (megatron's schedule, or the DTensor policy's);
-        ``lr``: this step's learning rate instead of the configured one."""
-        return self.policy.train_step(self._batch(token_ids), lr=lr)
+    def _images(self, token_ids: Sequence[Sequence[int]], images: Sequence[Any] | None) -> dict[str, Any]:
+        """A vision-language policy's pixel values per sequence, repeated as :meth:`_batch`
+        repeats the sequences (``{}``: a text-only batch)."""
+        if images is None:
+            return {}
+        if len(images) != len(token_ids):
+            raise ValueError(f"{len(images)} image entries for {len(token_ids)} sequences")
+        return {"images": list(images) * (len(self._batch(token_ids)) // len(token_ids))}
 
-    def logprobs(self, token_ids: Sequence[Sequence[int]], version: int | None = None) -> list[list[float]]:
+    def train_step(self, token_ids: Sequence[Sequence[int]], lr: float | None = None,
+                   images: Sequence[Any] | None = None) -> float:
+        """One optimizer step of next-token cross-entropy (megatron's schedule, or the DTensor policy's);
+        ``lr``: this step's learning rate instead of the configured one; ``images``: a
+        vision-language policy's pixel values per sequence (``[n, 3, H, W]`` or None)."""
+        return self.policy.train_step(self._batch(token_ids), lr=lr, **self._images(token_ids, images))
+
+    def logprobs(self, token_ids: Sequence[Sequence[int]], version: int | None = None,
+                 images: Sequence[Any] | None = None) -> list[list[float]]:
         """Next-token logprobs under the current weights (made whole first: the optimizer's
         parameter sync, as a refit reads them -- a forward that skips the gather would read a
         stale shard), or under the snapshot of ``version``."""
@@ -86,8 +98,8 @@ class PolicyRank(TrainerRank):
         if version is not None:
             if version not in self.snapshots:
                 raise KeyError(f"no snapshot of policy version {version} (held: {sorted(self.snapshots)})")
-            return self._under(self.snapshots[version], token_ids)
-        return self.policy.logprobs(self._batch(token_ids))[: len(token_ids)]
+            return self._under(self.snapshots[version], token_ids, images)
+        return self.policy.logprobs(self._batch(token_ids), **self._images(token_ids, images))[: len(token_ids)]
 
     def top_logprobs(self, token_ids: Sequence[Sequence[int]]) -> list[tuple[list[int], list[float]]]:
         """Per sequence: the most likely next token after each prefix and its log-prob, under the
@@ -103,7 +115,8 @@ class PolicyRank(TrainerRank):
             self.snapshots[version] = {n: t.detach().clone() for n, t in self.policy.local_params().items()}
         return sum(t.numel() * t.element_size() for w in self.snapshots.values() for t in w.values())
 
-    def _under(self, weights: dict[str, Any], token_ids: Sequence[Sequence[int]]) -> list[list[float]]:
+    def _under(self, weights: dict[str, Any], token_ids: Sequence[Sequence[int]],
+               images: Sequence[Any] | None = None) -> list[list[float]]:
         """Logprobs with ``weights`` swapped in, and the current weights back after."""
         import torch
 
@@ -113,12 +126,13 @@ class PolicyRank(TrainerRank):
             for n, t in params.items():
                 t.copy_(weights[n])
             try:
-                return self.logprobs(token_ids)
+                return self.logprobs(token_ids, images=images)
             finally:
                 for n, t in params.items():
                     t.copy_(current[n])
 
-    def grpo_step(self, token_ids: Sequence[Sequence[int]], batch: GrpoBatch, loss: PgLossSettings) -> float:
+    def grpo_step(self, token_ids: Sequence[Sequence[int]], batch: GrpoBatch, loss: PgLossSettings,
+                  images: Sequence[Any] | None = None) -> float:
         """One GRPO optimizer step: ``batch`` holds per sequence its advantage, the previous and
         reference logprobs and the completion mask; ``loss`` the clipping and KL settings."""
         n = len(token_ids)
@@ -126,14 +140,15 @@ class PolicyRank(TrainerRank):
         def loss_fn(lp, index):
             return clipped_pg_loss(lp, batch, index % n, loss)
 
-        return self.policy.train_step(self._batch(token_ids), loss_fn)
+        return self.policy.train_step(self._batch(token_ids), loss_fn, **self._images(token_ids, images))
 
-    def reference_logprobs(self, token_ids: Sequence[Sequence[int]]) -> list[list[float]]:
+    def reference_logprobs(self, token_ids: Sequence[Sequence[int]],
+                           images: Sequence[Any] | None = None) -> list[list[float]]:
         """Logprobs under the frozen initial weights (kept at the first call: GRPO's reference
         policy), computed by swapping them in and the trained weights back."""
         if self.reference is None:
             self.reference = {n: t.detach().clone() for n, t in self.policy.local_params().items()}
-        return self._under(self.reference, token_ids)
+        return self._under(self.reference, token_ids, images)
 
     def local_tensors(self) -> dict[str, Any]:
         """Copies of the synced local parameters (``verify=full`` gathers them)."""

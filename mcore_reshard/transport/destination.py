@@ -110,9 +110,10 @@ class Destination(Protocol):
     def status(self) -> list[WorkerStatus] | None:
         """Every worker's state and the refit it holds (None: it cannot be asked)."""
 
-    def refresh(self, version: str, recompute: bool = False) -> str:
+    def refresh(self, version: str, recompute: bool = False, encoders: bool = False) -> str:
         """After a refit that committed here: drop the KV cached under the old weights
-        (``recompute``: preempting running requests) and label the new weights ``version``.
+        (``recompute``: preempting running requests) -- and, ``encoders``, the outputs of a
+        multimodal encoder whose weights changed -- and label the new weights ``version``.
         Returns a note ("" when none), e.g. a cache the engine would not drop."""
 
     def resume(self) -> None:

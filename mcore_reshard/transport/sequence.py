@@ -52,7 +52,8 @@ class EngineRun:
     worker that committed it holds: ``WorkerStatus.refit``); ``grace_s``: how long a
     destination's transfer may still take once the trainers are done (it read the decision by
     then, or is stuck); ``recompute``: preempt running requests when dropping the old weights'
-    cached KV; ``kind``: what the destinations are called in messages ("engines", "servers")."""
+    cached KV; ``encoders``: the refit changed a multimodal encoder's weights (drop its cached
+    outputs too); ``kind``: what the destinations are called in messages ("engines", "servers")."""
 
     update: Any
     version: str
@@ -60,6 +61,7 @@ class EngineRun:
     overlap: bool = False
     grace_s: float = 10.0
     recompute: bool = False
+    encoders: bool = False
     kind: str = "engines"
 
 
@@ -199,7 +201,8 @@ class EngineRefit:
             return out
         notes: dict[int, str] = {}
         new = [e for e, v in whole.items() if v == "new"]
-        out += self._each(new, lambda d, e: notes.__setitem__(e, d.refresh(self.run.version, self.run.recompute)),
+        out += self._each(new, lambda d, e: notes.__setitem__(e, d.refresh(self.run.version, self.run.recompute,
+                                                                                self.run.encoders)),
                           "refresh")
         out += self._each(list(whole), lambda d, _: d.resume(), "resume")
         for e, n in sorted(notes.items()):

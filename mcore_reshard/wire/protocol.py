@@ -281,6 +281,10 @@ class RefitRequest:
     #: The canary vote (``Canary``): every engine checks what it computes on the new weights
     #: before they serve; None: bytes only.
     canary: Canary | None = None
+    #: The refit changes weights an engine's multimodal encoder computes with (a vision tower
+    #: or its projector): each engine that commits drops its cached encoder outputs (and
+    #: preempts running requests, whose images are then encoded under the new weights).
+    encoders: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "verify", VerifyMode.parse(self.verify))
@@ -304,7 +308,8 @@ class RefitRequest:
         return {"plan_digest": self.plan_digest, "verify": self.verify.value, "timeout_s": self.timeout_s,
                 "atomic": self.atomic, "epoch": self.epoch, "version": self.version, "overlap": self.overlap,
                 "delta": self.delta, "delta_state_limit_bytes": self.delta_state_limit_bytes,
-                **({"canary": self.canary.to_wire()} if self.canary is not None else {})}
+                **({"canary": self.canary.to_wire()} if self.canary is not None else {}),
+                **({"encoders": True} if self.encoders else {})}
 
     @staticmethod
     def from_wire(d: Mapping[str, Any]) -> "RefitRequest":

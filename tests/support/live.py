@@ -396,7 +396,9 @@ def trained_checkpoint(c: Any, spec: Any, like: Path, out: Path) -> Path:
             box = tuple(slice(o, o + n) for o, n in zip(pc.box.offsets, pc.box.sizes))
             canon[pc.canonical][box] = local_view(local[p.rank][p.name], pc.view)
     out.mkdir()
-    shutil.copy(Path(like) / "config.json", out / "config.json")
+    for f in Path(like).glob("*.json"):  # the config (a VLM's tokenizer and processor too)
+        if not f.name.endswith(".index.json"):
+            shutil.copy(f, out / f.name)
     save_file({n: t.contiguous() for n, t in checkpoint_form(canon, spec).items()}, str(out / "model.safetensors"))
     return out
 

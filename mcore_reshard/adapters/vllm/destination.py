@@ -16,7 +16,7 @@ from ...errors import EngineDead
 from ...layout import ModelSpec
 from ...transport.destination import Described, DestinationInfo
 from ...wire.protocol import EngineInitInfo, EngineUpdateInfo, WorkerStatus, first_error_line
-from .engine import STATUS_DEADLINE_S, describe, engine_call, engine_info, worker_status
+from .engine import STATUS_DEADLINE_S, describe, engine_call, engine_info, reset_encoder_cache, worker_status
 from .rules import vllm_layout
 
 __all__ = ["VllmEngine", "engine_is_dead"]
@@ -109,14 +109,20 @@ class VllmEngine:
             return None
         return _checked(lambda: worker_status(self.engine))
 
-    def refresh(self, version: str, recompute: bool = False) -> str:
+    def refresh(self, version: str, recompute: bool = False, encoders: bool = False) -> str:
         """vLLM resets its prefix cache only when no request holds blocks (``recompute``
         preempts the running ones, which recompute their KV): a note says when it could not.
-        Then the weights are labelled."""
+        ``encoders`` (the vision tower or projector changed): the running requests are
+        preempted and the encoder cache dropped -- the scheduler's and the workers' at once
+        (``reset_encoder_cache``; a worker's alone would leave the scheduler pointing at
+        outputs that are gone) -- so no request, new or resumed, reuses an image encoded
+        under the old weights. Then the weights are labelled."""
         note = ""
-        if _checked(lambda: self.engine.reset_prefix_cache(reset_running_requests=recompute)) is False:
+        if _checked(lambda: self.engine.reset_prefix_cache(reset_running_requests=recompute or encoders)) is False:
             note = ("prefix cache not reset (requests running across the swap hold KV blocks computed with the "
                     "old weights; refit.recompute_kv_cache_after_weight_updates=false keeps them)")
+        if encoders:
+            _checked(lambda: reset_encoder_cache(self.engine))
         _checked(lambda: self.engine.update_weight_version(version))
         return note
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence, TypeVar
 
 from ...errors import EngineUnresponsive, RefitIncomplete
+from ...infra.vlm import is_vlm_checkpoint
 from ...layout.descriptor import LocalParam
 from ...transport.destination import mark_stuck, stuck
 from ...transport.views import ReceivedWeights
@@ -154,6 +155,8 @@ def _engine_args(model_dir: str, tp: int, dtype: str, enable_ep: bool, direct: b
         enable_expert_parallel=enable_ep, worker_extension_cls=EXTENSION,
     )
     args.update(_cpu_mla_args(model_dir))
+    if is_vlm_checkpoint(model_dir):  # vLLM's multimodal processor needs the tokenizer; one image per prompt
+        args.update(skip_tokenizer_init=False, limit_mm_per_prompt={"image": 1})
     args.update(kw)
     return args
 
@@ -340,8 +343,18 @@ def raw_bandwidth(llm: Any, pairs: Sequence[tuple[int, int]], nbytes: int, timeo
 
 
 def after_refit(llm: Any) -> None:
-    """Drop KV blocks computed with the old weights (prefix cache)."""
+    """Drop KV blocks computed with the old weights (prefix cache) and a multimodal encoder's
+    cached outputs (every request finished: the tests' helper after a load)."""
     engine_call(llm, "reset_prefix_cache", llm.reset_prefix_cache, HELPER_DEADLINE_S)
+    reset_encoder_cache(llm)
+
+
+def reset_encoder_cache(llm: Any) -> None:
+    """Drop every cached multimodal encoder output: the scheduler's record and the workers'
+    tensors together (``EngineCore.reset_encoder_cache``). A worker's alone would leave the
+    scheduler counting on outputs that are gone ("Encoder cache miss", a dead engine)."""
+    fn = llm.reset_encoder_cache if isinstance(llm, AsyncEngine) else llm.llm_engine.reset_encoder_cache
+    engine_call(llm, "reset_encoder_cache", fn, HELPER_DEADLINE_S)
 
 
 def check_serving(llm: Any, timeout_s: float = STATUS_DEADLINE_S) -> None:
@@ -366,16 +379,20 @@ def greedy(llm: Any, prompts_token_ids: Sequence[Sequence[int]], max_tokens: int
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def prompt_logprobs(llm: Any, token_ids: Sequence[int]) -> list[float]:
-    """Log-probability of each given token after its prefix (len(token_ids) - 1 values)."""
+def prompt_logprobs(llm: Any, token_ids: Sequence[int], image: Any = None) -> list[float]:
+    """Log-probability of each given token after its prefix (len(token_ids) - 1 values);
+    ``image``: the prompt's image (a vision-language model's, PIL), whose placeholder tokens
+    ``token_ids`` holds already expanded (one per patch, as vLLM's processor leaves them)."""
     from vllm import SamplingParams
 
     check_serving(llm)
     sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-    out = engine_call(llm, "generate", lambda: llm.generate([{"prompt_token_ids": list(token_ids)}], sp,
-                                                            use_tqdm=False), HELPER_DEADLINE_S)[0]
+    prompt: dict[str, Any] = {"prompt_token_ids": list(token_ids)}
+    if image is not None:
+        prompt["multi_modal_data"] = {"image": image}
+    out = engine_call(llm, "generate", lambda: llm.generate([prompt], sp, use_tqdm=False), HELPER_DEADLINE_S)[0]
     vals = []
-    for tok, lp in zip(token_ids[1:], out.prompt_logprobs[1:]):
+    for tok, lp in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):  # as the engine ran it (images expanded)
         vals.append(float(lp[tok].logprob))
     return vals
 

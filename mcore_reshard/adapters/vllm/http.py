@@ -133,6 +133,10 @@ class ServerClient:
         if isinstance(out, dict) and out.get("success") is False:
             raise RefitFailed(f"{self.url} POST /reset_prefix_cache: the server refused (blocks still held)")
 
+    def reset_encoder_cache(self) -> None:
+        """Drop every cached multimodal encoder output (the scheduler's and the workers')."""
+        self.call("POST", "/reset_encoder_cache", self.timeouts.call_s)
+
     def weight_version(self) -> str:
         return str(self.call("GET", "/weight_info", self.timeouts.call_s)["weight_version"])
 
@@ -179,10 +183,17 @@ class VllmServer:
     def status(self) -> list[WorkerStatus] | None:
         return None
 
-    def refresh(self, version: str, recompute: bool = False) -> str:
+    def refresh(self, version: str, recompute: bool = False, encoders: bool = False) -> str:
         """Drop the KV cached under the old weights (``recompute``: preempting running requests;
         without, vLLM may refuse while requests hold blocks: a note -- clients should then send
-        the version as their ``cache_salt``). The label was set by ``/finish_weight_update``."""
+        the version as their ``cache_salt``). ``encoders``: the vision tower or projector
+        changed: running requests are preempted and the encoder cache dropped
+        (``/reset_encoder_cache``, scheduler and workers). The label was set by
+        ``/finish_weight_update``."""
+        if encoders:
+            self.client.reset_prefix_cache(True)
+            self.client.reset_encoder_cache()
+            return ""
         try:
             self.client.reset_prefix_cache(recompute)
         except RefitFailed as exc:

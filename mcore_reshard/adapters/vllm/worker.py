@@ -257,9 +257,11 @@ class ReshardWorkerExtension:
                 "shares_head": bool(heads) and all(h is target.lm_head for h in heads)}
 
     def _mr_after_update(self) -> None:
-        """Invalidate caches derived from the old weights (prefix cache keys stay valid
-        only for the same weights)."""
+        """Invalidate the runner's caches derived from the old weights. Not its encoder cache:
+        the scheduler keeps the record of which encoder outputs exist, and dropping the
+        worker's tensors alone makes the next request of a cached image fail ("Encoder cache
+        miss"); the engine drops both at once (``engine.reset_encoder_cache``)."""
         mr = self.model_runner  # type: ignore[attr-defined]
-        for fn in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+        for fn in ("reset_lora_state", "reset_mm_cache"):
             if hasattr(mr, fn):
                 getattr(mr, fn)()

@@ -478,8 +478,8 @@ class ActorDestination:
     def status(self) -> Any:
         return self._step("status")
 
-    def refresh(self, version: str, recompute: bool = False) -> str:
-        return self._step("refresh", version, recompute)
+    def refresh(self, version: str, recompute: bool = False, encoders: bool = False) -> str:
+        return self._step("refresh", version, recompute, encoders)
 
     def resume(self) -> None:
         self._step("resume")

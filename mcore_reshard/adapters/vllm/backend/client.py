@@ -70,12 +70,16 @@ class WeightSyncClient:
     def status(self) -> list[WorkerStatus] | None:
         return None
 
-    def refresh(self, version: str, recompute: bool = False) -> str:
+    def refresh(self, version: str, recompute: bool = False, encoders: bool = False) -> str:
         """The label was set by ``finish_weight_update``. The client has no call that drops the
-        KV cached under the old weights: the note says so (requests should carry the version as
-        their ``cache_salt``)."""
-        return ("prefix cache not reset: vLLM's weight-sync client has no call for it (send the weight version "
+        KV cached under the old weights (nor a multimodal encoder's outputs): the note says so
+        (requests should carry the version as their ``cache_salt``, and their images' uuids)."""
+        note = ("prefix cache not reset: vLLM's weight-sync client has no call for it (send the weight version "
                 "as each request's cache_salt)")
+        if encoders:
+            note += ("; encoder cache not reset either (the vision tower or projector changed: send the weight "
+                     "version in each image's multi_modal_uuids)")
+        return note
 
     def resume(self) -> None:
         """Nothing was paused."""

@@ -60,7 +60,7 @@ from ....infra.ports import free_port
 from ....layout import LayoutError, LocalParam, Piece, SideLayout
 from ....layout.lora import PeftConfig, is_adapter_tensor
 from ....layout.mtp import draft_tensors, with_draft
-from ....plan.refit_plans import RefitPlans, plan_refit
+from ....plan.refit_plans import RefitPlans, moves_encoder, plan_refit
 from ....plan.wire import slice_to_wire
 from ....transport.destination import EngineCallers
 from ....transport.sequence import EngineRefit, EngineRun
@@ -210,7 +210,7 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
         except LayoutError as exc:
             raise ConfigError(f"{BACKEND} trainer engine: {first_error_line(exc)}") from None
         request = RefitRequest(plans.plan.digest(), VerifyMode(init_info.verify), init_info.timeout_s,
-                               init_info.atomic, delta=init_info.delta)
+                               init_info.atomic, delta=init_info.delta, encoders=moves_encoder(plans.plan, spec))
         engine = cls(client=client, source=source, is_sender=init_info.is_sender, plans=plans, request=request,
                      host=init_info.host, port=init_info.port, peft=peft)
         if draft:  # the engine learns where its draft is (vLLM's draft session, nothing sent): every rank hears
@@ -265,7 +265,8 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
         engines = starting = None
         if self.is_sender:
             refit = refit_id(request.plan_digest, self.endpoint.group.control.nonce, request.epoch)
-            run = EngineRun(EngineUpdateInfo(request), request.label(refit), refit, grace_s=CLIENT_GRACE_S)
+            run = EngineRun(EngineUpdateInfo(request), request.label(refit), refit, grace_s=CLIENT_GRACE_S,
+                            encoders=request.encoders)
             engines = EngineRefit(EngineCallers([self.destination]), run, abort=lambda why: self._stop(request, why))
             # on a thread: an abort waits for this rank's own refit to begin (the main thread's)
             starting = _Call(lambda: self._start(engines, request))
