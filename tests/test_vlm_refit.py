@@ -97,3 +97,51 @@ def test_llava_refit_trains_and_equals_vllms_own_load(ckpts, tp, direct, engine_
             tower = {n for n in theirs if n.startswith(TOWER)}
             assert tower and all(theirs[n] is not None for n in tower)
             assert {n: ours[n] for n in tower} == {n: theirs[n] for n in tower}
+
+
+@pytest.mark.parametrize("projector", [False, True], ids=["tower-frozen", "tower-and-projector-frozen"])
+def test_a_frozen_tower_is_sent_once_and_checked(ckpts, projector, engine_cache, tmp_path):
+    """``freeze_vision_model`` (and ``freeze_vision_projection``): the first refit moves the
+    tower, every later one plans without it; the engines' encoder cache is dropped only when
+    a refit changes what the encoder computes with (the projector). An engine whose tower was
+    reloaded behind the driver's back is refused in one line before anything moves."""
+    from mcore_reshard.errors import RefitFailed
+
+    a, b = ckpts
+    spec = load_model_spec(b, dtype="float32")
+    frozen = spec.frozen_tensors(vision_model=True, vision_projection=projector)
+    image = _image()
+    llm = engine_cache.get(a, tp=1, fresh=True)  # A's weights: the first refit must bring B's tower
+    prompt_logprobs(llm, TOKENS, image=image)  # A's encoder output cached
+    train = {"lr": 0.01, "freeze_vision_model": True, "freeze_vision_projection": projector}
+    with local_cluster(spec, b, MegatronParallel(tp=2), VllmParallel(tp=1), CFG, train=train, engines=[llm]) as c:
+        plans = c.driver.plans
+        assert frozen and plans.frozen_plan is not None and c.driver.plan is plans.plan
+        first = c.refit_once()
+        assert first.verified and first.at_minimum and first.bytes_moved == plans.plan.bytes_min
+        assert c.logprob_error(TOKENS, image) < FP32_BOUND
+        c.step(TOKENS, image=image)
+        assert c.driver.plan is plans.frozen_plan  # from now on: no tower
+        assert not any(t.canonical in frozen for t in plans.frozen_plan.transfers)
+        assert c.driver.request().encoders is not projector  # a trainable projector: the encoder's output changes
+        second = c.refit_once()
+        assert second.verified and second.at_minimum and second.bytes_moved == plans.frozen_plan.bytes_min
+        assert second.bytes_moved < first.bytes_moved
+        trained = prompt_logprobs(llm, TOKENS, image=image)
+        assert c.logprob_error(TOKENS, image) < FP32_BOUND
+        saved = trained_checkpoint(c, spec, b, tmp_path / "trained")
+
+        # The engine reloaded behind the driver's back (A's tower): refused before anything moves.
+        statuses = llm.collective_rpc("mr_load_canonical", args=(str(a),))
+        assert all(s["state"] == "serving" for s in statuses), statuses
+        after_refit(llm)
+        before = prompt_logprobs(llm, TOKENS, image=image)
+        with pytest.raises(RefitFailed, match=r"frozen vision tower: engine 0 may not hold the tower the trainers hold"):
+            c.refit_once()
+        assert prompt_logprobs(llm, TOKENS, image=image) == before
+        c.driver.resend_frozen()
+        third = c.refit_once()
+        assert third.verified and third.bytes_moved == plans.plan.bytes_min
+        assert prompt_logprobs(llm, TOKENS, image=image) == trained
+    fresh = engine_cache.get(saved, tp=1, fresh=True)
+    assert prompt_logprobs(fresh, TOKENS, image=image) == trained

@@ -71,32 +71,35 @@ class LocalCluster:
         self.setup = replace(self.setup, port=free_port())
         self.pool = LocalTrainerGroup(self.setup)
         self.driver = RefitDriver(self.pool, self.engines, self.refit, self.spec, placement=self.placement,
-                                  transport=self.transports[self.refit.transport], peft=self.setup.peft)
+                                  transport=self.transports[self.refit.transport], peft=self.setup.peft,
+                                  frozen=frozen_of(self.spec, self.setup.train))
         self.driver.__enter__()
 
     def refit_once(self, transport: str | None = None) -> RefitMetrics:
         """One refit with the configured (or given) transport; ``verify=full`` adds the
         element-wise comparison where the transport verified (checksums) what it moved."""
-        request = self.driver.request()
+        request, sides = self.driver.request(), self.driver.plan_sides()
         m = self.driver.refit(request, transport=self.transports[transport or self.refit.transport])
-        return self._full_check(request, m)
+        return self._full_check(request, m, sides)
 
     def refit_while(self, during: Callable[[], T], faults: Any = None) -> tuple[RefitMetrics, T]:
         """An overlapped refit with ``during()`` run on this thread while the weights move
         (the engines serve the old weights meanwhile): ``(metrics, during's result)``.
         ``verify=full`` adds the element-wise comparison, as :meth:`refit_once`."""
-        request = self.driver.request()
+        request, sides = self.driver.request(), self.driver.plan_sides()
         pending = self.driver.begin_refit(request, faults=faults)
         try:
             result = during()
         finally:
             m = pending.finish()
-        return self._full_check(request, m), result
+        return self._full_check(request, m, sides), result
 
-    def _full_check(self, request: Any, m: RefitMetrics) -> RefitMetrics:
-        """``verify=full``: the element-wise comparison, where the refit verified (checksums)."""
+    def _full_check(self, request: Any, m: RefitMetrics, sides: tuple) -> RefitMetrics:
+        """``verify=full``: the element-wise comparison of what the refit's plan covers (``sides``:
+        a LoRA policy's later refits the adapter, a frozen tower's all but the tower), where the
+        refit verified (checksums)."""
         if request.verify is VerifyMode.FULL and m.verified:
-            note = full_verification(self.driver.src, self.driver.dst, self.pool.local_tensors().wait(), self.engines)
+            note = full_verification(*sides, self.pool.local_tensors().wait(), self.engines)
             m = replace(m, notes=m.notes + (note,))
         return m
 
@@ -140,6 +143,13 @@ class LocalCluster:
         if errors:
             raise RefitFailed("raw bandwidth probe: " + "; ".join(errors))
         return min(float(g) for g in got if g is not None)
+
+
+def frozen_of(spec: ModelSpec, train: dict | None) -> frozenset[str]:
+    """The tensors a policy's training settings freeze (``freeze_vision_model`` /
+    ``freeze_vision_projection``): its refits move them once."""
+    train = train or {}
+    return spec.frozen_tensors(bool(train.get("freeze_vision_model")), bool(train.get("freeze_vision_projection")))
 
 
 def job_transports() -> dict[str, Transport]:
@@ -216,7 +226,7 @@ def local_cluster(spec: ModelSpec, checkpoint: Path, training: Any, vllm: Any, r
             placement = colocated_placement(training.world_size, sum(map(engine_world, c.engines)))
         c.placement = placement
         c.driver = RefitDriver(c.pool, c.engines, refit, spec, placement=placement,
-                               transport=c.transports[refit.transport], peft=peft)
+                               transport=c.transports[refit.transport], peft=peft, frozen=frozen_of(spec, train))
         c.driver.__enter__()
         try:
             yield c

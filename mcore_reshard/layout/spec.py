@@ -138,6 +138,19 @@ class ModelSpec:
         text model."""
         return frozenset(_tower_tensors(self)) if self.family.tower is not None else frozenset()
 
+    def frozen_tensors(self, vision_model: bool = False, vision_projection: bool = False) -> frozenset[str]:
+        """The tensors a policy that freezes its vision tower (``vision_model``) or its projector
+        (``vision_projection``) never changes (``LLaVAModel.freeze``'s parts): a refit moves them
+        once. One line for a text model asked to freeze either."""
+        if not (vision_model or vision_projection):
+            return frozenset()
+        tower = self.family.tower
+        if tower is None:
+            raise LayoutError(f"freeze_vision_model / freeze_vision_projection: {self.family.title} has no vision tower")
+        projector = {r.hf for r in tower.post}
+        return frozenset(n for n in _tower_tensors(self) if (n in projector and vision_projection)
+                         or (n not in projector and vision_model))
+
     def total_bytes(self) -> int:
         return sum(math.prod(t.shape) * DTYPE_BYTES[t.dtype] for t in self.tensors().values())
 

@@ -12,7 +12,10 @@ alike whichever entry point runs it:
 - **MTP**: the draft's canonical tensors join a side's table where that side holds any of
   them (megatron's MTP block, an engine that drafts), so target and draft are one plan, one vote;
 - **FP8**: a destination that holds tensors in block FP8 is quantized at the senders by the
-  planner itself (``layout.quant.fp8_sides``, the planner's first pass): nothing to add here.
+  planner itself (``layout.quant.fp8_sides``, the planner's first pass): nothing to add here;
+- **frozen weights** (``frozen``: a vision-language policy's frozen tower, ``ModelSpec.frozen_tensors``):
+  a second plan without them (``frozen_plan``), every refit after the first commit -- the first
+  moves them once, as a LoRA policy's first refit moves its base weights.
 
 Metadata only (layout and plan): the callers compute what needs their libraries (the
 engines' slot layout, the draft's pieces) and pass it in.
@@ -43,25 +46,38 @@ class RefitPlans:
     dst: SideLayout
     plan: TransferPlan
     adapter_plan: TransferPlan | None = None
+    #: A policy with frozen weights: the plan of every refit after the first, without them.
+    frozen_plan: TransferPlan | None = None
+    frozen: frozenset[str] = frozenset()
+
+    @property
+    def later(self) -> TransferPlan | None:
+        """The plan of every refit after the first commit, where it moves less (None: ``plan``)."""
+        return self.adapter_plan if self.adapter_plan is not None else self.frozen_plan
 
     def after_commit(self, plan: TransferPlan) -> TransferPlan:
         """The plan of the refit after ``plan`` committed on every rank: a LoRA policy's base
-        weights are in the engines after its first full refit, so the adapter only from then on."""
-        if self.adapter_plan is not None and plan.digest() == self.plan.digest() != self.adapter_plan.digest():
-            return self.adapter_plan
+        weights (a frozen tower) are in the engines after its first full refit, so the adapter
+        only (all but the tower) from then on."""
+        later = self.later
+        if later is not None and plan.digest() == self.plan.digest() != later.digest():
+            return later
         return plan
 
     def sides(self, plan: TransferPlan) -> tuple[SideLayout, SideLayout]:
-        """The two sides ``plan`` was planned from (the adapter plan's: the adapter only)."""
+        """The two sides ``plan`` was planned from (the adapter plan's: the adapter only; the
+        frozen plan's: all but the frozen tensors)."""
         if self.adapter_plan is not None and plan is self.adapter_plan:
             return adapters_only(self.src), adapters_only(self.dst)
+        if self.frozen_plan is not None and plan is self.frozen_plan:
+            return without_tensors(self.src, self.frozen), without_tensors(self.dst, self.frozen)
         return self.src, self.dst
 
 
 def plan_refit(src: SideLayout, dst: SideLayout, spec: ModelSpec, engine_spec: ModelSpec, *,
                peft: PeftConfig | None = None, slots: SideLayout | None = None, extend_dst: bool = True,
                bucket_bytes: int, allow_cast: bool = False, not_direct: tuple[tuple[str, str], ...] = (),
-               placement: Any = None, links: Links | None = None) -> RefitPlans:
+               placement: Any = None, links: Links | None = None, frozen: frozenset[str] = frozenset()) -> RefitPlans:
     """``src`` (the training ranks' pieces) and ``dst`` (the engines' pieces, in the engines'
     dtype ``engine_spec``) extended for the policy's features (the module docstring), and
     their plans. ``slots``: the engines' refit adapter slots (a LoRA policy; ranks offset per
@@ -88,11 +104,28 @@ def plan_refit(src: SideLayout, dst: SideLayout, spec: ModelSpec, engine_spec: M
                                   allow_cast=allow_cast, not_direct=not_direct)
     else:
         plan = get_plan(src, dst, bucket_bytes=bucket_bytes, allow_cast=allow_cast, not_direct=not_direct)
-    adapter_plan = None
+    adapter_plan = frozen_plan = None
     if peft is not None:
         adapter_plan = get_plan(adapters_only(src), adapters_only(dst), bucket_bytes=bucket_bytes,
                                 allow_cast=allow_cast)
-    return RefitPlans(src, dst, plan, adapter_plan)
+    frozen = frozenset(frozen) & frozenset(dst.tensors)
+    if frozen and peft is None:
+        frozen_plan = get_plan(without_tensors(src, frozen), without_tensors(dst, frozen), bucket_bytes=bucket_bytes,
+                               allow_cast=allow_cast, not_direct=not_direct)
+    return RefitPlans(src, dst, plan, adapter_plan, frozen_plan, frozen)
+
+
+def without_tensors(side: SideLayout, names: frozenset[str]) -> SideLayout:
+    """``side`` without the canonical tensors ``names``: their pieces, the local tensors left
+    with none, their table entries (a frozen tower's later refits plan the rest)."""
+    params = []
+    for p in side.params:
+        pieces = tuple(q for q in p.pieces if q.canonical not in names)
+        if pieces or not p.pieces:
+            params.append(p if len(pieces) == len(p.pieces) else replace(p, pieces=pieces))
+    return replace(side, name=f"{side.name} (frozen left out)", params=tuple(params),
+                   tensors={n: t for n, t in side.tensors.items() if n not in names},
+                   quantize=tuple(q for q in side.quantize if q[0] not in names))
 
 
 def moves_encoder(plan: TransferPlan, spec: ModelSpec) -> bool:

@@ -83,8 +83,13 @@ class RefitDriver:
     def __init__(self, trainers: TrainerGroup, engines: Sequence[Any], refit: RefitConfig, spec: ModelSpec, *,
                  src: SideLayout | None = None, dst: SideLayout | None = None, host: str = "127.0.0.1",
                  port: Callable[[], int] | None = None, placement: Any = None, links: Any = None,
-                 transport: Transport | None = None, peft: PeftConfig | None = None) -> None:
+                 transport: Transport | None = None, peft: PeftConfig | None = None,
+                 frozen: frozenset[str] = frozenset()) -> None:
         self.trainers, self.engines, self.refit_config, self.spec = trainers, list(engines), refit, spec
+        #: Tensors the policy never trains (a frozen vision tower, ``ModelSpec.frozen_tensors``):
+        #: the first refit moves them, every later one plans without them (``plans.frozen_plan``).
+        self.frozen = frozenset(frozen)
+        self._holds = ""  # the refit every worker holds since this driver's last commit
         #: A LoRA policy: the first refit moves the base weights and the adapter (``plan``), every
         #: later one the adapter only (``adapter_plan``), into each engine's refit adapter slot.
         self.peft = peft if peft is not None and peft.enabled else None
@@ -166,7 +171,7 @@ class RefitDriver:
             self.src, dst, self.spec, engine_spec, peft=self.peft, extend_dst=not given,
             slots=adapter_slots_of(self.engine_infos, engine_spec, self.peft) if self.peft and not given else None,
             bucket_bytes=cfg.bucket_bytes, allow_cast=cfg.allow_cast, not_direct=not_direct,
-            placement=self.placement, links=self.links)
+            placement=self.placement, links=self.links, frozen=self.frozen)
         self.src, self.dst = self.plans.src, self.plans.dst
         self.plan, self.adapter_plan = self.plans.plan, self.plans.adapter_plan
         return self.plan
@@ -176,10 +181,45 @@ class RefitDriver:
         return self.plans.sides(self.plan)
 
     def committed(self, request: RefitRequest) -> None:
-        """A refit committed on every rank: a LoRA policy's base weights are in the engines
-        after its first, so every later refit moves the adapter only."""
+        """A refit committed on every rank: a LoRA policy's base weights (a frozen tower) are in
+        the engines after its first, so every later refit moves the adapter only (all but the
+        tower). Every worker now holds this refit: a refit that leaves frozen weights out first
+        checks that they still do (:meth:`check_frozen`)."""
         if request.plan_digest == self.plan.digest():
             self.plan = self.plans.after_commit(self.plan)
+            self._holds = self.refit_id(request)
+
+    def check_frozen(self) -> None:
+        """Before a refit that leaves the frozen tensors out (a frozen vision tower): every
+        worker of every engine must still hold the weights of the last refit this driver
+        committed -- the one that wrote (or kept) the tower the trainers hold. An engine
+        reloaded, restarted or refit by someone else since may hold another tower: refused in
+        one line before anything moves (the engines keep their weights); :meth:`resend_frozen`
+        makes the next refit a full one. An engine whose workers cannot be asked is named in
+        the refit's notes (not checked)."""
+        if self.plans is None or self.plans.frozen_plan is None or self.plan is not self.plans.frozen_plan:
+            return
+        for e, (dest, info) in enumerate(zip(self.destinations, self.engine_infos)):
+            if not info.reports:
+                self.notes.append(f"engine {e}: frozen tensors not checked (its workers cannot be asked): it is "
+                                  f"trusted to hold the tower refit {self._holds} wrote")
+                continue
+            got: list[WorkerStatus] = []
+            errors = self.calls.on(lambda d, _: got.extend(d.status() or []), only=e, what="status (frozen tower)",
+                                   deadline_s=30.0)
+            held = {st.refit for st in got}
+            if errors or held != {self._holds}:
+                why = "; ".join(errors) if errors else (f"its workers hold refit {sorted(held)}"
+                                                        + (" (as loaded)" if held == {""} else ""))
+                raise RefitFailed(
+                    f"frozen vision tower: engine {e} may not hold the tower the trainers hold ({why}, not refit "
+                    f"{self._holds}, which wrote it); nothing moved, the engines keep their weights -- "
+                    f"driver.resend_frozen() makes the next refit send the frozen tensors again")
+
+    def resend_frozen(self) -> None:
+        """The next refit moves every tensor again, the frozen ones too (then leaves them out)."""
+        if self.plans is not None:
+            self.plan = self.plans.plan
 
     def connect(self) -> None:
         """Build the refit group and give every rank its slice (again after a failed refit, or
@@ -281,6 +321,7 @@ class RefitDriver:
         ``faults``: fault injection (tests and soak runs only): a fault on one training rank or
         one vLLM worker (``faults.Faults``)."""
         self.refuse_dead()
+        self.check_frozen()
         transport = transport or self.transport
         if not any(t is transport for t in self._ran):
             self._ran.append(transport)
@@ -297,6 +338,7 @@ class RefitDriver:
         waits for the decision, then pauses each engine only to swap. ``request`` (default:
         :meth:`request`) is sent with ``overlap=True``."""
         self.refuse_dead()
+        self.check_frozen()
         if not isinstance(self.transport, ReshardTransport):
             raise ConfigError(f"refit.overlap needs the reshard transport, not {self.transport.name}")
         cap = self.refit_config.max_shadow_bytes

@@ -276,7 +276,10 @@ class ReshardWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUpd
 
     def forget_baselines(self) -> None:
         """The weights change outside a refit (e.g. the HF baseline's reload): no delta may
-        start from what this worker held before, so the next refit is full."""
+        start from what this worker held before, so the next refit is full; and the worker
+        no longer holds any refit's weights (its standing is "as loaded": a driver that
+        leaves frozen weights out of its refits sees that they may have changed)."""
+        self.standing.version = self.standing.refit = ""
         if self.endpoint is not None:
             self.endpoint.delta.reset()
         if self._applier is not None:
