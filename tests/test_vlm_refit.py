@@ -145,3 +145,26 @@ def test_a_frozen_tower_is_sent_once_and_checked(ckpts, projector, engine_cache,
         assert prompt_logprobs(llm, TOKENS, image=image) == trained
     fresh = engine_cache.get(saved, tp=1, fresh=True)
     assert prompt_logprobs(fresh, TOKENS, image=image) == trained
+
+
+def test_an_image_encoded_before_a_refit_is_encoded_again_after(ckpts, engine_cache, monkeypatch):
+    """The encoder cache is keyed by weight version: the same image sent before and after a
+    refit that changed the tower gets the new tower's logprobs, equal to a fresh engine's on the
+    new weights. With the drop patched out, the engine would serve the old tower's encoding of
+    it (shown: what the drop prevents)."""
+    import mcore_reshard.adapters.vllm.destination as destination
+
+    a, b = ckpts
+    spec = load_model_spec(a, dtype="float32")
+    image = _image()
+    want = prompt_logprobs(engine_cache.get(a, tp=1, fresh=True), TOKENS, image=image)  # vLLM's own load of A
+    llm = engine_cache.get(b, tp=1, fresh=True)
+    assert prompt_logprobs(llm, TOKENS, image=image) != want  # B's encoding of the image, cached
+    with local_cluster(spec, a, MegatronParallel(tp=2), VllmParallel(tp=1), CFG, engines=[llm]) as c:
+        with monkeypatch.context() as m:
+            m.setattr(destination, "reset_encoder_cache", lambda engine: None)
+            assert c.driver.request().encoders
+            c.refit_once()
+            assert prompt_logprobs(llm, TOKENS, image=image) != want  # A's text model, B's encoding: stale
+        c.refit_once()  # the same weights again, the encoder cache dropped this time
+        assert prompt_logprobs(llm, TOKENS, image=image) == want
