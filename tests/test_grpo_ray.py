@@ -31,6 +31,7 @@ ASYNC_RECIPE = ROOT / "recipes" / "grpo-tiny-moe-cpu-async.yaml"
 LORA_RECIPE = ROOT / "recipes" / "grpo-tiny-lora-cpu.yaml"
 FSDP_RECIPE = ROOT / "recipes" / "grpo-tiny-fsdp-cpu.yaml"
 DTENSOR_RECIPE = ROOT / "recipes" / "grpo-tiny-dtensor-cpu.yaml"
+LLAVA_RECIPE = ROOT / "recipes" / "grpo-tiny-llava-cpu.yaml"
 
 
 def _run_processes() -> set[int]:
@@ -354,6 +355,25 @@ def test_dtensor_run_refits_every_step_verified():
     _two_verified_steps(BACKGROUND.result("grpo-dtensor", _dtensor_run))
 
 
+_llava_run = _two_steps(LLAVA_RECIPE)
+
+
+def test_multimodal_run_with_a_frozen_tower_refits_every_step_verified():
+    """GRPO with images (``recipes/grpo-tiny-llava-cpu.yaml``: megatron-core's LLaVA on two TP
+    ranks, the tower frozen; ``env.colour_squares``: every prompt carries an image): the
+    rollouts' logprobs -- image placeholders expanded, the images encoded by the engine's tower
+    and the trainers' -- match at fp32's bound, and every step's refit moves the projector and
+    the language model only (the tower went once, at start-up), verified, ``verify=full`` on
+    the last."""
+    from mcore_reshard.jobs.grpo.dry_run import dry_run
+    from mcore_reshard.jobs.grpo.recipe import load_grpo_recipe
+
+    report = dry_run(load_grpo_recipe(LLAVA_RECIPE))
+    assert report.frozen_refit_bytes is not None and report.frozen_refit_bytes < report.plan.bytes_min
+    for s in _two_verified_steps(BACKGROUND.result("grpo-llava", _llava_run)):
+        assert s["refit_bytes_full"] == s["refit_bytes_min"] == report.frozen_refit_bytes  # no tower byte
+
+
 #: Runs ``conftest.py`` starts when the session starts (one at a time, on a background thread)
 #: for these tests: self-contained CLI runs, asserted on where the file order puts the tests.
 BACKGROUND_JOBS = {
@@ -365,6 +385,7 @@ BACKGROUND_JOBS = {
     "test_lora_run_refits_the_adapter_only_every_refit_verified": ("grpo-lora", _lora_run),
     "test_megatron_fsdp_run_refits_every_step_verified": ("grpo-fsdp", _fsdp_run),
     "test_dtensor_run_refits_every_step_verified": ("grpo-dtensor", _dtensor_run),
+    "test_multimodal_run_with_a_frozen_tower_refits_every_step_verified": ("grpo-llava", _llava_run),
 }
 
 

@@ -93,7 +93,7 @@ def make_tiny_checkpoint(path: str | Path, overrides: dict[str, Any] | None = No
     model = model_cls(config).to(getattr(torch, dtype))
     with torch.no_grad():
         for name, p in model.named_parameters():
-            _randomize_(name, p, weight_std)
+            _randomize_(name, p, weight_std, fam.tiny_biases)
         for name, b in model.named_buffers():
             if name.endswith(_ROUTER_BIAS):
                 _randomize_(name, b, weight_std)
@@ -112,12 +112,14 @@ def make_tiny_checkpoint(path: str | Path, overrides: dict[str, Any] | None = No
 _ROUTER_BIAS = "e_score_correction_bias"
 
 
-def _randomize_(name: str, x: "torch.Tensor", weight_std: float) -> "torch.Tensor":  # noqa: F821
+def _randomize_(name: str, x: "torch.Tensor", weight_std: float, biases: str = "one") -> "torch.Tensor":  # noqa: F821
     """``x`` drawn in place as the tiny checkpoints draw every tensor: DeepSeek's router bias
-    N(0, 0.1), other vectors (norms, biases) 1 + N(0, 0.1), matrices N(0, ``weight_std``)."""
+    N(0, 0.1), other vectors (norms, biases) 1 + N(0, 0.1), matrices N(0, ``weight_std``).
+    ``biases="zero"`` (the family's ``tiny_biases``): biases N(0, 0.1) instead -- a LLaVA tower
+    whose every bias is near 1 would drown what an image says in constants."""
     import torch
 
-    if name.endswith(_ROUTER_BIAS):
+    if name.endswith(_ROUTER_BIAS) or (biases == "zero" and name.endswith(".bias")):
         x.copy_(0.1 * torch.randn_like(x))
     elif x.dim() == 1:
         x.copy_(1.0 + 0.1 * torch.randn_like(x))

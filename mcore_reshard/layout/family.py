@@ -302,6 +302,9 @@ class Family:
     #: spread its random matrices are drawn with (``infra.checkpoint.make_tiny_checkpoint``).
     tiny: Mapping[str, Any] = field(default_factory=dict, compare=False)
     tiny_std: float = 0.05
+    #: How the tiny checkpoint draws biases: "one" (1 + N(0, 0.1), as norm weights) or "zero"
+    #: (N(0, 0.1): a vision tower whose biases are all near 1 hides the image).
+    tiny_biases: str = "one"
     #: A vision-language family: the vision tower and projector (``Tower``); the language
     #: model's sizes are read from ``cfg[text_config]``, its megatron-core parameters are under
     #: ``megatron_prefix`` (LLaVAModel's ``language_model.``).

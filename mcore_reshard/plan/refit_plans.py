@@ -99,6 +99,11 @@ def plan_refit(src: SideLayout, dst: SideLayout, spec: ModelSpec, engine_spec: M
             dst = replace(dst, params=tuple(p for p in dst.params if (p.rank, p.name) not in ours))
             dst = with_adapter(dst, slots.params, adapter_tensors(engine_spec, peft), slots.scale)
         dst = with_draft_tensors(dst, engine_spec)
+    tower = spec.tower_tensors()
+    if tower and not any(q.canonical in tower for q in dst.pieces()):
+        raise ConfigError(f"{spec.family.title} policy: the engines hold no vision tower ({dst.name}: a text-only "
+                          f"engine?), so its tower and projector would never be refit; serve the checkpoint's own "
+                          f"architecture ({', '.join(spec.family.architectures)})")
     if placement is not None:
         plan = plan_for_placement(src, dst, placement, links or Links(), bucket_bytes=bucket_bytes,
                                   allow_cast=allow_cast, not_direct=not_direct)

@@ -12,7 +12,7 @@ from .reader import (REQUIRED, Field, Section, build_dataclass, check_type, cont
                      read_mapping, read_section, sections)
 from .schema import (KNOWN_KEYS, PLAN_CONFIG, RECIPE, REFIT_CONFIG, ClusterSettings, GenerationSettings,
                      AsyncGrpoSettings, GrpoSettings, LossSettings, RaySettings, RecipeLayout, RefitConfig,
-                     TaskSettings)
+                     TaskSettings, ColourTaskSettings)
 from .sources import apply_overrides, compose, load_config, load_recipe, read_recipe_file, resolve_recipe
 
 __all__ = [
@@ -27,7 +27,7 @@ __all__ = [
     "read_mapping", "read_section", "sections",
     # the schema
     "KNOWN_KEYS", "PLAN_CONFIG", "RECIPE", "REFIT_CONFIG", "ClusterSettings", "GenerationSettings", "GrpoSettings",
-    "AsyncGrpoSettings", "LossSettings", "RaySettings", "RecipeLayout", "RefitConfig", "TaskSettings",
+    "AsyncGrpoSettings", "LossSettings", "RaySettings", "RecipeLayout", "RefitConfig", "TaskSettings", "ColourTaskSettings",
     # the sources
     "apply_overrides", "compose", "load_config", "load_recipe", "read_recipe_file", "resolve_recipe",
 ]

@@ -28,6 +28,7 @@ from .reader import REQUIRED, Field, Section, keys
 __all__ = [
     "RefitConfig", "RecipeLayout", "TRANSPORTS", "VERIFY", "APPLY", "PLACEMENTS", "MIN_BUFFER_BYTES",
     "MAX_BUFFER_BYTES", "GrpoSettings", "AsyncGrpoSettings", "LossSettings", "GenerationSettings", "TaskSettings",
+    "ColourTaskSettings",
     "ClusterSettings", "RaySettings", "PlanConfigKeys", "RefitConfigKeys", "RecipeKeys", "PLAN_CONFIG", "REFIT_CONFIG", "RECIPE",
     "KNOWN_KEYS",
 ]
@@ -289,6 +290,19 @@ class GenerationSettings:
 
 
 @dataclass(frozen=True)
+class ColourTaskSettings:
+    """``env.colour_squares``: the built-in task with images (a vision-language policy): a prompt
+    is ``prompt_length`` random text ids and one image placeholder, its image one coloured
+    square (red, green or blue); the reward is the fraction of generated ids in the colour's
+    class (``id % 3``). Only a policy that reads the image learns it."""
+
+    prompt_length: int = 4
+
+    def __post_init__(self) -> None:
+        _check(self.prompt_length >= 1, f"env.colour_squares.prompt_length={self.prompt_length} must be >= 1")
+
+
+@dataclass(frozen=True)
 class TaskSettings:
     """``env.target_tokens``: the built-in verifiable task. A prompt is ``prompt_length`` random
     token ids; the reward is the fraction of generated ids below ``round(vocab * target_fraction)``
@@ -474,6 +488,10 @@ class RecipeKeys:
     generation: Section = Section("policy.generation", GenerationSettings, required=True,
                                   only=("max_new_tokens", "temperature"))
     task: Section = Section("env.target_tokens", TaskSettings, required=False)
+    colour_task: Section = Section("env.colour_squares", ColourTaskSettings, required=False)
+    #: A vision-language policy's frozen parts (Megatron-Bridge's keys): the tower, the projector.
+    freeze_vision_model: Field = Field(_M + "freeze_vision_model", bool, False)
+    freeze_vision_projection: Field = Field(_M + "freeze_vision_projection", bool, False)
     ray: Section = Section("ray", RaySettings, required=False)
     cluster: Section = Section("cluster", ClusterSettings, required=True, only=("num_nodes", "gpus_per_node"))
     lr: Field = Field(_M + "optimizer.lr", float, REQUIRED)

@@ -403,18 +403,26 @@ Completion = tuple[list[int], list[float], list[tuple[str, int, int]]]
 
 
 def sample(llm: Any, prompts: list[list[int]], n: int, max_tokens: int, temperature: float,
-           seed: int, peft: Any = None) -> list[list[Completion]]:
+           seed: int, peft: Any = None, images: Sequence[Any] | None = None,
+           never: Sequence[int] = ()) -> list[list[Completion]]:
     """``n`` sampled completions per prompt of ``llm`` (``LLM`` or ``AsyncEngine``), with vLLM's
     raw logprobs of the sampled tokens (before temperature, as the trainer computes them). A
-    LoRA policy's requests name the engine's refit adapter."""
+    LoRA policy's requests name the engine's refit adapter; ``images``: each prompt's image (a
+    vision-language policy's; its placeholder in the prompt, once); ``never``: token ids no
+    completion may hold (an image placeholder: megatron's LLaVA would read one as an image),
+    biased out of sampling (the logprobs stay raw)."""
     from vllm import SamplingParams
 
     from .lora_slots import refit_lora_request
 
     check_serving(llm)
-    sp = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, ignore_eos=True, logprobs=0, seed=seed)
+    sp = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, ignore_eos=True, logprobs=0, seed=seed,
+                        logit_bias={int(t): -100.0 for t in never} or None)
     lora = {"lora_request": refit_lora_request(peft)} if peft is not None else {}
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False, **lora)
+    reqs: list[dict[str, Any]] = [{"prompt_token_ids": p} for p in prompts]
+    for req, image in zip(reqs, images or ()):
+        req["multi_modal_data"] = {"image": image}
+    outs = llm.generate(reqs, sp, use_tqdm=False, **lora)
     return [completions(o, n) for o in outs]
 
 

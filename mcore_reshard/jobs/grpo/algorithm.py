@@ -12,7 +12,7 @@ from typing import Sequence
 
 from ...training.losses import GrpoBatch, clipped_pg_loss  # re-exported: the loss lives below the training ranks
 
-__all__ = ["TargetTokensTask", "GrpoBatch", "group_advantages", "clipped_pg_loss", "completion_logprobs",
+__all__ = ["TargetTokensTask", "ColourSquaresTask", "GrpoBatch", "group_advantages", "clipped_pg_loss", "completion_logprobs",
            "token_versions", "trajectory_age"]
 
 
@@ -42,6 +42,65 @@ class TargetTokensTask:
     @property
     def random_policy_reward(self) -> float:
         return self.target_ids / self.vocab
+
+    def score(self, step: int, prompt: int, completion: Sequence[int]) -> float:
+        """The reward of ``completion`` of prompt ``prompt`` of step ``step`` (the loop's form)."""
+        return self.reward(completion)
+
+
+#: The colours of :class:`ColourSquaresTask`, in class order (``infra.vlm.COLOURS`` draws them).
+SQUARE_COLOURS = ("red", "green", "blue")
+
+
+@dataclass(frozen=True)
+class ColourSquaresTask:
+    """A verifiable task with images that a tiny random vision-language model can learn on CPU:
+    each prompt is the same ``prompt_length`` random text ids (drawn once per run) with one
+    image placeholder after the first; its image is a light ``image_size`` square with one coloured square on it (red,
+    green or blue, anywhere, covering from three quarters of its side to all of it). The reward is the
+    fraction of generated ids ``t`` with ``t % 3`` the colour's class: a policy that ignores
+    the image scores about 1/3, one that reads the colour off it scores 1. The text says
+    nothing of the colour. Seeded per step: a run is reproducible."""
+
+    vocab: int
+    prompt_length: int
+    image_token: int
+    image_size: int
+    seed: int = 0
+
+    def _rng(self, step: int) -> random.Random:
+        return random.Random(self.seed * 1_000_003 + step)
+
+    def _draw(self, step: int, n: int) -> list[tuple[list[int], int, tuple[int, int, int]]]:
+        rng, size, out = self._rng(step), self.image_size, []
+        fixed = random.Random(self.seed)  # one text for every prompt: only the image tells them apart
+        text = [fixed.randrange(self.vocab) for _ in range(self.prompt_length)]
+        text = [t if t != self.image_token else (t + 1) % self.vocab for t in text]
+        for _ in range(n):
+            colour = rng.randrange(len(SQUARE_COLOURS))
+            side = rng.randrange(max(1, 3 * size // 4), size + 1)
+            out.append((text[:1] + [self.image_token] + text[1:], colour,
+                        (rng.randrange(size - side + 1), rng.randrange(size - side + 1), side)))
+        return out
+
+    def prompts(self, step: int, n: int) -> list[list[int]]:
+        """Token ids with one image placeholder (vLLM's processor expands it per patch)."""
+        return [p for p, _, _ in self._draw(step, n)]
+
+    def images(self, step: int, n: int) -> list:
+        """Each prompt's image (PIL), as the engines take it."""
+        from ...infra.vlm import colour_squares
+
+        return [colour_squares(self.image_size, [(SQUARE_COLOURS[c], x, y, side)])
+                for _, c, (x, y, side) in self._draw(step, n)]
+
+    def score(self, step: int, prompt: int, completion: Sequence[int]) -> float:
+        colour = self._draw(step, prompt + 1)[prompt][1]
+        return sum(t % len(SQUARE_COLOURS) == colour for t in completion) / max(1, len(completion))
+
+    @property
+    def random_policy_reward(self) -> float:
+        return 1 / len(SQUARE_COLOURS)
 
 
 def group_advantages(rewards: Sequence[float], group: int, *, normalize: bool = True,

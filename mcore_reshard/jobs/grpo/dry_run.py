@@ -10,6 +10,7 @@ next to it, and NeMo RL's published figure for the same layout beside it where o
 from __future__ import annotations
 
 import math
+from typing import Any
 from dataclasses import asdict, dataclass, field, replace
 
 from ...layout.mtp import draft_tensors
@@ -19,7 +20,9 @@ from ...errors import ConfigError
 from ...layout import ModelSpec
 from ...plan.planner import gc_paused
 from ...plan.report import PlanReport, format_bytes, plan_report
+from ...plan.cache import get_plan
 from ...plan.placed import Links, placement_report, plan_for_placement
+from ...plan.refit_plans import without_tensors
 from ...settings import resolve_model
 from ...settings.topology import TopologyConfig
 from .recipe import GrpoRecipe
@@ -159,6 +162,8 @@ class DryRunReport:
     lora_refit_bytes: int | None = None
     #: Speculative decoding's MTP draft: its bytes of the refit's minimum (moved with the target).
     draft_bytes: int | None = None
+    #: A frozen vision tower (projector): the bytes of every refit after the first, without it.
+    frozen_refit_bytes: int | None = None
     #: The training rank that sends the most, its bytes, and the mean over training ranks.
     busiest_src_rank: int = 0
     busiest_src_bytes: int = 0
@@ -202,6 +207,10 @@ class DryRunReport:
                 if self.lora_refit_bytes is not None else "")),
             *([("MTP draft", f"{format_bytes(self.draft_bytes)} of it  ({100 * self.draft_bytes / max(r.bytes_min, 1):.2f} "
                              f"%: moved and voted on with the target)")] if self.draft_bytes is not None else []),
+            *([("frozen tower refits", f"{format_bytes(self.frozen_refit_bytes)}  (every refit after the first, "
+                                       f"without the frozen tensors: {100 * (1 - self.frozen_refit_bytes / max(r.bytes_planned, 1)):.1f} "
+                                       f"% saved; the first moves them once)")]
+              if self.frozen_refit_bytes is not None else []),
             *([("adapter refits (LoRA)", f"{format_bytes(self.lora_refit_bytes)}  (every refit after the first: "
                                          f"{100 * self.lora_refit_bytes / max(r.bytes_planned, 1):.3f} % of the base)")]
               if self.lora_refit_bytes is not None else []),
@@ -310,4 +319,16 @@ def _dry_run(recipe: GrpoRecipe, intra_node_gbps: float, inter_node_gbps: float)
         async_grpo=asdict(recipe.async_grpo), overlap=recipe.refit.overlap,
         lora_refit_bytes=None if recipe.peft is None else lora_report(layout).bytes_planned,
         draft_bytes=None if recipe.speculative is None else held_bytes(dst, draft_tensors(recipe.spec)),
+        frozen_refit_bytes=_frozen_bytes(recipe, src, dst),
     )
+
+
+def _frozen_bytes(recipe: GrpoRecipe, src: Any, dst: Any) -> int | None:
+    """A policy with a frozen tower: the bytes of its refits after the first (planned without
+    the frozen tensors, at the minimum), or None."""
+    frozen = recipe.frozen & frozenset(dst.tensors)
+    if not frozen:
+        return None
+    plan = get_plan(without_tensors(src, frozen), without_tensors(dst, frozen), bucket_bytes=recipe.refit.bucket_bytes,
+                    allow_cast=recipe.refit.allow_cast)
+    return plan.bytes_planned

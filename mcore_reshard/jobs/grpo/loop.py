@@ -43,8 +43,10 @@ from ...wire.protocol import VerifyMode, one_line
 from ..refit import TOKEN_MULT_PROB_BOUND, colocated_placement
 from ...training.pool import TrainerSetup
 from ...refit.verify import full_verification, token_mult_prob_error
-from .algorithm import (GrpoBatch, TargetTokensTask, completion_logprobs, group_advantages, token_versions,
-                        trajectory_age)
+from ...infra.vlm import expand_images, pixel_values
+from ...settings import ColourTaskSettings
+from .algorithm import (ColourSquaresTask, GrpoBatch, TargetTokensTask, completion_logprobs, group_advantages,
+                        token_versions, trajectory_age)
 from .ray_cluster import ActorDestination, Completion, RayJob, RayTrainerGroup, start_engines, stop_engines
 
 __all__ = ["GrpoRun", "StepMetrics", "run_grpo"]
@@ -135,7 +137,10 @@ class GrpoRun:
         timeout = max(r.refit.timeout_s, 120.0)
         # Trainers are placed first (their PACK group fills whole nodes), engines next; both
         # sides build their models at the same time.
-        setup = TrainerSetup(r.spec, r.training, str(ckpt), port=0, timeout_s=timeout, train={"lr": r.lr}, peft=r.peft,
+        self.checkpoint = ckpt
+        train = {"lr": r.lr, "freeze_vision_model": r.freeze_vision_model,
+                 "freeze_vision_projection": r.freeze_vision_projection} if r.spec.vision is not None else {"lr": r.lr}
+        setup = TrainerSetup(r.spec, r.training, str(ckpt), port=0, timeout_s=timeout, train=train, peft=r.peft,
                              mtp=r.speculative is not None)
         self.trainers = RayTrainerGroup.megatron(setup, timeout_s=timeout, wait=False)
         self._closers.append(self.trainers.close)
@@ -149,11 +154,15 @@ class GrpoRun:
         if r.colocated:
             placement = _colocated(r, self.trainers.nodes, [e.info for e in engines])
         self.driver = RefitDriver(self.trainers, [ActorDestination(e) for e in engines], r.refit, r.spec, host=self.trainers.host,
-                                  port=self.trainers.free_port, placement=placement, peft=r.peft)
+                                  port=self.trainers.free_port, placement=placement, peft=r.peft, frozen=r.frozen)
         self.driver.__enter__()
         self._closers.append(lambda: self.driver.__exit__(None, None, None))
-        self.task = TargetTokensTask.from_fraction(r.spec.vocab, r.task.target_fraction, r.task.prompt_length,
-                                                   r.grpo.seed)
+        if isinstance(r.task, ColourTaskSettings):  # images: a vision-language policy (checked by the recipe)
+            v = r.spec.vision
+            self.task = ColourSquaresTask(r.spec.vocab, r.task.prompt_length, v.image_token, v.image, r.grpo.seed)
+        else:
+            self.task = TargetTokensTask.from_fraction(r.spec.vocab, r.task.target_fraction, r.task.prompt_length,
+                                                       r.grpo.seed)
         # The engines loaded the checkpoint with their own loaders; the first refit proves the
         # path before any step depends on it.
         self.initial_refit = self._refit(full=r.grpo.verify_full_every_n_steps > 0)
@@ -177,6 +186,7 @@ class GrpoRun:
         """One refit; a failed one is retried once on the same engines (the driver rejoins the
         refit group; a gated engine resumes when the retry commits) before the run stops."""
         d = self.driver
+        sides = d.plan_sides()  # what this refit's plan covers (the next one may leave a frozen tower out)
         request = replace(d.request(), version=str(self.policy_version))
         if full:
             request = replace(request, verify=VerifyMode.FULL)
@@ -191,17 +201,19 @@ class GrpoRun:
         if not m.verified and request.verify.checksums:  # what this refit asked for, not the config's default
             raise RefitFailed(f"refit not verified: {m.notes or 'a destination rank reported no checksum pass'}")
         if full:
-            note = full_verification(*d.plan_sides(), self.trainers.local_tensors().wait(), self.engines)
+            note = full_verification(*sides, self.trainers.local_tensors().wait(), self.engines)
             m = replace(m, notes=m.notes + (note,))
         return m
 
-    def _launch(self, prompts: list[list[int]], step: int) -> tuple[list[list[int]], list]:
-        """Start generating every prompt's completions, the prompts spread over the engines;
-        returns what :meth:`_collect` waits for."""
+    def _launch(self, prompts: list[list[int]], step: int, images: list | None = None) -> tuple[list[list[int]], list]:
+        """Start generating every prompt's completions (``images``: each prompt's image), the
+        prompts spread over the engines; returns what :meth:`_collect` waits for."""
         r, n = self.recipe, len(self.engines)
         per = [prompts[e::n] for e in range(n)]
+        never = (r.spec.vision.image_token,) if images is not None else ()  # a placeholder is no completion token
+        pics = [{} if images is None else {"images": images[e::n], "never": never} for e in range(n)]
         refs = [(e, eng.sample(per[e], r.grpo.num_generations_per_prompt, r.generation.max_new_tokens,
-                               r.generation.temperature, r.grpo.seed * 7919 + step))
+                               r.generation.temperature, r.grpo.seed * 7919 + step, **pics[e]))
                 for e, eng in enumerate(self.engines) if per[e]]
         return prompts, refs
 
@@ -234,8 +246,20 @@ class GrpoRun:
                 raise RefitFailed(f"{len(left)} generation request(s) still running after "
                                   f"{self.recipe.refit.timeout_s:.0f}s: the refit cannot wait for them")
 
-    def _generate(self, prompts: list[list[int]], step: int) -> list[Completion]:
-        return self._collect(self._launch(prompts, step))
+    def _generate(self, prompts: list[list[int]], step: int, images: list | None = None) -> list[Completion]:
+        return self._collect(self._launch(prompts, step, images))
+
+    def _images(self, step: int, n: int, prompts: list[list[int]]) -> tuple[list | None, list[list[int]], dict]:
+        """A task with images: each prompt's image, the prompts as the engines run them (each
+        placeholder expanded per patch) and the trainers' ``images`` argument per sample
+        (pixel values); a text task: ``(None, prompts, {})``."""
+        if not isinstance(self.task, ColourSquaresTask):
+            return None, prompts, {}
+        v, G = self.recipe.spec.vision, self.recipe.grpo.num_generations_per_prompt
+        images = self.task.images(step, n)
+        pixels = pixel_values(self.checkpoint, images)
+        expanded = [expand_images(p, v.image_token, v.patches) for p in prompts]
+        return images, expanded, {"images": [pixels[i // G:i // G + 1] for i in range(n * G)]}
 
     def step(self, step: int) -> StepMetrics:
         """One GRPO step (synchronous, or asynchronous with ``grpo.async_grpo.enabled``)."""
@@ -246,9 +270,11 @@ class GrpoRun:
         G = r.grpo.num_generations_per_prompt
         t = time.perf_counter()
         dropped = 0
+        images, expanded, pics = None, None, {}
         if not a.enabled:
             prompts = self.task.prompts(step, r.grpo.num_prompts_per_step)
-            samples = self._generate(prompts, step)
+            images, expanded, pics = self._images(step, len(prompts), prompts)
+            samples = self._generate(prompts, step, images)
         else:
             # The next max_trajectory_age_steps steps' prompts generate while this one trains:
             # launched at this version, they train at most that many versions later.
@@ -263,18 +289,19 @@ class GrpoRun:
             samples = self._generate(prompts, step)
             versions = _versions(samples)
         timing["generation"] = time.perf_counter() - t
-        seqs = [prompts[i // G] + toks for i, (toks, _, _) in enumerate(samples)]
+        expanded = expanded or prompts
+        seqs = [expanded[i // G] + toks for i, (toks, _, _) in enumerate(samples)]
         age = trajectory_age(self.policy_version, versions)
-        rewards = [self.task.reward(toks) for toks, _, _ in samples]
+        rewards = [self.task.score(step, i // G, toks) for i, (toks, _, _) in enumerate(samples)]
         adv = group_advantages(rewards, G, normalize=r.grpo.normalize_rewards,
                                leave_one_out=r.grpo.use_leave_one_out_baseline)
         t = time.perf_counter()
-        prev = self.trainers.logprobs(seqs).wait()[0]
-        P = r.task.prompt_length
+        prev = self.trainers.logprobs(seqs, **pics).wait()[0]
+        P = len(expanded[0])
         # Each token against the version that generated it (snapshots of earlier versions).
         under = {self.policy_version: prev}
         for v in sorted({v for vs in versions for v in vs} - {self.policy_version}):
-            under[v] = self.trainers.logprobs(seqs, v).wait()[0]
+            under[v] = self.trainers.logprobs(seqs, v, **pics).wait()[0]
         timing["logprob_inference"] = time.perf_counter() - t
         gen_lp = [x for _, lps, _ in samples for x in lps]
         train_lp = [completion_logprobs(under[v][i], P)[j] for i, vs in enumerate(versions) for j, v in enumerate(vs)]
@@ -288,7 +315,7 @@ class GrpoRun:
         ref = None
         if r.loss.reference_policy_kl_penalty > 0:
             t = time.perf_counter()
-            ref = tuple(tuple(x) for x in self.trainers.reference_logprobs(seqs).wait()[0])
+            ref = tuple(tuple(x) for x in self.trainers.reference_logprobs(seqs, **pics).wait()[0])
             timing["reference_logprob_inference"] = time.perf_counter() - t
         gen = tuple(tuple(lps) for _, lps, _ in samples) if r.loss.use_importance_sampling_correction else None
         batch = GrpoBatch(tuple(adv), tuple(tuple(x) for x in prev), ref, P, gen)
@@ -298,7 +325,7 @@ class GrpoRun:
             keep = range(v + 1 - a.max_trajectory_age_steps, v + 1)
             snapshot_bytes = max(self.trainers.snapshot(v, keep).wait())
         t = time.perf_counter()
-        loss = self.trainers.grpo_step(seqs, batch, r.loss).wait()[0]
+        loss = self.trainers.grpo_step(seqs, batch, r.loss, **pics).wait()[0]
         timing["policy_training"] = time.perf_counter() - t
         if a.enabled and not a.in_flight_weight_updates:
             t = time.perf_counter()  # the refit waits until the requests running now are done

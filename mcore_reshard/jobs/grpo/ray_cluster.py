@@ -321,9 +321,10 @@ class EngineActor:
         return getattr(_held_destination(self), name)(*args)
 
     def sample(self, prompts: list[list[int]], n: int, max_tokens: int, temperature: float,
-               seed: int) -> list[list[Completion]]:
-        """``n`` sampled completions per prompt (see :func:`completions`)."""
-        return sample(self.llm, prompts, n, max_tokens, temperature, seed, self.peft)
+               seed: int, images: list | None = None, never: tuple = ()) -> list[list[Completion]]:
+        """``n`` sampled completions per prompt (see :func:`completions`); ``images``: each
+        prompt's image (a vision-language policy's), ``never``: token ids no completion holds."""
+        return sample(self.llm, prompts, n, max_tokens, temperature, seed, self.peft, images, never)
 
     def shutdown(self) -> None:
         close_engine(self.llm)
@@ -366,13 +367,13 @@ class AsyncEngineActor:
         return await asyncio.get_running_loop().run_in_executor(None, lambda: getattr(dest, name)(*args))
 
     async def sample(self, prompts: list[list[int]], n: int, max_tokens: int, temperature: float,
-                     seed: int) -> list[list[Completion]]:
+                     seed: int, images: list | None = None, never: tuple = ()) -> list[list[Completion]]:
         """As :meth:`EngineActor.sample`; the requests run on the engine's loop while this
         actor keeps answering (a refit's calls among them)."""
         import asyncio
 
         return await asyncio.get_running_loop().run_in_executor(
-            None, sample, self.llm, prompts, n, max_tokens, temperature, seed, self.peft)
+            None, sample, self.llm, prompts, n, max_tokens, temperature, seed, self.peft, images, never)
 
     async def shutdown(self) -> None:
         close_engine(self.llm)
@@ -431,9 +432,9 @@ class EngineHandle:
             raise AttributeError(name)
         return lambda *args, **kwargs: self._call(name, *args, **kwargs)
 
-    def sample(self, *args: Any) -> Any:
+    def sample(self, *args: Any, **kwargs: Any) -> Any:
         """Start sampling (returns a Ray object ref: engines sample concurrently)."""
-        return self.actor.sample.remote(*args)
+        return self.actor.sample.remote(*args, **kwargs)
 
 
 class ActorDestination:

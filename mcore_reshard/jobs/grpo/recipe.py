@@ -23,7 +23,8 @@ from ...layout import ModelSpec
 from ...layout.lora import PeftConfig
 from ...settings.policy import dtensor_backend, from_policy_config
 from ...settings import (KNOWN_KEYS, LOCAL_DTYPES, RECIPE, TINY_MODELS, AsyncGrpoSettings, ClusterSettings,
-                        GenerationSettings, GrpoSettings, LossSettings, RaySettings, RefitConfig, TaskSettings,
+                        ColourTaskSettings, GenerationSettings, GrpoSettings, LossSettings, RaySettings, RefitConfig,
+                        TaskSettings,
                         apply_overrides, check_type, check_world, is_checkpoint_dir, load_recipe, local_cpu_problem,
                         local_train_problem, lookup, read, read_section)
 
@@ -58,7 +59,7 @@ class GrpoRecipe:
     grpo: GrpoSettings
     loss: LossSettings
     generation: GenerationSettings
-    task: TaskSettings
+    task: "TaskSettings | ColourTaskSettings"  # env.target_tokens | env.colour_squares
     cluster: ClusterSettings
     ray: RaySettings
     lr: float  # policy.megatron_cfg.optimizer.lr
@@ -74,6 +75,15 @@ class GrpoRecipe:
     #: ``policy.generation.vllm_cfg.speculative_config``: the engines draft with the model's MTP
     #: layers, which train and refit with it in one vote (None: no draft).
     speculative: Any = None
+    #: ``policy.megatron_cfg.freeze_vision_model`` / ``freeze_vision_projection``: a
+    #: vision-language policy's frozen parts (its refits move them once).
+    freeze_vision_model: bool = False
+    freeze_vision_projection: bool = False
+
+    @property
+    def frozen(self) -> frozenset[str]:
+        """The tensors this policy never trains (its refits after the first leave them out)."""
+        return self.spec.frozen_tensors(self.freeze_vision_model, self.freeze_vision_projection)
 
     @property
     def checkpoint_family(self) -> str | None:
@@ -149,11 +159,13 @@ def _loop_settings(cfg: Mapping[str, Any], path: str | Path) -> dict[str, Any]:
     env = lookup(cfg, "env") or {}
     if not isinstance(env, Mapping):
         raise ConfigError(f"recipe: env is a {type(env).__name__}, not a mapping")
-    unknown = sorted(str(k) for k in env if k != "target_tokens")
+    unknown = sorted(str(k) for k in env if k not in ("target_tokens", "colour_squares"))
     if unknown:
-        raise ConfigError(f"unknown environment(s) {', '.join(f'env.{k}' for k in unknown)}: this loop has only "
-                          f"env.target_tokens")
-    task = read_section(cfg, RECIPE.task)
+        raise ConfigError(f"unknown environment(s) {', '.join(f'env.{k}' for k in unknown)}: this loop has "
+                          f"env.target_tokens and env.colour_squares")
+    if "target_tokens" in env and "colour_squares" in env:
+        raise ConfigError("env.target_tokens and env.colour_squares: a run has one task (keep one)")
+    task = read_section(cfg, RECIPE.colour_task if "colour_squares" in env else RECIPE.task)
     ray = read_section(cfg, RECIPE.ray)
     async_grpo = read_section(cfg, RECIPE.async_grpo)
     cluster = read_section(cfg, RECIPE.cluster)
@@ -197,17 +209,39 @@ def _check_async(s: Mapping[str, Any], colocated: bool, async_engine: bool, refi
 def _check_step(s: Mapping[str, Any], spec: ModelSpec, training: MegatronParallel) -> None:
     """The task, the sequence length and the batch against the model and the training layout."""
     task, generation, grpo = s["task"], s["generation"], s["grpo"]
-    n = task.target_ids(spec.vocab)
-    if not 1 <= n < spec.vocab:
-        raise ConfigError(f"env.target_tokens.target_fraction={task.target_fraction!r} rewards {n} of the "
-                          f"{spec.vocab} token ids: it must reward at least one and not all")
-    ctx = (spec.hf_config or {}).get("max_position_embeddings")
-    if isinstance(ctx, int) and task.prompt_length + generation.max_new_tokens > ctx:
-        raise ConfigError(f"env.target_tokens.prompt_length={task.prompt_length} + policy.generation.max_new_tokens="
+    env = "env.target_tokens"
+    if isinstance(task, ColourTaskSettings):
+        env = "env.colour_squares"
+        if spec.vision is None:
+            raise ConfigError(f"env.colour_squares: its prompts carry images, and {spec.family.title} "
+                              f"({spec.name or spec.arch}) has no vision tower (a vision-language policy: tiny-llava)")
+        if s["async_grpo"].enabled:
+            raise ConfigError("env.colour_squares with grpo.async_grpo.enabled=true: asynchronous GRPO with images "
+                              "is not built (synchronous GRPO is)")
+    else:
+        n = task.target_ids(spec.vocab)
+        if not 1 <= n < spec.vocab:
+            raise ConfigError(f"env.target_tokens.target_fraction={task.target_fraction!r} rewards {n} of the "
+                              f"{spec.vocab} token ids: it must reward at least one and not all")
+    ctx = (spec.hf_config or {}).get("max_position_embeddings") or \
+        (spec.hf_config.get("text_config") or {}).get("max_position_embeddings")
+    length = task.prompt_length + (spec.vision.patches if spec.vision is not None and env.endswith("squares") else 0)
+    if isinstance(ctx, int) and length + generation.max_new_tokens > ctx:
+        raise ConfigError(f"{env}.prompt_length={task.prompt_length} + policy.generation.max_new_tokens="
                           f"{generation.max_new_tokens} exceeds the model's max_position_embeddings={ctx}")
     if grpo.samples_per_step % training.dp:
         raise ConfigError(f"grpo.num_prompts_per_step*num_generations_per_prompt={grpo.samples_per_step} samples "
                           f"do not split evenly over the {training.dp} training data-parallel ranks")
+
+
+def _freeze(cfg: Mapping[str, Any], spec: ModelSpec) -> dict[str, bool]:
+    """``freeze_vision_model`` / ``freeze_vision_projection``, refused in one line on a text model."""
+    out = {"freeze_vision_model": read(cfg, RECIPE.freeze_vision_model),
+           "freeze_vision_projection": read(cfg, RECIPE.freeze_vision_projection)}
+    if any(out.values()) and spec.vision is None:
+        key = RECIPE.freeze_vision_model.key if out["freeze_vision_model"] else RECIPE.freeze_vision_projection.key
+        raise ConfigError(f"{key}=true: {spec.family.title} ({spec.name or spec.arch}) has no vision tower to freeze")
+    return out
 
 
 def _weights(cfg: Mapping[str, Any]) -> str:
@@ -246,4 +280,4 @@ def load_grpo_recipe(path: str | Path, overrides: Sequence[str] = ()) -> GrpoRec
                       refit=refit, colocated=colocated, async_engine=async_engine, **s,
                       local_problem=_lora_problem(layout.peft, spec) or local_train_problem(spec, model)
                       or _local_problem(model, spec.dtype, impl, training, vllm),
-                      peft=layout.peft, speculative=layout.speculative)
+                      peft=layout.peft, speculative=layout.speculative, **_freeze(cfg, spec))

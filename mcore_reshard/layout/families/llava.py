@@ -167,6 +167,7 @@ LLAVA = Family(
     layers=lambda spec, layer: ("attention", "mlp"), pre=_prefixed(embedding()), post=_prefixed(final()),
     flags=_flags, hf_layer="language_model.model.layers.{layer}.", vllm_layer="language_model.model.layers.{layer}.",
     tower=TOWER, text_config="text_config", megatron_prefix="language_model.", tiny=TINY_LLAVA, check=_check,
+    tiny_biases="zero",
     notes=("LLaVA: the CLIP tower's layers after vision_feature_layer and its post_layernorm are in the checkpoint "
            "but built by neither library: not described, not refit",),
 )
