@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 __all__ = ["finish_vlm_checkpoint", "colour_squares", "COLOURS", "hub_names", "pixel_values", "is_vlm_checkpoint",
-           "expand_images"]
+           "expand_images", "unused_tower"]
 
 #: Hub form of a LLaVA checkpoint's tower (transformers 5 saves it without ``vision_model.``).
 _TOWER, _HUB_TOWER = "vision_tower.", "vision_tower.vision_model."
@@ -58,6 +58,22 @@ def finish_vlm_checkpoint(out: Path, cfg: Mapping[str, Any]) -> None:
                                vision_feature_select_strategy=cfg.get("vision_feature_select_strategy", "default"),
                                image_token="<image>", num_additional_image_tokens=1)
     processor.save_pretrained(out)
+
+
+def unused_tower(names: Sequence[str], layers: int) -> set[str]:
+    """Of a LLaVA checkpoint's ``names``, the tower tensors LLaVA never computes with: the
+    encoder layers from ``layers`` on (after ``vision_feature_layer``) and ``post_layernorm``
+    (neither library builds them; the family's table leaves them out)."""
+    out = set()
+    for n in names:
+        if not n.startswith(_HUB_TOWER):
+            continue
+        rest = n[len(_HUB_TOWER):]
+        if rest.startswith("post_layernorm."):
+            out.add(n)
+        elif rest.startswith("encoder.layers.") and int(rest.split(".")[2]) >= layers:
+            out.add(n)
+    return out
 
 
 def expand_images(tokens: Sequence[int], image_token: int, per_image: int) -> list[int]:
