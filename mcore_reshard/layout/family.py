@@ -239,6 +239,19 @@ class Tower:
     hf_layer: str
     megatron_layer: str
     vllm_layer: str
+    #: Rows after ``post`` that the spec decides (Qwen3-VL's deepstack mergers, one per
+    #: ``deepstack_visual_indexes`` entry), full names on every side.
+    extra: Callable[[Any], tuple[Row, ...]] | None = field(default=None, compare=False)
+    #: vLLM can keep the tower whole on every TP rank (``mm_encoder_tp_mode="data"``,
+    #: ``supports_encoder_tp_data``); False: it shards it by weights whatever the mode says.
+    vllm_data_parallel: bool = False
+    #: The part of ``post`` + ``extra`` that projects into the language model (what
+    #: ``freeze_vision_projection`` freezes): names starting with one of these.
+    projector: tuple[str, ...] = ()
+
+    def post_rows(self, spec: Any) -> tuple[Row, ...]:
+        """``post`` and the spec's ``extra`` rows."""
+        return self.post + (self.extra(spec) if self.extra is not None else ())
 
 
 def standard_dims(spec: Any) -> dict[str, int]:

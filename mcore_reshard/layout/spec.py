@@ -17,7 +17,7 @@ from .descriptor import DTYPE_BYTES, LayoutError
 from .families import family, family_of_config
 from .families.deepseek_v3 import MLA
 from .hybrid import Hybrid
-from .vision import Vision
+from .vision import QwenVision, Vision
 
 if TYPE_CHECKING:
     from .family import Family
@@ -76,7 +76,7 @@ class ModelSpec:
     hybrid: Hybrid | None = None
     #: Vision-language families (LLaVA): the vision tower and projector (``layout.vision``);
     #: the other fields describe the language model.
-    vision: Vision | None = None
+    vision: "Vision | QwenVision | None" = None
     dtype: str = "bfloat16"
     rope_theta: float = 1_000_000.0
     rms_eps: float = 1e-6
@@ -147,9 +147,9 @@ class ModelSpec:
         tower = self.family.tower
         if tower is None:
             raise LayoutError(f"freeze_vision_model / freeze_vision_projection: {self.family.title} has no vision tower")
-        projector = {r.hf for r in tower.post}
-        return frozenset(n for n in _tower_tensors(self) if (n in projector and vision_projection)
-                         or (n not in projector and vision_model))
+        projector = tuple(tower.projector)
+        return frozenset(n for n in _tower_tensors(self) if (n.startswith(projector) and vision_projection)
+                         or (not n.startswith(projector) and vision_model))
 
     def total_bytes(self) -> int:
         return sum(math.prod(t.shape) * DTYPE_BYTES[t.dtype] for t in self.tensors().values())
@@ -251,7 +251,7 @@ def _tower_tensors(spec: ModelSpec) -> dict[str, CanonicalTensor]:
     for layer in range(tower.layers(spec)):
         for row in tower.layer:
             _add(out, tower.hf_layer.format(layer=layer) + row.hf, row, fam, dims, spec.dtype)
-    for row in tower.post:
+    for row in tower.post_rows(spec):
         if fam.present(row, flags):
             _add(out, row.hf, row, fam, dims, spec.dtype)
     return out

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 from .descriptor import LayoutError
 
-__all__ = ["Vision", "read_vision"]
+__all__ = ["Vision", "read_vision", "QwenVision", "read_qwen_vision"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,3 +74,50 @@ def read_vision(cfg: Mapping[str, Any]) -> Vision:
                   projector_bias=bool(cfg.get("multimodal_projector_bias", True)),
                   image_token=int(cfg.get("image_token_index", cfg.get("image_token_id", -1))),
                   layer_norm_eps=float(v.get("layer_norm_eps", 1e-5)))
+
+
+@dataclass(frozen=True, slots=True)
+class QwenVision:
+    """Qwen3-VL's vision tower (HF ``Qwen3VLVisionConfig`` names in comments): a ViT over
+    3-D patches with learned position embeddings, a patch merger into the language model's
+    width, and deepstack mergers whose outputs are added to early language-model layers."""
+
+    hidden: int  # hidden_size
+    layers: int  # depth (every block is used)
+    heads: int  # num_heads
+    intermediate: int  # intermediate_size
+    patch: int  # patch_size
+    temporal_patch: int  # temporal_patch_size
+    merge: int  # spatial_merge_size
+    positions: int  # num_position_embeddings
+    out_hidden: int  # out_hidden_size (the language model's hidden size)
+    deepstack: tuple[int, ...] = ()  # deepstack_visual_indexes
+    channels: int = 3  # in_channels
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def merged(self) -> int:
+        """The mergers' width: ``spatial_merge_size ** 2`` patches side by side."""
+        return self.hidden * self.merge * self.merge
+
+
+def read_qwen_vision(cfg: Mapping[str, Any], text_hidden: int) -> QwenVision:
+    """A Qwen3-VL config's tower, or one line naming what the table does not describe."""
+    v = cfg.get("vision_config") or {}
+    hidden, heads = int(v.get("hidden_size", 1152)), int(v.get("num_heads", 16))
+    if hidden % heads:
+        raise LayoutError(f"vision_config.hidden_size={hidden} is not a multiple of num_heads={heads}")
+    out = int(v.get("out_hidden_size", text_hidden))
+    if out != text_hidden:
+        raise LayoutError(f"vision_config.out_hidden_size={out} differs from text_config.hidden_size={text_hidden}")
+    depth = int(v.get("depth", 27))
+    deep = tuple(int(i) for i in v.get("deepstack_visual_indexes") or ())
+    if any(not 0 <= i < depth for i in deep):
+        raise LayoutError(f"vision_config.deepstack_visual_indexes={list(deep)} leave the tower's {depth} blocks")
+    return QwenVision(hidden=hidden, layers=depth, heads=heads, intermediate=int(v.get("intermediate_size", 4304)),
+                      patch=int(v.get("patch_size", 16)), temporal_patch=int(v.get("temporal_patch_size", 2)),
+                      merge=int(v.get("spatial_merge_size", 2)), positions=int(v.get("num_position_embeddings", 2304)),
+                      out_hidden=out, deepstack=deep, channels=int(v.get("in_channels", 3)))

@@ -160,6 +160,7 @@ def _vllm(cfg: Mapping[str, Any], gen_gpus: int) -> VllmParallel:
                           f"data_parallel_size*tensor_parallel_size={vdp * vtp} ranks")
     return VllmParallel(tp=vtp, pp=vpp, dp=vdp, replicas=gen_gpus // per_engine, enable_ep=ep > 1,
                         num_redundant_experts=read(cfg, RECIPE.num_redundant_experts),
+                        mm_encoder_tp_mode=read(cfg, RECIPE.mm_encoder_tp_mode),
                         quantization="fp8_per_block" if read(cfg, RECIPE.vllm_precision) == "fp8" else None)
 
 

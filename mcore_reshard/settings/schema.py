@@ -358,7 +358,8 @@ _TRAINING = Section("training", MegatronParallel,
                                  make_vocab_size_divisible_by=1, vocab_padded=1),
                     choices=dict(layer_spec=("local", "te"), experts=("sequential", "grouped")))
 _VLLM = Section("vllm", VllmParallel, minimum=dict(tp=1, pp=1, dp=1, replicas=1, num_redundant_experts=0),
-                choices=dict(expert_placement=("linear", "round_robin"), quantization=QUANTIZATIONS),
+                choices=dict(expert_placement=("linear", "round_robin"), quantization=QUANTIZATIONS,
+                             mm_encoder_tp_mode=("weights", "data")),
                 sub=("speculative_config",))
 
 
@@ -476,6 +477,9 @@ class RecipeKeys:
     vllm_dp: Field = Field(_V + "data_parallel_size", int, 1, minimum=1)
     vllm_ep: Field = Field(_V + "expert_parallel_size", int, 1, minimum=1)
     num_redundant_experts: Field = Field(_V + "num_redundant_experts", int, 0, minimum=0)
+    #: vLLM's ``mm_encoder_tp_mode``: a vision tower sharded over TP ("weights") or whole on
+    #: every rank ("data", where the model supports it).
+    mm_encoder_tp_mode: Field = Field(_V + "mm_encoder_tp_mode", str, "weights", choices=("weights", "data"))
     #: NeMo RL's generation precision: ``fp8`` runs the engine in block FP8 (vLLM's
     #: ``fp8_per_block``, the router kept in the model dtype), quantized at the sender.
     vllm_precision: Field = Field(_V + "precision", str | None, None, choices=("bfloat16", "float16", "float32", "fp8"))

@@ -383,7 +383,7 @@ def _tower_templates(spec: ModelSpec, par: MegatronParallel, tp_r: int) -> list[
     for i in range(tower.layers(spec)):
         out += row_templates(fam, tower.layer, hf=tower.hf_layer.format(layer=i),
                              local=lambda n, i=i: tower.megatron_layer.format(layer=i) + n, **kw)
-    return out + row_templates(fam, tower.post, hf="", local=lambda n: n, **kw)
+    return out + row_templates(fam, tower.post_rows(spec), hf="", local=lambda n: n, **kw)
 
 
 @lru_cache(maxsize=4096)

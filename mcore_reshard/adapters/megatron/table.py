@@ -181,8 +181,14 @@ def _group(fam: Family, name: str, members: list[_Member], tp: int, tp_r: int, d
 def _qkv_member(fam: Family, m: _Member, groups: int, dims: Mapping[str, int]) -> tuple:
     """One row of a ``QKV`` group as ``_interleaved`` takes it: its rows per KV group, and
     (with ``parts``) the HF runs of group g: its units' first parts, then their second ..."""
-    n = m.shape[0] // groups
     pl: QKV = m.pl  # type: ignore[assignment]
+    if m.row.part is not None:  # one part of a fused HF tensor (Qwen3-VL's [q; k; v]): its rows per group
+        off, rows = fam.resolve(m.row.part, dims)
+        if rows % groups or pl.parts:
+            raise LayoutError(f"{fam.title}: {m.canonical}: part of {rows} rows does not split in {groups} groups")
+        n = rows // groups
+        return (m.canonical, n, lambda g: ((off + g * n, n),))
+    n = m.shape[0] // groups
     if not pl.parts:
         return (m.canonical, n)
     units = fam.resolve((pl.units,), dims)[0] if pl.units is not None else 0

@@ -51,6 +51,10 @@ class VllmParallel:
     #: linears and experts held as FP8 codes + fp32 block scales, the router kept in the model
     #: dtype, ``layout.quant``); a refit into it quantizes at the sender.
     quantization: str | None = None
+    #: vLLM's ``mm_encoder_tp_mode``: "weights" shards a vision tower over TP like the language
+    #: model; "data" keeps it whole on every rank (models with ``supports_encoder_tp_data``:
+    #: Qwen2.5-VL, Qwen3-VL; LLaVA's tower is sharded by weights whatever the mode).
+    mm_encoder_tp_mode: str = "weights"
 
     @property
     def world_size(self) -> int:

@@ -96,10 +96,15 @@ class _Builder:
         self._names: dict[tuple[int, str], tuple[str, ...]] = {}
         #: A VLM's tower and projector read the same rules in the tower's sizes (``Family.tower``).
         self.tower = None
+        #: ``mm_encoder_tp_mode="data"`` where the model supports it: the tower whole on every rank.
+        self.tower_whole = self.fam.tower is not None and par.mm_encoder_tp_mode == "data" and \
+            self.fam.tower.vllm_data_parallel
         if self.fam.tower is not None:
             self.tower = copy.copy(self)
             self.tower.dims, self.tower.flags = self.fam.tower.dims(spec), self.fam.tower.flags(spec)
             self.tower._blocks = {}
+            if self.tower_whole:
+                self.tower.par = replace(par, tp=1)
         layers = range(spec.num_layers + spec.mtp_layers)
         self._prefix = [self.fam.hf_layer.format(layer=i) for i in layers]  # canonical names
         self._local = [self.fam.vllm_layer.format(layer=i) for i in layers]  # vLLM's
@@ -247,8 +252,10 @@ class _Builder:
     def tower_params(self, out: list[LocalParam], rank: int) -> None:
         """A VLM's vision tower and projector on ``rank`` (``clip.py``, ``llava.py``)."""
         tower, tb, tp_r = self.fam.tower, self.tower, rank % self.par.tp
+        if self.tower_whole:  # mm_encoder_tp_mode="data": every rank holds the whole tower
+            tp_r = 0
         for key, rows, layers in (("<tower-pre>", tower.pre, [None]), ("<tower-layer>", tower.layer,
-                                  range(tower.layers(self.spec))), ("<tower-post>", tower.post, [None])):
+                                  range(tower.layers(self.spec))), ("<tower-post>", tower.post_rows(self.spec), [None])):
             for layer in layers:
                 p = "" if layer is None else tower.hf_layer.format(layer=layer)
                 q = "" if layer is None else tower.vllm_layer.format(layer=layer)

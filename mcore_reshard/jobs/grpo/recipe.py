@@ -225,7 +225,7 @@ def _check_step(s: Mapping[str, Any], spec: ModelSpec, training: MegatronParalle
                               f"{spec.vocab} token ids: it must reward at least one and not all")
     ctx = (spec.hf_config or {}).get("max_position_embeddings") or \
         (spec.hf_config.get("text_config") or {}).get("max_position_embeddings")
-    length = task.prompt_length + (spec.vision.patches if spec.vision is not None and env.endswith("squares") else 0)
+    length = task.prompt_length + (getattr(spec.vision, "patches", 0) if env.endswith("squares") else 0)
     if isinstance(ctx, int) and length + generation.max_new_tokens > ctx:
         raise ConfigError(f"{env}.prompt_length={task.prompt_length} + policy.generation.max_new_tokens="
                           f"{generation.max_new_tokens} exceeds the model's max_position_embeddings={ctx}")

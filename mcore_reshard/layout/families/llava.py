@@ -96,7 +96,8 @@ def _tower_flags(spec: Any) -> frozenset[str]:
 
 TOWER = Tower(pre=_TOWER_PRE, layer=_tower_layer(), post=_PROJECTOR, layers=lambda spec: spec.vision.layers,
               dims=_tower_dims, flags=_tower_flags, hf_layer=_V + "encoder.layers.{layer}.",
-              megatron_layer="vision_model.decoder.layers.{layer}.", vllm_layer=_V + "encoder.layers.{layer}.")
+              megatron_layer="vision_model.decoder.layers.{layer}.", vllm_layer=_V + "encoder.layers.{layer}.",
+              projector=(_M,))
 
 
 def _prefixed(rows: tuple[Row, ...]) -> tuple[Row, ...]:
