@@ -35,6 +35,27 @@ def hub_names(tensors: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def finish_vlm_checkpoint(out: Path, cfg: Mapping[str, Any]) -> None:
+    """The saved checkpoint in the hub's form, and (LLaVA) its tokenizer and processor."""
+    if cfg.get("model_type") == "qwen3_vl_moe":
+        _qwen3_vl_hub_experts(out)
+        return
+    _finish_llava(out, cfg)
+
+
+def _qwen3_vl_hub_experts(out: Path) -> None:
+    """transformers 5 saves Qwen3-VL-MoE's stacked experts as it holds them, ``(E, 2FE, H)`` and
+    ``(E, H, FE)``; the hub's checkpoints (and vLLM's loader, ``is_fused_checkpoint_transposed``)
+    hold ``(E, H, 2FE)`` and ``(E, FE, H)``: transposed back here."""
+    from safetensors.torch import load_file, save_file
+
+    for f in sorted(Path(out).glob("*.safetensors")):
+        tensors = load_file(str(f))
+        fixed = {k: (v.transpose(1, 2).contiguous() if ".mlp.experts." in k and v.dim() == 3 else v)
+                 for k, v in tensors.items()}
+        save_file(fixed, str(f), metadata={"format": "pt"})
+
+
+def _finish_llava(out: Path, cfg: Mapping[str, Any]) -> None:
     """Rename the saved tower to the hub form; write the tokenizer and the processor."""
     from safetensors.torch import load_file, save_file
     from tokenizers import Tokenizer

@@ -60,11 +60,12 @@ def megatron_hybrid_job(ctx: Any, ckpt: str, dtype: str, par_kwargs: dict) -> di
                 shape_diff=sorted(n for n in set(got_shapes) & set(want_shapes) if got_shapes[n] != want_shapes[n]))
 
 
-def reference_states(ckpt: str | Path, dtype: str, tp: int) -> list[dict[str, torch.Tensor]]:
-    """vLLM's own load of ``ckpt`` on every TP rank, as ``kernel_state``."""
+def reference_states(ckpt: str | Path, dtype: str, tp: int, **engine: Any) -> list[dict[str, torch.Tensor]]:
+    """vLLM's own load of ``ckpt`` on every TP rank, as ``kernel_state`` (``engine``: more
+    ``EngineArgs``)."""
     out = []
     for r in range(tp):
-        m = build_vllm_model(ckpt, dtype, tp, r)
+        m = build_vllm_model(ckpt, dtype, tp, r, **engine)
         load_hf(m)
         with m.active():
             out.append(kernel_state(m.model))
@@ -72,9 +73,13 @@ def reference_states(ckpt: str | Path, dtype: str, tp: int) -> list[dict[str, to
 
 
 def refit_inproc(ckpt: str | Path, stale: str | Path, dtype: str, tp: int, src_layout: Any,
-                 src_tensors: Mapping[int, Mapping[str, torch.Tensor]], *, rebind: bool = True) -> dict:
+                 src_tensors: Mapping[int, Mapping[str, torch.Tensor]], *, rebind: bool = True,
+                 record: bool = True, engine: Mapping[str, Any] | None = None) -> dict:
     """Refit vLLM's model (TP ``tp``, loaded from ``stale``) from megatron's tensors; returns
-    the plan, each rank's state before and after, and the recorded layouts."""
+    the plan, each rank's state before and after, and the recorded layouts. ``record=False``:
+    the destination is the rules' layout as it is (a loader vLLM's recorder cannot follow:
+    Qwen3-VL-MoE's transposed stacked experts), so a wrong rule shows as a state that differs
+    from vLLM's own load."""
     from ..adapters.vllm.apply import VllmApplier
     from ..adapters.vllm.record import record_local_params
     from ..layout.descriptor import SideLayout
@@ -85,8 +90,14 @@ def refit_inproc(ckpt: str | Path, stale: str | Path, dtype: str, tp: int, src_l
     spec = load_model_spec(ckpt, dtype=dtype)
     models, params = [], []
     for r in range(tp):
-        m = build_vllm_model(ckpt, dtype, tp, r)
+        m = build_vllm_model(ckpt, dtype, tp, r, **dict(engine or {}))
         load_hf(_Retarget(m, stale))  # the stale weights the refit must replace
+        if not record:
+            from ..adapters.vllm.rules import VllmParallel, vllm_rank_params
+
+            params.append(vllm_rank_params(spec, VllmParallel(tp=tp, **dict(engine or {})), r))
+            models.append(m)
+            continue
         with m.active():
             params.append(record_local_params(m.model, spec.tensor_table(), r))
         models.append(m)

@@ -83,26 +83,26 @@ class InprocModel:
             yield
 
 
-def _engine_config(model_dir: str | Path, dtype: str, tp: int) -> Any:
+def _engine_config(model_dir: str | Path, dtype: str, tp: int, **engine: Any) -> Any:
     from vllm.engine.arg_utils import EngineArgs
 
     cfg = EngineArgs(model=str(model_dir), skip_tokenizer_init=True, dtype=dtype, enforce_eager=True,
-                     max_model_len=256, max_num_seqs=4, seed=0).create_engine_config()
+                     max_model_len=256, max_num_seqs=4, seed=0, **engine).create_engine_config()
     cfg.parallel_config.tensor_parallel_size = tp
     return cfg
 
 
 def build_vllm_model(model_dir: str | Path, dtype: str, tp: int = 1, rank: int = 0, pp: int = 1,
-                     pp_rank: int = 0) -> InprocModel:
+                     pp_rank: int = 0, **engine: Any) -> InprocModel:
     """vLLM's model class for ``model_dir`` as TP rank ``rank`` of ``tp`` (of PP stage
     ``pp_rank`` of ``pp``) builds it (weights uninitialised: load them with :func:`load_hf` or
-    a refit)."""
+    a refit); ``engine``: more ``EngineArgs`` (``mm_encoder_tp_mode``)."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     vllm_world()
-    cfg = _engine_config(model_dir, dtype, tp)
+    cfg = _engine_config(model_dir, dtype, tp, **engine)
     with set_current_vllm_config(cfg):
         ps = _WORLD["ps"]
         if not ps.model_parallel_is_initialized():
