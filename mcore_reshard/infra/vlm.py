@@ -38,8 +38,8 @@ def finish_vlm_checkpoint(out: Path, cfg: Mapping[str, Any]) -> None:
     """The saved checkpoint in the hub's form, and (LLaVA) its tokenizer and processor."""
     if cfg.get("model_type") == "qwen3_vl_moe":
         _qwen3_vl_hub_experts(out)
-        return
-    _finish_llava(out, cfg)
+    elif cfg.get("model_type") == "llava":
+        _finish_llava(out, cfg)
 
 
 def _qwen3_vl_hub_experts(out: Path) -> None:

@@ -113,11 +113,11 @@ def read_qwen_vision(cfg: Mapping[str, Any], text_hidden: int) -> QwenVision:
     out = int(v.get("out_hidden_size", text_hidden))
     if out != text_hidden:
         raise LayoutError(f"vision_config.out_hidden_size={out} differs from text_config.hidden_size={text_hidden}")
-    depth = int(v.get("depth", 27))
+    depth = int(v.get("depth", 27))  # Qwen2.5-VL's blocks are all used too (window or full attention)
     deep = tuple(int(i) for i in v.get("deepstack_visual_indexes") or ())
     if any(not 0 <= i < depth for i in deep):
         raise LayoutError(f"vision_config.deepstack_visual_indexes={list(deep)} leave the tower's {depth} blocks")
     return QwenVision(hidden=hidden, layers=depth, heads=heads, intermediate=int(v.get("intermediate_size", 4304)),
                       patch=int(v.get("patch_size", 16)), temporal_patch=int(v.get("temporal_patch_size", 2)),
                       merge=int(v.get("spatial_merge_size", 2)), positions=int(v.get("num_position_embeddings", 2304)),
-                      out_hidden=out, deepstack=deep, channels=int(v.get("in_channels", 3)))
+                      out_hidden=out, deepstack=deep, channels=int(v.get("in_channels", v.get("in_chans", 3))))

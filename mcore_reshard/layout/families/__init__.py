@@ -15,6 +15,7 @@ from .dense import LLAMA, QWEN2, QWEN3
 from .glm4_moe import GLM4_MOE
 from .gpt_oss import GPT_OSS
 from .llava import LLAVA
+from .qwen2_5_vl import QWEN2_5_VL
 from .qwen3_vl import QWEN3_VL_MOE
 from .nemotron_h import NEMOTRON_H
 from .qwen3_moe import QWEN3_MOE
@@ -24,7 +25,7 @@ __all__ = ["FAMILIES", "family", "family_of_config", "supported_architectures"]
 
 #: Every family by name (``ModelSpec.arch``).
 FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, DEEPSEEK_V3, GPT_OSS, GLM4_MOE,
-                                                   NEMOTRON_H, QWEN3_NEXT, LLAVA, QWEN3_VL_MOE)}
+                                                   NEMOTRON_H, QWEN3_NEXT, LLAVA, QWEN2_5_VL, QWEN3_VL_MOE)}
 
 
 def family(name: str) -> Family:
