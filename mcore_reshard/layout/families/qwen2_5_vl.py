@@ -112,7 +112,7 @@ TINY_QWEN2_5_VL: dict[str, Any] = dict(
                        in_channels=3, hidden_act="silu"),
     text_config=dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                      intermediate_size=256, vocab_size=1000, rms_norm_eps=1e-6, max_position_embeddings=512,
-                     tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                     tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, rope_theta=1000000.0,
                      rope_scaling=dict(type="mrope", mrope_section=[8, 4, 4])),
 )
 

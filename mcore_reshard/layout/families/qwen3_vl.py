@@ -181,7 +181,8 @@ TINY_QWEN3_VL_MOE: dict[str, Any] = dict(
                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=1000,
                      intermediate_size=128, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
                      rms_norm_eps=1e-6, max_position_embeddings=512, tie_word_embeddings=False,
-                     norm_topk_prob=True),  # vLLM reads it (transformers 5 no longer declares it)
+                     norm_topk_prob=True,  # vLLM reads it (transformers 5 no longer declares it)
+                     rope_theta=500000.0),
 )
 
 QWEN3_VL_MOE = Family(
