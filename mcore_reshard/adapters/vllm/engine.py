@@ -30,7 +30,7 @@ from .worker import PLAIN_LINEAR_ENV, ReshardWorkerExtension
 from .worker import REFIT_EXTENSION as EXTENSION
 
 __all__ = ["EXTENSION", "EngineInfo", "engine_info", "start_engine", "stop_engine", "greedy", "prompt_logprobs",
-           "after_refit", "describe", "worker_status", "received_weights", "raw_bandwidth", "check_serving",
+           "after_refit", "reset_encoder_cache", "is_multimodal", "describe", "worker_status", "received_weights", "raw_bandwidth", "check_serving",
            "AsyncEngine", "start_async_engine", "engine_call", "unanswered", "left_waiting", "STATUS_DEADLINE_S",
            "HELPER_DEADLINE_S"]
 
@@ -346,15 +346,27 @@ def after_refit(llm: Any) -> None:
     """Drop KV blocks computed with the old weights (prefix cache) and a multimodal encoder's
     cached outputs (every request finished: the tests' helper after a load)."""
     engine_call(llm, "reset_prefix_cache", llm.reset_prefix_cache, HELPER_DEADLINE_S)
-    reset_encoder_cache(llm)
+    if is_multimodal(llm):
+        reset_encoder_cache(llm)
 
 
 def reset_encoder_cache(llm: Any) -> None:
     """Drop every cached multimodal encoder output: the scheduler's record and the workers'
     tensors together (``EngineCore.reset_encoder_cache``). A worker's alone would leave the
     scheduler counting on outputs that are gone ("Encoder cache miss", a dead engine)."""
-    fn = llm.reset_encoder_cache if isinstance(llm, AsyncEngine) else llm.llm_engine.reset_encoder_cache
+    if isinstance(llm, AsyncEngine):
+        fn = llm.reset_encoder_cache
+    elif hasattr(llm, "llm_engine"):
+        fn = llm.llm_engine.reset_encoder_cache
+    else:  # a handle that forwards the engine's calls
+        fn = llm.reset_encoder_cache
     engine_call(llm, "reset_encoder_cache", fn, HELPER_DEADLINE_S)
+
+
+def is_multimodal(llm: Any) -> bool:
+    """Whether ``llm`` serves a multimodal model (one with an encoder cache to keep right)."""
+    engine = llm.engine if isinstance(llm, AsyncEngine) else getattr(llm, "llm_engine", llm)
+    return bool(getattr(getattr(engine, "model_config", None), "is_multimodal_model", False))
 
 
 def check_serving(llm: Any, timeout_s: float = STATUS_DEADLINE_S) -> None:

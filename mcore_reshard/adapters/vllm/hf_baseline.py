@@ -12,7 +12,7 @@ import torch
 
 from ...transport.broadcast import HF_PREFIX, BroadcastJoin, BroadcastStats, broadcast_receive
 from ...transport.group import RefitGroup
-from .engine import engine_info
+from .engine import engine_info, is_multimodal, reset_encoder_cache
 from .layers import reprepack_cpu_moe
 from .record import canonical_tensors, served_spec
 from .worker import ReshardWorkerExtension
@@ -105,10 +105,13 @@ def hf_join(dest: Any, join: BroadcastJoin) -> None:
 
 
 def hf_receive(dest: Any, buffer_bytes: int, timeout_s: float) -> list[BroadcastStats]:
-    """Every worker receives the whole model and reloads it; then the old weights' cached KV goes."""
+    """Every worker receives the whole model and reloads it; then the old weights' cached KV
+    goes, and a multimodal encoder's cached outputs (the whole model changed)."""
     got = [BroadcastStats.from_wire(w) for w in dest.engine.collective_rpc("mr_hf_receive",
                                                                           args=(buffer_bytes, timeout_s))]
     dest.engine.reset_prefix_cache()
+    if is_multimodal(dest.engine):
+        reset_encoder_cache(dest.engine)
     return got
 
 
