@@ -168,3 +168,25 @@ def test_an_image_encoded_before_a_refit_is_encoded_again_after(ckpts, engine_ca
             assert prompt_logprobs(llm, TOKENS, image=image) != want  # A's text model, B's encoding: stale
         c.refit_once()  # the same weights again, the encoder cache dropped this time
         assert prompt_logprobs(llm, TOKENS, image=image) == want
+
+
+def test_the_async_engine_drops_the_encoder_cache_too(ckpts, tmp_path):
+    """vLLM's AsyncLLM (the engine behind ``vllm serve``) refit from megatron's LLaVA: after a
+    step that changed the tower, the image sent before the refit is encoded again under the
+    new tower -- its logprobs within the fp32 bound of megatron's forward of the new weights,
+    where the old tower's cached encoding would be off by the step."""
+    a, b = ckpts
+    spec = load_model_spec(b, dtype="float32")
+    image = _image()
+    with local_cluster(spec, b, MegatronParallel(tp=2), VllmParallel(tp=1), CFG, train={"lr": 0.05},
+                       async_engine=True) as c:
+        (llm,) = c.engines
+        c.refit_once()
+        before = prompt_logprobs(llm, TOKENS, image=image)  # the image encoded, cached
+        assert c.logprob_error(TOKENS, image) < FP32_BOUND
+        c.step(TOKENS, image=image)
+        assert c.driver.request().encoders
+        m = c.refit_once()
+        assert m.verified and m.at_minimum
+        assert prompt_logprobs(llm, TOKENS, image=image) != before
+        assert c.logprob_error(TOKENS, image) < FP32_BOUND
