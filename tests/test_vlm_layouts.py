@@ -154,3 +154,20 @@ def test_bad_vlm_settings_are_one_line(capsys, tmp_path):
     check_one_line(capsys, ["grpo", llava, "--dry-run", "policy.model_name=tiny-dense",
                             "policy.megatron_cfg.freeze_vision_model=false"],
                    "env.colour_squares: its prompts carry images")
+
+
+def test_a_tower_held_whole_is_not_asked_to_divide_by_tp():
+    """vLLM's ``mm_encoder_tp_mode="data"`` and Megatron-Bridge's Qwen2.5-VL hold the tower whole:
+    a TP that does not divide its heads is refused only where the tower is sharded."""
+    from mcore_reshard.layout.families.qwen2_5_vl import TINY_QWEN2_5_VL
+    from mcore_reshard.layout.families.qwen3_vl import TINY_QWEN3_VL_MOE
+
+    qwen3 = _spec(TINY_QWEN3_VL_MOE, num_heads=2)  # 2 vision heads, 4 ranks
+    with pytest.raises(LayoutError, match=r"Qwen3-VL-MoE attn.qkv \(vision_config.num_heads=2\): vLLM shards the "
+                                          r"vision tower over tp=4, which does not divide it; mm_encoder_tp_mode=data"):
+        vllm_layout(qwen3, VllmParallel(tp=4))
+    with pytest.raises(LayoutError, match=r"attn.qkv \(vision_config.num_heads=2\): megatron-core shards"):
+        megatron_layout(qwen3, MegatronParallel(tp=4, ep=1))
+    simulate(qwen3, MegatronParallel(tp=2), VllmParallel(tp=4, mm_encoder_tp_mode="data"))
+    qwen25 = _spec(TINY_QWEN2_5_VL, num_heads=2)
+    simulate(qwen25, MegatronParallel(tp=4), VllmParallel(tp=4, mm_encoder_tp_mode="data"))  # whole on both sides

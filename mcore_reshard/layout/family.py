@@ -96,7 +96,7 @@ from .descriptor import Box, LayoutError, View
 
 __all__ = [
     "Dim", "Placement", "Rep", "Col", "RowPar", "Vocab", "QKV", "Split", "Row", "Block", "Family", "Tower",
-    "standard_dims", "standard_flags", "Window", "window", "split_shape", "split_window", "unit_runs", "col_runs",
+    "standard_dims", "standard_flags", "check_tower_tp", "Window", "window", "split_shape", "split_window", "unit_runs", "col_runs",
 ]
 
 #: A size: an int, or a name that the family's ``dims(spec)`` resolves.
@@ -248,10 +248,31 @@ class Tower:
     #: The part of ``post`` + ``extra`` that projects into the language model (what
     #: ``freeze_vision_projection`` freezes): names starting with one of these.
     projector: tuple[str, ...] = ()
+    #: The sizes a TP that shards the tower must divide, as ``(config key, size, the tensor
+    #: it cuts)`` (``spec -> ...``): :func:`check_tower_tp` refuses any other TP in one line.
+    tp_sizes: Callable[[Any], tuple[tuple[str, int, str], ...]] | None = field(default=None, compare=False)
+    #: megatron holds the tower whole on every rank (Megatron-Bridge's Qwen2.5-VL: HF's module).
+    megatron_whole: bool = False
 
     def post_rows(self, spec: Any) -> tuple[Row, ...]:
         """``post`` and the spec's ``extra`` rows."""
         return self.post + (self.extra(spec) if self.extra is not None else ())
+
+
+def check_tower_tp(fam: "Family", spec: Any, library: str, tp: int) -> None:
+    """Refuse, in one line naming the tensor, a TP that ``library`` ("megatron" or "vllm")
+    would shard ``fam``'s vision tower over and that does not divide it (``Tower.tp_sizes``).
+    ``tp`` is the tower's own: 1 where the library holds it whole (vLLM's
+    ``mm_encoder_tp_mode="data"``, ``Tower.megatron_whole``)."""
+    tower = fam.tower
+    if tower is None or tower.tp_sizes is None or tp == 1:
+        return
+    who = "megatron-core" if library == "megatron" else "vLLM"
+    hint = "; mm_encoder_tp_mode=data keeps it whole" if library == "vllm" and tower.vllm_data_parallel else ""
+    for what, n, tensor in tower.tp_sizes(spec):
+        if n % tp:
+            raise LayoutError(f"{fam.title} {tensor} ({what}={n}): {who} shards the vision tower over tp={tp}, "
+                              f"which does not divide it{hint}")
 
 
 def standard_dims(spec: Any) -> dict[str, int]:

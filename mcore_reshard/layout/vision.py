@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 from .descriptor import LayoutError
 
-__all__ = ["Vision", "read_vision", "QwenVision", "read_qwen_vision"]
+__all__ = ["Vision", "read_vision", "QwenVision", "read_qwen_vision", "qwen_tp_sizes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,3 +121,11 @@ def read_qwen_vision(cfg: Mapping[str, Any], text_hidden: int) -> QwenVision:
                       patch=int(v.get("patch_size", 16)), temporal_patch=int(v.get("temporal_patch_size", 2)),
                       merge=int(v.get("spatial_merge_size", 2)), positions=int(v.get("num_position_embeddings", 2304)),
                       out_hidden=out, deepstack=deep, channels=int(v.get("in_channels", v.get("in_chans", 3))))
+
+
+def qwen_tp_sizes(spec: Any, mlp: str, merger: str) -> tuple[tuple[str, int, str], ...]:
+    """What a TP that shards a Qwen VL tower must divide (``Tower.tp_sizes``): its heads, its
+    MLP (``mlp``: the tensor that cuts it) and its merger's width (``merger``)."""
+    v = spec.vision
+    return (("vision_config.num_heads", v.heads, "attn.qkv"), ("vision_config.intermediate_size", v.intermediate, mlp),
+            ("the merger's width hidden_size * spatial_merge_size**2", v.merged, merger))

@@ -45,6 +45,7 @@ from functools import lru_cache
 from typing import Sequence
 
 from ...layout import LayoutError, LocalParam, ModelSpec, Piece, SideLayout
+from ...layout.family import check_tower_tp
 from .table import (Tmpl, _col_parallel, _full, _qkv_pieces, _row_parallel, _rows, _swiglu_fc1, _vocab_rows,
                     row_templates)
 
@@ -140,6 +141,8 @@ def _check(spec: ModelSpec, par: MegatronParallel) -> None:
     fam = spec.family
     if fam.check is not None:
         fam.check(spec, "megatron", par.tp)  # the family's own refusals, one line naming the tensor
+    if fam.tower is not None:
+        check_tower_tp(fam, spec, "megatron", 1 if fam.tower.megatron_whole else par.tp)
     if fam.tower is not None and par.pp > 1:
         raise LayoutError(f"{fam.title} with pipeline_model_parallel_size={par.pp}: LLaVAModel's encoder stage "
                           f"split (add_encoder per stage) is not described; use pp=1")

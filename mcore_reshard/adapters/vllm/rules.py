@@ -36,7 +36,8 @@ from dataclasses import replace
 from typing import Sequence
 
 from ...layout import Box, LayoutError, LocalParam, ModelSpec, Piece, SideLayout, View, contiguous_strides
-from ...layout.family import Block, Col, Placement, Rep, Row, RowPar, Split, Vocab, col_runs, split_shape, split_window
+from ...layout.family import (Block, Col, Placement, Rep, Row, RowPar, Split, Vocab, check_tower_tp, col_runs,
+                              split_shape, split_window)
 from ...layout.quant import quantize_side
 from ...layout.mtp import skipped_note
 from .parallel import QUANTIZATIONS, VllmParallel, check_dims, expert_slots
@@ -83,6 +84,11 @@ class _Builder:
         self.fam = spec.family
         #: The family's own refusals first (one line naming the tensor), and its notes at this TP.
         self.family_notes = self.fam.check(spec, "vllm", par.tp) if self.fam.check is not None else ()
+        #: ``mm_encoder_tp_mode="data"`` where the model supports it: the tower whole on every rank.
+        self.tower_whole = self.fam.tower is not None and par.mm_encoder_tp_mode == "data" and \
+            self.fam.tower.vllm_data_parallel
+        if self.fam.tower is not None:
+            check_tower_tp(self.fam, spec, "vllm", 1 if self.tower_whole else par.tp)
         if self.fam.tower is not None and par.pp > 1:
             raise LayoutError(f"{self.fam.title} with vllm pipeline_parallel_size={par.pp}: vLLM builds the vision "
                               f"tower on every stage; not described, use pp=1")
@@ -96,9 +102,6 @@ class _Builder:
         self._names: dict[tuple[int, str], tuple[str, ...]] = {}
         #: A VLM's tower and projector read the same rules in the tower's sizes (``Family.tower``).
         self.tower = None
-        #: ``mm_encoder_tp_mode="data"`` where the model supports it: the tower whole on every rank.
-        self.tower_whole = self.fam.tower is not None and par.mm_encoder_tp_mode == "data" and \
-            self.fam.tower.vllm_data_parallel
         if self.fam.tower is not None:
             self.tower = copy.copy(self)
             self.tower.dims, self.tower.flags = self.fam.tower.dims(spec), self.fam.tower.flags(spec)

@@ -9,9 +9,12 @@ model class in model format (before ``process_weights_after_loading``).
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Callable
+
 from ..family import QKV, Col, Rep, Row, RowPar, Vocab
 
-__all__ = ["gqa_attention", "dense_mlp", "moe_router", "routed_experts", "shared_experts", "embedding", "final"]
+__all__ = ["language_model", "gqa_attention", "dense_mlp", "moe_router", "routed_experts", "shared_experts", "embedding", "final"]
 
 _QKV_W, _QKV_B = "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"
 
@@ -101,3 +104,10 @@ def final() -> tuple[Row, ...]:
     return (Row("model.norm.weight", ("H",), megatron=Rep("decoder.final_layernorm.weight"), vllm=Rep("model.norm.weight")),
             Row("lm_head.weight", ("V", "H"), megatron=Vocab("output_layer.weight"), vllm=Vocab("lm_head.weight"),
                 when="!tied"))
+
+
+def language_model(rows: tuple[Row, ...], hf: Callable[[str], str] = lambda name: name) -> tuple[Row, ...]:
+    """A vision-language model's language-model rows outside its layers (``embedding()``,
+    ``final()``): vLLM holds them under ``language_model.``; ``hf`` renames the checkpoint's
+    (megatron's prefix is ``Family.megatron_prefix``)."""
+    return tuple(replace(r, hf=hf(r.hf), vllm=replace(r.vllm, name="language_model." + r.vllm.name)) for r in rows)

@@ -24,13 +24,12 @@ Where each library holds them:
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any, Mapping
 
 from ..descriptor import LayoutError
-from ..family import QKV, Block, Col, Family, Rep, Row, RowPar, Tower, standard_flags
+from ..family import QKV, Block, Col, Family, Rep, Row, RowPar, Tower
 from ..vision import read_vision
-from .common import dense_mlp, embedding, final, gqa_attention
+from .common import dense_mlp, embedding, final, gqa_attention, language_model
 
 __all__ = ["LLAVA", "TINY_LLAVA"]
 
@@ -97,17 +96,18 @@ def _tower_flags(spec: Any) -> frozenset[str]:
 TOWER = Tower(pre=_TOWER_PRE, layer=_tower_layer(), post=_PROJECTOR, layers=lambda spec: spec.vision.layers,
               dims=_tower_dims, flags=_tower_flags, hf_layer=_V + "encoder.layers.{layer}.",
               megatron_layer="vision_model.decoder.layers.{layer}.", vllm_layer=_V + "encoder.layers.{layer}.",
-              projector=(_M,))
-
-
-def _prefixed(rows: tuple[Row, ...]) -> tuple[Row, ...]:
-    """The language model's rows outside its layers, under LLaVA's ``language_model.`` (HF, vLLM;
-    megatron's prefix is ``Family.megatron_prefix``)."""
-    return tuple(replace(r, hf="language_model." + r.hf, vllm=replace(r.vllm, name="language_model." + r.vllm.name))
-                 for r in rows)
+              projector=(_M,), tp_sizes=lambda spec: (
+                  ("vision_config.num_attention_heads", spec.vision.heads, "self_attn.qkv_proj"),
+                  ("vision_config.intermediate_size", spec.vision.intermediate, "mlp.fc1"),
+                  ("text_config.hidden_size", spec.hidden, "multi_modal_projector.linear_1")))
 
 
 _TEXT_MODELS = ("llama", "qwen2")
+
+
+def _llava_hf(name: str) -> str:
+    """llava-hf's checkpoints hold the language model under ``language_model.``."""
+    return "language_model." + name
 
 
 def _read(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -122,22 +122,6 @@ def _read(cfg: Mapping[str, Any]) -> dict[str, Any]:
                 tied=False)
 
 
-def _flags(spec: Any) -> frozenset[str]:
-    return standard_flags(spec)
-
-
-def _check(spec: Any, library: str, tp: int) -> tuple[str, ...]:
-    """What neither library can shard of the tower and projector at ``tp``, in one line naming
-    the tensor; PP of a LLaVA model is not described (vLLM builds the tower on every stage,
-    megatron-core on the encoder's)."""
-    v, who = spec.vision, ("megatron-core" if library == "megatron" else "vLLM")
-    for what, n, tensor in (("vision_config.num_attention_heads", v.heads, "self_attn.qkv_proj"),
-                            ("vision_config.intermediate_size", v.intermediate, "mlp.fc1"),
-                            ("text_config.hidden_size", spec.hidden, "multi_modal_projector.linear_1")):
-        if n % tp:
-            raise LayoutError(f"LLaVA {tensor} ({what}={n}): {who} shards the vision tower and projector over "
-                              f"tp={tp}, which does not divide it")
-    return ()
 
 
 #: The tests' tiny LLaVA: a 3-layer CLIP tower of which LLaVA uses 2 (``vision_feature_layer``
@@ -165,9 +149,10 @@ TINY_LLAVA: dict[str, Any] = dict(
 LLAVA = Family(
     name="llava", title="LLaVA", architectures=("LlavaForConditionalGeneration",), model_types=("llava",),
     read=_read, blocks={"attention": Block(gqa_attention()), "mlp": Block(dense_mlp())},
-    layers=lambda spec, layer: ("attention", "mlp"), pre=_prefixed(embedding()), post=_prefixed(final()),
-    flags=_flags, hf_layer="language_model.model.layers.{layer}.", vllm_layer="language_model.model.layers.{layer}.",
-    tower=TOWER, text_config="text_config", megatron_prefix="language_model.", tiny=TINY_LLAVA, check=_check,
+    layers=lambda spec, layer: ("attention", "mlp"), pre=language_model(embedding(), _llava_hf),
+    post=language_model(final(), _llava_hf),
+    hf_layer="language_model.model.layers.{layer}.", vllm_layer="language_model.model.layers.{layer}.",
+    tower=TOWER, text_config="text_config", megatron_prefix="language_model.", tiny=TINY_LLAVA,
     tiny_biases="zero",
     notes=("LLaVA: the CLIP tower's layers after vision_feature_layer and its post_layernorm are in the checkpoint "
            "but built by neither library: not described, not refit",),

@@ -17,13 +17,12 @@ transformers 5 also writes. Where each library holds them:
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any, Mapping
 
 from ..descriptor import LayoutError
 from ..family import Block, Col, Family, Rep, Row, RowPar, Tower
-from ..vision import read_qwen_vision
-from .common import dense_mlp, embedding, final, gqa_attention
+from ..vision import qwen_tp_sizes, read_qwen_vision
+from .common import dense_mlp, embedding, final, gqa_attention, language_model
 
 __all__ = ["QWEN2_5_VL", "TINY_QWEN2_5_VL"]
 
@@ -68,12 +67,8 @@ def _tower_dims(spec: Any) -> dict[str, int]:
 
 TOWER = Tower(pre=_PRE, layer=_block(), post=_MERGER, layers=lambda spec: spec.vision.layers, dims=_tower_dims,
               flags=lambda spec: frozenset(), hf_layer="visual.blocks.{layer}.", megatron_layer="visual.blocks.{layer}.",
-              vllm_layer="visual.blocks.{layer}.", vllm_data_parallel=True, projector=(_M,))
-
-
-def _vllm_lm(rows: tuple[Row, ...]) -> tuple[Row, ...]:
-    """The language model's rows outside its layers: vLLM holds them under ``language_model.``."""
-    return tuple(replace(r, vllm=replace(r.vllm, name="language_model." + r.vllm.name)) for r in rows)
+              vllm_layer="visual.blocks.{layer}.", vllm_data_parallel=True, projector=(_M,),
+              tp_sizes=lambda spec: qwen_tp_sizes(spec, "mlp.gate_up_proj", "merger.mlp.0"), megatron_whole=True)
 
 
 def _read(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -87,18 +82,6 @@ def _megatron_config(spec: Any) -> dict[str, Any]:
     raise LayoutError("Qwen2.5-VL: megatron-core 0.19.2 has no Qwen2.5-VL model (Megatron-Bridge embeds HF's tower): "
                       "its layouts are planned from the Bridge's mappings, not built on this machine")
 
-
-def _check(spec: Any, library: str, tp: int) -> tuple[str, ...]:
-    if library != "vllm":  # Megatron-Bridge holds the tower whole on every rank
-        return ()
-    v = spec.vision
-    for what, n, tensor in (("vision_config.num_heads", v.heads, "attn.qkv"),
-                            ("vision_config.intermediate_size", v.intermediate, "mlp.gate_up_proj"),
-                            ("the merger's width hidden_size * spatial_merge_size**2", v.merged, "merger.mlp.0")):
-        if n % tp:
-            raise LayoutError(f"Qwen2.5-VL {tensor} ({what}={n}): vLLM shards the vision tower over tp={tp}, which "
-                              f"does not divide it; mm_encoder_tp_mode=data keeps it whole")
-    return ()
 
 
 #: The tests' tiny Qwen2.5-VL: 2 vision blocks, a 2-layer Qwen2 (q/k/v biases); shapes only.
@@ -119,9 +102,9 @@ TINY_QWEN2_5_VL: dict[str, Any] = dict(
 QWEN2_5_VL = Family(
     name="qwen2_5_vl", title="Qwen2.5-VL", architectures=("Qwen2_5_VLForConditionalGeneration",),
     model_types=("qwen2_5_vl",), read=_read, blocks={"attention": Block(gqa_attention()), "mlp": Block(dense_mlp())},
-    layers=lambda spec, layer: ("attention", "mlp"), pre=_vllm_lm(embedding()), post=_vllm_lm(final()),
+    layers=lambda spec, layer: ("attention", "mlp"), pre=language_model(embedding()), post=language_model(final()),
     vllm_layer="language_model.model.layers.{layer}.", tower=TOWER, text_config="text_config",
-    megatron_prefix="language_model.", tiny=TINY_QWEN2_5_VL, check=_check, megatron_config=_megatron_config,
+    megatron_prefix="language_model.", tiny=TINY_QWEN2_5_VL, megatron_config=_megatron_config,
     notes=("Qwen2.5-VL: the megatron side is Megatron-Bridge's layout (its tower is HF's module, whole on every "
            "rank; megatron-core has no Qwen2.5-VL model): planned from its mappings, not built here",),
 )

@@ -28,13 +28,12 @@ it), and the vLLM CPU build was not run on it.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any, Mapping
 
 from ..descriptor import LayoutError
 from ..family import QKV, Block, Col, Family, Rep, Row, RowPar, Split, Tower, standard_dims
-from ..vision import read_qwen_vision
-from .common import embedding, final, moe_router
+from ..vision import qwen_tp_sizes, read_qwen_vision
+from .common import embedding, final, language_model, moe_router
 from .dense import DENSE_BLOCKS
 from .qwen3_moe import _read as _qwen3_moe_read
 
@@ -104,6 +103,7 @@ TOWER = Tower(pre=_PRE, layer=_block(), post=_merger(_V + "merger.", _MV + "merg
               layers=lambda spec: spec.vision.layers, dims=_tower_dims, flags=lambda spec: frozenset(),
               hf_layer=_V + "blocks.{layer}.", megatron_layer=_MV + "decoder.layers.{layer}.",
               vllm_layer="visual.blocks.{layer}.", extra=_deepstack, vllm_data_parallel=True,
+              tp_sizes=lambda spec: qwen_tp_sizes(spec, "mlp.linear_fc1", "merger.linear_fc1"),
               projector=(_V + "merger.", _V + "deepstack_merger_list."))
 
 
@@ -122,14 +122,9 @@ def _stacked_experts() -> Block:
     ), experts=True, stacked=True)
 
 
-def _lm(rows: tuple[Row, ...]) -> tuple[Row, ...]:
-    """The language model's rows outside its layers: HF's ``model.`` becomes
-    ``model.language_model.``; vLLM's names go under ``language_model.``."""
-    out = []
-    for r in rows:
-        hf = "model.language_model." + r.hf[len("model."):] if r.hf.startswith("model.") else r.hf
-        out.append(replace(r, hf=hf, vllm=replace(r.vllm, name="language_model." + r.vllm.name)))
-    return tuple(out)
+def _hf_lm(name: str) -> str:
+    """The checkpoint's language model: HF's ``model.`` becomes ``model.language_model.``."""
+    return "model.language_model." + name[len("model."):] if name.startswith("model.") else name
 
 
 def _read(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -155,17 +150,6 @@ def _megatron_config(spec: Any) -> dict[str, Any]:
                       "modules): its layouts are planned from the Bridge's mappings, not built on this machine")
 
 
-def _check(spec: Any, library: str, tp: int) -> tuple[str, ...]:
-    v, who = spec.vision, ("megatron-core" if library == "megatron" else "vLLM")
-    for what, n, tensor in (("vision_config.num_heads", v.heads, "attn.qkv"),
-                            ("vision_config.intermediate_size", v.intermediate, "mlp.linear_fc1"),
-                            ("the mergers' width hidden_size * spatial_merge_size**2", v.merged, "merger.linear_fc1")):
-        if n % tp:
-            raise LayoutError(f"Qwen3-VL {tensor} ({what}={n}): {who} shards the vision tower over tp={tp}, "
-                              f"which does not divide it" + ("; mm_encoder_tp_mode=data keeps it whole"
-                                                             if library == "vllm" else ""))
-    return ()
-
 
 #: The tests' tiny Qwen3-VL-MoE: 3 vision blocks (deepstack after blocks 0 and 1), a 2-layer
 #: Qwen3-MoE of 4 experts; shapes only (plans on metadata).
@@ -189,10 +173,10 @@ QWEN3_VL_MOE = Family(
     name="qwen3_vl_moe", title="Qwen3-VL-MoE", architectures=("Qwen3VLMoeForConditionalGeneration",),
     model_types=("qwen3_vl_moe",), read=_read,
     blocks={**DENSE_BLOCKS, "moe": Block(moe_router()), "experts": _stacked_experts()}, layers=_layers,
-    pre=_lm(embedding()), post=_lm(final()),
+    pre=language_model(embedding(), _hf_lm), post=language_model(final(), _hf_lm),
     dims=_dims, hf_layer="model.language_model.layers.{layer}.", vllm_layer="language_model.model.layers.{layer}.",
     tower=TOWER, text_config="text_config", megatron_prefix="language_model.", tiny=TINY_QWEN3_VL_MOE,
-    check=_check, megatron_config=_megatron_config,
+    megatron_config=_megatron_config,
     notes=("Qwen3-VL-MoE: the megatron side is Megatron-Bridge's layout (megatron-core has no Qwen3-VL model): "
            "planned from its mappings, not built here",),
 )
