@@ -33,15 +33,15 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_refit import bench_main, bench_parser  # noqa: E402
 
-#: The bench LLaVA (the tiny family config, scaled up; see the module docstring).
+from mcore_reshard.layout.families.llava import TINY_LLAVA  # noqa: E402
+
+#: The bench LLaVA: the family's tiny config, scaled up (see the module docstring).
 BENCH_LLAVA: dict[str, Any] = dict(
-    vision_config=dict(model_type="clip_vision_model", hidden_size=768, intermediate_size=3072, num_hidden_layers=13,
-                       num_attention_heads=12, image_size=112, patch_size=14, num_channels=3, hidden_act="quick_gelu",
-                       layer_norm_eps=1e-5, projection_dim=768),
-    text_config=dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=1024, intermediate_size=4096,
-                     num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8, head_dim=64, vocab_size=32000,
-                     max_position_embeddings=1024, rope_theta=10000.0, rms_norm_eps=1e-6, attention_bias=False,
-                     mlp_bias=False, tie_word_embeddings=False),
+    vision_config=dict(TINY_LLAVA["vision_config"], hidden_size=768, intermediate_size=3072, num_hidden_layers=13,
+                       num_attention_heads=12, image_size=112, projection_dim=768),
+    text_config=dict(TINY_LLAVA["text_config"], hidden_size=1024, intermediate_size=4096, num_hidden_layers=8,
+                     num_attention_heads=16, num_key_value_heads=8, head_dim=64, vocab_size=32000,
+                     max_position_embeddings=1024),
     image_token_index=31999,
     image_seq_length=64,
 )
