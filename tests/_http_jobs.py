@@ -26,7 +26,7 @@ from mcore_reshard.errors import RefitError, RefitFailed
 from mcore_reshard.layout import SideLayout, load_model_spec
 from mcore_reshard.plan import build_plan
 from mcore_reshard.plan.wire import slice_to_wire
-from mcore_reshard.refit.canary import make_canary
+from mcore_reshard.wire.canary import make_canary
 from mcore_reshard.infra.ports import free_port
 from mcore_reshard.wire.protocol import JoinInfo, RankMap, RefitRequest, first_error_line
 from mcore_reshard.wire.slice_store import publish_slices, slice_digests
@@ -120,7 +120,8 @@ def http_two_refits_job(ctx: WorldCtx, ckpt: str, dtype: str, par: MegatronParal
     """Two refits in one group: the weights after a training step, then ``ckpt`` itself again
     (what the server loaded at start; an overlapped refit), each handed to the controller as
     JSON, each with the canary on (``refit.canary``: the policy's likely tokens after each
-    prefix of fixed sequences, the server's workers vote on their own forward over them)."""
+    prefix of fixed sequences, the server's workers vote on their own forward over them; the
+    first computed before the refit, the second deferred to the trainers inside it)."""
     policy, ep, src, dst, plan = _trained_endpoint(ctx, ckpt, dtype, par, vllm, tokens)
     digest = plan.digest()
     rank_map = RankMap.disaggregated(src.world_size, dst.world_size)
@@ -137,8 +138,11 @@ def http_two_refits_job(ctx: WorldCtx, ckpt: str, dtype: str, par: MegatronParal
     policy.load_canonical(load_canonical(ckpt))  # the server's own checkpoint, refit back
     # overlapped: /update_weights returns at once, the workers receive on their own threads,
     # /finish_weight_update swaps
+    # its canary deferred: the request carries the sequences only, the trainers compute the
+    # reference after their last byte and hand it to the server's workers in the refit group
+    ep.canary = policy.top_logprobs
     second = RefitRequest(digest, timeout_s=120.0, version="refit-2", overlap=True,
-                          canary=make_canary(vocab, dtype, 2, 8, 0.0, policy.top_logprobs))
+                          canary=make_canary(vocab, dtype, 2, 8, 0.0))
     if ctx.rank == 0:
         to_controller.put({"update_info": {"request": second.to_wire()}})
     ep.refit(second)

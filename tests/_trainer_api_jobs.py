@@ -34,7 +34,8 @@ def trainer_api_job(ctx: WorldCtx, ckpt: str, dtype: str, par: MegatronParallel,
     policy = build_policy(spec, par, TrainSettings(dtype=dtype, lr=build.get("lr", 0.05)), peft=peft,
                           mtp=build.get("mtp", False))
     policy.load_canonical(load_canonical(ckpt))
-    source = TrainerShards(TrainerEndpoint(policy.chunks, spec, sync_params=policy.sync_params))
+    source = TrainerShards(TrainerEndpoint(policy.chunks, spec, sync_params=policy.sync_params,
+                                           canary=policy.top_logprobs))
     client = ForwardingClient(calls, replies)
     engine = WeightTransferTrainerFactory.trainer_init(ReshardTrainerInitInfo(rank=ctx.rank, **info), client=client,
                                                        source=source)
@@ -49,7 +50,8 @@ def trainer_api_job(ctx: WorldCtx, ckpt: str, dtype: str, par: MegatronParallel,
         out["plans"].append(engine.plan.bytes_min)
         engine.send_weights()
         out["reports"].append(sorted((r.side, r.rank, r.verified, r.bytes_received - r.bytes_headers, r.bytes_full,
-                                      r.delta.on) for r in engine.last_reports if r is not None))
+                                      r.delta.on, r.phases.get("canary", 0.0) > 0)
+                                     for r in engine.last_reports if r is not None))
         out["trainer"].append(policy.logprobs(tokens[:1])[0])
         if ctx.rank == 0:
             client.probe(step)

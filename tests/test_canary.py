@@ -22,7 +22,7 @@ from mcore_reshard.adapters.vllm.rules import VllmParallel
 from mcore_reshard.errors import ConfigError, RefitFailed
 from mcore_reshard.jobs.refit import local_cluster
 from mcore_reshard.layout import load_model_spec
-from mcore_reshard.refit.canary import TOKEN_MULT_PROB_BOUND, canary_sequences
+from mcore_reshard.wire.canary import TOKEN_MULT_PROB_BOUND, canary_sequences, make_canary
 from mcore_reshard.settings.policy import RefitConfig
 from mcore_reshard.testing.clients import Enqueued
 from mcore_reshard.testing.wrong_layouts import swap_canonical_rows
@@ -65,6 +65,23 @@ def test_the_canary_travels_in_the_request_and_is_fixed():
     assert "canary" not in RefitRequest("abc").to_wire()  # off: the request is as before
 
 
+def test_a_deferred_canary_travels_without_its_reference_and_is_completed_once():
+    """The driver's canary is deferred: the request carries the sequences and the bound; the
+    trainers' targets and reference complete it inside the refit (``meet_canary``)."""
+    deferred = make_canary(1000, "float32", 2, 8, 0.0)
+    assert deferred.deferred and not deferred.targets and deferred.bound == 1.001
+    r = RefitRequest("abc", canary=deferred)
+    assert RefitRequest.from_wire(r.to_wire()) == r
+    top = [([7] * 7, [-0.5] * 7), ([9] * 7, [-0.25] * 7)]
+    done = deferred.completed(top)
+    assert not done.deferred and done.scored() == ((7,) * 7, (9,) * 7) and done.reference[1] == (-0.25,) * 7
+    assert done == make_canary(1000, "float32", 2, 8, 0.0, lambda seqs: top)  # what computing it first gives
+    with pytest.raises(ConfigError, match=r"reference logprobs do not match"):
+        deferred.completed(top[:1])
+    with pytest.raises(ConfigError, match=r"targets without a reference"):
+        replace(deferred, targets=done.targets)
+
+
 # ------------------------------------------------------------------------------- live
 
 
@@ -99,10 +116,11 @@ def test_correct_refits_pass_the_canary_across_training(cluster):
         m = cluster.refit_once()
         assert m.verified and m.bytes_moved == m.bytes_min
         assert m.phases["dst_canary"] > 0 and m.phases["src_canary"] > 0
+        assert m.phases["src_canary_reference"] > 0  # deferred: the trainers computed it inside the refit
         assert cluster.logprob_error(TOKENS) < EXACT
     # What the canary scores: after each prefix, the token the trained policy finds most likely
     # -- the token the engine itself decodes greedily there on the refitted weights.
-    canary = cluster.driver.canary()
+    canary = cluster.driver.canary(now=True)
     prefixes = [list(s[:i + 1]) for s in canary.tokens for i in range(len(s) - 1)]
     assert [t[0] for t in greedy(cluster.engines[0], prefixes, 1)] == [t for s in canary.targets for t in s]
     assert all(lp <= 0.0 for r in canary.reference for lp in r)

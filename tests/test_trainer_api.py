@@ -50,13 +50,15 @@ def _moved(reports: list) -> tuple[int, int, bool, bool]:
 def test_delta_refits_through_the_trainer_api_move_what_changed(ckpt_cache, shared_engine):
     """The session's fp32 tiny MoE engine (TP1) from megatron TP2xEP2: the first
     ``send_weights`` is full at the plan's minimum, the second (after a training step) a
-    delta, reported by every destination, and the engine serves what megatron computes."""
+    delta, reported by every destination, and the engine serves what megatron computes. The
+    canary is on (``init_info.canary``): each refit's engine checked its forward against the
+    reference the trainers computed inside the refit."""
     from mcore_reshard.adapters.vllm.engine import prompt_logprobs
     from mcore_reshard.refit.verify import token_mult_prob_error
 
     ckpt = ckpt_cache.get(moe=True, seed=7)
     llm = shared_engine(ckpt, tp=1)
-    info = {"engine_tp": 1, "timeout_s": 60.0, "delta": "auto", "bucket_bytes": 1 << 16}
+    info = {"engine_tp": 1, "timeout_s": 60.0, "delta": "auto", "bucket_bytes": 1 << 16, "canary": True}
     ranks, served = _drive(llm, 2, (str(ckpt), "float32", MegatronParallel(tp=2, ep=2, etp=1), info, [TOKENS], 2,
                                     {}), lambda step: prompt_logprobs(llm, TOKENS))
     rank0 = ranks[0]
@@ -64,6 +66,7 @@ def test_delta_refits_through_the_trainer_api_move_what_changed(ckpt_cache, shar
     (full_bytes, full, ok0, delta0), (delta_bytes, full1, ok1, delta1) = map(_moved, rank0["reports"])
     assert ok0 and ok1 and full == full1 == full_bytes == rank0["bytes_min"]
     assert not delta0 and delta1 and 0 < delta_bytes <= rank0["bytes_min"]
+    assert all(r[6] for rs in rank0["reports"] for r in rs if r[0] == "dst")  # every engine rank ran the canary
     for trainer, engine in zip(rank0["trainer"], served):
         assert token_mult_prob_error(engine, trainer) < 1.001
     assert token_mult_prob_error(served[1], served[0]) > 1.001  # the step reached the engine

@@ -33,7 +33,7 @@ from ..infra.ports import free_port
 from ..wire.protocol import VerifyMode
 from ..settings import TINY_MODELS
 from ..training.pool import LocalTrainerGroup, TrainerSetup
-from ..refit.canary import TOKEN_MULT_PROB_BOUND
+from ..wire.canary import TOKEN_MULT_PROB_BOUND
 from ..refit.verify import full_verification, token_mult_prob_error
 
 T = TypeVar("T")

@@ -41,7 +41,7 @@ from ..plan.refit_plans import RefitPlans, moves_encoder, plan_refit
 from ..plan.types import TransferPlan
 from ..plan.wire import slice_to_wire
 from ..infra.ports import free_port
-from .canary import make_canary
+from ..wire.canary import make_canary
 from ..wire.protocol import (Canary, EngineInitInfo, EngineUpdateInfo, JoinInfo, RankMap, RankReport, RefitRequest, WorkerStatus, first_error_line,
                        refit_id)
 from ..training.ranks import TrainerGroup
@@ -284,21 +284,23 @@ class RefitDriver:
     # -- refits -------------------------------------------------------------------------------
     def request(self) -> RefitRequest:
         """The next refit's request from the refit config; with ``refit.canary`` it carries the
-        canary, its reference computed now by the trainers from the weights they will send."""
+        canary, whose reference the trainers compute inside the refit from the weights they send."""
         cfg = self.refit_config
         return RefitRequest(self.plan.digest(), cfg.verify, cfg.timeout_s, cfg.atomic, overlap=cfg.overlap,
                             delta=cfg.delta, delta_state_limit_bytes=cfg.delta_state_limit_bytes,
                             canary=self.canary() if cfg.canary else None,
                             encoders=moves_encoder(self.plan, self.spec))
 
-    def canary(self) -> Canary:
-        """The canary of the next refit (``refit.canary``): the trainers' most likely tokens after
-        each prefix of the fixed sequences and their log-probs under the current weights, the
-        bound of the engines' precision."""
+    def canary(self, now: bool = False) -> Canary:
+        """The canary of the next refit (``refit.canary``): the fixed sequences and the bound of
+        the engines' precision, deferred -- the trainers fill in their most likely tokens after
+        each prefix and their log-probs inside the refit, after their last byte
+        (``Canary.deferred``). ``now``: computed here, before the refit (what the canary cost
+        before it was deferred; ``scripts/bench_canary.py`` compares the two)."""
         cfg = self.refit_config
         dtype = self.engine_infos[0].dtype if self.engine_infos else self.spec.dtype
-        return make_canary(self.spec.vocab, dtype, cfg.canary_sequences, cfg.canary_tokens, cfg.canary_bound,
-                           lambda seqs: self.trainers.top_logprobs(seqs).wait()[0])
+        top = (lambda seqs: self.trainers.top_logprobs(seqs).wait()[0]) if now else None
+        return make_canary(self.spec.vocab, dtype, cfg.canary_sequences, cfg.canary_tokens, cfg.canary_bound, top)
 
     def next_epoch(self) -> int:
         """The number of the next refit on this driver's groups (signed messages are bound to it)."""

@@ -64,6 +64,8 @@ class PolicyRank(TrainerRank):
 
     def __init__(self, endpoint: Any, sync_params: Callable[[], None] | None = None) -> None:
         super().__init__(endpoint, sync_params=sync_params)
+        if endpoint.canary is None:  # a refit's deferred canary: the policy's likely tokens, after its last byte
+            endpoint.canary = self._top_synced
         self.reference: dict[str, Any] | None = None  # frozen initial weights (GRPO's KL reference)
         #: Earlier policy versions' weights (async GRPO: a token's logprob under the version
         #: that generated it), by version.
@@ -105,6 +107,10 @@ class PolicyRank(TrainerRank):
         """Per sequence: the most likely next token after each prefix and its log-prob, under the
         current weights (synced first, as :meth:`logprobs`)."""
         self._sync()
+        return self._top_synced(token_ids)
+
+    def _top_synced(self, token_ids: Sequence[Sequence[int]]) -> list[tuple[list[int], list[float]]]:
+        """:meth:`top_logprobs` on weights already whole (inside a refit, which synced them)."""
         return self.policy.top_logprobs(self._batch(token_ids))[: len(token_ids)]
 
     def snapshot(self, version: int, keep: Sequence[int]) -> int:

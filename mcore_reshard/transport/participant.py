@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import torch
 
@@ -31,7 +31,11 @@ from .executor import TransferOptions, TransferStats, execute_plan, raw_send_ban
 from ..wire.faults import Fault
 from .group import RefitGroup
 
-__all__ = ["RefitEndpoint", "Outcome", "Participant", "Prepared", "InPlace", "IN_PLACE"]
+__all__ = ["RefitEndpoint", "Outcome", "Participant", "Prepared", "InPlace", "IN_PLACE", "TopLogprobs"]
+
+#: A training rank's policy as a deferred canary needs it: per sequence, the most likely token
+#: after each prefix and its log-prob (``top_logprobs``: a collective of the trainers' groups).
+TopLogprobs = Callable[[list[list[int]]], Sequence[tuple[Sequence[int], Sequence[float]]]]
 
 
 @dataclass(frozen=True)
@@ -62,9 +66,10 @@ class Participant(Protocol):
     def prepare(self) -> Prepared: ...
 
     def check(self, canary: Canary) -> None:
-        """The canary vote (``RefitRequest.canary``, a blocking refit): after every rank
-        prepared, what this rank would serve is run on the canary; raises (a "no" vote) when
-        it fails. A rank that serves nothing has nothing to check."""
+        """The canary vote (``RefitRequest.canary``, complete): after every rank prepared, what
+        this rank would serve is run on the canary; raises (a "no" vote) when it fails. An
+        overlapped refit keeps it for its swap instead (the engine serves until then). A rank
+        that serves nothing has nothing to check."""
 
     def commit(self) -> None: ...
 
@@ -177,33 +182,33 @@ class RefitEndpoint:
         return self._slice
 
     def refit(self, request: RefitRequest, src_tensors: Mapping[str, torch.Tensor], sink: Any,
-              participant: Participant, *, progress: bool = False,
-              fault: Fault | None = None) -> tuple[Outcome, RankReport | None]:
+              participant: Participant, *, progress: bool = False, fault: Fault | None = None,
+              top: TopLogprobs | None = None) -> tuple[Outcome, RankReport | None]:
         """One whole refit on this rank: :meth:`transfer_and_vote`, then :meth:`conclude`.
         Returns the concluded outcome and this rank's report."""
         outcome, report = self.transfer_and_vote(request, src_tensors, sink, participant, progress=progress,
-                                                 fault=fault)
+                                                 fault=fault, top=top)
         return self.conclude(outcome, participant), report
 
     def transfer_and_vote(self, request: RefitRequest, src_tensors: Mapping[str, torch.Tensor], sink: Any,
-                          participant: Participant, *, progress: bool = False,
-                          fault: Fault | None = None) -> tuple[Outcome, RankReport | None]:
-        """The refit up to its decision: open, move this rank's bytes, prepare, vote. Nothing
-        served has changed yet (except in a streaming refit, which commits as layers complete).
-        Never raises: any failure is this rank's "no" vote, and the outcome names it. Returns
-        the outcome and this rank's report (None when it failed before one)."""
+                          participant: Participant, *, progress: bool = False, fault: Fault | None = None,
+                          top: TopLogprobs | None = None) -> tuple[Outcome, RankReport | None]:
+        """The refit up to its decision: open, move this rank's bytes, prepare, [the canary],
+        vote. Nothing served has changed yet (except in a streaming refit, which commits as
+        layers complete). Never raises: any failure is this rank's "no" vote, and the outcome
+        names it. Returns the outcome and this rank's report (None when it failed before one).
+
+        ``top``: a training rank's policy (its ``top_logprobs``), which fills in a deferred
+        canary's targets and reference after this rank's last byte (:meth:`meet_canary`)."""
         report, error = None, None
         try:
             stats = self._run(request, src_tensors, sink, participant, progress, fault)
             ready = participant.prepare()
             phases = dict(ready.phases)
-            if request.canary is not None and not request.overlap:
-                # Every rank staged before any engine runs its canary forward: that forward is a
-                # collective over the engine's workers, which one that failed must not leave
-                # waiting (a failed rank's abort ends this wait at once).
+            if request.canary is not None:
                 t0 = time.perf_counter()
-                self.group.control.exchange("staged", request.timeout_s)
-                participant.check(request.canary)
+                canary, phases["canary_reference"] = self.meet_canary(request, top)
+                participant.check(canary)
                 phases["canary"] = time.perf_counter() - t0
             report = self.report(stats, phases)
             report = replace(report, peak_extra_bytes=report.peak_extra_bytes + ready.held_bytes,
@@ -211,6 +216,35 @@ class RefitEndpoint:
         except BaseException as exc:  # noqa: BLE001 - voted on, then kept as the outcome
             error = exc
         return self.vote(request, report, error, fault=fault), report
+
+    def meet_canary(self, request: RefitRequest, top: TopLogprobs | None) -> tuple[Canary, float]:
+        """Every rank staged before any engine runs its canary forward: that forward is a
+        collective over an engine's workers, which one that failed must not leave waiting (a
+        failed rank's abort ends this wait at once). A deferred canary (``Canary.deferred``) is
+        completed here: the training ranks compute the policy's likely tokens and their
+        log-probs now -- one forward, a collective of the trainers' own groups, while the
+        engines still receive and stage -- and the first of them hands them to every rank in
+        this exchange. Returns the complete canary and this rank's seconds computing it."""
+        canary, mine, seconds = request.canary, "staged", 0.0
+        if canary.deferred and self.side == "src":
+            if top is None:
+                raise RefitError(f"{self.who}: the refit's canary leaves its reference to the trainers, and this rank "
+                                 "has no policy to compute it (SourceEndpoint(canary=policy.top_logprobs))")
+            t0 = time.perf_counter()
+            got = top([list(s) for s in canary.tokens])
+            seconds = time.perf_counter() - t0
+            if self.rank == 0:
+                mine = {"targets": [list(t) for t, _ in got], "reference": [list(lp) for _, lp in got]}
+        values = self.group.control.exchange(mine, request.timeout_s)
+        if not canary.deferred:
+            return canary, seconds
+        sent = [v for v in values if isinstance(v, dict)]
+        if len(sent) != 1:
+            raise RefitError(f"{self.who}: the canary's reference came from {len(sent)} training ranks, not 1")
+        try:
+            return canary.completed(list(zip(sent[0]["targets"], sent[0]["reference"]))), seconds
+        except (KeyError, TypeError, ValueError) as exc:
+            raise RefitError(f"{self.who}: the canary's reference is malformed: {first_error_line(exc)}") from exc
 
     def conclude(self, outcome: Outcome, participant: Participant) -> Outcome:
         """After the vote: the participant commits or aborts, as the decision says. A commit

@@ -22,7 +22,7 @@ from ..layout import LocalParam, ModelSpec
 from ..wire.faults import Fault
 from ..wire.protocol import JoinInfo, RankReport, RefitRequest
 from .injection import ExitAfterReads
-from .participant import IN_PLACE, Outcome, Participant, RefitEndpoint
+from .participant import IN_PLACE, Outcome, Participant, RefitEndpoint, TopLogprobs
 
 __all__ = ["SourceEndpoint", "all_gather_json"]
 
@@ -48,15 +48,19 @@ def all_gather_json(value: Any) -> list[Any]:
 class SourceEndpoint:
     """One training rank's end of the refit protocol (see the module docstring). ``rank`` is
     its rank among the trainers (the default process group's, by default); ``spec`` the model
-    its pieces are pieces of."""
+    its pieces are pieces of; ``canary`` the policy's ``top_logprobs``, which completes a refit's
+    deferred canary after this rank's last byte (``RefitEndpoint.meet_canary``; without it such a
+    refit is this rank's "no")."""
 
-    def __init__(self, spec: ModelSpec, *, rank: int | None = None, device: str = "cpu") -> None:
+    def __init__(self, spec: ModelSpec, *, rank: int | None = None, device: str = "cpu",
+                 canary: TopLogprobs | None = None) -> None:
         if rank is None:
             import torch.distributed as dist
 
             rank = dist.get_rank()
         self.spec = spec
         self.rank = rank
+        self.canary = canary
         self._endpoint = RefitEndpoint("src", self.rank, device)
         #: Every rank's report of the last refit, by refit-group rank (None: no vote).
         self.last_reports: list[RankReport | None] = []
@@ -105,7 +109,7 @@ class SourceEndpoint:
         elif raise_after_reads is not None:
             tensors = ExitAfterReads(tensors, raise_after_reads, raises=True)
         outcome, report = self._endpoint.refit(request, tensors, None, self.participant(), progress=progress,
-                                               fault=fault)
+                                               fault=fault, top=self.canary)
         self.last_outcome, self.last_reports = outcome, outcome.reports
         outcome.raise_if_failed()
         return report

@@ -23,7 +23,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Mapping, Sequence
 
 from ..errors import ConfigError
@@ -207,7 +207,13 @@ class Canary:
     The targets a refit sends are the policy's own most likely tokens (``refit.canary``'s
     reference is the trainers' ``top_logprobs``): the bound is NeMo RL's, measured on tokens the
     policy samples, and a sequence's random next tokens sit in the tail of a trained policy's
-    distribution, where two precisions' kernels legitimately differ by more than it."""
+    distribution, where two precisions' kernels legitimately differ by more than it.
+
+    A canary without ``reference`` (and ``targets``) is **deferred**: the training ranks compute
+    both during the refit, after their last byte is sent, and hand them to the engines at the
+    exchange every rank meets at before the canary's forward (``transport.participant``). The
+    trainers' forward then runs while the engines still receive and stage, off the refit's
+    critical path, instead of before the first byte (:meth:`completed`)."""
 
     tokens: tuple[tuple[int, ...], ...]
     reference: tuple[tuple[float, ...], ...]
@@ -221,7 +227,10 @@ class Canary:
         object.__setattr__(self, "targets", tuple(tuple(int(t) for t in s) for s in self.targets))
         if not self.tokens or any(len(s) < 2 for s in self.tokens):
             raise ConfigError("canary: needs at least one sequence of two or more tokens")
-        if len(self.reference) != len(self.tokens) or any(
+        if self.deferred:
+            if self.targets:
+                raise ConfigError("canary: targets without a reference (a deferred canary has neither)")
+        elif len(self.reference) != len(self.tokens) or any(
                 len(r) != len(s) - 1 for r, s in zip(self.reference, self.tokens)):
             raise ConfigError(f"canary: reference logprobs do not match the sequences ({len(self.reference)} for "
                               f"{len(self.tokens)}; one value per token after the first)")
@@ -231,6 +240,16 @@ class Canary:
                               f"{len(self.tokens)}; one token per position but the last)")
         if not isinstance(self.bound, (int, float)) or not self.bound > 1.0:
             raise ConfigError(f"canary: bound={self.bound!r} must be a token_mult_prob_error above 1.0")
+
+    @property
+    def deferred(self) -> bool:
+        """Whether the trainers fill in the targets and the reference during the refit."""
+        return not self.reference
+
+    def completed(self, top: Sequence[tuple[Sequence[int], Sequence[float]]]) -> "Canary":
+        """This canary with its targets and reference: ``top``, per sequence, the policy's most
+        likely token after each prefix and its log-prob (a trainer's ``top_logprobs``)."""
+        return replace(self, reference=tuple(tuple(lp) for _, lp in top), targets=tuple(tuple(t) for t, _ in top))
 
     def scored(self) -> tuple[tuple[int, ...], ...]:
         """The token scored after each prefix of each sequence: ``targets``, else its next token."""

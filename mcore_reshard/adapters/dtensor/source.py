@@ -37,7 +37,7 @@ import torch
 from ...layout import LayoutError, LocalParam, ModelSpec
 from ...layout.descriptor import Box, Piece, View, contiguous_strides
 from ...transport.checksum import checksums
-from ...transport.participant import IN_PLACE, InPlace, Participant
+from ...transport.participant import IN_PLACE, InPlace, Participant, TopLogprobs
 from ...transport.source import SourceEndpoint, all_gather_json
 
 __all__ = ["dtensor_params", "DTensorEndpoint", "canonical_name"]
@@ -110,8 +110,9 @@ class DTensorEndpoint(SourceEndpoint):
     local shards. Give it to vLLM's trainer API as ``TrainerShards(DTensorEndpoint(model, spec))``."""
 
     def __init__(self, model: torch.nn.Module, spec: ModelSpec, *, rank: int | None = None, device: str = "cpu",
-                 names: Callable[[str], str] = canonical_name, check_replicas: bool = True) -> None:
-        super().__init__(spec, rank=rank, device=device)
+                 names: Callable[[str], str] = canonical_name, check_replicas: bool = True,
+                 canary: TopLogprobs | None = None) -> None:
+        super().__init__(spec, rank=rank, device=device, canary=canary)
         self.model = model
         self.names = names
         self.check_replicas = check_replicas

@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from ...layout import LayoutError, LocalParam, ModelSpec
+from ...transport.participant import TopLogprobs
 from ...transport.source import SourceEndpoint
 from .live import _unwrap, describe, named_local_params
 from .lora import policy_peft
@@ -42,8 +43,9 @@ class TrainerEndpoint(SourceEndpoint):
     its pieces from the rules, checked against the live chunks; its tensors the chunks' own."""
 
     def __init__(self, model_chunks: Sequence[Any], spec: ModelSpec, *, rank: int | None = None,
-                 sync_params: Callable[[], None] | None = None, device: str = "cpu") -> None:
-        super().__init__(spec, rank=rank, device=device)
+                 sync_params: Callable[[], None] | None = None, device: str = "cpu",
+                 canary: TopLogprobs | None = None) -> None:
+        super().__init__(spec, rank=rank, device=device, canary=canary)
         self.chunks = list(model_chunks)
         self._sync = sync_params or (lambda: sync_params_before_refit(self.chunks))
         self._params: list[LocalParam] | None = None

@@ -148,9 +148,6 @@ class VllmApplier:
             if self.probe is None:
                 raise CanaryFailed("refit.canary: this worker has no canary forward")
             self.probe(None)
-            gap = self.shadows.trial_gap() if self.atomic else ""
-            if gap:
-                raise CanaryFailed(f"refit.canary with refit.atomic=true: {gap}")
         ready = self.delta_ready()
         self.sink.keep_baselines(request.delta != "off")
         return ready
@@ -164,11 +161,18 @@ class VllmApplier:
         return Prepared(phases, baseline_bytes=self.sink.baseline_bytes(),
                         held_bytes=self.shadows.nbytes() if self._overlap else 0)
 
-    def check(self, canary: Canary, every: bool = False) -> None:
-        """The canary vote of a blocking refit, after ``prepare``: the engine's forward on what
-        it would serve -- the staged weights (atomic: the live ones are untouched, and kept
-        for the rollback), or the live ones a streaming refit already wrote -- against the
-        trainers' logprobs. Raises (this worker's "no") when it fails."""
+    def check(self, canary: Canary) -> None:
+        """The canary vote, after ``prepare`` (``canary`` complete: a deferred one's reference
+        arrived from the trainers). A blocking refit runs it now: the engine's forward on what
+        it would serve -- the staged weights (atomic: the live ones are untouched, and kept for
+        the rollback), or the live ones a streaming refit already wrote -- against the trainers'
+        logprobs; raises (this worker's "no") when it fails. An overlapped refit keeps it for
+        its swap (:meth:`commit`): the engine serves the old weights until then."""
+        self._canary = canary
+        if not self._overlap:
+            self._run_canary(canary)
+
+    def _run_canary(self, canary: Canary, every: bool = False) -> None:
         with self.shadows.trial() if self.atomic else contextlib.nullcontext():
             self.probe(canary, every)
 
@@ -181,7 +185,9 @@ class VllmApplier:
         self._opened = False
         if self.atomic and self._overlap and self._canary is not None and self.state == "updating":
             try:
-                self.check(self._canary, every=True)
+                if self._canary.deferred:  # never completed: no rank should have voted yes
+                    raise CanaryFailed("the canary's reference never arrived from the trainers")
+                self._run_canary(self._canary, every=True)
             except BaseException as exc:
                 self._fail(f"canary failed: {exc}")
                 raise

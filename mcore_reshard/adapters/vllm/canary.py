@@ -18,8 +18,7 @@ tensor-parallel collectives of the forward), and every worker gets the whole log
 Supported: decoder models whose layers with forward-time state are vLLM's standard
 ``Attention`` or its ``MLAAttention`` (any backend with a metadata builder) and ``FusedMoE``;
 on one pipeline stage; without LoRA. :func:`unsupported` says in one line why another engine
-cannot run it. (An MLA engine runs it on live weights only: a streaming refit;
-``Shadows.trial_gap``.)
+cannot run it.
 """
 
 from __future__ import annotations

@@ -177,25 +177,17 @@ class Shadows:
             self.commit_layer(st)
         self.staged.clear()
 
-    def trial_gap(self) -> str:
-        """Why :meth:`trial` cannot stand for this model's forward ("" when it can). An MLA
-        model (DeepSeek-V3's family): on a tiny DeepSeek-V3 a correct refit's canary on the
-        trial view gave 1.016 against fp32's 1.001 -- some state the forward reads is not
-        carried into the view (not found yet; rebuilding W_UK/W_UV there did not change it) --
-        while the same refits streamed, the canary on the live weights, passed."""
-        if self._absorbers:
-            return ("this engine's MLA forward is not reproduced by the staged trial view: run the canary with "
-                    "refit.atomic=false (streaming) on it")
-        return ""
-
     @contextlib.contextmanager
     def trial(self) -> Iterator[None]:
         """While inside, a forward of the live model reads what this refit holds (the canary's
         view of the new weights), and the live tensors are untouched: each staged parameter's
         ``data`` points at its staged copy, each processed shadow's tensors and kernel handles
-        stand in its live layer (the same objects, so vLLM's forward context still finds
-        them); on the way out everything live is put back as it was. Only where no model
-        step runs meanwhile (the engine paused, the worker inside a refit call)."""
+        stand in its live layer (the same module objects, so vLLM's forward context still
+        finds them, and the same Parameter objects, their data the shadow's: a module built
+        around another's parameter -- vLLM's DeepSeek router holds the gate's
+        ``e_score_correction_bias`` -- reads the new values too); on the way out everything live
+        is put back as it was. Only where no model step runs meanwhile (the engine paused, the
+        worker inside a refit call)."""
         undo: list[Callable[[], None]] = []
         try:
             for name, staged in self.staged.items():
@@ -208,7 +200,19 @@ class Shadows:
             pairs += [pair for st in self.layers.values() if not st.committed for pair in st.dependents]
             for live, shadow in pairs:
                 state = (dict(live._parameters), dict(live._buffers), dict(live.__dict__))
-                live._parameters.update({k: v for k, v in shadow._parameters.items() if v is not None})
+                for k, v in shadow._parameters.items():
+                    cur = live._parameters.get(k)
+                    if v is None or cur is v:
+                        continue
+                    if cur is None:
+                        live._parameters[k] = v  # put back with the rest of the module's state
+                        continue
+                    # The live Parameter object stays, its data is the shadow's: modules built
+                    # around it hold the object itself (vLLM's DeepSeek router holds the gate's
+                    # ``e_score_correction_bias``), and must read the new values through it.
+                    old = cur.data
+                    cur.data = v.data
+                    undo.append(lambda p=cur, o=old: setattr(p, "data", o))
                 live._buffers.update({k: v for k, v in shadow._buffers.items() if v is not None})
                 live.__dict__.update({k: v for k, v in shadow.__dict__.items() if carried(k)})
 

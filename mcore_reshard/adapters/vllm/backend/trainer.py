@@ -67,6 +67,7 @@ from ....transport.sequence import EngineRefit, EngineRun
 from ....transport.source import all_gather_json as _all_gather_json
 from ....wire.protocol import (BACKEND, EngineInitInfo, EngineUpdateInfo, JoinInfo, RankMap, RefitRequest, VerifyMode,
                                WorkerLayout, first_error_line, refit_id)
+from ....wire.canary import make_canary
 from ....wire.slice_store import publish_slices, slice_digests
 from ..lora_rules import vllm_lora_layout
 from ..mtp_rules import vllm_draft_rank_params
@@ -98,7 +99,11 @@ class ReshardTrainerInitInfo(TrainerInitInfo):
     with ``enable_lora`` (the first ``send_weights`` moves base and adapter, every later one the
     adapter only); ``engine_speculative_config`` (vLLM's ``speculative_config``, method ``mtp``):
     the engine drafts with the model's MTP layers, which move with the target in one vote;
-    ``engine_quantization="fp8_per_block"``: a block-FP8 engine, quantized at the senders."""
+    ``engine_quantization="fp8_per_block"``: a block-FP8 engine, quantized at the senders.
+
+    ``canary`` (``refit.canary``; ``canary_bound`` 0: the engine precision's, ``canary_sequences``,
+    ``canary_tokens``): every refit carries a deferred canary, whose reference each rank's
+    endpoint computes after its last byte (``TrainerEndpoint(..., canary=policy.top_logprobs)``)."""
 
     backend: ClassVar[str] = BACKEND
 
@@ -118,6 +123,10 @@ class ReshardTrainerInitInfo(TrainerInitInfo):
     peft: PeftConfig | dict | None = None
     engine_speculative_config: dict | None = None
     engine_quantization: str | None = None
+    canary: bool = False
+    canary_bound: float = 0.0
+    canary_sequences: int = 2
+    canary_tokens: int = 16
 
 
 class TrainerShards(WeightSource):
@@ -209,8 +218,16 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
                                bucket_bytes=init_info.bucket_bytes, allow_cast=init_info.allow_cast)
         except LayoutError as exc:
             raise ConfigError(f"{BACKEND} trainer engine: {first_error_line(exc)}") from None
+        canary = None
+        if init_info.canary:
+            if getattr(ep, "canary", None) is None:
+                raise ConfigError(f"init_info.canary: this rank's endpoint has no policy to compute the canary's "
+                                  f"reference with ({type(ep).__name__}(..., canary=policy.top_logprobs))")
+            canary = make_canary(spec.vocab, engine_spec.dtype, init_info.canary_sequences, init_info.canary_tokens,
+                                 init_info.canary_bound)
         request = RefitRequest(plans.plan.digest(), VerifyMode(init_info.verify), init_info.timeout_s,
-                               init_info.atomic, delta=init_info.delta, encoders=moves_encoder(plans.plan, spec))
+                               init_info.atomic, delta=init_info.delta, encoders=moves_encoder(plans.plan, spec),
+                               canary=canary)
         engine = cls(client=client, source=source, is_sender=init_info.is_sender, plans=plans, request=request,
                      host=init_info.host, port=init_info.port, peft=peft)
         if draft:  # the engine learns where its draft is (vLLM's draft session, nothing sent): every rank hears

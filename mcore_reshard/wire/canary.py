@@ -16,7 +16,7 @@ import random
 from typing import Callable, Sequence
 
 from ..errors import ConfigError
-from ..wire.protocol import Canary
+from .protocol import Canary
 
 __all__ = ["TOKEN_MULT_PROB_BOUND", "canary_sequences", "make_canary", "canary_bound"]
 
@@ -45,13 +45,17 @@ def canary_bound(dtype: str, override: float = 0.0) -> float:
 
 
 def make_canary(vocab: int, dtype: str, count: int, length: int, bound: float,
-                top: Callable[[list[list[int]]], Sequence[tuple[Sequence[int], Sequence[float]]]]) -> Canary:
+                top: Callable[[list[list[int]]], Sequence[tuple[Sequence[int], Sequence[float]]]] | None = None
+                ) -> Canary:
     """The canary of one refit: the fixed sequences, and after each prefix the token the policy
     being sent finds most likely and its log-prob there (``top(sequences)``: the trainers'
     ``top_logprobs``) -- the targets and the reference -- and the bound. Likely tokens, not the
     sequences' own: the precision's bound holds for the tokens a policy samples, not for its
-    distribution's tail (``wire.protocol.Canary``)."""
+    distribution's tail (``wire.protocol.Canary``).
+
+    ``top=None`` (what the driver sends): a **deferred** canary -- the training ranks compute
+    the targets and the reference inside the refit, after their last byte, while the engines
+    still receive and stage (``Canary.deferred``), instead of before the first byte."""
     seqs = canary_sequences(vocab, count, length)
-    got = top([list(s) for s in seqs])
-    return Canary(seqs, tuple(tuple(lp) for _, lp in got), canary_bound(dtype, bound), dtype,
-                  targets=tuple(tuple(tok) for tok, _ in got))
+    deferred = Canary(seqs, (), canary_bound(dtype, bound), dtype)
+    return deferred if top is None else deferred.completed(top([list(s) for s in seqs]))
