@@ -89,11 +89,15 @@ def test_plain_q_expert_parallel_into_a_tp2_engine(tmp_path, shared_engine):
 def test_the_canary_runs_on_an_mla_engine_streamed_and_atomic(setup):
     """The canary's forward on an MLA engine (CPU_MLA's own metadata builder), across training
     refits, each within fp32's bound: two streamed (``refit.atomic=false``: the canary reads the
-    live weights), then two atomic (it reads the staged trial view). The atomic ones failed every
+    live weights), then two atomic (it reads the staged trial view, MLA's absorbed weights rebuilt
+    there from the staged ``kv_b_proj``), then one with those absorbed weights left stale. The atomic ones failed every
     correct refit (4.2 against 1.001 here) until the trial view kept the live Parameter objects:
     vLLM's DeepSeek router holds the gate's ``e_score_correction_bias`` itself, and read the old
     bias while the gate's entry pointed at the shadow's."""
     from dataclasses import replace as _replace
+
+    from mcore_reshard.errors import RefitFailed
+    from mcore_reshard.wire.faults import EngineFault, Faults
 
     spec, ckpt, llm, _want = setup
     cfg = _replace(CFG, verify=VerifyMode.CHECKSUM, canary=True, atomic=False)
@@ -105,3 +109,13 @@ def test_the_canary_runs_on_an_mla_engine_streamed_and_atomic(setup):
             m = c.refit_once()
             assert m.verified and m.phases["dst_canary"] > 0
             assert c.logprob_error(TOKENS) < FP32_BOUND
+        # Decode-only state: MLA's absorbed W_UK/W_UV, which only the decode path reads, left
+        # stale. The bytes and every prefill are right; the canary's decode step catches it,
+        # and the old weights stay served.
+        served = prompt_logprobs(llm, TOKENS)
+        c.step(TOKENS)
+        with pytest.raises(RefitFailed, match=r"canary \d of 2 .*token_mult_prob_error [0-9.]+ > bound 1\.001"):
+            c.driver.refit(faults=Faults(engine=EngineFault(rank=0, skip_absorption=True)))
+        assert prompt_logprobs(llm, TOKENS) == served
+        m = c.refit_once()  # the same weights, absorbed: passes
+        assert m.verified and c.logprob_error(TOKENS) < FP32_BOUND

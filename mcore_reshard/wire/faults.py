@@ -102,6 +102,9 @@ class EngineFault:
     #: The worker's LM head is cut loose from the tied embedding before the refit, so the refit
     #: updates the embedding only (a tied head updated on one side).
     untie_head: bool = False
+    #: MLA's absorbed ``W_UK``/``W_UV`` are not rebuilt from the refit's ``kv_b_proj`` (state
+    #: only decoding reads left stale; prefills still compute with the new weights).
+    skip_absorption: bool = False
 
     def strikes(self, rank: int) -> bool:
         """Whether this fault is for destination ``rank``."""
@@ -118,7 +121,7 @@ class EngineFault:
                            int(d["exit_after_writes"]) if d.get("exit_after_writes") is not None else None,
                            str(d["alter_baseline"]) if d.get("alter_baseline") is not None else None,
                            str(d["skip_processing"]) if d.get("skip_processing") is not None else None,
-                           bool(d.get("untie_head", False)))
+                           bool(d.get("untie_head", False)), bool(d.get("skip_absorption", False)))
 
     def to_wire(self) -> dict[str, Any]:
         """``EngineUpdateInfo.fault``: what the weight-transfer engine reads."""
@@ -133,6 +136,8 @@ class EngineFault:
             out["skip_processing"] = self.skip_processing
         if self.untie_head:
             out["untie_head"] = True
+        if self.skip_absorption:
+            out["skip_absorption"] = True
         return out
 
 

@@ -7,10 +7,11 @@ sequences (``wire.protocol.Canary``) over the weights it is about to serve and v
 prompt logprobs differ from the trainers' by more than the bound.
 
 The forward is vLLM's own model (its kernels, its repacked and derived tensors) run outside the
-scheduler, so no client request is ever scheduled on weights that have not passed: one prefill
-request per sequence, with the attention metadata built by each layer group's own metadata
-builder and a private KV cache of just the blocks it needs (the engine's KV cache, and the
-requests paused in it, are not touched). Run where no model step runs meanwhile: inside
+scheduler, so no client request is ever scheduled on weights that have not passed: per
+sequence, one prefill and then one decode step reading its KV cache (state only decoding reads,
+such as MLA's absorbed ``W_UK``/``W_UV``, is checked too), with the attention metadata built by
+each layer group's own metadata builder and a private KV cache of just the blocks it needs (the
+engine's KV cache, and the requests paused in it, are not touched). Run where no model step runs meanwhile: inside
 ``update_weights`` (the engine is paused for a blocking refit) or ``finish_weight_update``
 (paused for an overlapped refit's swap). Every worker of the engine runs it at once (the
 tensor-parallel collectives of the forward), and every worker gets the whole logits.
@@ -76,11 +77,15 @@ def _blocks_dim(cache: torch.Tensor, vllm_config: Any) -> int:
                      f"({blocks} blocks)")
 
 
-def _metadata(vllm_config: Any, device: torch.device, n: int) -> tuple[dict[str, Any], dict[str, torch.Tensor],
-                                                                         dict[str, torch.Tensor]]:
-    """One prefill request of ``n`` tokens: every attention layer's metadata (built by its
-    backend's own builder, one per group of layers with one KV cache spec), slot mapping, and a
-    private KV cache holding just its blocks."""
+def _metadata(vllm_config: Any, device: torch.device, start: int, end: int,
+              caches: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, Any], dict[str, torch.Tensor],
+                                                                     dict[str, torch.Tensor]]:
+    """One request whose tokens ``[start, end)`` are computed now over a context of ``end``
+    (``start`` 0: a prefill; ``end - start`` 1 after a prefill: a decode step, which the
+    backends run on their decode path): every attention layer's metadata (built by its
+    backend's own builder, one per group of layers with one KV cache spec), slot mapping, and
+    a private KV cache holding just its blocks (``caches``: the prefill's, which the decode
+    step reads)."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
     kinds = _attention_types()
@@ -92,28 +97,31 @@ def _metadata(vllm_config: Any, device: torch.device, n: int) -> tuple[dict[str,
             groups.setdefault((layer.attn_backend, spec), []).append(name)
     md: dict[str, Any] = {}
     slots: dict[str, torch.Tensor] = {}
-    caches: dict[str, torch.Tensor] = {}
+    fresh = caches is None
+    caches = {} if caches is None else caches
+    q = end - start
     for (backend, spec), names in groups.items():
         bs = spec.block_size
-        nb = (n + bs - 1) // bs
-        qsl = torch.tensor([0, n], dtype=torch.int32)
+        nb = (end + bs - 1) // bs
+        qsl = torch.tensor([0, q], dtype=torch.int32)
         common = CommonAttentionMetadata(
-            query_start_loc=qsl.to(device), query_start_loc_cpu=qsl, seq_lens=torch.tensor([n], dtype=torch.int32,
-                                                                                         device=device),
-            num_reqs=1, num_actual_tokens=n, max_query_len=n, max_seq_len=n,
+            query_start_loc=qsl.to(device), query_start_loc_cpu=qsl,
+            seq_lens=torch.tensor([end], dtype=torch.int32, device=device),
+            num_reqs=1, num_actual_tokens=q, max_query_len=q, max_seq_len=end,
             block_table_tensor=torch.arange(nb, dtype=torch.int32, device=device)[None],
-            slot_mapping=torch.arange(n, dtype=torch.int64, device=device), causal=True,
-            seq_lens_cpu_upper_bound=torch.tensor([n], dtype=torch.int32),
-            is_prefilling=torch.tensor([True], device=device))
+            slot_mapping=torch.arange(start, end, dtype=torch.int64, device=device), causal=True,
+            seq_lens_cpu_upper_bound=torch.tensor([end], dtype=torch.int32),
+            is_prefilling=torch.tensor([start == 0], device=device))
         builder = backend.get_builder_cls()(spec, names, vllm_config, device)
         built = builder.build(0, common)
         for name in names:
             layer = layers[name]
             md[name], slots[name] = built, common.slot_mapping
-            live = layer.kv_cache
-            shape = list(live.shape)
-            shape[_blocks_dim(live, vllm_config)] = nb  # the backend's own layout, with just these blocks
-            caches[name] = torch.zeros(shape, dtype=live.dtype, device=live.device)
+            if fresh:
+                live = layer.kv_cache
+                shape = list(live.shape)
+                shape[_blocks_dim(live, vllm_config)] = nb  # the backend's own layout, with just these blocks
+                caches[name] = torch.zeros(shape, dtype=live.dtype, device=live.device)
     return md, slots, caches
 
 
@@ -122,33 +130,46 @@ def engine_logprobs(vllm_config: Any, model: torch.nn.Module, device: torch.devi
                     sequences: Sequence[Sequence[int]], targets: Sequence[Sequence[int]]) -> list[list[float]]:
     """The log-probability after each prefix of each sequence (``len(s) - 1`` values) of its
     target token (``Canary.scored``: the policy's likely tokens, or the sequence's own next
-    ones, as vLLM's ``prompt_logprobs`` scores them), from ``model``'s current weights."""
+    ones, as vLLM's ``prompt_logprobs`` scores them), from ``model``'s current weights.
+
+    Each sequence is one prefill of all its prefixes but the longest, then one **decode step**
+    for that one, reading the prefill's KV cache: the state only decoding reads (MLA's absorbed
+    ``W_UK``/``W_UV`` on vLLM's CPU and GPU MLA backends) is checked too."""
     from vllm.forward_context import set_forward_context
 
     layers = _forward_layers(vllm_config)
     out: list[list[float]] = []
-    built: dict[int, tuple] = {}  # by length: every position is written before it is read
+    # by length: (the private KV caches, each step's tokens and metadata); every position is
+    # written before it is read
+    built: dict[int, tuple[dict[str, torch.Tensor], list[tuple]]] = {}
     for i, seq in enumerate(sequences):
         ids = [int(t) for t in seq]
-        n = len(ids)
+        n = len(ids) - 1  # the scored positions: each prefix's last token
         if n not in built:
-            built[n] = _metadata(vllm_config, device, n)
-        md, slots, caches = built[n]
+            caches, steps = None, []
+            for start, end in ([(0, n)] if n < 2 else [(0, n - 1), (n - 1, n)]):
+                md, slots, caches = _metadata(vllm_config, device, start, end, caches)
+                steps.append((start, end, md, slots))
+            built[n] = (caches, steps)
+        caches, steps = built[n]
         saved = {name: layers[name].kv_cache for name in caches}
+        logits = []
         try:
             for name, cache in caches.items():
+                cache.zero_()
                 layers[name].kv_cache = cache
-            x = torch.tensor(ids, dtype=torch.long, device=device)
-            pos = torch.arange(n, dtype=torch.long, device=device)
-            with set_forward_context(md, vllm_config, num_tokens=n, slot_mapping=slots):
-                hidden = model(input_ids=x, positions=pos)
-            logits = model.compute_logits(hidden)
+            for start, end, md, slots in steps:
+                x = torch.tensor(ids[start:end], dtype=torch.long, device=device)
+                pos = torch.arange(start, end, dtype=torch.long, device=device)
+                with set_forward_context(md, vllm_config, num_tokens=end - start, slot_mapping=slots):
+                    hidden = model(input_ids=x, positions=pos)
+                logits.append(model.compute_logits(hidden))
         finally:
             for name, cache in saved.items():
                 layers[name].kv_cache = cache
-        lp = torch.log_softmax(logits.float(), dim=-1)
+        lp = torch.log_softmax(torch.cat(logits).float(), dim=-1)
         target = torch.tensor([int(t) for t in targets[i]], dtype=torch.long, device=lp.device)
-        out.append(lp[:-1].gather(1, target[:, None])[:, 0].cpu().tolist())
+        out.append(lp.gather(1, target[:, None])[:, 0].cpu().tolist())
     return out
 
 

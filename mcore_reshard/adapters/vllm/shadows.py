@@ -78,6 +78,9 @@ class Shadows:
         #: Fault injection (``EngineFault.skip_processing``, tests only): the layers holding these
         #: local parameters are not processed after loading -- their kernel state stays stale.
         self.skip_processing: frozenset[str] = frozenset()
+        #: Fault injection (``EngineFault.skip_absorption``, tests only): MLA's absorbed weights
+        #: are not rebuilt from a refit's ``kv_b_proj`` (stale state only decoding reads).
+        self.skip_absorption = False
         self.reset()
 
     def reset(self) -> None:
@@ -162,9 +165,10 @@ class Shadows:
         st.dependents = []
         st.committed = True
         st.shadow = st.layer  # the shadow's tensors are released with it
-        with self.device:
-            for attn in self._absorbers.get(id(st.layer), ()):
-                reabsorb(attn)
+        if self.absorbs(st):
+            with self.device:
+                for attn in self._absorbers.get(id(st.layer), ()):
+                    reabsorb(attn)
 
     def swap_in(self) -> None:
         """The refit's commit (atomic): every staged copy into its live tensor, every shadow
@@ -225,10 +229,43 @@ class Shadows:
                     m.__dict__.update(saved[2])
 
                 undo.append(back)
+            for st in self.layers.values():
+                if not st.committed and self.absorbs(st):
+                    for attn in self._absorbers.get(id(st.layer), ()):
+                        undo.append(self._trial_absorb(attn))
             yield
         finally:
             for fn in reversed(undo):
                 fn()
+
+    def absorbs(self, st: LayerShadow) -> bool:
+        """Whether MLA's absorbed weights are rebuilt from this layer (fault injection:
+        ``skip_absorption``, tests only, leaves them stale -- state only decoding reads)."""
+        return not (self.skip_absorption and self._absorbers.get(id(st.layer)))
+
+    def _trial_absorb(self, attn: torch.nn.Module) -> Callable[[], None]:
+        """MLA's absorbed ``W_UK``/``W_UV`` of ``attn`` rebuilt from the ``kv_b_proj`` the trial
+        view shows, into fresh tensors (vLLM copies into the existing ones: those are the live
+        weights, kept for the rollback). Returns what puts the live ones back. Holds one layer's
+        absorbed weights beside the live ones while the view lasts."""
+        state = (dict(attn._parameters), dict(attn._buffers), dict(attn.__dict__))
+        live = [(q, q.data) for q in attn._parameters.values() if q is not None]
+        for q, data in live:
+            q.data = torch.empty_like(data)
+        with self.device:
+            reabsorb(attn)
+
+        def back() -> None:
+            attn._parameters.clear()
+            attn._parameters.update(state[0])
+            attn._buffers.clear()
+            attn._buffers.update(state[1])
+            attn.__dict__.clear()
+            attn.__dict__.update(state[2])
+            for q, data in live:
+                q.data = data
+
+        return back
 
     def drop(self) -> None:
         """The refit failed: uncommitted layers changed only their shadows, and staged copies

@@ -264,6 +264,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUpd
         applier = self.applier(request.atomic)
         applier.shadows.skip_processing = frozenset(
             [fault.skip_processing] if fault is not None and fault.skip_processing else [])
+        applier.shadows.skip_absorption = fault is not None and fault.skip_absorption
         if fault is not None and fault.untie_head:
             untie_head(self._default_model)
         participant: Any = applier
