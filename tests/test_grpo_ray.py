@@ -290,13 +290,13 @@ def _steps(r: dict, n: int) -> list[dict]:
     return steps
 
 
-def _two_steps(recipe: Path) -> Callable[[Path], dict]:
+def _two_steps(recipe: Path, *overrides: str) -> Callable[[Path], dict]:
     """A background job: ``mcore-reshard grpo recipe`` for two steps, ``verify=full`` on the last."""
 
     def run(workdir: Path) -> dict:
         logs = workdir / "logs"
         cmd = [sys.executable, "-m", "mcore_reshard.cli", "grpo", str(recipe), "grpo.max_num_steps=2",
-               "grpo.verify_full_every_n_steps=2", f"logger.log_dir={logs}"]
+               "grpo.verify_full_every_n_steps=2", f"logger.log_dir={logs}", *overrides]
         return _cli(cmd, logs, 400)
 
     return run
@@ -344,15 +344,17 @@ def test_megatron_fsdp_run_refits_every_step_verified():
     _two_verified_steps(BACKGROUND.result("grpo-fsdp", _fsdp_run))
 
 
-_dtensor_run = _two_steps(DTENSOR_RECIPE)
+_dtensor_run = _two_steps(DTENSOR_RECIPE, "policy.dtensor_cfg.mcore_reshard.canary=true")
 
 
 def test_dtensor_run_refits_every_step_verified():
     """NeMo RL's DTensor policy (``recipes/grpo-tiny-dtensor-cpu.yaml``: ``policy.dtensor_cfg``,
     FSDP2 over two ranks) on Ray: every step's refit moves the engine's minimum from the ranks'
     own shards, verified, ``verify=full`` on the last, and the rollouts' logprobs match the
-    policy's forward at fp32's bound."""
-    _two_verified_steps(BACKGROUND.result("grpo-dtensor", _dtensor_run))
+    policy's forward at fp32's bound. The canary is on (``mcore_reshard.canary``): every refit's
+    engine checked its forward against the reference the DTensor ranks computed inside it."""
+    steps = _two_verified_steps(BACKGROUND.result("grpo-dtensor", _dtensor_run))
+    assert all(s["refit_canary_s"] > 0 for s in steps), steps
 
 
 _llava_run = _two_steps(LLAVA_RECIPE)

@@ -87,6 +87,9 @@ class StepMetrics:
     refit_bytes_headers: int = 0
     refit_delta: bool = False
     refit_delta_fraction: float = 1.0
+    #: The canary vote (``refit.canary``): the engines' seconds in it (0.0: off), a refit that
+    #: failed it having stopped the run.
+    refit_canary_s: float = 0.0
 
 
 class GrpoRun:
@@ -347,7 +350,7 @@ class GrpoRun:
         sm = StepMetrics(step, sum(rewards) / len(rewards), loss, tmpe, m.verified, full, m.bytes_moved, m.bytes_min,
                          {k: round(v, 4) for k, v in timing.items()}, m.bytes_same_device, trained_version,
                          (min(flat), max(flat)), age, off_policy, dropped, snapshot_bytes, m.bytes_full,
-                         m.bytes_headers, m.delta, m.delta_fraction)
+                         m.bytes_headers, m.delta, m.delta_fraction, round(m.phases.get("dst_canary", 0.0), 4))
         self.history.append(sm)
         return sm
 
