@@ -163,6 +163,7 @@ def test_an_fp8_engine_is_planned_as_the_driver_plans_it_quantized_at_the_sender
     ({"engine_quantization": "fp8_per_block", "peft": PEFT.to_wire()}, "init_info.peft with engine_quantization=fp8_per_block"),
     ({"engine_speculative_config": {"method": "eagle"}}, "engine_speculative_config.method='eagle'"),
     ({"engine_speculative_config": {"method": "mtp"}}, "has no MTP layers"),
+    ({"canary": True}, "init_info.canary: this rank's endpoint has no policy"),
 ])
 def test_combinations_the_sides_cannot_hold_are_refused_in_one_line(info: dict, line: str):
     from mcore_reshard.adapters.vllm.backend import ReshardTrainerInitInfo
@@ -171,5 +172,5 @@ def test_combinations_the_sides_cannot_hold_are_refused_in_one_line(info: dict, 
 
     spec, src, _ = _fp8_sides()
     with pytest.raises(ConfigError) as exc:
-        check_features(ReshardTrainerInitInfo(rank=0, **info), spec, src)
+        check_features(ReshardTrainerInitInfo(rank=0, **info), spec, src, canary_source=False)
     assert line in str(exc.value) and "\n" not in str(exc.value), str(exc.value)

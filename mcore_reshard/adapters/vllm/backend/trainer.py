@@ -202,7 +202,7 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
         every = _all_gather_json(WorkerLayout(tuple(ep.describe())).to_wire())
         src = SideLayout("megatron-live", len(every),
                          tuple(p for rows in every for p in WorkerLayout.from_wire(rows).params), spec.tensor_table())
-        peft, draft = check_features(init_info, spec, src)
+        peft, draft = check_features(init_info, spec, src, canary_source=getattr(ep, "canary", None) is not None)
         par = VllmParallel(tp=init_info.engine_tp, pp=init_info.engine_pp, dp=init_info.engine_dp,
                            enable_ep=init_info.engine_enable_ep, quantization=init_info.engine_quantization)
         engine_spec = spec.with_dtype(init_info.engine_dtype or spec.dtype)
@@ -220,9 +220,6 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
             raise ConfigError(f"{BACKEND} trainer engine: {first_error_line(exc)}") from None
         canary = None
         if init_info.canary:
-            if getattr(ep, "canary", None) is None:
-                raise ConfigError(f"init_info.canary: this rank's endpoint has no policy to compute the canary's "
-                                  f"reference with ({type(ep).__name__}(..., canary=policy.top_logprobs))")
             canary = make_canary(spec.vocab, engine_spec.dtype, init_info.canary_sequences, init_info.canary_tokens,
                                  init_info.canary_bound)
         request = RefitRequest(plans.plan.digest(), VerifyMode(init_info.verify), init_info.timeout_s,
@@ -331,9 +328,14 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
         self.endpoint.leave()
 
 
-def check_features(info: ReshardTrainerInitInfo, spec: Any, src: SideLayout) -> tuple[PeftConfig | None, bool]:
+def check_features(info: ReshardTrainerInitInfo, spec: Any, src: SideLayout,
+                   canary_source: bool = True) -> tuple[PeftConfig | None, bool]:
     """(the LoRA policy, whether the engine drafts) from ``info``, checked against each other,
-    the model and what the trainers hold: one line naming the field, before the engine is called."""
+    the model and what the trainers hold: one line naming the field, before the engine is called.
+    ``canary_source``: whether this rank's endpoint can compute a canary's reference."""
+    if info.canary and not canary_source:
+        raise ConfigError("init_info.canary: this rank's endpoint has no policy to compute the canary's reference "
+                          "with (TrainerEndpoint(..., canary=policy.top_logprobs))")
     peft = info.peft
     if isinstance(peft, dict):
         try:
