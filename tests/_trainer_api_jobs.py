@@ -35,7 +35,7 @@ def trainer_api_job(ctx: WorldCtx, ckpt: str, dtype: str, par: MegatronParallel,
                           mtp=build.get("mtp", False))
     policy.load_canonical(load_canonical(ckpt))
     source = TrainerShards(TrainerEndpoint(policy.chunks, spec, sync_params=policy.sync_params,
-                                           canary=policy.top_logprobs))
+                                           canary=policy.top_logprobs, canary_draft=policy.draft_top_logprobs))
     client = ForwardingClient(calls, replies)
     engine = WeightTransferTrainerFactory.trainer_init(ReshardTrainerInitInfo(rank=ctx.rank, **info), client=client,
                                                        source=source)

@@ -191,3 +191,42 @@ def _greedy(llm, enqueue: bool = False) -> list[list[int]]:
     waiter.join(60)
     assert "out" in got, "enqueued requests did not complete"
     return [list(o.outputs[0].token_ids) for o in got["out"]]  # in request order, as vLLM sorts them
+
+
+def test_the_canary_checks_the_draft_and_refuses_a_stale_one(engine):
+    """With ``refit.canary`` on, a drafting engine's canary checks its MTP draft too: the
+    drafter's log-probs two tokens ahead, on the target's hidden states of the canary's
+    sequences, against megatron's MTP head (``draft_top_logprobs``), inside the same vote.
+    Correct refits across training pass it. A draft whose post-load processing is skipped for
+    one layer (its bytes right, its kernel stale) leaves every target logprob as it is --
+    speculative decoding is lossless -- yet fails the refit, and the old target and draft stay
+    served."""
+    from dataclasses import replace
+
+    from mcore_reshard.adapters.megatron.rules import MegatronParallel
+    from mcore_reshard.adapters.vllm.engine import prompt_logprobs
+    from mcore_reshard.errors import RefitFailed
+    from mcore_reshard.jobs.refit import local_cluster
+    from mcore_reshard.settings.policy import RefitConfig
+    from mcore_reshard.wire.faults import EngineFault, Faults
+
+    ckpt, spec, llm = engine
+    cfg = RefitConfig(timeout_s=60.0, canary=True)
+    with local_cluster(spec, ckpt, MegatronParallel(tp=1), VllmParallel(tp=1), cfg, train={"lr": 0.01},
+                       engines=[llm], speculative_config=SPEC) as c:
+        d = c.driver
+        assert d.request().canary.draft
+        for s in (0, 2):
+            c.pool.train_step([(PATTERN * 4)[s:s + 24]]).wait()
+            m = d.refit()
+            assert m.verified and m.phases["dst_canary"] > 0
+        served = llm.collective_rpc("mr_draft_checksums")[0]
+        served_lp = prompt_logprobs(llm, (PATTERN * 3)[:16])
+        stale = next(p.name for p in d.dst.params if p.name.startswith("draft.") and p.name.endswith("o_proj.weight"))
+        c.pool.train_step([(PATTERN * 4)[1:25]]).wait()
+        with pytest.raises(RefitFailed, match=r"draft canary \d of 2 .*token_mult_prob_error [0-9.]+ > bound 1\.001"):
+            d.refit(replace(d.request(), delta="off"), faults=Faults(engine=EngineFault(0, skip_processing=stale)))
+        assert llm.collective_rpc("mr_draft_checksums")[0] == served
+        assert prompt_logprobs(llm, (PATTERN * 3)[:16]) == served_lp
+        m = d.refit()  # the same weights, processed: passes
+        assert m.verified and llm.collective_rpc("mr_draft_checksums")[0] != served

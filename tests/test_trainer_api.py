@@ -105,7 +105,8 @@ def test_an_mtp_draft_moves_with_the_target_in_one_vote(ckpt_cache, shared_engin
     """A DeepSeek-V3 policy with megatron's MTP block into an engine drafting with the MTP
     layers (``engine_speculative_config``): every draft tensor is in the one plan, every rank
     of both sides verifies it at the plan's minimum, and the engine serves what megatron
-    computes."""
+    computes. The canary is on: every engine rank checked the target and the draft (the
+    endpoint's ``canary_draft``: megatron's MTP head) inside the vote."""
     from mcore_reshard.adapters.vllm.engine import prompt_logprobs
     from mcore_reshard.layout import load_model_spec
     from mcore_reshard.layout.mtp import draft_tensors
@@ -117,7 +118,7 @@ def test_an_mtp_draft_moves_with_the_target_in_one_vote(ckpt_cache, shared_engin
     ckpt = ckpt_cache.get(family="deepseek_v3", dtype="float32", overrides={"num_nextn_predict_layers": 1})
     llm = shared_engine(ckpt, tp=1, dtype="float32", engine_args=MTP_ENGINE)  # test_mtp_vllm's, cached
     before = prompt_logprobs(llm, TOKENS)
-    info = {"engine_tp": 1, "timeout_s": 60.0, "engine_speculative_config": speculative}
+    info = {"engine_tp": 1, "timeout_s": 60.0, "engine_speculative_config": speculative, "canary": True}
     ranks, served = _drive(llm, 1, (str(ckpt), "float32", MegatronParallel(tp=1), info, [TOKENS], 1,
                                     {"mtp": True, "train_first": True, "lr": 0.01}),
                            lambda step: prompt_logprobs(llm, TOKENS))
@@ -125,6 +126,7 @@ def test_an_mtp_draft_moves_with_the_target_in_one_vote(ckpt_cache, shared_engin
     assert set(draft_tensors(load_model_spec(ckpt, dtype="float32"))) <= set(rank0["planned"])
     received, full, verified, _ = _moved(rank0["reports"][0])
     assert verified and received == full == rank0["bytes_min"]
+    assert all(r[6] for r in rank0["reports"][0] if r[0] == "dst")  # the canary (target and draft) ran
     assert token_mult_prob_error(served[0], rank0["trainer"][0]) < 1.001
     assert token_mult_prob_error(before, served[0]) > 1.001
 
@@ -174,3 +176,14 @@ def test_combinations_the_sides_cannot_hold_are_refused_in_one_line(info: dict, 
     with pytest.raises(ConfigError) as exc:
         check_features(ReshardTrainerInitInfo(rank=0, **info), spec, src, canary_source=False)
     assert line in str(exc.value) and "\n" not in str(exc.value), str(exc.value)
+
+
+def test_a_canary_into_a_drafting_engine_needs_the_mtp_head():
+    from mcore_reshard.adapters.vllm.backend import ReshardTrainerInitInfo
+    from mcore_reshard.adapters.vllm.backend.trainer import check_features
+    from mcore_reshard.errors import ConfigError
+
+    spec, src, _ = _fp8_sides()
+    info = ReshardTrainerInitInfo(rank=0, canary=True, engine_speculative_config={"method": "mtp"})
+    with pytest.raises(ConfigError, match=r"^init_info.canary with engine_speculative_config: .*canary_draft="):
+        check_features(info, spec, src, canary_draft_source=False)

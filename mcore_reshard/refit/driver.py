@@ -295,12 +295,15 @@ class RefitDriver:
         """The canary of the next refit (``refit.canary``): the fixed sequences and the bound of
         the engines' precision, deferred -- the trainers fill in their most likely tokens after
         each prefix and their log-probs inside the refit, after their last byte
-        (``Canary.deferred``). ``now``: computed here, before the refit (what the canary cost
-        before it was deferred; ``scripts/bench_canary.py`` compares the two)."""
+        (``Canary.deferred``), and where the engines draft (MTP) the draft's too. ``now``: the
+        target's computed here, before the refit (what the canary cost before it was deferred;
+        ``scripts/bench_canary.py`` compares the two)."""
         cfg = self.refit_config
         dtype = self.engine_infos[0].dtype if self.engine_infos else self.spec.dtype
         top = (lambda seqs: self.trainers.top_logprobs(seqs).wait()[0]) if now else None
-        return make_canary(self.spec.vocab, dtype, cfg.canary_sequences, cfg.canary_tokens, cfg.canary_bound, top)
+        drafts = not now and self.dst is not None and any(p.name.startswith("draft.") for p in self.dst.params)
+        return make_canary(self.spec.vocab, dtype, cfg.canary_sequences, cfg.canary_tokens, cfg.canary_bound, top,
+                           draft=drafts)
 
     def next_epoch(self) -> int:
         """The number of the next refit on this driver's groups (signed messages are bound to it)."""

@@ -66,6 +66,8 @@ class PolicyRank(TrainerRank):
         super().__init__(endpoint, sync_params=sync_params)
         if endpoint.canary is None:  # a refit's deferred canary: the policy's likely tokens, after its last byte
             endpoint.canary = self._top_synced
+        if endpoint.canary_draft is None and hasattr(self.policy, "draft_top_logprobs"):
+            endpoint.canary_draft = self._draft_top_synced
         self.reference: dict[str, Any] | None = None  # frozen initial weights (GRPO's KL reference)
         #: Earlier policy versions' weights (async GRPO: a token's logprob under the version
         #: that generated it), by version.
@@ -112,6 +114,10 @@ class PolicyRank(TrainerRank):
     def _top_synced(self, token_ids: Sequence[Sequence[int]]) -> list[tuple[list[int], list[float]]]:
         """:meth:`top_logprobs` on weights already whole (inside a refit, which synced them)."""
         return self.policy.top_logprobs(self._batch(token_ids))[: len(token_ids)]
+
+    def _draft_top_synced(self, token_ids: Sequence[Sequence[int]]) -> list[tuple[list[int], list[float]]]:
+        """The MTP head's ``draft_top_logprobs`` on weights already whole (inside a refit)."""
+        return self.policy.draft_top_logprobs(self._batch(token_ids))[: len(token_ids)]
 
     def snapshot(self, version: int, keep: Sequence[int]) -> int:
         """Keep a copy of the local weights as ``version``, drop versions not in ``keep``;

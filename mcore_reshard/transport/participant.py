@@ -183,23 +183,25 @@ class RefitEndpoint:
 
     def refit(self, request: RefitRequest, src_tensors: Mapping[str, torch.Tensor], sink: Any,
               participant: Participant, *, progress: bool = False, fault: Fault | None = None,
-              top: TopLogprobs | None = None) -> tuple[Outcome, RankReport | None]:
+              top: TopLogprobs | None = None, draft_top: TopLogprobs | None = None) -> tuple[Outcome, RankReport | None]:
         """One whole refit on this rank: :meth:`transfer_and_vote`, then :meth:`conclude`.
         Returns the concluded outcome and this rank's report."""
         outcome, report = self.transfer_and_vote(request, src_tensors, sink, participant, progress=progress,
-                                                 fault=fault, top=top)
+                                                 fault=fault, top=top, draft_top=draft_top)
         return self.conclude(outcome, participant), report
 
     def transfer_and_vote(self, request: RefitRequest, src_tensors: Mapping[str, torch.Tensor], sink: Any,
                           participant: Participant, *, progress: bool = False, fault: Fault | None = None,
-                          top: TopLogprobs | None = None) -> tuple[Outcome, RankReport | None]:
+                          top: TopLogprobs | None = None,
+                          draft_top: TopLogprobs | None = None) -> tuple[Outcome, RankReport | None]:
         """The refit up to its decision: open, move this rank's bytes, prepare, [the canary],
         vote. Nothing served has changed yet (except in a streaming refit, which commits as
         layers complete). Never raises: any failure is this rank's "no" vote, and the outcome
         names it. Returns the outcome and this rank's report (None when it failed before one).
 
         ``top``: a training rank's policy (its ``top_logprobs``), which fills in a deferred
-        canary's targets and reference after this rank's last byte (:meth:`meet_canary`)."""
+        canary's targets and reference after this rank's last byte (:meth:`meet_canary`);
+        ``draft_top`` its MTP head's (``draft_top_logprobs``), for a canary that checks the draft."""
         report, error = None, None
         try:
             stats = self._run(request, src_tensors, sink, participant, progress, fault)
@@ -207,7 +209,7 @@ class RefitEndpoint:
             phases = dict(ready.phases)
             if request.canary is not None:
                 t0 = time.perf_counter()
-                canary, phases["canary_reference"] = self.meet_canary(request, top)
+                canary, phases["canary_reference"] = self.meet_canary(request, top, draft_top)
                 participant.check(canary)
                 phases["canary"] = time.perf_counter() - t0
             report = self.report(stats, phases)
@@ -217,7 +219,8 @@ class RefitEndpoint:
             error = exc
         return self.vote(request, report, error, fault=fault), report
 
-    def meet_canary(self, request: RefitRequest, top: TopLogprobs | None) -> tuple[Canary, float]:
+    def meet_canary(self, request: RefitRequest, top: TopLogprobs | None,
+                    draft_top: TopLogprobs | None = None) -> tuple[Canary, float]:
         """Every rank staged before any engine runs its canary forward: that forward is a
         collective over an engine's workers, which one that failed must not leave waiting (a
         failed rank's abort ends this wait at once). A deferred canary (``Canary.deferred``) is
@@ -230,11 +233,17 @@ class RefitEndpoint:
             if top is None:
                 raise RefitError(f"{self.who}: the refit's canary leaves its reference to the trainers, and this rank "
                                  "has no policy to compute it (SourceEndpoint(canary=policy.top_logprobs))")
+            if canary.draft and draft_top is None:
+                raise RefitError(f"{self.who}: the refit's canary checks the engines' draft, and this rank has no "
+                                 "MTP policy to compute its reference with (SourceEndpoint(canary_draft=...))")
             t0 = time.perf_counter()
-            got = top([list(s) for s in canary.tokens])
+            seqs = [list(s) for s in canary.tokens]
+            got = top(seqs)
+            draft = draft_top(seqs) if canary.draft else []
             seconds = time.perf_counter() - t0
             if self.rank == 0:
-                mine = {"targets": [list(t) for t, _ in got], "reference": [list(lp) for _, lp in got]}
+                mine = {"targets": [list(t) for t, _ in got], "reference": [list(lp) for _, lp in got],
+                        "draft_targets": [list(t) for t, _ in draft], "draft_reference": [list(lp) for _, lp in draft]}
         values = self.group.control.exchange(mine, request.timeout_s)
         if not canary.deferred:
             return canary, seconds
@@ -242,7 +251,9 @@ class RefitEndpoint:
         if len(sent) != 1:
             raise RefitError(f"{self.who}: the canary's reference came from {len(sent)} training ranks, not 1")
         try:
-            return canary.completed(list(zip(sent[0]["targets"], sent[0]["reference"]))), seconds
+            v = sent[0]
+            return canary.completed(list(zip(v["targets"], v["reference"])),
+                                    list(zip(v["draft_targets"], v["draft_reference"]))), seconds
         except (KeyError, TypeError, ValueError) as exc:
             raise RefitError(f"{self.who}: the canary's reference is malformed: {first_error_line(exc)}") from exc
 

@@ -50,10 +50,11 @@ class SourceEndpoint:
     its rank among the trainers (the default process group's, by default); ``spec`` the model
     its pieces are pieces of; ``canary`` the policy's ``top_logprobs``, which completes a refit's
     deferred canary after this rank's last byte (``RefitEndpoint.meet_canary``; without it such a
-    refit is this rank's "no")."""
+    refit is this rank's "no"), ``canary_draft`` its MTP head's ``draft_top_logprobs`` (a canary
+    that checks the engines' draft)."""
 
     def __init__(self, spec: ModelSpec, *, rank: int | None = None, device: str = "cpu",
-                 canary: TopLogprobs | None = None) -> None:
+                 canary: TopLogprobs | None = None, canary_draft: TopLogprobs | None = None) -> None:
         if rank is None:
             import torch.distributed as dist
 
@@ -61,6 +62,7 @@ class SourceEndpoint:
         self.spec = spec
         self.rank = rank
         self.canary = canary
+        self.canary_draft = canary_draft
         self._endpoint = RefitEndpoint("src", self.rank, device)
         #: Every rank's report of the last refit, by refit-group rank (None: no vote).
         self.last_reports: list[RankReport | None] = []
@@ -109,7 +111,7 @@ class SourceEndpoint:
         elif raise_after_reads is not None:
             tensors = ExitAfterReads(tensors, raise_after_reads, raises=True)
         outcome, report = self._endpoint.refit(request, tensors, None, self.participant(), progress=progress,
-                                               fault=fault, top=self.canary)
+                                               fault=fault, top=self.canary, draft_top=self.canary_draft)
         self.last_outcome, self.last_reports = outcome, outcome.reports
         outcome.raise_if_failed()
         return report

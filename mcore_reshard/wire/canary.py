@@ -45,8 +45,8 @@ def canary_bound(dtype: str, override: float = 0.0) -> float:
 
 
 def make_canary(vocab: int, dtype: str, count: int, length: int, bound: float,
-                top: Callable[[list[list[int]]], Sequence[tuple[Sequence[int], Sequence[float]]]] | None = None
-                ) -> Canary:
+                top: Callable[[list[list[int]]], Sequence[tuple[Sequence[int], Sequence[float]]]] | None = None,
+                draft: bool = False) -> Canary:
     """The canary of one refit: the fixed sequences, and after each prefix the token the policy
     being sent finds most likely and its log-prob there (``top(sequences)``: the trainers'
     ``top_logprobs``) -- the targets and the reference -- and the bound. Likely tokens, not the
@@ -55,7 +55,12 @@ def make_canary(vocab: int, dtype: str, count: int, length: int, bound: float,
 
     ``top=None`` (what the driver sends): a **deferred** canary -- the training ranks compute
     the targets and the reference inside the refit, after their last byte, while the engines
-    still receive and stage (``Canary.deferred``), instead of before the first byte."""
+    still receive and stage (``Canary.deferred``), instead of before the first byte. ``draft``:
+    the engines' MTP draft is checked too (deferred only)."""
     seqs = canary_sequences(vocab, count, length)
-    deferred = Canary(seqs, (), canary_bound(dtype, bound), dtype)
-    return deferred if top is None else deferred.completed(top([list(s) for s in seqs]))
+    deferred = Canary(seqs, (), canary_bound(dtype, bound), dtype, draft=draft)
+    if top is None:
+        return deferred
+    if draft:
+        raise ValueError("make_canary: a canary that checks the draft is deferred (the trainers' MTP head fills it in)")
+    return deferred.completed(top([list(s) for s in seqs]))

@@ -213,13 +213,21 @@ class Canary:
     both during the refit, after their last byte is sent, and hand them to the engines at the
     exchange every rank meets at before the canary's forward (``transport.participant``). The
     trainers' forward then runs while the engines still receive and stage, off the refit's
-    critical path, instead of before the first byte (:meth:`completed`)."""
+    critical path, instead of before the first byte (:meth:`completed`).
+
+    ``draft``: the engines' speculative draft (DeepSeek's MTP) is checked too, against
+    ``draft_targets`` / ``draft_reference`` -- at each position but the last, the token the
+    policy's MTP head finds most likely two ahead and its log-prob. Speculative decoding is
+    lossless, so a draft left stale changes no logprob of the target: it needs its own check."""
 
     tokens: tuple[tuple[int, ...], ...]
     reference: tuple[tuple[float, ...], ...]
     bound: float
     dtype: str = ""
     targets: tuple[tuple[int, ...], ...] = ()
+    draft: bool = False
+    draft_targets: tuple[tuple[int, ...], ...] = ()
+    draft_reference: tuple[tuple[float, ...], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tokens", tuple(tuple(int(t) for t in s) for s in self.tokens))
@@ -240,16 +248,28 @@ class Canary:
                               f"{len(self.tokens)}; one token per position but the last)")
         if not isinstance(self.bound, (int, float)) or not self.bound > 1.0:
             raise ConfigError(f"canary: bound={self.bound!r} must be a token_mult_prob_error above 1.0")
+        object.__setattr__(self, "draft_targets", tuple(tuple(int(t) for t in s) for s in self.draft_targets))
+        object.__setattr__(self, "draft_reference", tuple(tuple(float(x) for x in s) for s in self.draft_reference))
+        if (self.draft_targets or self.draft_reference) and not self.draft:
+            raise ConfigError("canary: a draft reference for a canary that does not check the draft")
+        if self.draft and not self.deferred and [len(t) for t in self.draft_targets] != [len(r) for r in self.reference]:
+            raise ConfigError("canary: the draft's targets do not match the sequences (one per position but the last)")
+        if [len(t) for t in self.draft_targets] != [len(r) for r in self.draft_reference]:
+            raise ConfigError("canary: the draft's targets and reference differ in length")
 
     @property
     def deferred(self) -> bool:
         """Whether the trainers fill in the targets and the reference during the refit."""
         return not self.reference
 
-    def completed(self, top: Sequence[tuple[Sequence[int], Sequence[float]]]) -> "Canary":
+    def completed(self, top: Sequence[tuple[Sequence[int], Sequence[float]]],
+                  draft: Sequence[tuple[Sequence[int], Sequence[float]]] = ()) -> "Canary":
         """This canary with its targets and reference: ``top``, per sequence, the policy's most
-        likely token after each prefix and its log-prob (a trainer's ``top_logprobs``)."""
-        return replace(self, reference=tuple(tuple(lp) for _, lp in top), targets=tuple(tuple(t) for t, _ in top))
+        likely token after each prefix and its log-prob (a trainer's ``top_logprobs``); ``draft``
+        the same of its MTP head (``draft_top_logprobs``), for a canary that checks the draft."""
+        return replace(self, reference=tuple(tuple(lp) for _, lp in top), targets=tuple(tuple(t) for t, _ in top),
+                       draft_targets=tuple(tuple(t) for t, _ in draft),
+                       draft_reference=tuple(tuple(lp) for _, lp in draft))
 
     def scored(self) -> tuple[tuple[int, ...], ...]:
         """The token scored after each prefix of each sequence: ``targets``, else its next token."""
@@ -260,12 +280,16 @@ class Canary:
                "bound": self.bound, "dtype": self.dtype}
         if self.targets:
             out["targets"] = [list(t) for t in self.targets]
+        if self.draft:
+            out.update(draft=True, draft_targets=[list(t) for t in self.draft_targets],
+                       draft_reference=[list(r) for r in self.draft_reference])
         return out
 
     @staticmethod
     def from_wire(d: Mapping[str, Any]) -> "Canary":
         return Canary(d["tokens"], d["reference"], float(d["bound"]), str(d.get("dtype", "")),
-                      tuple(d.get("targets", ())))
+                      tuple(d.get("targets", ())), bool(d.get("draft", False)), tuple(d.get("draft_targets", ())),
+                      tuple(d.get("draft_reference", ())))
 
 
 @dataclass(frozen=True)

@@ -44,8 +44,8 @@ class TrainerEndpoint(SourceEndpoint):
 
     def __init__(self, model_chunks: Sequence[Any], spec: ModelSpec, *, rank: int | None = None,
                  sync_params: Callable[[], None] | None = None, device: str = "cpu",
-                 canary: TopLogprobs | None = None) -> None:
-        super().__init__(spec, rank=rank, device=device, canary=canary)
+                 canary: TopLogprobs | None = None, canary_draft: TopLogprobs | None = None) -> None:
+        super().__init__(spec, rank=rank, device=device, canary=canary, canary_draft=canary_draft)
         self.chunks = list(model_chunks)
         self._sync = sync_params or (lambda: sync_params_before_refit(self.chunks))
         self._params: list[LocalParam] | None = None

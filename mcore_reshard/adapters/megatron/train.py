@@ -330,6 +330,38 @@ class Policy:
         out = self._forward_payloads(token_ids, lambda logits, x: _top_logprobs(logits, self.spec.vocab))
         return [([int(t) for t in tok], lp) for tok, lp in out]
 
+    def draft_top_logprobs(self, token_ids: Sequence[Sequence[int]]) -> list[tuple[list[int], list[float]]]:
+        """Per sequence, what the MTP draft predicts at each position i but the last: the most likely
+        token *two* ahead (given the target's hidden state at i and token i+1)
+        and its fp32 log-prob -- megatron's first MTP layer through the shared output layer, as
+        its training loss reads it (a refit's draft canary). Forward only; the same lists on
+        every rank; empty lists on a policy without MTP."""
+        import torch
+
+        from .live import _unwrap
+
+        models = [_unwrap(c) for c in self.chunks]
+        heads = [m for m in models if getattr(m, "mtp", None) is not None]
+        if not heads:
+            return [([], []) for _ in token_ids]
+        head = heads[-1]
+        captured: list = []
+        hook = head.mtp.register_forward_hook(lambda _m, _i, out: captured.append(out))
+
+        def measure(_logits, _x):
+            hidden = torch.chunk(captured.pop(), 1 + self.config.mtp_num_layers, dim=0)[1]
+            weight = head.shared_embedding_or_output_weight() if head.share_embeddings_and_output_weights else None
+            logits, _ = head.output_layer(hidden, weight=weight)
+            # [s, 1, V/tp] -> [1, s, V/tp]; the last position's input token is rolled in from
+            # the front (no token i+1): _top_logprobs drops it
+            return _top_logprobs(logits.transpose(0, 1), self.spec.vocab)
+
+        try:
+            out = self._forward_payloads(token_ids, measure)
+        finally:
+            hook.remove()
+        return [([int(t) for t in tok], lp) for tok, lp in out]
+
     def _forward_payloads(self, token_ids: Sequence[Sequence[int]], measure=None,
                           images: Sequence[Any] | None = None) -> list[Any]:
         """Every sequence's forward-only result (``_run_schedule``'s ``measure``; default: its

@@ -31,7 +31,7 @@ import torch
 from ...errors import RefitError
 from ...wire.protocol import Canary, token_mult_prob_error
 
-__all__ = ["CanaryFailed", "unsupported", "engine_logprobs", "check_canary"]
+__all__ = ["CanaryFailed", "unsupported", "engine_logprobs", "draft_logprobs", "check_canary"]
 
 
 class CanaryFailed(RefitError):
@@ -127,14 +127,16 @@ def _metadata(vllm_config: Any, device: torch.device, start: int, end: int,
 
 @torch.inference_mode()
 def engine_logprobs(vllm_config: Any, model: torch.nn.Module, device: torch.device,
-                    sequences: Sequence[Sequence[int]], targets: Sequence[Sequence[int]]) -> list[list[float]]:
+                    sequences: Sequence[Sequence[int]], targets: Sequence[Sequence[int]],
+                    hidden: list[torch.Tensor] | None = None) -> list[list[float]]:
     """The log-probability after each prefix of each sequence (``len(s) - 1`` values) of its
     target token (``Canary.scored``: the policy's likely tokens, or the sequence's own next
     ones, as vLLM's ``prompt_logprobs`` scores them), from ``model``'s current weights.
 
     Each sequence is one prefill of all its prefixes but the longest, then one **decode step**
     for that one, reading the prefill's KV cache: the state only decoding reads (MLA's absorbed
-    ``W_UK``/``W_UV`` on vLLM's CPU and GPU MLA backends) is checked too."""
+    ``W_UK``/``W_UV`` on vLLM's CPU and GPU MLA backends) is checked too. ``hidden``: each
+    sequence's hidden states at the scored positions are appended to it (what a draft reads)."""
     from vllm.forward_context import set_forward_context
 
     layers = _forward_layers(vllm_config)
@@ -153,7 +155,7 @@ def engine_logprobs(vllm_config: Any, model: torch.nn.Module, device: torch.devi
             built[n] = (caches, steps)
         caches, steps = built[n]
         saved = {name: layers[name].kv_cache for name in caches}
-        logits = []
+        logits, states = [], []
         try:
             for name, cache in caches.items():
                 cache.zero_()
@@ -162,24 +164,67 @@ def engine_logprobs(vllm_config: Any, model: torch.nn.Module, device: torch.devi
                 x = torch.tensor(ids[start:end], dtype=torch.long, device=device)
                 pos = torch.arange(start, end, dtype=torch.long, device=device)
                 with set_forward_context(md, vllm_config, num_tokens=end - start, slot_mapping=slots):
-                    hidden = model(input_ids=x, positions=pos)
-                logits.append(model.compute_logits(hidden))
+                    h = model(input_ids=x, positions=pos)
+                states.append(h)
+                logits.append(model.compute_logits(h))
         finally:
             for name, cache in saved.items():
                 layers[name].kv_cache = cache
         lp = torch.log_softmax(torch.cat(logits).float(), dim=-1)
         target = torch.tensor([int(t) for t in targets[i]], dtype=torch.long, device=lp.device)
         out.append(lp.gather(1, target[:, None])[:, 0].cpu().tolist())
+        if hidden is not None:
+            hidden.append(torch.cat(states))
     return out
 
 
-def check_canary(canary: Canary, got: Sequence[Sequence[float]], who: str) -> list[float]:
+@torch.inference_mode()
+def draft_logprobs(vllm_config: Any, draft: torch.nn.Module, device: torch.device,
+                   sequences: Sequence[Sequence[int]], hidden: Sequence[torch.Tensor],
+                   targets: Sequence[Sequence[int]]) -> list[list[float]]:
+    """The draft's log-probability (DeepSeek's MTP: ``forward(input_ids, positions,
+    hidden_states)``) at each position i of each sequence but the last of its target there --
+    the token two ahead -- given the target's hidden state at i (``hidden``, from
+    :func:`engine_logprobs`) and token i+1. One prefill per sequence over the draft's own
+    attention layers (their private KV cache). Positions start at 1: vLLM's MTP zeroes the input
+    embedding at position 0, megatron's does not, and rotary attention depends only on relative
+    positions, so the shifted positions give both frameworks' draft the same computation."""
+    from vllm.forward_context import set_forward_context
+
+    layers = _forward_layers(vllm_config)
+    out: list[list[float]] = []
+    for i, seq in enumerate(sequences):
+        ids = [int(t) for t in seq]
+        n = len(ids) - 1
+        md, slots, caches = _metadata(vllm_config, device, 0, n)
+        saved = {name: layers[name].kv_cache for name in caches}
+        try:
+            for name, cache in caches.items():
+                layers[name].kv_cache = cache
+            x = torch.tensor(ids[1:], dtype=torch.long, device=device)
+            pos = torch.arange(1, n + 1, dtype=torch.long, device=device)
+            with set_forward_context(md, vllm_config, num_tokens=n, slot_mapping=slots):
+                h = draft(input_ids=x, positions=pos, hidden_states=hidden[i][:n])
+            logits = draft.compute_logits(h[0] if isinstance(h, tuple) else h)
+        finally:
+            for name, cache in saved.items():
+                layers[name].kv_cache = cache
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        target = torch.tensor([int(t) for t in targets[i]], dtype=torch.long, device=lp.device)
+        out.append(lp.gather(1, target[:, None])[:, 0].cpu().tolist())
+    return out
+
+
+def check_canary(canary: Canary, got: Sequence[Sequence[float]], who: str, draft: bool = False) -> list[float]:
     """The error of every canary sequence; raises ``CanaryFailed`` naming ``who`` (the engine),
-    the worst canary, its error and the bound when one exceeds it."""
-    errors = [token_mult_prob_error(list(g), list(r)) for g, r in zip(got, canary.reference)]
+    the worst canary, its error and the bound when one exceeds it. ``draft``: ``got`` is the
+    draft's, checked against ``draft_reference``."""
+    reference = canary.draft_reference if draft else canary.reference
+    errors = [token_mult_prob_error(list(g), list(r)) for g, r in zip(got, reference)]
     worst = max(range(len(errors)), key=lambda i: errors[i])
     if not errors[worst] <= canary.bound:  # NaN fails too
-        raise CanaryFailed(f"{who}: canary {worst + 1} of {len(errors)} ({len(canary.tokens[worst])} tokens): "
+        raise CanaryFailed(f"{who}: {'draft ' if draft else ''}canary {worst + 1} of {len(errors)} "
+                           f"({len(canary.tokens[worst])} tokens): "
                            f"token_mult_prob_error {errors[worst]:.6f} > bound {canary.bound:g}"
                            f"{f' ({canary.dtype})' if canary.dtype else ''}: the new weights are not served")
     return errors

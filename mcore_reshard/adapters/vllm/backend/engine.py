@@ -45,7 +45,7 @@ from ....transport.participant import RefitEndpoint
 from ....wire.protocol import Canary, EngineInitInfo, EngineUpdateInfo, RankReport, VerifyMode, WorkerStatus, first_error_line
 from ..apply import VllmApplier
 from ..sinks import AlteredBaseline, refit_sink
-from ..canary import CanaryFailed, check_canary, engine_logprobs, unsupported
+from ..canary import CanaryFailed, check_canary, draft_logprobs, engine_logprobs, unsupported
 from ..layers import untie_head
 from .pending import Background, Received, Unreadable, Voted, wants_overlap
 from .pieces import EnginePieces
@@ -142,9 +142,16 @@ class ReshardWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUpd
             raise CanaryFailed(f"{who}: refit.canary is on, but {why}")
         if canary is None:
             return
-        got = engine_logprobs(self.vllm_config, self._default_model, self.device, canary.tokens, canary.scored())
+        hidden: list[torch.Tensor] = []
+        got = engine_logprobs(self.vllm_config, self._default_model, self.device, canary.tokens, canary.scored(),
+                              hidden)
         if every or self.local_rank == 0:
             check_canary(canary, got, who)
+        draft = self.pieces.draft
+        if canary.draft and draft is not None:  # the engine drafts: its draft is checked too
+            got = draft_logprobs(self.vllm_config, draft, self.device, canary.tokens, hidden, canary.draft_targets)
+            if every or self.local_rank == 0:
+                check_canary(canary, got, who, draft=True)
 
     def engine_name(self) -> str:
         """This worker's engine, by the destination ranks it holds in the refit group."""

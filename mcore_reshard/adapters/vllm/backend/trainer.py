@@ -202,7 +202,8 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
         every = _all_gather_json(WorkerLayout(tuple(ep.describe())).to_wire())
         src = SideLayout("megatron-live", len(every),
                          tuple(p for rows in every for p in WorkerLayout.from_wire(rows).params), spec.tensor_table())
-        peft, draft = check_features(init_info, spec, src, canary_source=getattr(ep, "canary", None) is not None)
+        peft, draft = check_features(init_info, spec, src, canary_source=getattr(ep, "canary", None) is not None,
+                                     canary_draft_source=getattr(ep, "canary_draft", None) is not None)
         par = VllmParallel(tp=init_info.engine_tp, pp=init_info.engine_pp, dp=init_info.engine_dp,
                            enable_ep=init_info.engine_enable_ep, quantization=init_info.engine_quantization)
         engine_spec = spec.with_dtype(init_info.engine_dtype or spec.dtype)
@@ -221,7 +222,7 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
         canary = None
         if init_info.canary:
             canary = make_canary(spec.vocab, engine_spec.dtype, init_info.canary_sequences, init_info.canary_tokens,
-                                 init_info.canary_bound)
+                                 init_info.canary_bound, draft=draft)
         request = RefitRequest(plans.plan.digest(), VerifyMode(init_info.verify), init_info.timeout_s,
                                init_info.atomic, delta=init_info.delta, encoders=moves_encoder(plans.plan, spec),
                                canary=canary)
@@ -328,14 +329,19 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
         self.endpoint.leave()
 
 
-def check_features(info: ReshardTrainerInitInfo, spec: Any, src: SideLayout,
-                   canary_source: bool = True) -> tuple[PeftConfig | None, bool]:
+def check_features(info: ReshardTrainerInitInfo, spec: Any, src: SideLayout, canary_source: bool = True,
+                   canary_draft_source: bool = True) -> tuple[PeftConfig | None, bool]:
     """(the LoRA policy, whether the engine drafts) from ``info``, checked against each other,
     the model and what the trainers hold: one line naming the field, before the engine is called.
-    ``canary_source``: whether this rank's endpoint can compute a canary's reference."""
+    ``canary_source`` / ``canary_draft_source``: whether this rank's endpoint can compute a
+    canary's reference, and its MTP draft's."""
     if info.canary and not canary_source:
         raise ConfigError("init_info.canary: this rank's endpoint has no policy to compute the canary's reference "
                           "with (TrainerEndpoint(..., canary=policy.top_logprobs))")
+    if info.canary and info.engine_speculative_config and not canary_draft_source:
+        raise ConfigError("init_info.canary with engine_speculative_config: the canary checks the engine's draft, and "
+                          "this rank's endpoint has no MTP head to compute its reference with "
+                          "(TrainerEndpoint(..., canary_draft=policy.draft_top_logprobs))")
     peft = info.peft
     if isinstance(peft, dict):
         try:
