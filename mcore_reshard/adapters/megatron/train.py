@@ -331,24 +331,24 @@ class Policy:
         return [([int(t) for t in tok], lp) for tok, lp in out]
 
     def draft_top_logprobs(self, token_ids: Sequence[Sequence[int]]) -> list[tuple[list[int], list[float]]]:
-        """Per sequence, what the MTP draft predicts at each position i but the last: the most likely
-        token *two* ahead (given the target's hidden state at i and token i+1)
-        and its fp32 log-prob -- megatron's first MTP layer through the shared output layer, as
-        its training loss reads it (a refit's draft canary). Forward only; the same lists on
-        every rank; empty lists on a policy without MTP."""
+        """Per sequence, what the MTP draft predicts at each position i but the last: the token
+        two ahead it finds most likely (given the target's hidden state at i and token i+1) and
+        its fp32 log-prob -- megatron's first MTP layer through the shared output layer, as its
+        training loss reads it (a refit's draft canary). Forward only, collective over the
+        world; the same lists on every rank; empty lists on a policy without MTP."""
         import torch
 
         from .live import _unwrap
 
-        models = [_unwrap(c) for c in self.chunks]
-        heads = [m for m in models if getattr(m, "mtp", None) is not None]
-        if not heads:
+        if not self.config.mtp_num_layers:
             return [([], []) for _ in token_ids]
-        head = heads[-1]
+        # the MTP block lives on the last pipeline stage; every rank runs the schedule
+        heads = [m for m in (_unwrap(c) for c in self.chunks) if getattr(m, "mtp", None) is not None]
         captured: list = []
-        hook = head.mtp.register_forward_hook(lambda _m, _i, out: captured.append(out))
+        hooks = [h.mtp.register_forward_hook(lambda _m, _i, out: captured.append(out)) for h in heads[-1:]]
 
-        def measure(_logits, _x):
+        def measure(_logits, _x):  # on the last stage only, where the MTP block ran
+            head = heads[-1]
             hidden = torch.chunk(captured.pop(), 1 + self.config.mtp_num_layers, dim=0)[1]
             weight = head.shared_embedding_or_output_weight() if head.share_embeddings_and_output_weights else None
             logits, _ = head.output_layer(hidden, weight=weight)
@@ -359,7 +359,8 @@ class Policy:
         try:
             out = self._forward_payloads(token_ids, measure)
         finally:
-            hook.remove()
+            for hook in hooks:
+                hook.remove()
         return [([int(t) for t in tok], lp) for tok, lp in out]
 
     def _forward_payloads(self, token_ids: Sequence[Sequence[int]], measure=None,

@@ -11,7 +11,8 @@ scheduler, so no client request is ever scheduled on weights that have not passe
 sequence, one prefill and then one decode step reading its KV cache (state only decoding reads,
 such as MLA's absorbed ``W_UK``/``W_UV``, is checked too), with the attention metadata built by
 each layer group's own metadata builder and a private KV cache of just the blocks it needs (the
-engine's KV cache, and the requests paused in it, are not touched). Run where no model step runs meanwhile: inside
+engine's KV cache, and the requests paused in it, are not touched). An engine that drafts (MTP)
+runs its drafter too (:func:`draft_logprobs`). Run where no model step runs meanwhile: inside
 ``update_weights`` (the engine is paused for a blocking refit) or ``finish_weight_update``
 (paused for an overlapped refit's swap). Every worker of the engine runs it at once (the
 tensor-parallel collectives of the forward), and every worker gets the whole logits.
