@@ -183,7 +183,8 @@ class RefitEndpoint:
 
     def refit(self, request: RefitRequest, src_tensors: Mapping[str, torch.Tensor], sink: Any,
               participant: Participant, *, progress: bool = False, fault: Fault | None = None,
-              top: TopLogprobs | None = None, draft_top: TopLogprobs | None = None) -> tuple[Outcome, RankReport | None]:
+              top: TopLogprobs | None = None,
+              draft_top: TopLogprobs | None = None) -> tuple[Outcome, RankReport | None]:
         """One whole refit on this rank: :meth:`transfer_and_vote`, then :meth:`conclude`.
         Returns the concluded outcome and this rank's report."""
         outcome, report = self.transfer_and_vote(request, src_tensors, sink, participant, progress=progress,

@@ -25,7 +25,8 @@ cannot run it.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import contextlib
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -155,12 +156,8 @@ def engine_logprobs(vllm_config: Any, model: torch.nn.Module, device: torch.devi
                 steps.append((start, end, md, slots))
             built[n] = (caches, steps)
         caches, steps = built[n]
-        saved = {name: layers[name].kv_cache for name in caches}
         logits, states = [], []
-        try:
-            for name, cache in caches.items():
-                cache.zero_()
-                layers[name].kv_cache = cache
+        with _private(layers, caches):
             for start, end, md, slots in steps:
                 x = torch.tensor(ids[start:end], dtype=torch.long, device=device)
                 pos = torch.arange(start, end, dtype=torch.long, device=device)
@@ -168,12 +165,7 @@ def engine_logprobs(vllm_config: Any, model: torch.nn.Module, device: torch.devi
                     h = model(input_ids=x, positions=pos)
                 states.append(h)
                 logits.append(model.compute_logits(h))
-        finally:
-            for name, cache in saved.items():
-                layers[name].kv_cache = cache
-        lp = torch.log_softmax(torch.cat(logits).float(), dim=-1)
-        target = torch.tensor([int(t) for t in targets[i]], dtype=torch.long, device=lp.device)
-        out.append(lp.gather(1, target[:, None])[:, 0].cpu().tolist())
+        out.append(_scored(torch.cat(logits), targets[i]))
         if hidden is not None:
             hidden.append(torch.cat(states))
     return out
@@ -194,26 +186,43 @@ def draft_logprobs(vllm_config: Any, draft: torch.nn.Module, device: torch.devic
 
     layers = _forward_layers(vllm_config)
     out: list[list[float]] = []
+    built: dict[int, tuple] = {}  # by length: the metadata and private KV caches of one prefill
     for i, seq in enumerate(sequences):
         ids = [int(t) for t in seq]
         n = len(ids) - 1
-        md, slots, caches = _metadata(vllm_config, device, 0, n)
-        saved = {name: layers[name].kv_cache for name in caches}
-        try:
-            for name, cache in caches.items():
-                layers[name].kv_cache = cache
+        if n not in built:
+            built[n] = _metadata(vllm_config, device, 0, n)
+        md, slots, caches = built[n]
+        with _private(layers, caches):
             x = torch.tensor(ids[1:], dtype=torch.long, device=device)
             pos = torch.arange(1, n + 1, dtype=torch.long, device=device)
             with set_forward_context(md, vllm_config, num_tokens=n, slot_mapping=slots):
                 h = draft(input_ids=x, positions=pos, hidden_states=hidden[i][:n])
             logits = draft.compute_logits(h[0] if isinstance(h, tuple) else h)
-        finally:
-            for name, cache in saved.items():
-                layers[name].kv_cache = cache
-        lp = torch.log_softmax(logits.float(), dim=-1)
-        target = torch.tensor([int(t) for t in targets[i]], dtype=torch.long, device=lp.device)
-        out.append(lp.gather(1, target[:, None])[:, 0].cpu().tolist())
+        out.append(_scored(logits, targets[i]))
     return out
+
+
+@contextlib.contextmanager
+def _private(layers: dict[str, Any], caches: dict[str, torch.Tensor]) -> Iterator[None]:
+    """While inside, each attention layer reads and writes its private (zeroed) KV cache; the
+    engine's own caches are put back on the way out."""
+    saved = {name: layers[name].kv_cache for name in caches}
+    try:
+        for name, cache in caches.items():
+            cache.zero_()
+            layers[name].kv_cache = cache
+        yield
+    finally:
+        for name, cache in saved.items():
+            layers[name].kv_cache = cache
+
+
+def _scored(logits: torch.Tensor, targets: Sequence[int]) -> list[float]:
+    """The fp32 log-probability of each target, one per row of ``logits``."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    target = torch.tensor([int(t) for t in targets], dtype=torch.long, device=lp.device)
+    return lp.gather(1, target[:, None])[:, 0].cpu().tolist()
 
 
 def check_canary(canary: Canary, got: Sequence[Sequence[float]], who: str, draft: bool = False) -> list[float]:

@@ -30,7 +30,8 @@ from .worker import PLAIN_LINEAR_ENV, ReshardWorkerExtension
 from .worker import REFIT_EXTENSION as EXTENSION
 
 __all__ = ["EXTENSION", "EngineInfo", "engine_info", "start_engine", "stop_engine", "greedy", "prompt_logprobs",
-           "after_refit", "reset_encoder_cache", "is_multimodal", "describe", "worker_status", "received_weights", "raw_bandwidth", "check_serving",
+           "after_refit", "reset_encoder_cache", "is_multimodal", "describe", "worker_status", "received_weights",
+           "raw_bandwidth", "check_serving",
            "AsyncEngine", "start_async_engine", "engine_call", "unanswered", "left_waiting", "STATUS_DEADLINE_S",
            "HELPER_DEADLINE_S"]
 

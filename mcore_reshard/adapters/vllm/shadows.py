@@ -29,6 +29,26 @@ from .layers import (DIRECT, ParamTable, aliased, carried, commit_shadow, mla_ab
 __all__ = ["Shadows", "LayerShadow"]
 
 
+def _point(param: torch.Tensor, data: torch.Tensor) -> Callable[[], None]:
+    """Point ``param``'s data at ``data`` (the object stays, so whatever holds it reads the new
+    values); returns what points it back."""
+    old = param.data
+    param.data = data
+    return lambda: setattr(param, "data", old)
+
+
+def _saved(module: torch.nn.Module) -> Callable[[], None]:
+    """What puts ``module``'s parameter, buffer and attribute entries back as they are now."""
+    state = (dict(module._parameters), dict(module._buffers), dict(module.__dict__))
+
+    def back() -> None:
+        for now, then in zip((module._parameters, module._buffers, module.__dict__), state):
+            now.clear()
+            now.update(then)
+
+    return back
+
+
 @dataclass
 class LayerShadow:
     """Progress of one reload-mode module (the unit vLLM processes): the live module, and the
@@ -196,14 +216,11 @@ class Shadows:
         try:
             for name, staged in self.staged.items():
                 layer, pname = self.table.owners[name]
-                param = getattr(layer, pname)
-                old = param.data
-                param.data = staged
-                undo.append(lambda p=param, o=old: setattr(p, "data", o))
+                undo.append(_point(getattr(layer, pname), staged))
             pairs = [(st.layer, st.shadow) for st in self.layers.values() if not st.committed]
             pairs += [pair for st in self.layers.values() if not st.committed for pair in st.dependents]
             for live, shadow in pairs:
-                state = (dict(live._parameters), dict(live._buffers), dict(live.__dict__))
+                back = _saved(live)
                 for k, v in shadow._parameters.items():
                     cur = live._parameters.get(k)
                     if v is None or cur is v:
@@ -214,20 +231,9 @@ class Shadows:
                     # The live Parameter object stays, its data is the shadow's: modules built
                     # around it hold the object itself (vLLM's DeepSeek router holds the gate's
                     # ``e_score_correction_bias``), and must read the new values through it.
-                    old = cur.data
-                    cur.data = v.data
-                    undo.append(lambda p=cur, o=old: setattr(p, "data", o))
+                    undo.append(_point(cur, v.data))
                 live._buffers.update({k: v for k, v in shadow._buffers.items() if v is not None})
                 live.__dict__.update({k: v for k, v in shadow.__dict__.items() if carried(k)})
-
-                def back(m: torch.nn.Module = live, saved: tuple = state) -> None:
-                    m._parameters.clear()
-                    m._parameters.update(saved[0])
-                    m._buffers.clear()
-                    m._buffers.update(saved[1])
-                    m.__dict__.clear()
-                    m.__dict__.update(saved[2])
-
                 undo.append(back)
             for st in self.layers.values():
                 if not st.committed and self.absorbs(st):
@@ -248,24 +254,21 @@ class Shadows:
         view shows, into fresh tensors (vLLM copies into the existing ones: those are the live
         weights, kept for the rollback). Returns what puts the live ones back. Holds one layer's
         absorbed weights beside the live ones while the view lasts."""
-        state = (dict(attn._parameters), dict(attn._buffers), dict(attn.__dict__))
-        live = [(q, q.data) for q in attn._parameters.values() if q is not None]
-        for q, data in live:
-            q.data = torch.empty_like(data)
-        with self.device:
-            reabsorb(attn)
+        back = _saved(attn)
+        live = [_point(q, torch.empty_like(q.data)) for q in attn._parameters.values() if q is not None]
 
-        def back() -> None:
-            attn._parameters.clear()
-            attn._parameters.update(state[0])
-            attn._buffers.clear()
-            attn._buffers.update(state[1])
-            attn.__dict__.clear()
-            attn.__dict__.update(state[2])
-            for q, data in live:
-                q.data = data
+        def undo() -> None:
+            back()
+            for fn in live:
+                fn()
 
-        return back
+        try:
+            with self.device:
+                reabsorb(attn)
+        except BaseException:
+            undo()  # the live absorbed weights, not the empty ones, if the rebuild fails
+            raise
+        return undo
 
     def drop(self) -> None:
         """The refit failed: uncommitted layers changed only their shadows, and staged copies

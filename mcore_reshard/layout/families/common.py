@@ -14,7 +14,8 @@ from typing import Callable
 
 from ..family import QKV, Col, Rep, Row, RowPar, Vocab
 
-__all__ = ["language_model", "gqa_attention", "dense_mlp", "moe_router", "routed_experts", "shared_experts", "embedding", "final"]
+__all__ = ["language_model", "gqa_attention", "dense_mlp", "moe_router", "routed_experts", "shared_experts",
+           "embedding", "final"]
 
 _QKV_W, _QKV_B = "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"
 

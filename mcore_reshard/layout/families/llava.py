@@ -122,8 +122,6 @@ def _read(cfg: Mapping[str, Any]) -> dict[str, Any]:
                 tied=False)
 
 
-
-
 #: The tests' tiny LLaVA: a 3-layer CLIP tower of which LLaVA uses 2 (``vision_feature_layer``
 #: -2, as llava-1.5), 28x28 images of 14x14 patches (4 image tokens), a Llama language model
 #: with GQA and head_dim 32 (the CPU attention's minimum).

@@ -83,7 +83,6 @@ def _megatron_config(spec: Any) -> dict[str, Any]:
                       "its layouts are planned from the Bridge's mappings, not built on this machine")
 
 
-
 #: The tests' tiny Qwen2.5-VL: 2 vision blocks, a 2-layer Qwen2 (q/k/v biases); shapes only.
 TINY_QWEN2_5_VL: dict[str, Any] = dict(
     architectures=["Qwen2_5_VLForConditionalGeneration"],

@@ -150,7 +150,6 @@ def _megatron_config(spec: Any) -> dict[str, Any]:
                       "modules): its layouts are planned from the Bridge's mappings, not built on this machine")
 
 
-
 #: The tests' tiny Qwen3-VL-MoE: 3 vision blocks (deepstack after blocks 0 and 1), a 2-layer
 #: Qwen3-MoE of 4 experts; shapes only (plans on metadata).
 TINY_QWEN3_VL_MOE: dict[str, Any] = dict(
