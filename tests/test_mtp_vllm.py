@@ -222,11 +222,13 @@ def test_the_canary_checks_the_draft_and_refuses_a_stale_one(engine):
             assert m.verified and m.phases["dst_canary"] > 0
         served = llm.collective_rpc("mr_draft_checksums")[0]
         served_lp = prompt_logprobs(llm, (PATTERN * 3)[:16])
+        served_out = _greedy(llm)
         stale = next(p.name for p in d.dst.params if p.name.startswith("draft.") and p.name.endswith("o_proj.weight"))
         c.pool.train_step([(PATTERN * 4)[1:25]]).wait()
         with pytest.raises(RefitFailed, match=r"draft canary \d of 2 .*token_mult_prob_error [0-9.]+ > bound 1\.001"):
             d.refit(replace(d.request(), delta="off"), faults=Faults(engine=EngineFault(0, skip_processing=stale)))
         assert llm.collective_rpc("mr_draft_checksums")[0] == served
         assert prompt_logprobs(llm, (PATTERN * 3)[:16]) == served_lp
+        assert _greedy(llm, enqueue=True) == served_out  # the engine's queue (another client) serves the old pair
         m = d.refit()  # the same weights, processed: passes
         assert m.verified and llm.collective_rpc("mr_draft_checksums")[0] != served
