@@ -56,4 +56,38 @@ def trainer_api_job(ctx: WorldCtx, ckpt: str, dtype: str, par: MegatronParallel,
         if ctx.rank == 0:
             client.probe(step)
     engine.shutdown()
+    if build.get("save"):  # the trained weights as an HF checkpoint: what a fresh engine loads to compare
+        _save_trained(policy, spec, ckpt, build["save"], ctx.rank)
     return out
+
+
+def _save_trained(policy: Any, spec: Any, like: str, out: str, rank: int) -> None:
+    """Every rank's pieces of ``policy`` assembled into the canonical tensors (in the policy's
+    dtype) on rank 0, written beside ``like``'s config."""
+    import shutil
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from mcore_reshard.infra.checkpoint import checkpoint_form
+    from mcore_reshard.transport.views import local_view
+
+    policy.sync_params()
+    mine = (policy.describe(), {n: t.detach().cpu() for n, t in policy.local_params().items()})
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    if rank:
+        return
+    dtype = next(iter(mine[1].values())).dtype
+    canon = {n: torch.empty(shape, dtype=dtype) for n, (shape, _) in spec.tensor_table().items()}
+    for params, local in every:
+        for p in params:
+            for pc in p.pieces:
+                box = tuple(slice(o, o + n) for o, n in zip(pc.box.offsets, pc.box.sizes))
+                canon[pc.canonical][box] = local_view(local[p.name], pc.view)
+    Path(out).mkdir()
+    for f in Path(like).glob("*.json"):
+        shutil.copy(f, Path(out) / f.name)
+    save_file({n: t.contiguous() for n, t in checkpoint_form(canon, spec).items()}, str(Path(out) / "model.safetensors"))

@@ -65,6 +65,9 @@ LIVE_ORDER: list[tuple[str, frozenset[str]]] = [
     ("test_lora_refit", frozenset({"megatron", "live"})),
     ("test_trainer_api", frozenset({"megatron", "live"})),
     ("test_mtp_vllm", frozenset({"live"})),
+    # a bf16 block-FP8 tiny MoE TP2 engine (CPUs with AMX only): vLLM's own load, then the
+    # applier's and the trainer API's refits
+    ("test_fp8_live", frozenset({"megatron", "live"})),
     ("test_colocated", frozenset({"live"})),
     ("test_refit_layouts", frozenset({"live"})),
     # a DTensor (FSDP2 + TP) policy through vLLM's trainer API, into the dense qwen2 TP1 engine

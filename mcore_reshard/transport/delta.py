@@ -43,7 +43,7 @@ from .channels import ChannelKey, GroupChannel, MsgKey, Op, Route, Spec
 from .group import RefitError
 from .sink import Sink, baseline_of
 from .stats import Tally
-from .views import BIT_VIEWS, local_view
+from .views import as_bits, local_view
 
 __all__ = ["DeltaDecision", "DeltaEncoder", "DeltaDecoder", "DeltaRun", "DeltaState", "HeaderExchange",
            "decide", "encoded_numel", "refit_id"]
@@ -175,23 +175,19 @@ class DeltaRun:
     limit_bytes: int = 0
 
 
-def _bits(x: torch.Tensor) -> torch.Tensor:
-    return x.view(BIT_VIEWS[x.element_size()])
-
-
 def _changed(new: torch.Tensor, base: torch.Tensor) -> Any:
     """Box-flat (C-order) positions where the bits of ``new`` and ``base`` differ: a numpy
     array on CPU (numpy's compare and ``flatnonzero`` run about 5x torch's there, on strided
     views too), a tensor on a device."""
     if new.device.type == "cpu":
-        return np.flatnonzero(_bits(new).numpy() != _bits(base).numpy())
-    return (_bits(new) != _bits(base)).reshape(-1).nonzero().squeeze(1)
+        return np.flatnonzero(as_bits(new).numpy() != as_bits(base).numpy())
+    return (as_bits(new) != as_bits(base)).reshape(-1).nonzero().squeeze(1)
 
 
 def _positions_values(new: torch.Tensor, idx: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """(int32 positions, the new values there) for a sparse box."""
     if isinstance(idx, np.ndarray):
-        bits = _bits(new).numpy()
+        bits = as_bits(new).numpy()
         picked = bits.reshape(-1)[idx] if bits.flags.c_contiguous else bits[np.unravel_index(idx, bits.shape)]
         return torch.from_numpy(idx.astype(np.int32)), torch.from_numpy(picked).view(new.dtype)
     return idx.to(torch.int32), new.reshape(-1)[idx]
@@ -247,7 +243,8 @@ class DeltaEncoder:
                 where, values = _positions_values(new, idx)
                 out[pos : pos + npos].view(torch.uint8)[: 4 * h].copy_(where.view(torch.uint8))
                 out[pos + npos : pos + npos + h].copy_(values)
-                base.view(-1).index_copy_(0, where.to(device=base.device, dtype=torch.int64), values.to(base.device))
+                as_bits(base).view(-1).index_copy_(0, where.to(device=base.device, dtype=torch.int64),
+                                                     as_bits(values).to(base.device))
             pos += encoded_numel(h, n, isz)
         self.headers[key] = hdr
         return out[:pos]

@@ -15,7 +15,7 @@ import torch
 from ..layout.descriptor import Box, LocalParam, Piece, View
 from ..layout.dtensor import DTensorForm
 
-__all__ = ["ReceivedWeights", "BIT_VIEWS", "box_slices", "local_view", "scatter_flat", "canonical_box", "materialize_local", "write_pieces", "zero_padding", "gather_canonical",
+__all__ = ["ReceivedWeights", "BIT_VIEWS", "as_bits", "box_slices", "local_view", "scatter_flat", "canonical_box", "materialize_local", "write_pieces", "zero_padding", "gather_canonical",
            "torch_placements", "TORCH_DTYPES"]
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -51,9 +51,18 @@ def copy_unless_same(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as integers of its element size (``BIT_VIEWS``; the same memory, bit for
+    bit): for copies torch has no kernel for in ``t``'s dtype (``index_copy_`` of
+    ``float8_e4m3fn`` on CPU)."""
+    return t.view(BIT_VIEWS[t.element_size()])
+
+
 def scatter_flat(x: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:
     """``x`` (a view, possibly strided) with ``values`` written at its flat, C-order
-    ``positions`` (int64), in place: a delta refit's changes."""
+    ``positions`` (int64), in place: a delta refit's changes. Bits are copied (``as_bits``),
+    so every dtype takes them, FP8 codes included."""
+    x, values = as_bits(x), as_bits(values)
     if x.is_contiguous():
         x.view(-1).index_copy_(0, positions, values)
     else:

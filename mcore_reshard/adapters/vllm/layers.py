@@ -20,6 +20,7 @@ import torch
 
 from ...layout.descriptor import LayoutError, LocalParam
 from ...transport.views import TORCH_DTYPES
+from .fp8 import holds_codes, open_codes, process_codes
 from .lora_rules import is_slot_name, parse_slot_name
 
 __all__ = ["derivations", "DIRECT", "RELOAD", "MLA_NOTE", "owner", "LoraSlot", "guarded", "TargetAndDraft", "plain_linear_enabled",
@@ -341,6 +342,8 @@ def open_shadow(layer: torch.nn.Module, prefix: str, names: dict[str, str], para
     with device:
         restore_layer_on_meta(shadow, info)
         materialize_layer(shadow, info)
+    if holds_codes(names, params):  # a block-FP8 layer refit with codes and scales (``fp8.py``)
+        open_codes(shadow, names, params, device)
     # Padding elements are zero, never uninitialised memory. A described parameter without
     # padding is written whole by the plan (the applier checks the count), so zeroing it first
     # would only be one more pass over the layer's bytes.
@@ -364,10 +367,12 @@ def process_shadow(shadow: torch.nn.Module, device: torch.device) -> None:
         for name, fn in shadow.__dict__.get("_mr_derivations", {}).items():
             t = shadow._parameters[name]
             t.data.copy_(fn(t))
-        if isinstance(qm, QuantizeMethodBase):
+        # FP8 codes: the kernel's packing alone (``fp8.py``); anything else: vLLM's processing.
+        codes = process_codes(shadow, device)
+        if not codes and isinstance(qm, QuantizeMethodBase):
             qm.process_weights_after_loading(shadow)
-            if hasattr(shadow, "update_param_tp_status"):
-                shadow.update_param_tp_status()
+        if (codes or isinstance(qm, QuantizeMethodBase)) and hasattr(shadow, "update_param_tp_status"):
+            shadow.update_param_tp_status()
         reprepack_cpu_moe(shadow)
 
 

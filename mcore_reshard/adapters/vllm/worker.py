@@ -29,6 +29,7 @@ from ...transport.views import ReceivedWeights
 from ...wire.protocol import WorkerLayout, WorkerStatus
 from ...transport.views import box_slices
 from .apply import RefitIncomplete, VllmApplier, select_modes
+from .fp8 import engine_fp8, engine_holds, quantized_checkpoint
 from .layers import owner
 from .record import canonical_tensors, record_local_params, served_spec
 
@@ -53,6 +54,16 @@ def install_plain_linear() -> None:
 
 if os.environ.get(PLAIN_LINEAR_ENV) == "1":
     install_plain_linear()
+
+
+def _tensor_checksums(model: torch.nn.Module, skip: set[int]) -> dict[str, str]:
+    """sha256 of each parameter and buffer of ``model`` but those in ``skip`` (by id)."""
+    out: dict[str, str] = {}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if id(t) not in skip:
+            b = t.detach().contiguous().cpu().reshape(-1)
+            out[name] = hashlib.sha256(b.view(torch.uint8).numpy().tobytes()).hexdigest()
+    return out
 
 
 class ReshardWorkerExtension:
@@ -81,11 +92,13 @@ class ReshardWorkerExtension:
             return eng.params()
         cached = getattr(self, "_mr_cached_params", None)
         if cached is None:
-            cached = record_local_params(
-                self._mr_model(), canonical_tensors(self.vllm_config), self.mr_rank_info()["rank"],  # type: ignore[attr-defined]
+            tensors = canonical_tensors(self.vllm_config)  # type: ignore[attr-defined]
+            recorded = record_local_params(
+                self._mr_model(), tensors, self.mr_rank_info()["rank"],
                 vllm_config=self.vllm_config, device=self.mr_rank_info()["device"],  # type: ignore[attr-defined]
                 checkpoint=served_spec(self.vllm_config).checkpoint_shapes(),  # type: ignore[attr-defined]
             )
+            cached = engine_holds(self._mr_model(), recorded, tensors, self.vllm_config)  # type: ignore[attr-defined]
             self._mr_cached_params = cached
         return cached
 
@@ -173,6 +186,9 @@ class ReshardWorkerExtension:
         ``stop_after`` stops after that many writes and calls ``then`` (``abort`` or
         ``finish``) to exercise the failure paths."""
         canon = load_canonical(path)
+        fp8 = engine_fp8(self.vllm_config)  # type: ignore[attr-defined]
+        if fp8 is not None:  # codes and scales, as the senders quantize (``transport.quantize``)
+            canon = quantized_checkpoint(canon, fp8, self.vllm_config.model_config.dtype)  # type: ignore[attr-defined]
         eng = self._mr_engine()
         if eng is not None:  # weights change outside a refit: the next refit is full
             eng.forget_baselines()
@@ -227,14 +243,13 @@ class ReshardWorkerExtension:
         buffers, in whatever format its kernels keep them; the ones it shares with the target
         excepted): two engines that hold the same draft agree on every one."""
         draft = self.model_runner.get_draft_model()  # type: ignore[attr-defined]
-        shared = {id(t) for t in [*self._mr_model().parameters(), *self._mr_model().buffers()]}
-        out: dict[str, str] = {}
-        for name, t in [*draft.named_parameters(), *draft.named_buffers()]:
-            if id(t) in shared:
-                continue
-            b = t.detach().contiguous().cpu().reshape(-1)
-            out[name] = hashlib.sha256(b.view(torch.uint8).numpy().tobytes()).hexdigest()
-        return out
+        return _tensor_checksums(draft, {id(t) for t in [*self._mr_model().parameters(), *self._mr_model().buffers()]})
+
+    def mr_served_checksums(self) -> dict[str, str]:
+        """sha256 of every tensor the target model computes with (parameters and buffers, in
+        whatever format its kernels keep them: packed linears, an FP8 layer's packed codes and
+        scales): two engines that serve the same weights agree on every one."""
+        return _tensor_checksums(self._mr_model(), set())
 
     def mr_lora_slots(self, names: Sequence[str]) -> dict[str, list]:
         """The LoRA slot tensors ``names`` (``lora_rules.slot_name``) as this worker's LoRA

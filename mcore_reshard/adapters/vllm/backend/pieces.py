@@ -19,6 +19,7 @@ from ....layout import Piece
 from ....layout.descriptor import LocalParam
 from ....layout.lora import PeftConfig
 from ....layout.mtp import draft_tensors
+from ..fp8 import engine_holds
 from ..layers import TargetAndDraft
 from ..lora_slots import install_refit_adapter
 from ..parallel import VllmParallel
@@ -47,9 +48,11 @@ class EnginePieces:
         """The target's pieces, the draft's once known, and the adapter's slots once installed
         (each recorded once)."""
         if self._target_params is None:
-            self._target_params = record_local_params(
-                self.target, canonical_tensors(self.vllm_config), self.local_rank, vllm_config=self.vllm_config,
+            tensors = canonical_tensors(self.vllm_config)
+            recorded = record_local_params(
+                self.target, tensors, self.local_rank, vllm_config=self.vllm_config,
                 device=self.device, checkpoint=served_spec(self.vllm_config).checkpoint_shapes())
+            self._target_params = engine_holds(self.target, recorded, tensors, self.vllm_config)
         if self.draft is not None and self._draft_params is None:
             self._draft_params = self._record_draft(self.draft)
         return self._target_params + (self._draft_params or []) + self.adapter_params
