@@ -22,6 +22,7 @@ from mcore_reshard.cli import main
 from support import PROCESS_STARTS
 from support.background import BACKGROUND
 from mcore_reshard.settings.config import MAX_PLAN_TRANSFERS, RefitJob, load_refit_job
+from mcore_reshard.settings.limits import cpu_has_amx
 from mcore_reshard.errors import ConfigError
 from mcore_reshard.layout import LayoutError
 from mcore_reshard.settings.policy import MAX_BUFFER_BYTES, MIN_BUFFER_BYTES, RefitConfig
@@ -183,7 +184,10 @@ REFIT_CASES = [
     (["refit.enabled=false"], "refit.enabled"),
     (["--recipe", str(RECIPE)], "--recipe"),
     (["vllm.quantization=fp8"], "vllm.quantization='fp8'"),
-    (["model=tiny-moe-128", "vllm.quantization=fp8_per_block"], "the local job does not start FP8 engines yet"),
+    # An FP8 engine starts where vLLM's CPU FP8 kernels run (AMX tiles); anywhere, a model the
+    # user named whose shards cut 128x128 blocks is refused in one line.
+    (["model=tiny-moe-128", "vllm.quantization=fp8_per_block"], "vLLM's CPU FP8 kernels need AMX tiles")
+    if not cpu_has_amx() else (["model=tiny-moe", "vllm.quantization=fp8_per_block"], "cuts a 128x128 FP8 block"),
 ]
 
 
@@ -420,3 +424,16 @@ def test_refit_job_with_a_draft_plans_it_with_the_target_or_says_why_not_in_one_
         load_refit_job(mtp[:1] + ["vllm.tp=2"] + mtp[2:])
     with pytest.raises(LayoutError, match=r"the model has no MTP layers"):
         load_refit_job(["model=tiny-moe", "vllm.tp=1", "vllm.speculative_config.method=mtp", "job.compare_hf=false"])
+
+
+@pytest.mark.skipif(not cpu_has_amx(), reason="the local job refuses FP8 engines without AMX tiles (the case above)")
+def test_refit_job_for_an_fp8_engine_chooses_a_block_shaped_model_and_says_so():
+    """``vllm.quantization=fp8_per_block`` on the default job: the built-in model whose shards
+    are whole 128x128 blocks on both sides is chosen, in one line; the plan quantizes at the
+    senders, at the FP8 minimum. A model the user names is kept (and refused if it cuts
+    blocks: the case above)."""
+    job = load_refit_job(["vllm.quantization=fp8_per_block"])
+    assert job.model == "tiny-moe-128" and "\n" not in job.chose
+    assert job.chose.startswith("vllm.quantization=fp8_per_block: chose model=tiny-moe-128")
+    assert job.plan.quantized and job.plan.quantized_at_receiver == () and job.plan.bytes_planned == job.plan.bytes_min
+    assert load_refit_job(["model=tiny-dense-128", "training.ep=1", "vllm.quantization=fp8_per_block"]).chose == ""

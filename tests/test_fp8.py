@@ -318,3 +318,27 @@ def load_canonical_bf16(ckpt) -> dict:
     from mcore_reshard.infra.checkpoint import load_canonical
 
     return {k: v.to(torch.bfloat16) for k, v in load_canonical(str(ckpt)).items()}
+
+
+def test_the_canary_reference_of_an_fp8_refit_computes_with_the_weights_as_sent():
+    """``as_sent``: while a quantized refit's canary reference runs, each tensor the rank
+    quantized holds its FP8 round trip (codes times block scales, in its dtype: what the FP8
+    engine computes with); on the way out -- an exception included -- the weights are back bit
+    for bit."""
+    from mcore_reshard.transport.quantize import as_sent, dequantize
+
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(256, 384, generator=g) * 0.02).to(torch.bfloat16)
+    other = torch.randn(4, 4, generator=g).to(torch.bfloat16)
+    keep, keep_other = w.clone(), other.clone()
+    codes, scales = per_block_fp8(keep)
+    with pytest.raises(RuntimeError, match="inside"):
+        with as_sent({"w": w, "other": other}, ["w"]):
+            assert torch.equal(w, dequantize(codes, scales, torch.bfloat16)) and not torch.equal(w, keep)
+            assert torch.equal(other, keep_other)  # not quantized: untouched
+            # the round trip is the FP8 error only: every element within the widest code step of its
+            # block (32 x its scale: e4m3 codes between 256 and 448 are 32 apart)
+            step = scales.repeat_interleave(128, 0).repeat_interleave(128, 1) * 32
+            assert ((w.float() - keep.float()).abs() <= step).all()
+            raise RuntimeError("inside")
+    assert torch.equal(w.view(torch.int16), keep.view(torch.int16))

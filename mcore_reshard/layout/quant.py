@@ -25,7 +25,8 @@ from typing import Mapping, Sequence
 from .descriptor import Box, LayoutError, LocalParam, Piece, SideLayout, View, contiguous_strides
 from .memo import IdentityCache
 
-__all__ = ["FP8", "BLOCK", "SCALE_SUFFIX", "BlockFp8", "scale_name", "quantized_tensors", "quantize_side", "fp8_sides"]
+__all__ = ["FP8", "BLOCK", "SCALE_SUFFIX", "BlockFp8", "scale_name", "quantized_tensors", "quantize_side", "held_tensors",
+           "fp8_sides"]
 
 FP8 = "float8_e4m3fn"
 #: vLLM's ``fp8_per_block``: ``weight_block_size = [128, 128]``.
@@ -93,6 +94,23 @@ def quantize_side(side: SideLayout, quant: BlockFp8, what: str) -> SideLayout:
     if not names or all(side.tensors[n][1] == quant.dtype and scale_name(n) in side.tensors for n in names):
         return side  # nothing to quantize, or described in FP8 already (an engine's own description)
     return _quantize(side, names, quant.block, quant.dtype, what, at_sender=False)
+
+
+def held_tensors(tensors: Mapping[str, tuple[tuple[int, ...], str]],
+                 params: Sequence[LocalParam]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """``tensors`` (the model's table) as the local tensors ``params`` hold them: a canonical
+    tensor held as FP8 codes is FP8 in the table, beside its ``_scale_inv`` scales (fp32, one
+    per 128x128 block) -- the table an FP8 engine's own description implies (its workers
+    describe what they hold, ``adapters/vllm/fp8.py``)."""
+    codes = {q.canonical for p in params if p.dtype == FP8 for q in p.pieces}
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    for name, (shape, dtype) in tensors.items():
+        if name in codes:
+            out[name] = (tuple(shape), FP8)
+            out[scale_name(name)] = ((_blocks(shape[0], BLOCK), _blocks(shape[1], BLOCK)), "float32")
+        else:
+            out[name] = (tuple(shape), dtype)
+    return out
 
 
 def fp8_sides(src: SideLayout, dst: SideLayout) -> tuple[SideLayout, SideLayout, tuple[tuple[str, str, str], ...]]:

@@ -300,6 +300,8 @@ class RefitDriver:
         ``scripts/bench_canary.py`` compares the two)."""
         cfg = self.refit_config
         dtype = self.engine_infos[0].dtype if self.engine_infos else self.spec.dtype
+        if self.plan is not None and self.plan.quantized:  # an FP8 engine: FP8's bound
+            dtype = self.plan.dtype
         top = (lambda seqs: self.trainers.top_logprobs(seqs).wait()[0]) if now else None
         drafts = not now and self.dst is not None and any(p.name.startswith("draft.") for p in self.dst.params)
         return make_canary(self.spec.vocab, dtype, cfg.canary_sequences, cfg.canary_tokens, cfg.canary_bound, top,

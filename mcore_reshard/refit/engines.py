@@ -14,6 +14,7 @@ from typing import Any, Sequence
 from ..adapters.vllm.lora_rules import vllm_lora_layout
 from ..layout import LocalParam, ModelSpec, Piece, SideLayout
 from ..layout.lora import PeftConfig, adapter_tensors
+from ..layout.quant import held_tensors
 from ..transport.destination import Described, DestinationInfo
 
 __all__ = ["as_destination", "engine_world", "engine_dtype", "dst_layout_of", "ENGINE_GRACE_S", "adapter_slots_of"]
@@ -61,7 +62,8 @@ def dst_layout_of(described: Sequence[Described], spec: ModelSpec, name: str = "
         for worker_params in d.params:
             params.extend(_restamp(worker_params, offset))
         offset += len(d.params)
-    return SideLayout(name, offset, tuple(params), spec.tensor_table())
+    # An FP8 engine's workers describe codes and scales: the table says so too.
+    return SideLayout(name, offset, tuple(params), held_tensors(spec.tensor_table(), params))
 
 
 def adapter_slots_of(infos: Sequence[DestinationInfo], spec: ModelSpec, peft: PeftConfig) -> SideLayout:

@@ -396,8 +396,8 @@ def load_refit_job(overrides: Sequence[str] = ()) -> RefitJob:
     and the local job's limits; starts no process and writes no file.
     """
     data, k = load_config("refit", overrides, open_sections=sections(REFIT_CONFIG)), REFIT_CONFIG
-    chosen = draft_defaults(data, overrides)
-    if chosen:  # what a draft needs, where the overrides left the default job's own
+    chosen = draft_defaults(data, overrides) + fp8_defaults(data, overrides)
+    if chosen:  # what a draft or an FP8 engine needs, where the overrides left the default job's own
         overrides = [*overrides, *chosen]
         data = load_config("refit", overrides, open_sections=sections(REFIT_CONFIG))
     model, dtype, seed = read(data, k.model), read(data, k.dtype), read(data, k.seed)
@@ -433,11 +433,26 @@ def load_refit_job(overrides: Sequence[str] = ()) -> RefitJob:
                               f"vllm.tp=1 and training.pp=1 (vLLM's DeepSeekMTP draft layout is described for pp=1)")
         src, dst = with_drafts(RecipeLayout(spec, training, vllm, refit, speculative=speculative), src, dst)
         plan = get_plan(src, dst, bucket_bytes=refit.bucket_bytes, allow_cast=refit.allow_cast)
-    chose = (f"vllm.speculative_config.method={speculative.method}: chose {', '.join(chosen)} (the draft runs "
-             f"on a model with MTP layers, at vllm.tp=1 and training.pp=1; the HF baseline would leave it stale)"
-             if chosen and speculative is not None else "")
+    chose = ""
+    if chosen and speculative is not None:
+        chose = (f"vllm.speculative_config.method={speculative.method}: chose {', '.join(chosen)} (the draft runs "
+                 f"on a model with MTP layers, at vllm.tp=1 and training.pp=1; the HF baseline would leave it stale)")
+    elif chosen:
+        chose = (f"vllm.quantization={vllm.quantization}: chose {', '.join(chosen)} (every shard whole 128x128 "
+                 f"blocks, so each training rank quantizes what it owns)")
     return RefitJob(model=model, spec=spec, dtype=dtype, seed=seed, training=training, vllm=vllm, refit=refit,
                     checkpoint=checkpoint, src=src, dst=dst, plan=plan, speculative=speculative, chose=chose, **job)
+
+
+def fp8_defaults(data: Mapping[str, Any], overrides: Sequence[str]) -> list[str]:
+    """With ``vllm.quantization`` set: a built-in model whose shards on both sides are whole
+    128x128 blocks (``tiny-moe-128``) where the overrides name none and the default one's
+    32-wide heads would cut them (a model the user named keeps it, and a cut block is refused
+    in one line as before)."""
+    if not (data.get("vllm") or {}).get("quantization") or (data.get("vllm") or {}).get("speculative_config", {}).get("method"):
+        return []
+    given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+    return ["model=tiny-moe-128"] if "model" not in given and data.get("model") in ("tiny-moe", "tiny-dense") else []
 
 
 def draft_defaults(data: Mapping[str, Any], overrides: Sequence[str]) -> list[str]:

@@ -60,11 +60,9 @@ def local_cpu_problem(training: MegatronParallel, vllm: VllmParallel, *,
     if vllm.enable_ep:
         return (f"{names['enable_ep']}: vLLM's CPU fused-MoE kernel segfaults on an expert-parallel "
                 f"forward; the local job runs the experts under TP")
-    if vllm.quantization is not None:
-        return (f"vllm.quantization={vllm.quantization}: the local job does not start FP8 engines yet (writing "
-                f"sender-quantized codes through vLLM's FP8 packing is not built"
-                + ("" if cpu_has_amx() else "; and vLLM's CPU FP8 kernels need AMX tiles, which this CPU lacks")
-                + "); `mcore-reshard plan` plans it")
+    if vllm.quantization is not None and not cpu_has_amx():
+        return (f"vllm.quantization={vllm.quantization}: vLLM's CPU FP8 kernels need AMX tiles, which this CPU "
+                f"lacks, so the local job cannot start an FP8 engine here; `mcore-reshard plan` plans it")
     procs = training.world_size + vllm.world_size
     if procs > MAX_LOCAL_PROCESSES:
         return (f"training world {training.world_size} + vllm world {vllm.world_size} = {procs} processes: "

@@ -30,6 +30,7 @@ from .delta import DeltaRun, DeltaState, decide, refit_id
 from .executor import TransferOptions, TransferStats, execute_plan, raw_send_bandwidth
 from ..wire.faults import Fault
 from .group import RefitGroup
+from .quantize import as_sent
 
 __all__ = ["RefitEndpoint", "Outcome", "Participant", "Prepared", "InPlace", "IN_PLACE", "TopLogprobs"]
 
@@ -210,7 +211,7 @@ class RefitEndpoint:
             phases = dict(ready.phases)
             if request.canary is not None:
                 t0 = time.perf_counter()
-                canary, phases["canary_reference"] = self.meet_canary(request, top, draft_top)
+                canary, phases["canary_reference"] = self.meet_canary(request, top, draft_top, src_tensors)
                 participant.check(canary)
                 phases["canary"] = time.perf_counter() - t0
             report = self.report(stats, phases)
@@ -220,15 +221,18 @@ class RefitEndpoint:
             error = exc
         return self.vote(request, report, error, fault=fault), report
 
-    def meet_canary(self, request: RefitRequest, top: TopLogprobs | None,
-                    draft_top: TopLogprobs | None = None) -> tuple[Canary, float]:
+    def meet_canary(self, request: RefitRequest, top: TopLogprobs | None, draft_top: TopLogprobs | None = None,
+                    src_tensors: Mapping[str, torch.Tensor] | None = None) -> tuple[Canary, float]:
         """Every rank staged before any engine runs its canary forward: that forward is a
         collective over an engine's workers, which one that failed must not leave waiting (a
         failed rank's abort ends this wait at once). A deferred canary (``Canary.deferred``) is
         completed here: the training ranks compute the policy's likely tokens and their
         log-probs now -- one forward, a collective of the trainers' own groups, while the
         engines still receive and stage -- and the first of them hands them to every rank in
-        this exchange. Returns the complete canary and this rank's seconds computing it."""
+        this exchange. A refit into an FP8 engine is checked against the policy as sent: while
+        the reference runs, the tensors this rank quantized hold their FP8 round trip
+        (``quantize.as_sent``, from ``src_tensors``). Returns the complete canary and this
+        rank's seconds computing it."""
         canary, mine, seconds = request.canary, "staged", 0.0
         if canary.deferred and self.side == "src":
             if top is None:
@@ -239,8 +243,10 @@ class RefitEndpoint:
                                  "MTP policy to compute its reference with (SourceEndpoint(canary_draft=...))")
             t0 = time.perf_counter()
             seqs = [list(s) for s in canary.tokens]
-            got = top(seqs)
-            draft = draft_top(seqs) if canary.draft else []
+            sent = self._slice.quantize if self._slice is not None and src_tensors is not None else ()
+            with as_sent(src_tensors or {}, sent):
+                got = top(seqs)
+                draft = draft_top(seqs) if canary.draft else []
             seconds = time.perf_counter() - t0
             if self.rank == 0:
                 mine = {"targets": [list(t) for t, _ in got], "reference": [list(lp) for _, lp in got],

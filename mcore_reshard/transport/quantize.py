@@ -13,6 +13,7 @@ over its last two dims equals quantizing each canonical tensor.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Iterator, Mapping, Sequence
 
@@ -20,7 +21,7 @@ import torch
 
 from ..layout.quant import BLOCK, SCALE_SUFFIX
 
-__all__ = ["per_block_fp8", "QuantizedSources", "FP8_MAX"]
+__all__ = ["per_block_fp8", "dequantize", "as_sent", "QuantizedSources", "FP8_MAX"]
 
 #: ``torch.finfo(torch.float8_e4m3fn).max``: vLLM's ``get_fp8_min_max()`` on every platform
 #: but ROCm's fnuz.
@@ -50,6 +51,36 @@ def per_block_fp8(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, to
     if ragged:
         codes = codes[..., :r, :c].contiguous()
     return codes, scale.view(*lead, rb, cb)
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, block: int = BLOCK) -> torch.Tensor:
+    """What block-FP8 ``codes`` with their ``scales`` stand for, in ``dtype``: each code times
+    its block's scale (the weight an FP8 engine's W8A16 kernel computes with)."""
+    r, c = codes.shape[-2:]
+    full = scales.repeat_interleave(block, dim=-2).repeat_interleave(block, dim=-1)[..., :r, :c]
+    return (codes.float() * full).to(dtype)
+
+
+@contextlib.contextmanager
+def as_sent(tensors: Mapping[str, torch.Tensor], names: Sequence[str]) -> Iterator[None]:
+    """While inside, each local tensor of ``names`` holds what an FP8 engine computes with once
+    this rank's codes land: its block-FP8 round trip (``per_block_fp8``, then ``dequantize``)
+    in its own dtype; put back bit for bit on the way out. A canary reference of a quantized
+    refit is the policy that was sent, not the bf16 one (costs a copy of those tensors while
+    inside)."""
+    kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+    try:
+        with torch.no_grad():
+            for name in names:
+                t = tensors[name]
+                codes, scales = per_block_fp8(t.detach())
+                kept.append((t, t.detach().clone()))
+                t.detach().copy_(dequantize(codes, scales, t.dtype))
+        yield
+    finally:
+        with torch.no_grad():
+            for t, old in kept:
+                t.detach().copy_(old)
 
 
 class QuantizedSources(Mapping):

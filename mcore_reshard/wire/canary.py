@@ -23,7 +23,12 @@ __all__ = ["TOKEN_MULT_PROB_BOUND", "canary_sequences", "make_canary", "canary_b
 #: Healthy token_mult_prob_error after a refit: fp32 computes the same model on both sides up
 #: to kernel order (1.001); bf16 kernels differ between megatron and vLLM, and NeMo RL calls a
 #: step healthy below 1.05.
-TOKEN_MULT_PROB_BOUND = {"float32": 1.001, "bfloat16": 1.05, "float16": 1.05}
+#: An FP8 engine (block FP8, W8A16) is checked against the trainers' reference computed with
+#: the weights' own FP8 round trip (``transport.quantize.as_sent``): the engine's kernel and
+#: that round trip in bf16 still differ per weight, and a near-tie in MoE routing turns that
+#: into a token's worth of error (a 40-refit soak of the tiny MoE: median 1.01, worst 1.10;
+#: docs/canary.md), hence FP8's own bound.
+TOKEN_MULT_PROB_BOUND = {"float32": 1.001, "bfloat16": 1.05, "float16": 1.05, "float8_e4m3fn": 1.2}
 
 #: The canary's sequences are drawn once from this seed: every refit of every job checks the same ones.
 CANARY_SEED = 0x6361_6E61

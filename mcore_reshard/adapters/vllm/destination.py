@@ -14,9 +14,11 @@ from typing import Any, Callable, TypeVar
 
 from ...errors import EngineDead
 from ...layout import ModelSpec
+from ...layout.quant import FP8, scale_name
 from ...transport.destination import Described, DestinationInfo
 from ...wire.protocol import EngineInitInfo, EngineUpdateInfo, WorkerStatus, first_error_line
 from .engine import STATUS_DEADLINE_S, describe, engine_call, engine_info, reset_encoder_cache, worker_status
+from .fp8 import FP8_NOTE
 from .rules import vllm_layout
 
 __all__ = ["VllmEngine", "engine_is_dead"]
@@ -78,7 +80,10 @@ class VllmEngine:
             for rank_modes in engine_call(self.engine, "mr_modes", lambda: self.engine.collective_rpc("mr_modes"),
                                           STATUS_DEADLINE_S):
                 modes.update(rank_modes)
-            not_direct = tuple(sorted((n, RELOAD_NOTE) for n, m in modes.items() if m != "direct"))
+            codes = {p.name for w in per_worker for p in w if p.dtype == FP8}
+            codes |= {scale_name(n) for n in codes}
+            not_direct = tuple(sorted((n, FP8_NOTE if n in codes else RELOAD_NOTE)
+                                      for n, m in modes.items() if m != "direct"))
         else:
             rules = vllm_layout(spec, replace(i.parallel, replicas=1))
             per_worker = [list(rules.for_rank(r)) for r in range(rules.world_size)]

@@ -25,6 +25,7 @@ from ...layout.descriptor import LocalParam
 from ...transport.destination import mark_stuck, stuck
 from ...transport.views import ReceivedWeights
 from ...wire.protocol import WorkerLayout, WorkerStatus
+from .fp8 import engine_quantization
 from .rules import VllmParallel
 from .worker import PLAIN_LINEAR_ENV, ReshardWorkerExtension
 from .worker import REFIT_EXTENSION as EXTENSION
@@ -121,7 +122,8 @@ def info_of_config(vllm_config: Any) -> EngineInfo:
     parallel = VllmParallel(tp=int(par.tensor_parallel_size), pp=int(par.pipeline_parallel_size), dp=dp,
                             enable_ep=bool(par.enable_expert_parallel),
                             num_redundant_experts=int(getattr(eplb, "num_redundant_experts", 0) or 0),
-                            expert_placement=str(getattr(par, "expert_placement_strategy", "linear") or "linear"))
+                            expert_placement=str(getattr(par, "expert_placement_strategy", "linear") or "linear"),
+                            quantization=engine_quantization(vllm_config))
     spec = getattr(vllm_config, "speculative_config", None)
     return EngineInfo(int(par.world_size) * dp, str(vllm_config.model_config.dtype).replace("torch.", ""), parallel,
                       str(getattr(par, "worker_extension_cls", "") or ""),

@@ -34,11 +34,14 @@ from ...layout.quant import FP8, SCALE_SUFFIX, BlockFp8, quantize_side, quantize
 from ...transport.quantize import per_block_fp8
 from ...transport.views import TORCH_DTYPES
 
-__all__ = ["ONLINE_BLOCK_FP8", "engine_fp8", "engine_holds", "holds_codes", "open_codes", "process_codes",
+__all__ = ["ONLINE_BLOCK_FP8", "FP8_NOTE", "engine_fp8", "engine_quantization", "engine_holds", "holds_codes", "open_codes", "process_codes",
            "quantized_checkpoint"]
 
 #: vLLM's online block-FP8 quant methods, linear and MoE (``fp8_per_block``).
 ONLINE_BLOCK_FP8 = ("Fp8PerBlockOnlineLinearMethod", "Fp8PerBlockOnlineMoEMethod")
+#: Why an FP8 layer's codes and scales are not written in place (the plan report lists them with it).
+FP8_NOTE = ("block FP8 codes + scales: written into a shadow of the layer, then packed by vLLM's FP8 kernel "
+            "(never quantized again)")
 #: The flag ``open_codes`` leaves on a shadow whose FP8 tensors take codes and scales.
 _CODES = "_mr_fp8_codes"
 
@@ -50,6 +53,12 @@ def engine_fp8(vllm_config: Any) -> BlockFp8 | None:
         return None
     ignore = getattr(getattr(vllm_config, "quant_config", None), "ignored_layers", None) or ()
     return BlockFp8(ignore=tuple(ignore))
+
+
+def engine_quantization(vllm_config: Any) -> str | None:
+    """The engine's ``quantization`` as ``VllmParallel`` names it: ``fp8_per_block`` for a
+    block-FP8 engine, else None (its own dtype)."""
+    return "fp8_per_block" if engine_fp8(vllm_config) is not None else None
 
 
 def _method(layer: Any) -> str:

@@ -221,7 +221,8 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
             raise ConfigError(f"{BACKEND} trainer engine: {first_error_line(exc)}") from None
         canary = None
         if init_info.canary:
-            canary = make_canary(spec.vocab, engine_spec.dtype, init_info.canary_sequences, init_info.canary_tokens,
+            precision = plans.plan.dtype if plans.plan.quantized else engine_spec.dtype  # an FP8 engine: FP8's bound
+            canary = make_canary(spec.vocab, precision, init_info.canary_sequences, init_info.canary_tokens,
                                  init_info.canary_bound, draft=draft)
         request = RefitRequest(plans.plan.digest(), VerifyMode(init_info.verify), init_info.timeout_s,
                                init_info.atomic, delta=init_info.delta, encoders=moves_encoder(plans.plan, spec),
