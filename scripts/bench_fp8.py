@@ -8,7 +8,7 @@ megatron-core TP2 x EP2 (bf16 ``Float16Module``, DDP, distributed optimizer) and
 layout of one vLLM engine of TP2: once as a bf16 engine holds it, once as an ``fp8_per_block``
 engine does (codes + fp32 block scales, the router, norms, embeddings and LM head in bf16), the
 senders quantizing with vLLM's formula. The destinations are two processes holding that layout
-(this machine's vLLM CPU build cannot start an FP8 engine without AMX), so the numbers are the
+(a live FP8 engine is `tests/test_fp8_live.py`, on CPUs with AMX tiles), so the numbers are the
 transfer's: bytes, seconds (medians of ``--rounds``, the two kinds alternating), each sender's
 quantization time, every refit verified by checksums. Then ``token_mult_prob_error`` of FP8
 weights against the bf16 ones in one HF model (what the quantization alone costs the rollout

@@ -2,9 +2,8 @@
 ranks call ``WeightTransferTrainerFactory.trainer_init(ReshardTrainerInitInfo(...))`` and
 ``send_weights()``; the engine is an ``LLM`` in this process, driven by vLLM's own calls
 (``_trainer_api_jobs.ForwardingClient``). Both entry points plan with one function
-(``plan.refit_plans.plan_refit``). FP8: vLLM's CPU FP8 kernels need AMX tiles, which this
-CPU lacks, and the worker's FP8 apply is not built (docs/fp8.md): its plan and refusals are
-checked here without an engine.
+(``plan.refit_plans.plan_refit``). FP8: its plan and refusals are checked here without an
+engine; a live FP8 engine through this API is ``test_fp8_live.py`` (CPUs with AMX tiles).
 """
 
 from __future__ import annotations
