@@ -157,10 +157,15 @@ def _engine_args(model_dir: str, tp: int, dtype: str, enable_ep: bool, direct: b
         max_model_len=256, max_num_seqs=4, seed=0, tensor_parallel_size=tp,
         enable_expert_parallel=enable_ep, worker_extension_cls=EXTENSION,
     )
-    args.update(_cpu_mla_args(model_dir))
+    mla = _cpu_mla_args(model_dir)
+    args.update(mla)
     if is_vlm_checkpoint(model_dir):  # vLLM's multimodal processor needs the tokenizer; one image per prompt
         args.update(skip_tokenizer_init=False, limit_mm_per_prompt={"image": 1})
     args.update(kw)
+    draft = args.get("speculative_config")
+    if mla and isinstance(draft, dict) and "attention_backend" not in draft:
+        # the MTP draft's MLA layers choose their backend on their own: AMX_MLA on a CPU with AMX
+        args["speculative_config"] = dict(draft, attention_backend=mla["attention_backend"])
     return args
 
 
