@@ -89,15 +89,15 @@ def forward_logits(model, tokens: "torch.Tensor", vocab: int) -> "torch.Tensor":
 
 
 def _top_logprobs(logits: "torch.Tensor", vocab: int) -> "torch.Tensor":
-    """``[2, s-1]`` of one sequence's vocab-parallel logits ``[1, s, V/tp]``: the most likely
-    next token after each prefix (row 0, as float) and its fp32 log-prob over the real vocab
-    (row 1). The logits are gathered over TP: a canary's few positions, not a batch's."""
+    """``[b, 2, s-1]`` of ``b`` sequences' vocab-parallel logits ``[b, s, V/tp]``: the most
+    likely next token after each prefix (row 0, as float) and its fp32 log-prob over the real
+    vocab (row 1). The logits are gathered over TP: a canary's few positions, not a batch's."""
     import torch
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
     full = gather_from_tensor_model_parallel_region(logits[:, :-1].contiguous())[..., :vocab].float()
-    best, token = torch.log_softmax(full, dim=-1)[0].max(dim=-1)
-    return torch.stack([token.float(), best])
+    best, token = torch.log_softmax(full, dim=-1).max(dim=-1)
+    return torch.stack([token.float(), best], dim=1)
 
 
 def _masked_vocab_parallel_logits(logits: "torch.Tensor", vocab: int) -> "torch.Tensor":
@@ -231,20 +231,26 @@ class Policy:
         return [(i, list(token_ids[i])) for i in range(r, len(token_ids), dp)]
 
     def _run_schedule(self, mine: list[tuple[int, list[int]]], forward_only: bool, per_seq, measure=None,
-                      images: Sequence[Any] | None = None):
-        """Run megatron's schedule over ``mine`` (one sequence per micro-batch). ``per_seq(lp,
-        index)`` maps the ``[T-1]`` target log-probs of a sequence (or what ``measure(logits,
-        tokens)`` makes of its output instead) to ``(loss, payload)``. Returns the payloads
-        this rank computed (last stage only) by sequence index. ``images``: a vision-language
-        policy's pixel values per sequence (``[n, 3, H, W]`` or None), by sequence index."""
+                      images: Sequence[Any] | None = None, together: bool = False):
+        """Run megatron's schedule over ``mine`` (one sequence per micro-batch; ``together``:
+        all of them as one micro-batch, for a forward-only measure of a few short sequences --
+        the canary's -- where each micro-batch's fixed cost is most of its time). ``per_seq(lp,
+        index)`` maps the ``[T-1]`` target log-probs of a sequence (or its row of what
+        ``measure(logits, tokens)`` makes of the batch's output instead) to ``(loss,
+        payload)``. Returns the payloads this rank computed (last stage only) by sequence index.
+        ``images``: a vision-language policy's pixel values per sequence (``[n, 3, H, W]`` or
+        None), by sequence index."""
         import torch
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         spec = self.spec
         if images is not None and spec.vision is None:
             raise ValueError(f"images given to a {spec.family.title} policy, which has no vision tower")
-        batches = [{"index": i, "tokens": torch.tensor([t], dtype=torch.long),
-                    "images": None if images is None else images[i]} for i, t in mine]
+        if together and (images is not None or not forward_only):
+            raise ValueError("sequences run together for a forward-only measure without images only")
+        groups = [mine] if together else [[one] for one in mine]
+        batches = [{"index": [i for i, _ in g], "tokens": torch.tensor([t for _, t in g], dtype=torch.long),
+                    "images": None if images is None else images[g[0][0]]} for g in groups]
         seq_len = len(mine[0][1])
 
         def forward_step(data_iterator, model):
@@ -259,9 +265,11 @@ class Policy:
                 out = model(x, pos, attention_mask=None)
 
             def loss_func(output_tensor):
-                lp = _target_logprobs(output_tensor, x, spec.vocab)[0] if measure is None else measure(output_tensor, x)
-                loss, payload = per_seq(lp, b["index"])
-                return loss, {"index": b["index"], "loss": loss.detach().clone(), "payload": payload}
+                rows = _target_logprobs(output_tensor, x, spec.vocab) if measure is None else measure(output_tensor, x)
+                done = [per_seq(rows[k], i) for k, i in enumerate(b["index"])]
+                loss = sum(d[0] for d in done)
+                return loss, {"index": b["index"], "loss": [d[0].detach().clone() for d in done],
+                              "payload": [d[1] for d in done]}
 
             return out, loss_func
 
@@ -275,10 +283,11 @@ class Policy:
             model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
             num_microbatches=len(batches),
             seq_length=seq_len,
-            micro_batch_size=1,
+            micro_batch_size=len(groups[0]),
             forward_only=forward_only,
         )
-        return {d["index"]: d for d in (out or [])}
+        return {i: {"index": i, "loss": loss, "payload": payload} for d in (out or [])
+                for i, loss, payload in zip(d["index"], d["loss"], d["payload"])}
 
     def _train_mode_allowed(self) -> bool:
         """Train steps run the chunks in train mode, except MoE with TP > 1 and no sequence
@@ -327,7 +336,8 @@ class Policy:
         """Per sequence: the most likely token after each prefix ``tokens_<=i`` (i < T-1) and its
         log-prob (fp32 log-softmax over the real vocab): the likely tokens a refit's canary scores
         (``refit.canary``). Forward only; the same lists on every rank."""
-        out = self._forward_payloads(token_ids, lambda logits, x: _top_logprobs(logits, self.spec.vocab))
+        vocab = self.spec.vocab
+        out = self._forward_payloads(token_ids, lambda logits, x: _top_logprobs(logits, vocab), together=True)
         return [([int(t) for t in tok], lp) for tok, lp in out]
 
     def draft_top_logprobs(self, token_ids: Sequence[Sequence[int]]) -> list[tuple[list[int], list[float]]]:
@@ -357,16 +367,17 @@ class Policy:
             return _top_logprobs(logits.transpose(0, 1), self.spec.vocab)
 
         try:
-            out = self._forward_payloads(token_ids, measure)
+            out = self._forward_payloads(token_ids, measure, together=True)
         finally:
             for hook in hooks:
                 hook.remove()
         return [([int(t) for t in tok], lp) for tok, lp in out]
 
     def _forward_payloads(self, token_ids: Sequence[Sequence[int]], measure=None,
-                          images: Sequence[Any] | None = None) -> list[Any]:
+                          images: Sequence[Any] | None = None, together: bool = False) -> list[Any]:
         """Every sequence's forward-only result (``_run_schedule``'s ``measure``; default: its
-        target log-probs) as lists, gathered to every rank."""
+        target log-probs) as lists, gathered to every rank (``together``: this rank's sequences
+        as one micro-batch)."""
         import torch
         from megatron.core import parallel_state as ps
 
@@ -376,7 +387,8 @@ class Policy:
             return lp.sum() * 0.0, lp.detach().tolist()
 
         with torch.no_grad():
-            res = self._run_schedule(mine, forward_only=True, per_seq=per_seq, measure=measure, images=images)
+            res = self._run_schedule(mine, forward_only=True, per_seq=per_seq, measure=measure, images=images,
+                                     together=together)
         local = {i: d["payload"] for i, d in res.items()} if ps.get_tensor_model_parallel_rank() == 0 else {}
         gathered: list[Any] = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(gathered, local)

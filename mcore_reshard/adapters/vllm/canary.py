@@ -7,15 +7,16 @@ sequences (``wire.protocol.Canary``) over the weights it is about to serve and v
 prompt logprobs differ from the trainers' by more than the bound.
 
 The forward is vLLM's own model (its kernels, its repacked and derived tensors) run outside the
-scheduler, so no client request is ever scheduled on weights that have not passed: per
-sequence, one prefill and then one decode step reading its KV cache (state only decoding reads,
-such as MLA's absorbed ``W_UK``/``W_UV``, is checked too), with the attention metadata built by
-each layer group's own metadata builder and a private KV cache of just the blocks it needs (the
-engine's KV cache, and the requests paused in it, are not touched). An engine that drafts (MTP)
-runs its drafter too (:func:`draft_logprobs`). Run where no model step runs meanwhile: inside
-``update_weights`` (the engine is paused for a blocking refit) or ``finish_weight_update``
-(paused for an overlapped refit's swap). Every worker of the engine runs it at once (the
-tensor-parallel collectives of the forward), and every worker gets the whole logits.
+scheduler, so no client request is ever scheduled on weights that have not passed: the
+sequences as one batch of requests, one prefill and then one decode step reading their KV cache
+(state only decoding reads, such as MLA's absorbed ``W_UK``/``W_UV``, is checked too), with the
+attention metadata built by each layer group's own metadata builder and a private KV cache of
+just the blocks it needs (the engine's KV cache, and the requests paused in it, are not
+touched). An engine that drafts (MTP) runs its drafter too (:func:`draft_logprobs`). Run where
+no model step runs meanwhile: inside ``update_weights`` (the engine is paused for a blocking
+refit) or ``finish_weight_update`` (paused for an overlapped refit's swap). Every worker of the
+engine runs it at once (the tensor-parallel collectives of the forward), and every worker gets
+the whole logits.
 
 Supported: decoder models whose layers with forward-time state are vLLM's standard
 ``Attention`` or its ``MLAAttention`` (any backend with a metadata builder) and ``FusedMoE``;
@@ -80,14 +81,15 @@ def _blocks_dim(cache: torch.Tensor, vllm_config: Any) -> int:
 
 
 def _metadata(vllm_config: Any, device: torch.device, start: int, end: int,
-              caches: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, Any], dict[str, torch.Tensor],
-                                                                     dict[str, torch.Tensor]]:
-    """One request whose tokens ``[start, end)`` are computed now over a context of ``end``
-    (``start`` 0: a prefill; ``end - start`` 1 after a prefill: a decode step, which the
-    backends run on their decode path): every attention layer's metadata (built by its
-    backend's own builder, one per group of layers with one KV cache spec), slot mapping, and
-    a private KV cache holding just its blocks (``caches``: the prefill's, which the decode
-    step reads)."""
+              caches: dict[str, torch.Tensor] | None = None, reqs: int = 1) -> tuple[dict[str, Any],
+                                                                                 dict[str, torch.Tensor],
+                                                                                 dict[str, torch.Tensor]]:
+    """``reqs`` requests, each of whose tokens ``[start, end)`` are computed now over a context
+    of ``end`` (``start`` 0: a prefill; ``end - start`` 1 after a prefill: a decode step, which
+    the backends run on their decode path), in one batch: every attention layer's metadata
+    (built by its backend's own builder, one per group of layers with one KV cache spec), slot
+    mapping, and a private KV cache holding just their blocks, request r's after request r-1's
+    (``caches``: the prefill's, which the decode step reads)."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
     kinds = _attention_types()
@@ -104,16 +106,18 @@ def _metadata(vllm_config: Any, device: torch.device, start: int, end: int,
     q = end - start
     for (backend, spec), names in groups.items():
         bs = spec.block_size
-        nb = (end + bs - 1) // bs
-        qsl = torch.tensor([0, q], dtype=torch.int32)
+        nb = (end + bs - 1) // bs  # blocks per request
+        qsl = torch.arange(reqs + 1, dtype=torch.int32) * q
+        # request r holds blocks [r * nb, (r + 1) * nb): position p's slot is r * nb * bs + p
+        slots_of = torch.cat([torch.arange(start, end, dtype=torch.int64) + r * nb * bs for r in range(reqs)])
         common = CommonAttentionMetadata(
             query_start_loc=qsl.to(device), query_start_loc_cpu=qsl,
-            seq_lens=torch.tensor([end], dtype=torch.int32, device=device),
-            num_reqs=1, num_actual_tokens=q, max_query_len=q, max_seq_len=end,
-            block_table_tensor=torch.arange(nb, dtype=torch.int32, device=device)[None],
-            slot_mapping=torch.arange(start, end, dtype=torch.int64, device=device), causal=True,
-            seq_lens_cpu_upper_bound=torch.tensor([end], dtype=torch.int32),
-            is_prefilling=torch.tensor([start == 0], device=device))
+            seq_lens=torch.full((reqs,), end, dtype=torch.int32, device=device),
+            num_reqs=reqs, num_actual_tokens=reqs * q, max_query_len=q, max_seq_len=end,
+            block_table_tensor=torch.arange(reqs * nb, dtype=torch.int32, device=device).view(reqs, nb),
+            slot_mapping=slots_of.to(device), causal=True,
+            seq_lens_cpu_upper_bound=torch.full((reqs,), end, dtype=torch.int32),
+            is_prefilling=torch.full((reqs,), start == 0, device=device))
         builder = backend.get_builder_cls()(spec, names, vllm_config, device)
         built = builder.build(0, common)
         for name in names:
@@ -122,7 +126,7 @@ def _metadata(vllm_config: Any, device: torch.device, start: int, end: int,
             if fresh:
                 live = layer.kv_cache
                 shape = list(live.shape)
-                shape[_blocks_dim(live, vllm_config)] = nb  # the backend's own layout, with just these blocks
+                shape[_blocks_dim(live, vllm_config)] = reqs * nb  # the backend's own layout, just these blocks
                 caches[name] = torch.zeros(shape, dtype=live.dtype, device=live.device)
     return md, slots, caches
 
@@ -135,39 +139,47 @@ def engine_logprobs(vllm_config: Any, model: torch.nn.Module, device: torch.devi
     target token (``Canary.scored``: the policy's likely tokens, or the sequence's own next
     ones, as vLLM's ``prompt_logprobs`` scores them), from ``model``'s current weights.
 
-    Each sequence is one prefill of all its prefixes but the longest, then one **decode step**
-    for that one, reading the prefill's KV cache: the state only decoding reads (MLA's absorbed
-    ``W_UK``/``W_UV`` on vLLM's CPU and GPU MLA backends) is checked too. ``hidden``: each
-    sequence's hidden states at the scored positions are appended to it (what a draft reads)."""
+    The sequences of one length run as one batch of requests: one prefill of all their
+    prefixes but the longest, then one **decode step** for those, reading the prefill's KV
+    cache -- the state only decoding reads (MLA's absorbed ``W_UK``/``W_UV`` on vLLM's CPU and
+    GPU MLA backends) is checked too. ``hidden``: each sequence's hidden states at the scored
+    positions are appended to it (what a draft reads)."""
     from vllm.forward_context import set_forward_context
 
     layers = _forward_layers(vllm_config)
-    out: list[list[float]] = []
-    # by length: (the private KV caches, each step's tokens and metadata); every position is
-    # written before it is read
-    built: dict[int, tuple[dict[str, torch.Tensor], list[tuple]]] = {}
-    for i, seq in enumerate(sequences):
-        ids = [int(t) for t in seq]
-        n = len(ids) - 1  # the scored positions: each prefix's last token
-        if n not in built:
-            caches, steps = None, []
-            for start, end in ([(0, n)] if n < 2 else [(0, n - 1), (n - 1, n)]):
-                md, slots, caches = _metadata(vllm_config, device, start, end, caches)
-                steps.append((start, end, md, slots))
-            built[n] = (caches, steps)
-        caches, steps = built[n]
+    out: dict[int, list[float]] = {}
+    states_of: dict[int, torch.Tensor] = {}
+    for n, batch in _by_length(sequences).items():  # n: the scored positions, each prefix's last token
+        r = len(batch)
+        caches, steps = None, []
+        for start, end in ([(0, n)] if n < 2 else [(0, n - 1), (n - 1, n)]):
+            md, slots, caches = _metadata(vllm_config, device, start, end, caches, reqs=r)
+            steps.append((start, end, md, slots))
         logits, states = [], []
-        with _private(layers, caches):
+        with _private(layers, caches):  # every position is written before it is read
             for start, end, md, slots in steps:
-                x = torch.tensor(ids[start:end], dtype=torch.long, device=device)
-                pos = torch.arange(start, end, dtype=torch.long, device=device)
-                with set_forward_context(md, vllm_config, num_tokens=end - start, slot_mapping=slots):
+                x = torch.tensor([int(t) for i in batch for t in sequences[i][start:end]], dtype=torch.long,
+                                 device=device)
+                pos = torch.arange(start, end, dtype=torch.long, device=device).repeat(r)
+                with set_forward_context(md, vllm_config, num_tokens=r * (end - start), slot_mapping=slots):
                     h = model(input_ids=x, positions=pos)
-                states.append(h)
-                logits.append(model.compute_logits(h))
-        out.append(_scored(torch.cat(logits), targets[i]))
-        if hidden is not None:
-            hidden.append(torch.cat(states))
+                states.append(h.view(r, end - start, -1))
+                logits.append(model.compute_logits(h).view(r, end - start, -1))
+        logits_all, states_all = torch.cat(logits, dim=1), torch.cat(states, dim=1)
+        for k, i in enumerate(batch):
+            out[i] = _scored(logits_all[k], targets[i])
+            states_of[i] = states_all[k]
+    if hidden is not None:
+        hidden.extend(states_of[i] for i in range(len(sequences)))
+    return [out[i] for i in range(len(sequences))]
+
+
+def _by_length(sequences: Sequence[Sequence[int]]) -> dict[int, list[int]]:
+    """The indices of ``sequences`` by their scored positions (length - 1): each group runs
+    as one batch of requests."""
+    out: dict[int, list[int]] = {}
+    for i, seq in enumerate(sequences):
+        out.setdefault(len(seq) - 1, []).append(i)
     return out
 
 
@@ -185,22 +197,20 @@ def draft_logprobs(vllm_config: Any, draft: torch.nn.Module, device: torch.devic
     from vllm.forward_context import set_forward_context
 
     layers = _forward_layers(vllm_config)
-    out: list[list[float]] = []
-    built: dict[int, tuple] = {}  # by length: the metadata and private KV caches of one prefill
-    for i, seq in enumerate(sequences):
-        ids = [int(t) for t in seq]
-        n = len(ids) - 1
-        if n not in built:
-            built[n] = _metadata(vllm_config, device, 0, n)
-        md, slots, caches = built[n]
+    out: dict[int, list[float]] = {}
+    for n, batch in _by_length(sequences).items():  # one batch of requests per length
+        r = len(batch)
+        md, slots, caches = _metadata(vllm_config, device, 0, n, reqs=r)
         with _private(layers, caches):
-            x = torch.tensor(ids[1:], dtype=torch.long, device=device)
-            pos = torch.arange(1, n + 1, dtype=torch.long, device=device)
-            with set_forward_context(md, vllm_config, num_tokens=n, slot_mapping=slots):
-                h = draft(input_ids=x, positions=pos, hidden_states=hidden[i][:n])
-            logits = draft.compute_logits(h[0] if isinstance(h, tuple) else h)
-        out.append(_scored(logits, targets[i]))
-    return out
+            x = torch.tensor([int(t) for i in batch for t in sequences[i][1:]], dtype=torch.long, device=device)
+            pos = torch.arange(1, n + 1, dtype=torch.long, device=device).repeat(r)
+            states = torch.cat([hidden[i][:n] for i in batch])
+            with set_forward_context(md, vllm_config, num_tokens=r * n, slot_mapping=slots):
+                h = draft(input_ids=x, positions=pos, hidden_states=states)
+            logits = draft.compute_logits(h[0] if isinstance(h, tuple) else h).view(r, n, -1)
+        for k, i in enumerate(batch):
+            out[i] = _scored(logits[k], targets[i])
+    return [out[i] for i in range(len(sequences))]
 
 
 @contextlib.contextmanager

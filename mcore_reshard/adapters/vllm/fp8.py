@@ -34,8 +34,8 @@ from ...layout.quant import FP8, SCALE_SUFFIX, BlockFp8, quantize_side, quantize
 from ...transport.quantize import per_block_fp8
 from ...transport.views import TORCH_DTYPES
 
-__all__ = ["ONLINE_BLOCK_FP8", "FP8_NOTE", "engine_fp8", "engine_quantization", "engine_holds", "holds_codes", "open_codes", "process_codes",
-           "quantized_checkpoint"]
+__all__ = ["ONLINE_BLOCK_FP8", "FP8_NOTE", "engine_fp8", "engine_quantization", "engine_holds", "holds_codes",
+           "open_codes", "process_codes", "quantized_checkpoint"]
 
 #: vLLM's online block-FP8 quant methods, linear and MoE (``fp8_per_block``).
 ONLINE_BLOCK_FP8 = ("Fp8PerBlockOnlineLinearMethod", "Fp8PerBlockOnlineMoEMethod")
@@ -128,7 +128,8 @@ def process_codes(shadow: torch.nn.Module, device: torch.device) -> bool:
     return True
 
 
-def quantized_checkpoint(canon: Mapping[str, torch.Tensor], fp8: BlockFp8, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def quantized_checkpoint(canon: Mapping[str, torch.Tensor], fp8: BlockFp8,
+                         dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """A checkpoint's canonical tensors as an FP8 engine of model dtype ``dtype`` takes them:
     every tensor ``fp8`` quantizes as codes plus its ``_scale_inv`` scales, quantized from
     ``dtype`` as vLLM's online quantization does after loading (and as the senders do,
