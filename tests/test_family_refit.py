@@ -115,3 +115,26 @@ def test_glm_bf16_router_weight_widened_on_the_way(tmp_path):
         c.step(TOKENS)
         second = c.refit_once()
         assert second.verified and second.at_minimum and c.logprob_error(TOKENS) < 1.05
+
+
+def test_a_bias_the_cpu_kernel_widens_is_written_in_model_format(tmp_path, shared_engine):
+    """A bf16 Qwen2 engine (q/k/v biases): on a CPU with AMX tiles vLLM's GEMM keeps each
+    small linear's bias in fp32 after loading, a tensor vLLM's reload leaves live. The worker
+    describes it in model format (bf16, what the plan sends), stages it and converts it into
+    the live fp32 tensor at the commit, streamed and atomic: the engine then serves exactly what
+    vLLM's own load of the same checkpoint serves. (On a CPU without AMX nothing is widened and
+    the same refits write the bias in place.)"""
+    a = make_tiny_checkpoint(tmp_path / "qwen2-a", family="qwen2", seed=31, dtype="bfloat16")
+    b = make_tiny_checkpoint(tmp_path / "qwen2-b", family="qwen2", seed=32, dtype="bfloat16")
+    llm = shared_engine(b, tp=1, dtype="bfloat16", fresh=True)
+    want, want_lp = llm.collective_rpc("mr_served_checksums")[0], prompt_logprobs(llm, TOKENS)
+    bias = next(p for p in describe(llm)[0] if p.name.endswith("qkv_proj.bias"))
+    assert bias.dtype == "bfloat16"  # model format, whatever the kernel holds
+    for path, atomic in ((a, False), (b, False), (a, True), (b, True)):
+        status = llm.collective_rpc("mr_load_canonical", args=(str(path),), kwargs={"atomic": atomic})[0]
+        assert status["state"] == "serving", status
+        after_refit(llm)
+        if path == b:
+            assert llm.collective_rpc("mr_served_checksums")[0] == want and prompt_logprobs(llm, TOKENS) == want_lp
+        else:
+            assert prompt_logprobs(llm, TOKENS) != want_lp

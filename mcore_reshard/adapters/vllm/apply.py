@@ -251,6 +251,8 @@ class VllmApplier:
         try:
             if self.atomic:
                 self.shadows.swap_in()
+            else:  # only what is held in another dtype than it arrives in is staged (``Shadows.widened``)
+                self.shadows.swap_staged()
         except BaseException as exc:
             self._fail(f"finish() failed: {exc}")
             raise

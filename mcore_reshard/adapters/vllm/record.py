@@ -177,7 +177,7 @@ def record_local_params(
     The model's parameters are put back untouched (kernel tensors restored).
     """
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO, initialize_layerwise_reload
-    from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
+    from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS, SKIP_TENSORS
 
     BakeSink, FakeRDTTensor = _recording_types()
     checkpoint = checkpoint or {}
@@ -242,11 +242,23 @@ def record_local_params(
     out = []
     for local, (shape, dt) in meta_shapes.items():
         ps = tuple(sorted(pieces[local], key=lambda p: (p.view.offset, p.canonical)))
+        if local.rpartition(".")[2] in SKIP_TENSORS:
+            dt = _model_dtype(dt, ps, tensors)
         lp = LocalParam(rank, local, shape, dt, ps)
         if lp.padding < 0:
             raise LayoutError(f"{local}: recorded pieces cover more elements ({-lp.padding} extra) than it holds")
         out.append(lp)
     return out
+
+
+def _model_dtype(live: str, pieces: Sequence[Piece], tensors: Mapping[str, tuple[Sequence[int], str]]) -> str:
+    """The dtype a tensor vLLM's reload leaves live (``SKIP_TENSORS``: a linear's ``bias``) is
+    written in: its canonical tensors' (model format), where processing changed the live one in
+    place -- vLLM's CPU AMX GEMM (``check_cpu_sgl_kernel``) widens a bf16 linear's bias to fp32.
+    The applier stages such a tensor in model format and copies it into the live one at the
+    commit (``Shadows``)."""
+    held = {tensors[q.canonical][1] for q in pieces}
+    return held.pop() if len(held) == 1 else live
 
 
 def _recording_types():

@@ -23,6 +23,7 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 
+from ...transport.views import TORCH_DTYPES
 from .layers import (DIRECT, ParamTable, aliased, carried, commit_shadow, mla_absorbers, open_shadow, process_dependent,
                      process_shadow, reabsorb, swap_into, tied_dependents, viewed_storages)
 
@@ -112,23 +113,33 @@ class Shadows:
 
     def holds(self, name: str) -> bool:
         """Whether writes to ``name`` already have their tensor: the live one (direct,
-        streaming), its staged copy (direct, atomic) or its module's shadow (reload)."""
+        streaming), its staged copy (direct, atomic, or held in another dtype) or its module's
+        shadow (reload)."""
         if self.table.modes[name] == DIRECT:
-            return not self.atomic or name in self.staged
+            return (not self.atomic and not self.widened(name)) or name in self.staged
         return id(self.table.owners[name][0]) in self.layers
+
+    def widened(self, name: str) -> bool:
+        """Whether the live tensor of direct parameter ``name`` is held in another dtype than
+        its model format (``record._model_dtype``: vLLM's CPU AMX GEMM widens a bf16 bias to
+        fp32 in place): written into a staged copy in model format, copied into the live one
+        (converted) at the commit, in either mode."""
+        return self.table.live(name).dtype != TORCH_DTYPES[self.table.params[name].dtype]
 
     def target(self, name: str) -> torch.Tensor:
         """The model-format tensor that receives writes for ``name``, made at its first write."""
         layer, pname = self.table.owners[name]
         if self.table.modes[name] == DIRECT:
             live = getattr(layer, pname).data
-            if not self.atomic:
+            widened = self.widened(name)
+            if not self.atomic and not widened:
                 self.live_changed = True
                 return live
             if name not in self.staged:
                 # Every element is written before the commit (the sink's ``check_complete``;
                 # padding is zeroed at ``prepare``), so the staged copy starts empty, not as a clone.
-                self.staged[name] = torch.empty_like(live)
+                self.staged[name] = torch.empty(live.shape, dtype=TORCH_DTYPES[self.table.params[name].dtype],
+                                                device=live.device) if widened else torch.empty_like(live)
             return self.staged[name]
         st = self.layers.get(id(layer))
         if st is None:
@@ -193,12 +204,22 @@ class Shadows:
     def swap_in(self) -> None:
         """The refit's commit (atomic): every staged copy into its live tensor, every shadow
         into its layer. Raises where a swap fails (the participant then stops serving)."""
-        for name, staged in self.staged.items():
-            layer, pname = self.table.owners[name]
-            self.live_changed = True
-            swap_into(getattr(layer, pname), staged, self.rebind and not aliased(layer, pname))
+        self.swap_staged()
         for st in self.layers.values():
             self.commit_layer(st)
+
+    def swap_staged(self) -> None:
+        """Every staged copy into its live tensor (a widened one converted into it, its dtype
+        kept: what vLLM's kernel reads): the whole commit of direct parameters, atomic; in a
+        streaming refit, of the widened ones, which alone are staged."""
+        for name, staged in self.staged.items():
+            layer, pname = self.table.owners[name]
+            live = getattr(layer, pname)
+            self.live_changed = True
+            if staged.dtype != live.dtype:
+                live.data.copy_(staged)
+            else:
+                swap_into(live, staged, self.rebind and not aliased(layer, pname))
         self.staged.clear()
 
     @contextlib.contextmanager
@@ -216,7 +237,8 @@ class Shadows:
         try:
             for name, staged in self.staged.items():
                 layer, pname = self.table.owners[name]
-                undo.append(_point(getattr(layer, pname), staged))
+                live = getattr(layer, pname)
+                undo.append(_point(live, staged if staged.dtype == live.dtype else staged.to(live.dtype)))
             pairs = [(st.layer, st.shadow) for st in self.layers.values() if not st.committed]
             pairs += [pair for st in self.layers.values() if not st.committed for pair in st.dependents]
             for live, shadow in pairs:

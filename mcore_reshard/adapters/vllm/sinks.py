@@ -88,9 +88,11 @@ class VllmSink:
         """What the engine serves at ``view`` now, in model format (a delta refit's baseline):
         the live tensor of a direct parameter, the last committed model-format copy of a
         reload-mode one."""
-        self._check(name, view)
+        lp = self._check(name, view)
         if self.table.modes[name] == DIRECT:
-            return local_view(self.table.live(name), view)
+            live = local_view(self.table.live(name), view)
+            want = TORCH_DTYPES[lp.dtype]  # a widened live tensor (``Shadows.widened``): in model format
+            return live if live.dtype == want else live.to(want)
         base = self.baselines.committed.get(name)
         if base is None:
             raise RefitIncomplete(f"{name}: no model-format baseline for a delta refit")
