@@ -319,6 +319,21 @@ def test_run_path_refuses_what_this_machine_cannot_run(loop_stub, capsys):
     assert loop_stub == []
 
 
+def test_the_tiny_recipe_with_fp8_generation_plans_but_its_run_is_refused_in_one_line(tmp_path, capsys, loop_stub):
+    """``policy.generation.vllm_cfg.precision: fp8`` on the tiny recipe (a block-shaped model):
+    the dry run plans the FP8 refit; the local run says in one line that it starts no FP8
+    engine yet, on every CPU -- never a bf16 engine in its place."""
+    d = yaml.safe_load(TINY.read_text())
+    _edit(d, "policy.generation.vllm_cfg.precision", "fp8")
+    _edit(d, "policy.model_name", "tiny-moe-128")
+    f = tmp_path / "fp8.yaml"
+    f.write_text(yaml.safe_dump(d))
+    r = load_grpo_recipe(f)
+    assert r.vllm.quantization == "fp8_per_block" and dry_run(r).to_json()["vllm_layout"].endswith(",fp8_per_block)")
+    _one_line_error(capsys, ["grpo", f], "policy.generation.vllm_cfg.precision=fp8: the local GRPO run does not start")
+    assert loop_stub == []
+
+
 # --------------------------------------------------------------------------- bad input
 
 

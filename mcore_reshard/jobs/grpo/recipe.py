@@ -132,7 +132,7 @@ def _local_problem(model: str, dtype: str, impl: str, training: MegatronParallel
     v = "policy.generation.vllm_cfg."
     if not isinstance(training, MegatronParallel):  # a DTensor policy: the megatron stack's limits do not apply
         training = MegatronParallel(dp=training.world_size)
-    problem = local_cpu_problem(training, vllm, labels={
+    problem = local_cpu_problem(training, replace(vllm, quantization=None), labels={
         "layer_spec": f"policy.megatron_cfg.transformer_impl={impl!r}",
         "experts": "policy.megatron_cfg.moe_grouped_gemm=true",
         "vllm_pp_dp": f"{v}pipeline_parallel_size={vllm.pp}, {v}data_parallel_size={vllm.dp}",
@@ -140,6 +140,10 @@ def _local_problem(model: str, dtype: str, impl: str, training: MegatronParallel
     })
     if problem is not None:
         return problem
+    if vllm.quantization is not None:  # on every CPU: never a bf16 engine in its place
+        return (f"{v}precision=fp8: the local GRPO run does not start FP8 engines yet (its rollout check's bound is "
+                f"bf16's); refits into a live FP8 engine run through `mcore-reshard refit vllm.quantization="
+                f"{vllm.quantization}`, the refit driver and vLLM's trainer API; --dry-run plans this recipe")
     if dtype not in LOCAL_DTYPES:
         return f"policy.precision={dtype!r}: the local CPU job trains and serves in {list(LOCAL_DTYPES)}"
     if model not in TINY_MODELS and not is_checkpoint_dir(model):
