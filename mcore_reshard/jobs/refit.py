@@ -176,13 +176,13 @@ def colocated_placement(num_src: int, num_dst: int) -> Any:
 
 
 def policy_engine_args(peft: Any = None, speculative_config: dict | None = None,
-                       quantization: str | None = None) -> dict[str, Any]:
+                       fp8: BlockFp8 | None = None) -> dict[str, Any]:
     """vLLM engine arguments a policy's engines need: LoRA slots for a LoRA policy's adapter,
-    ``speculative_config`` for an MTP draft, block FP8 for ``quantization`` (none for a full
-    policy without a draft in its own dtype)."""
+    ``speculative_config`` for an MTP draft, block FP8 for ``fp8`` (``VllmParallel.fp8``; none
+    for a full policy without a draft in its own dtype)."""
     out: dict[str, Any] = {}
-    if quantization is not None:
-        out.update(BlockFp8().engine_config())  # vllm.quantization was checked: fp8_per_block
+    if fp8 is not None:
+        out.update(fp8.engine_config())
     if peft is not None and peft.enabled:
         out.update(enable_lora=True, max_lora_rank=peft.engine_rank, max_loras=peft.max_loras)
     if speculative_config:
@@ -222,7 +222,7 @@ def local_cluster(spec: ModelSpec, checkpoint: Path, training: Any, vllm: Any, r
             c.engines.append(start(str(checkpoint), tp=vllm.tp, dtype=spec.dtype, enable_ep=vllm.enable_ep,
                                    direct=refit.apply_mode == "direct", worker_extension_cls=extension,
                                    weight_transfer_config={"backend": BACKEND},
-                                   **policy_engine_args(peft, speculative_config, vllm.quantization)))
+                                   **policy_engine_args(peft, speculative_config, vllm.fp8)))
         c.setup = TrainerSetup(spec, training, str(checkpoint), free_port(), timeout_s=max(refit.timeout_s, 120.0),
                                train=dict(train or {}), sync_before_refit=sync_before_refit, peft=peft,
                                mtp=bool(speculative_config))

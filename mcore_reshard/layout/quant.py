@@ -102,14 +102,20 @@ def held_tensors(tensors: Mapping[str, tuple[tuple[int, ...], str]],
     tensor held as FP8 codes is FP8 in the table, beside its ``_scale_inv`` scales (fp32, one
     per 128x128 block) -- the table an FP8 engine's own description implies (its workers
     describe what they hold, ``adapters/vllm/fp8.py``)."""
-    codes = {q.canonical for p in params if p.dtype == FP8 for q in p.pieces}
+    return _quantized_table(tensors, {q.canonical for p in params if p.dtype == FP8 for q in p.pieces}, BLOCK, FP8)
+
+
+def _quantized_table(tensors: Mapping[str, tuple[tuple[int, ...], str]], names: set[str], b: int,
+                     dtype: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """``tensors`` with ``names`` in ``dtype``, each followed by its fp32 scales (one per
+    ``b``x``b`` block), in table order."""
     out: dict[str, tuple[tuple[int, ...], str]] = {}
-    for name, (shape, dtype) in tensors.items():
-        if name in codes:
-            out[name] = (tuple(shape), FP8)
-            out[scale_name(name)] = ((_blocks(shape[0], BLOCK), _blocks(shape[1], BLOCK)), "float32")
-        else:
+    for name, (shape, d) in tensors.items():
+        if name in names:
             out[name] = (tuple(shape), dtype)
+            out[scale_name(name)] = ((_blocks(shape[0], b), _blocks(shape[1], b)), "float32")
+        else:
+            out[name] = (tuple(shape), d)
     return out
 
 
@@ -199,13 +205,7 @@ def _block_of(side: SideLayout, name: str) -> int:
 def _quantize(side: SideLayout, names: set[str], b: int, dtype: str, what: str, *, at_sender: bool) -> SideLayout:
     """``side`` with ``names`` in ``dtype`` plus their scales (``at_sender``: recorded in
     ``SideLayout.quantize`` as what this side quantizes before sending)."""
-    tensors: dict[str, tuple[tuple[int, ...], str]] = {}
-    for name, (shape, d) in side.tensors.items():
-        if name in names:
-            tensors[name] = (tuple(shape), dtype)
-            tensors[scale_name(name)] = ((_blocks(shape[0], b), _blocks(shape[1], b)), "float32")
-        else:
-            tensors[name] = (tuple(shape), d)
+    tensors = _quantized_table(side.tensors, names, b, dtype)
     params: list[LocalParam] = []
     shared: _Shared = ({}, {}, {})
     for p in side.params:

@@ -41,7 +41,7 @@ from ..plan.refit_plans import RefitPlans, moves_encoder, plan_refit
 from ..plan.types import TransferPlan
 from ..plan.wire import slice_to_wire
 from ..infra.ports import free_port
-from ..wire.canary import make_canary
+from ..wire.canary import canary_precision, make_canary
 from ..wire.protocol import (Canary, EngineInitInfo, EngineUpdateInfo, JoinInfo, RankMap, RankReport, RefitRequest, WorkerStatus, first_error_line,
                        refit_id)
 from ..training.ranks import TrainerGroup
@@ -299,9 +299,7 @@ class RefitDriver:
         target's computed here, before the refit (what the canary cost before it was deferred;
         ``scripts/bench_canary.py`` compares the two)."""
         cfg = self.refit_config
-        dtype = self.engine_infos[0].dtype if self.engine_infos else self.spec.dtype
-        if self.plan is not None and self.plan.quantized:  # an FP8 engine: FP8's bound
-            dtype = self.plan.dtype
+        dtype = canary_precision(self.engine_infos[0].dtype if self.engine_infos else self.spec.dtype, self.plan)
         top = (lambda seqs: self.trainers.top_logprobs(seqs).wait()[0]) if now else None
         drafts = not now and self.dst is not None and any(p.name.startswith("draft.") for p in self.dst.params)
         return make_canary(self.spec.vocab, dtype, cfg.canary_sequences, cfg.canary_tokens, cfg.canary_bound, top,

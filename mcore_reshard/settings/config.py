@@ -449,7 +449,8 @@ def fp8_defaults(data: Mapping[str, Any], overrides: Sequence[str]) -> list[str]
     128x128 blocks (``tiny-moe-128``) where the overrides name none and the default one's
     32-wide heads would cut them (a model the user named keeps it, and a cut block is refused
     in one line as before)."""
-    if not (data.get("vllm") or {}).get("quantization") or (data.get("vllm") or {}).get("speculative_config", {}).get("method"):
+    vllm = data.get("vllm") or {}
+    if not vllm.get("quantization") or (vllm.get("speculative_config") or {}).get("method"):
         return []
     given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
     return ["model=tiny-moe-128"] if "model" not in given and data.get("model") in ("tiny-moe", "tiny-dense") else []

@@ -13,12 +13,12 @@ weights are served, or the engine is gated. What it costs and what it catches:
 from __future__ import annotations
 
 import random
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from ..errors import ConfigError
 from .protocol import Canary
 
-__all__ = ["TOKEN_MULT_PROB_BOUND", "canary_sequences", "make_canary", "canary_bound"]
+__all__ = ["TOKEN_MULT_PROB_BOUND", "canary_sequences", "make_canary", "canary_precision", "canary_bound"]
 
 #: Healthy token_mult_prob_error after a refit: fp32 computes the same model on both sides up
 #: to kernel order (1.001); bf16 kernels differ between megatron and vLLM, and NeMo RL calls a
@@ -38,6 +38,12 @@ def canary_sequences(vocab: int, count: int, length: int) -> tuple[tuple[int, ..
     """``count`` fixed sequences of ``length`` token ids below ``vocab`` (the same every time)."""
     rng = random.Random(CANARY_SEED)
     return tuple(tuple(rng.randrange(vocab) for _ in range(length)) for _ in range(count))
+
+
+def canary_precision(engine_dtype: str, plan: Any) -> str:
+    """The precision whose bound a refit's canary takes: the plan's FP8 where it quantizes for
+    an FP8 engine (``TransferPlan.quantized``), else the engine's dtype."""
+    return plan.dtype if plan is not None and plan.quantized else engine_dtype
 
 
 def canary_bound(dtype: str, override: float = 0.0) -> float:

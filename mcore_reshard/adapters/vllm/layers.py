@@ -368,11 +368,11 @@ def process_shadow(shadow: torch.nn.Module, device: torch.device) -> None:
             t = shadow._parameters[name]
             t.data.copy_(fn(t))
         # FP8 codes: the kernel's packing alone (``fp8.py``); anything else: vLLM's processing.
-        codes = process_codes(shadow, device)
-        if not codes and isinstance(qm, QuantizeMethodBase):
-            qm.process_weights_after_loading(shadow)
-        if (codes or isinstance(qm, QuantizeMethodBase)) and hasattr(shadow, "update_param_tp_status"):
-            shadow.update_param_tp_status()
+        if isinstance(qm, QuantizeMethodBase):  # (vLLM's FP8 methods are too)
+            if not process_codes(shadow, device):
+                qm.process_weights_after_loading(shadow)
+            if hasattr(shadow, "update_param_tp_status"):
+                shadow.update_param_tp_status()
         reprepack_cpu_moe(shadow)
 
 

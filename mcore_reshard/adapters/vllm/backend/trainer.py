@@ -67,7 +67,7 @@ from ....transport.sequence import EngineRefit, EngineRun
 from ....transport.source import all_gather_json as _all_gather_json
 from ....wire.protocol import (BACKEND, EngineInitInfo, EngineUpdateInfo, JoinInfo, RankMap, RefitRequest, VerifyMode,
                                WorkerLayout, first_error_line, refit_id)
-from ....wire.canary import make_canary
+from ....wire.canary import canary_precision, make_canary
 from ....wire.slice_store import publish_slices, slice_digests
 from ..lora_rules import vllm_lora_layout
 from ..mtp_rules import vllm_draft_rank_params
@@ -221,9 +221,9 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
             raise ConfigError(f"{BACKEND} trainer engine: {first_error_line(exc)}") from None
         canary = None
         if init_info.canary:
-            precision = plans.plan.dtype if plans.plan.quantized else engine_spec.dtype  # an FP8 engine: FP8's bound
-            canary = make_canary(spec.vocab, precision, init_info.canary_sequences, init_info.canary_tokens,
-                                 init_info.canary_bound, draft=draft)
+            canary = make_canary(spec.vocab, canary_precision(engine_spec.dtype, plans.plan),
+                                 init_info.canary_sequences, init_info.canary_tokens, init_info.canary_bound,
+                                 draft=draft)
         request = RefitRequest(plans.plan.digest(), VerifyMode(init_info.verify), init_info.timeout_s,
                                init_info.atomic, delta=init_info.delta, encoders=moves_encoder(plans.plan, spec),
                                canary=canary)
