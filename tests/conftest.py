@@ -101,7 +101,7 @@ _ENGINE_GROUPS = frozenset({"live", "engines"})
 _RANK = {name: i + 1 for i, (name, _) in enumerate(LIVE_ORDER)}
 _SHARES = dict(LIVE_ORDER)
 
-_STATS: dict[str, list[str]] = {"log": []}
+_STATS: dict = {"log": []}
 
 
 def _log(msg: str) -> None:
@@ -109,6 +109,7 @@ def _log(msg: str) -> None:
 
 
 _live.POOLS._log = _log
+BACKGROUND.log = _log
 
 
 #: Single cases of parametrized tests that plan a full-size model (marked ``heavy`` here: their
@@ -170,6 +171,9 @@ _PENDING: list = []
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if _PENDING and _module(item) not in _QUIET:
         _PENDING.pop()()
+    if _STATS.get("module") != _module(item):
+        _STATS["module"] = _module(item)
+        _log(f"module {_module(item)}")
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -96,7 +96,9 @@ def _embedded_run(workdir: Path) -> dict:
     tmp_before = set(Path("/tmp").glob("mr_ray_*"))
     before = set(_run_processes())
     marker = f"grpo-{os.getpid()}-{time.time()}"
-    env = {**os.environ, "HOME": str(home), "MR_TEST_RUN": marker}
+    # ``make demo`` as a user runs it: vLLM's own process starts in the engine actor (the other
+    # runs here take the session's fast start).
+    env = {**os.environ, "HOME": str(home), "MR_TEST_RUN": marker, "MCORE_RESHARD_FAST_START": "0"}
     env.pop("RAY_AUTH_TOKEN", None)
     env.pop("RAY_AUTH_MODE", None)
     cmd = [sys.executable, "-m", "mcore_reshard.cli", "grpo", str(RECIPE), "grpo.max_num_steps=50",

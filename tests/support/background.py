@@ -37,6 +37,8 @@ class Background:
         self._thread: threading.Thread | None = None
         self._dirs: list[Path] = []
         self.procs: list[subprocess.Popen] = []
+        #: Where each job's start and end are written (``conftest.py``'s resource log).
+        self.log: Callable[[str], None] = lambda msg: None
 
     def add(self, name: str, fn: Callable[[Path], Any]) -> None:
         self._jobs.setdefault(name, _Job(name, fn))
@@ -57,11 +59,13 @@ class Background:
     def _run(self, job: _Job) -> None:
         workdir = Path(tempfile.mkdtemp(prefix=f"mr_bg_{job.name}_"))
         self._dirs.append(workdir)
+        self.log(f"background job {job.name} started")
         try:
             job.value = job.fn(workdir)
         except BaseException as exc:  # noqa: BLE001 - raised again in the test
             job.error = exc
         finally:
+            self.log(f"background job {job.name} ended" + (f" ({type(job.error).__name__})" if job.error else ""))
             job.done.set()
 
     def _run_all(self) -> None:

@@ -11,8 +11,10 @@ With the variable set, vLLM's ``get_mp_context`` gives:
 - in an engine core that fork server started: ``fork``, for its workers (it has imported vLLM
   and run no model step or OpenMP region when vLLM's executor starts them).
 
-An engine then starts in 2-3 s. Off (the default), on a GPU platform (``fork`` after CUDA's
-start is unsafe) and inside a Ray actor (vLLM's own rule there), vLLM decides as before.
+An engine then starts in 2-3 s. Inside a Ray actor (GRPO's engine actors) the same holds: the
+fork server is a fresh process the actor starts, so no Ray thread is forked; a tiny GRPO run's
+engine starts 14 s sooner. Off (the default) and on a GPU platform (``fork`` after CUDA's start
+is unsafe), vLLM decides as before.
 ``install`` runs from the ``vllm.general_plugins`` entry point (``plugin.register``), which vLLM
 calls in every process before it starts children.
 """
@@ -38,15 +40,9 @@ def _get_mp_context() -> Any:
     """vLLM's own function runs first in every case (for the environment it prepares for
     children); its context is kept where the fast start is off or does not apply."""
     ctx = _ORIGINAL[0]()
-    if not procs.enabled() or _in_ray_actor():
+    if not procs.enabled():
         return ctx
     return multiprocessing.get_context("fork") if procs.in_child() else procs.context()
-
-
-def _in_ray_actor() -> bool:
-    from vllm.ray.lazy_utils import is_in_ray_actor
-
-    return is_in_ray_actor()
 
 
 def install() -> None:
