@@ -169,11 +169,12 @@ _PENDING: list = []
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    if _PENDING and _module(item) not in _QUIET:
+    module = _module(item)
+    if _PENDING and module not in _QUIET:
         _PENDING.pop()()
-    if _STATS.get("module") != _module(item):
-        _STATS["module"] = _module(item)
-        _log(f"module {_module(item)}")
+    if _STATS.get("module") != module:
+        _STATS["module"] = module
+        _log(f"module {module}")
 
 
 @pytest.hookimpl(hookwrapper=True)

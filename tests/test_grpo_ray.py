@@ -22,6 +22,7 @@ import pytest
 psutil = pytest.importorskip("psutil")
 
 from support.background import BACKGROUND, track  # noqa: E402
+from mcore_reshard.infra import procs  # noqa: E402
 
 pytestmark = pytest.mark.slow  # every test runs GRPO: megatron ranks, a vLLM engine, Ray
 
@@ -46,6 +47,25 @@ def _marked(key: str, value: str) -> list[str]:
                 out.append(" ".join(p.cmdline()))
         except psutil.Error:
             pass
+    return out
+
+
+def _engine_starts(key: str, value: str) -> set[str]:
+    """How a run's engine actors (``key=value`` in their environment) started vLLM's engine
+    core, from their child processes: "spawned" (vLLM's own rule on a CPU platform; vLLM titles
+    the child ``VLLM::EngineCore``) or "fork server" (``MCORE_RESHARD_FAST_START=1``: the
+    actor's own fork server, whose children -- the engine core and its workers -- keep its
+    command line)."""
+    out = set()
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get(key) != value or not " ".join(p.cmdline()).startswith("ray::EngineActor"):
+                continue
+            children = [" ".join(c.cmdline()) for c in p.children()]
+        except psutil.Error:
+            continue
+        out |= {"spawned" for c in children if c.startswith("VLLM::EngineCore")}
+        out |= {"fork server" for c in children if "multiprocessing.forkserver" in c}
     return out
 
 
@@ -98,7 +118,7 @@ def _embedded_run(workdir: Path) -> dict:
     marker = f"grpo-{os.getpid()}-{time.time()}"
     # ``make demo`` as a user runs it: vLLM's own process starts in the engine actor (the other
     # runs here take the session's fast start).
-    env = {**os.environ, "HOME": str(home), "MR_TEST_RUN": marker, "MCORE_RESHARD_FAST_START": "0"}
+    env = {**os.environ, "HOME": str(home), "MR_TEST_RUN": marker, procs.ENV: "0"}
     env.pop("RAY_AUTH_TOKEN", None)
     env.pop("RAY_AUTH_MODE", None)
     cmd = [sys.executable, "-m", "mcore_reshard.cli", "grpo", str(RECIPE), "grpo.max_num_steps=50",
@@ -112,6 +132,7 @@ def _embedded_run(workdir: Path) -> dict:
             time.sleep(0.5)
         running = _marked("MR_TEST_RUN", marker)  # the survivor check below sees the run's processes
         assert sum("Actor" in c for c in running) >= 3 and len(running) >= 4, running  # 2 trainers, 1 engine
+        assert _engine_starts("MR_TEST_RUN", marker) == {"spawned"}  # vLLM's own rule
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=120)
     finally:
@@ -454,6 +475,9 @@ def test_two_nodes_placement_and_a_dead_trainer_actor_stops_the_run(two_nodes, t
         assert "reference_logprob_inference" in m.timing
         assert run.initial_refit.verified
         assert len(_marked("RAY_AUTH_TOKEN", os.environ["RAY_AUTH_TOKEN"])) >= 4
+        # the session's fast start reaches the engine actor: its engine core comes from the
+        # actor's own fork server, not spawned by the actor
+        assert _engine_starts("RAY_AUTH_TOKEN", os.environ["RAY_AUTH_TOKEN"]) == {"fork server"}
         victim = run.trainers.actors[1]
         run.trainers.kill(1)
         t0 = time.monotonic()
