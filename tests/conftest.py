@@ -30,6 +30,18 @@ import sys
 import time
 from pathlib import Path
 
+# Every process of the session shares these two cores with a dozen others (ranks, engine
+# cores, workers, the background runs): libgomp's threads sleep as soon as they wait, instead
+# of spinning for milliseconds after each parallel region (read when libgomp loads, with torch;
+# the processes the session starts inherit it). About a sixth of the live modules' CPU time
+# was such spinning.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# For the same reason vLLM's shared-memory queue readers (every engine core and worker) spin
+# 50 ms after a message instead of vLLM's 1 s (``mcore_reshard/adapters/vllm/spin.py``): a
+# quarter of the live refit tests' CPU time was that spinning; a decode loop's messages come
+# milliseconds apart, so it still spins between them.
+os.environ.setdefault("MCORE_RESHARD_VLLM_SPIN_S", "0.05")
+
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

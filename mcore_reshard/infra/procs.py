@@ -19,6 +19,7 @@ how a process begins differs.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 from multiprocessing.context import BaseContext, ForkServerContext, ForkServerProcess
@@ -65,6 +66,10 @@ class _EnvProcess(ForkServerProcess):
         super().start()
 
     def run(self) -> None:
+        # What the server imported is never garbage: its objects leave the collector's view, so
+        # no full collection here walks (and, touching their headers, copies) the pages of
+        # torch, megatron-core and vLLM this child shares with the server (``gc.freeze``).
+        gc.freeze()
         os.environ.clear()
         os.environ.update(self._mr_env)
         _STATE["child"] = True

@@ -9,6 +9,7 @@ the refit group.
 
 from __future__ import annotations
 
+import gc
 import os
 import queue as queue_mod
 import time
@@ -232,12 +233,19 @@ class DTensorTrainerRank(PolicyRank):
 
 
 def trainer_rank(rank: int, setup: TrainerSetup) -> PolicyRank:
-    """Rank ``rank`` of the policy ``setup`` describes: megatron-core's, or a DTensor policy's."""
+    """Rank ``rank`` of the policy ``setup`` describes: megatron-core's, or a DTensor policy's.
+
+    What it has built by then (the imports, the model, its optimizer and the refit's layouts)
+    lives as long as the rank: it leaves the garbage collector's view (``gc.freeze``), so the
+    full collections a training step's allocations trigger walk only what the step made (the
+    pauses megatron-core's ``manual_gc`` exists to avoid)."""
     from ..adapters.dtensor.parallel import DTensorParallel
 
-    if isinstance(setup.par, DTensorParallel):
-        return DTensorTrainerRank(rank, setup)
-    return MegatronTrainerRank(rank, setup)
+    state: PolicyRank = (DTensorTrainerRank(rank, setup) if isinstance(setup.par, DTensorParallel)
+                         else MegatronTrainerRank(rank, setup))
+    gc.collect()
+    gc.freeze()
+    return state
 
 
 @dataclass(frozen=True)

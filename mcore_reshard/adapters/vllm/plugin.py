@@ -1,7 +1,7 @@
 """vLLM general plugin: registers the ``mcore_reshard`` weight-transfer backend -- both its ends
 (``backend``: the engine end in every worker, the trainer end for vLLM's trainer-side factory)
--- and installs the two hooks the backend needs in every vLLM process (``fast_start``,
-``session``).
+-- and installs the hooks the backend needs in every vLLM process (``fast_start``,
+``session``) and the readers' spin where a job sets it (``spin``).
 
 Declared as a ``vllm.general_plugins`` entry point in ``pyproject.toml``, so vLLM runs it in
 every process it starts (the registry is per process: the workers need it, not the driver).
@@ -19,7 +19,7 @@ def register() -> None:
     """Idempotent: vLLM may load general plugins more than once per process."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
-    from . import fast_start, session
+    from . import fast_start, session, spin
     from .backend import ReshardTrainerEngine, ReshardWeightTransferEngine
 
     for factory, end in ((WeightTransferEngineFactory, ReshardWeightTransferEngine),
@@ -30,3 +30,4 @@ def register() -> None:
             pass
     fast_start.install()
     session.install()
+    spin.install()
