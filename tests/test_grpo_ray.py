@@ -23,6 +23,7 @@ psutil = pytest.importorskip("psutil")
 
 from support.background import BACKGROUND, track  # noqa: E402
 from mcore_reshard.infra import procs  # noqa: E402
+from mcore_reshard.adapters.vllm import spin  # noqa: E402
 
 pytestmark = pytest.mark.slow  # every test runs GRPO: megatron ranks, a vLLM engine, Ray
 
@@ -116,9 +117,12 @@ def _embedded_run(workdir: Path) -> dict:
     tmp_before = set(Path("/tmp").glob("mr_ray_*"))
     before = set(_run_processes())
     marker = f"grpo-{os.getpid()}-{time.time()}"
-    # ``make demo`` as a user runs it: vLLM's own process starts in the engine actor (the other
-    # runs here take the session's fast start).
+    # ``make demo`` as a user runs it: vLLM's own process starts in the engine actor, its
+    # readers' spin and libgomp's waits (the other runs here take the session's fast start and
+    # its settings of both: conftest.py).
     env = {**os.environ, "HOME": str(home), "MR_TEST_RUN": marker, procs.ENV: "0"}
+    env.pop(spin.ENV, None)
+    env.pop("OMP_WAIT_POLICY", None)
     env.pop("RAY_AUTH_TOKEN", None)
     env.pop("RAY_AUTH_MODE", None)
     cmd = [sys.executable, "-m", "mcore_reshard.cli", "grpo", str(RECIPE), "grpo.max_num_steps=50",
