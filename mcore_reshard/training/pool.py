@@ -238,7 +238,7 @@ def trainer_rank(rank: int, setup: TrainerSetup) -> PolicyRank:
     What it has built by then (the imports, the model, its optimizer and the refit's layouts)
     lives as long as the rank: it leaves the garbage collector's view (``gc.freeze``), so the
     full collections a training step's allocations trigger walk only what the step made (the
-    pauses megatron-core's ``manual_gc`` exists to avoid)."""
+    pauses Megatron's training loop turns its automatic collections off for: ``manual_gc``)."""
     from ..adapters.dtensor.parallel import DTensorParallel
 
     state: PolicyRank = (DTensorTrainerRank(rank, setup) if isinstance(setup.par, DTensorParallel)
