@@ -1,9 +1,14 @@
 """How the local job's processes begin: spawned (the default), or forked by the fork server of
 ``MCORE_RESHARD_FAST_START=1`` (``mcore_reshard/infra/procs.py``, which this test session turns on).
 The same refit runs either way, to the same served weights; each test checks where every
-training rank, engine core and vLLM worker came from, so neither path is taken by accident."""
+training rank, engine core and vLLM worker came from, so neither path is taken by accident.
+Either way, a built training rank's state is out of the garbage collector's view, and a
+fork-server child starts with what the server imported out of it (``gc.freeze``)."""
 
 from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
 
 import psutil
 import pytest
@@ -13,6 +18,7 @@ from mcore_reshard.adapters.vllm.engine import prompt_logprobs
 from mcore_reshard.adapters.vllm.rules import VllmParallel
 from mcore_reshard.jobs.refit import local_cluster
 from mcore_reshard.layout import load_model_spec
+from mcore_reshard.infra import procs
 from mcore_reshard.infra.procs import ENV
 from mcore_reshard.settings.policy import RefitConfig
 
@@ -28,10 +34,20 @@ def _cmdline(p: psutil.Process) -> str:
         return ""
 
 
+@dataclass(frozen=True)
+class _Walked:
+    """A ``RankTask``: whether the collector still walks the training rank object or its
+    endpoint (in no generation once ``trainer_rank`` froze them)."""
+
+    def run(self, rank) -> bool:
+        walked = {id(o) for o in gc.get_objects()}
+        return any(id(x) in walked for x in (rank, rank.endpoint))
+
+
 def _refit_and_list_processes(ckpt_cache) -> tuple[list, dict[int, tuple[str, int]], set[int]]:
     """One verified refit of a TP1 trainer into a TP2 engine; (served logprobs, {pid: (its
     command line, its parent's pid)} of every process started meanwhile, this process's fork
-    servers)."""
+    servers). The trainer's state is checked out of the collector's view on the way."""
     ckpt = ckpt_cache.get(seed=21)
     spec = load_model_spec(ckpt, dtype="float32")
     me = psutil.Process()
@@ -39,6 +55,7 @@ def _refit_and_list_processes(ckpt_cache) -> tuple[list, dict[int, tuple[str, in
     with local_cluster(spec, ckpt, MegatronParallel(), VllmParallel(tp=2), RefitConfig(timeout_s=60.0)) as c:
         m = c.refit_once()
         assert m.verified and m.bytes_moved == m.bytes_min
+        assert c.driver.trainers.run(_Walked()).wait() == [False]
         served = prompt_logprobs(c.engines[0], TOKENS)
         new, servers = {}, set()
         for p in me.children(recursive=True):
@@ -85,3 +102,21 @@ def test_fast_start_forks_from_one_server_and_serves_the_same(ckpt_cache, monkey
     assert not any(ppid == me and "resource_tracker" not in cmd for cmd, ppid in procs.values()), procs
     assert not any("spawn_main" in cmd for cmd, _ in procs.values()), procs
     assert served == spawned[0]  # fp32, the same checkpoint refit into TP2: bit for bit
+
+
+def _freeze_count(q) -> None:
+    q.put(gc.get_freeze_count())
+
+
+def test_a_fork_server_child_starts_with_the_servers_imports_frozen():
+    """The server imported torch, megatron-core and vLLM (hundreds of thousands of objects) and
+    froze none of them: the child does, before it runs anything."""
+    ctx = procs.context()
+    q = ctx.Queue()
+    child = ctx.Process(target=_freeze_count, args=(q,))
+    child.start()
+    try:
+        assert q.get(timeout=120) > 100_000
+    finally:
+        child.join(30)
+    assert child.exitcode == 0
