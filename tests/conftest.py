@@ -263,6 +263,28 @@ def _close_shared_resources():
     BACKGROUND.close()
 
 
+def _machine_busy_s() -> float:
+    """CPU-seconds every core of this machine has spent busy since boot (``/proc/stat``)."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    except OSError:
+        return 0.0
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """With ``MR_TEST_LOG_RESOURCES=1``: each test's wall time and the machine's busy CPU
+    during it (every process: the test's, the background jobs', the machine's own)."""
+    if os.environ.get("MR_TEST_LOG_RESOURCES") != "1":
+        yield
+        return
+    t0, c0 = time.monotonic(), _machine_busy_s()
+    yield
+    _STATS.setdefault("tests", []).append((_machine_busy_s() - c0, time.monotonic() - t0, item.nodeid))
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     cache = _ENGINES.get("cache")
     parts = []
@@ -279,3 +301,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         if os.environ.get("MR_TEST_LOG_RESOURCES") == "1":
             for line in _STATS["log"]:
                 terminalreporter.write_line(line)
+    if _STATS.get("tests"):
+        terminalreporter.write_sep("-", "machine CPU-seconds busy during each test (top 40; MR_TEST_LOG_RESOURCES=1)")
+        for busy, wall, nodeid in sorted(_STATS["tests"], reverse=True)[:40]:
+            terminalreporter.write_line(f"{busy:7.1f} CPU-s {wall:6.1f} s  {nodeid}")

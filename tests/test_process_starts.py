@@ -21,6 +21,7 @@ from mcore_reshard.layout import load_model_spec
 from mcore_reshard.infra import procs
 from mcore_reshard.infra.procs import ENV
 from mcore_reshard.settings.policy import RefitConfig
+from support.background import BACKGROUND
 
 pytestmark = pytest.mark.slow
 
@@ -47,7 +48,9 @@ class _Walked:
 def _refit_and_list_processes(ckpt_cache) -> tuple[list, dict[int, tuple[str, int]], set[int]]:
     """One verified refit of a TP1 trainer into a TP2 engine; (served logprobs, {pid: (its
     command line, its parent's pid)} of every process started meanwhile, this process's fork
-    servers). The trainer's state is checked out of the collector's view on the way."""
+    servers). The trainer's state is checked out of the collector's view on the way. The
+    session's background jobs (``support.background``: GRPO runs, which may start processes
+    meanwhile) and what they start are not this refit's."""
     ckpt = ckpt_cache.get(seed=21)
     spec = load_model_spec(ckpt, dtype="float32")
     me = psutil.Process()
@@ -58,9 +61,12 @@ def _refit_and_list_processes(ckpt_cache) -> tuple[list, dict[int, tuple[str, in
         assert c.driver.trainers.run(_Walked()).wait() == [False]
         served = prompt_logprobs(c.engines[0], TOKENS)
         new, servers = {}, set()
+        jobs = {proc.pid for proc in BACKGROUND.procs}
         for p in me.children(recursive=True):
             try:
                 cmd, ppid = _cmdline(p), p.ppid()
+                if p.pid in jobs or any(a.pid in jobs for a in p.parents()):
+                    continue
             except psutil.Error:
                 continue
             if ppid == me.pid and "forkserver" in cmd:
