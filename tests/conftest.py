@@ -264,13 +264,12 @@ def _close_shared_resources():
 
 
 def _machine_busy_s() -> float:
-    """CPU-seconds every core of this machine has spent busy since boot (``/proc/stat``)."""
-    try:
-        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-    except OSError:
-        return 0.0
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    """CPU-seconds every core of this machine has spent busy since boot (psutil's
+    ``cpu_times``: everything but idle and I/O wait)."""
+    import psutil
+
+    t = psutil.cpu_times()
+    return t.user + t.nice + t.system + t.irq + t.softirq + t.steal
 
 
 @pytest.hookimpl(hookwrapper=True)
