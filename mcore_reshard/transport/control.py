@@ -90,7 +90,10 @@ from ..wire.protocol import RankMap
 __all__ = ["COORDINATOR", "ControlPlane", "Decision", "Signals", "SignedStore", "StoreGone"]
 
 _log = logging.getLogger("mcore_reshard.transport")
+#: A waiting rank's first polls come every ``_POLL_S``; then every tenth of the time it has
+#: waited so far, at most ``_POLL_MAX_S`` apart (:func:`_poll_pause`).
 _POLL_S = 0.005
+_POLL_MAX_S = 0.02
 _VOTE_AFTER_ABORT_S = 0.5  # how long a decider waits for the aborting rank's own "no" vote
 #: After the shared decision key is found holding a value that does not verify: how long a rank
 #: waits for another rank's signed copy of the decision before it reports the decision unknown.
@@ -112,6 +115,14 @@ _SCAN_S = 0.5
 COORDINATOR = 0
 #: What ``_read``'s ``compare_set`` expects and writes: no real value is ever this.
 _ABSENT = b"\x00absent"
+
+
+def _poll_pause(start: float) -> float:
+    """How long a rank that began waiting at ``start`` sleeps before its next poll: a tenth of
+    the wait so far, between ``_POLL_S`` and ``_POLL_MAX_S``. Each poll is a few store round
+    trips per rank: a wait of seconds (a slow peer, a long transfer elsewhere) polls four
+    times less often than at a fixed ``_POLL_S``, and adds at most a tenth to a short one."""
+    return min(_POLL_MAX_S, max(_POLL_S, (time.monotonic() - start) / 10))
 
 
 class StoreGone(RefitAborted):
@@ -403,7 +414,7 @@ class Signals(SignedStore):
                 self._repost(slots[self.rank], mine)
                 repost_at = now + _REPOST_EVERY_S
             self.raise_if_aborted()
-            time.sleep(_POLL_S)
+            time.sleep(_poll_pause(start))
         # Every rank posts exchange n only after reading all of n-1: this rank's previous key
         # is dead now. The last one goes at the next refit (``begin``) or on leaving.
         if self._last_ctl is not None:
@@ -522,7 +533,7 @@ class ControlPlane(Signals):
                 self._repost(vote_slot, vote)
                 self._repost_abort()
                 repost_at = now + _REPOST_EVERY_S
-            time.sleep(_POLL_S)
+            time.sleep(_poll_pause(start))
 
     def _read_copies(self) -> dict | None:
         """The first authentic signed copy of the decision that any rank posted, or None."""
