@@ -25,11 +25,19 @@ warm and released when the group ends.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import time
 from pathlib import Path
 
+# This process keeps what the tests planned alive (the rules' and planner's caches hold the
+# layouts of full-size models: over two million objects by the end of make test-fast), so
+# every full collection of the cycle collector walks them all: 0.2-0.6 s each, a fifth of make
+# test-fast's CPU time. Full collections here wait for 100 times the default number of
+# younger ones (young cycles are still collected as often as ever; the planner pauses the
+# collector while it plans). Only this process: the ones it spawns start with the default.
+gc.set_threshold(700, 10, 1000)
 # Every process of the session shares these two cores with a dozen others (ranks, engine
 # cores, workers, the background runs): libgomp's threads sleep as soon as they wait, instead
 # of spinning for milliseconds after each parallel region (read when libgomp loads, with torch;
@@ -41,6 +49,15 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # quarter of the live refit tests' CPU time was that spinning; a decode loop's messages come
 # milliseconds apart, so it still spins between them.
 os.environ.setdefault("MCORE_RESHARD_VLLM_SPIN_S", "0.05")
+# The few functions vLLM and megatron-core wrap in ``torch.compile`` even in eager engines --
+# vLLM's prompt-logprob gather and its TP>1 embedding mask, megatron-core's fused GLU -- run
+# as plain eager code (read when torch loads; the processes the session starts inherit it).
+# Each process that first calls one traces it and loads it from inductor's disk cache, a
+# compiler probe subprocess included: about 2 CPU-seconds, in some 140 processes per make test
+# (engine workers, training ranks), over a tenth of the suite's CPU. The tests compare vLLM
+# against vLLM bit for bit and trainers against vLLM within fp32's bound, which eager code
+# meets as well; the runs that stand for a user's (the embedded GRPO run) drop the variable.
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 import pytest
 
