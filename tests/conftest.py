@@ -38,6 +38,7 @@ from pathlib import Path
 # younger ones (young cycles are still collected as often as ever; the planner pauses the
 # collector while it plans). Only this process: the ones it spawns start with the default.
 gc.set_threshold(700, 10, 1000)
+
 # Every process of the session shares these two cores with a dozen others (ranks, engine
 # cores, workers, the background runs): libgomp's threads sleep as soon as they wait, instead
 # of spinning for milliseconds after each parallel region (read when libgomp loads, with torch;

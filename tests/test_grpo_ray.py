@@ -119,8 +119,9 @@ def _embedded_run(workdir: Path) -> dict:
     marker = f"grpo-{os.getpid()}-{time.time()}"
     # ``make demo`` as a user runs it: vLLM's own process starts in the engine actor, its
     # readers' spin, libgomp's waits and ``torch.compile`` (the other runs here take the
-    # session's fast start and its settings of those: conftest.py). vLLM's cache stays where it was (as on a user's second
-    # run: under the new HOME vLLM would inspect the model in a subprocess again, 9 CPU-s).
+    # session's fast start and its settings of those: conftest.py). vLLM's cache stays where it
+    # was, as on a user's second run (under the new HOME vLLM would inspect the model in a
+    # subprocess again, 9 CPU-s).
     vllm_cache = os.environ.get("VLLM_CACHE_ROOT") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vllm")
     env = {**os.environ, "HOME": str(home), "MR_TEST_RUN": marker, procs.ENV: "0", "VLLM_CACHE_ROOT": vllm_cache}
