@@ -14,7 +14,7 @@ import psutil
 import pytest
 import torch.distributed as dist
 
-from mcore_reshard.errors import RefitAborted
+from mcore_reshard.errors import RefitAborted, RefitTimeout
 from mcore_reshard.infra.ports import free_port
 from mcore_reshard.testing import attacks
 from mcore_reshard.transport.group import RankMap, RefitGroup
@@ -364,6 +364,24 @@ def test_a_rank_that_voted_ok_asks_the_coordinator_to_abort_at_its_deadline():
         assert out["d0"].known and not out["d0"].commit, out
         assert "destination rank 1 (group rank 2): no vote within 1.0s" in d1.errors[0], d1.errors
         assert d1.errors == out["d0"].errors[:len(d1.errors)]  # one decision
+    finally:
+        attacks.close_group(groups)
+
+
+def test_a_long_wait_backs_off_its_polls():
+    """A rank waiting in an exchange polls every 5 ms at first, then every tenth of its wait so
+    far, at most every 20 ms: over a 1 s wait for a rank that never posts, at most about 65
+    polls (fixed 5 ms polls: about 200), and the wait still ends at its deadline, naming it."""
+    groups = attacks.local_group(2, timeout_s=30.0)
+    try:
+        control, polls = groups[0].control, []
+        check = control.raise_if_aborted
+        control.raise_if_aborted = lambda: (polls.append(time.monotonic()), check())[1]  # once per poll
+        with pytest.raises(RefitTimeout, match="no answer from destination rank 0 .* within 1.0s"):
+            control.exchange("mine", timeout_s=1.0)
+        gaps = [b - a for a, b in zip(polls, polls[1:])]
+        assert 30 <= len(polls) <= 100, len(polls)
+        assert min(gaps[:5]) < 0.015 and max(gaps[-5:]) >= 0.018, (gaps[:5], gaps[-5:])
     finally:
         attacks.close_group(groups)
 

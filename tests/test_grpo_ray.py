@@ -122,9 +122,10 @@ def _embedded_run(workdir: Path) -> dict:
     # session's fast start and its settings of those: conftest.py). vLLM's cache stays where it
     # was, as on a user's second run (under the new HOME vLLM would inspect the model in a
     # subprocess again, 9 CPU-s).
-    vllm_cache = os.environ.get("VLLM_CACHE_ROOT") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vllm")
-    env = {**os.environ, "HOME": str(home), "MR_TEST_RUN": marker, procs.ENV: "0", "VLLM_CACHE_ROOT": vllm_cache}
+    from vllm import envs as vllm_envs  # vLLM's own rule for where its cache is (the session imports vLLM anyway)
+
+    env = {**os.environ, "HOME": str(home), "MR_TEST_RUN": marker, procs.ENV: "0",
+           "VLLM_CACHE_ROOT": vllm_envs.VLLM_CACHE_ROOT}
     env.pop(spin.ENV, None)
     env.pop("OMP_WAIT_POLICY", None)
     env.pop("TORCHDYNAMO_DISABLE", None)
