@@ -126,3 +126,38 @@ def test_a_fork_server_child_starts_with_the_servers_imports_frozen():
     finally:
         child.join(30)
     assert child.exitcode == 0
+
+
+def _where() -> tuple[bool, int]:
+    import os
+
+    return procs.in_child(), os.getppid()
+
+
+def test_vllms_model_inspection_runs_in_a_fork_server_child(monkeypatch, tmp_path):
+    """vLLM inspects a model class it has not cached in a child process: under the fast start a
+    fork-server child (no new interpreter importing vLLM again), whose answer is vLLM's own
+    (``_ModelInfo.from_model_cls`` here, in this process) and lands in vLLM's cache."""
+    import json
+    import subprocess
+
+    from vllm.model_executor.models import registry
+
+    from mcore_reshard.adapters.vllm import fast_start
+
+    monkeypatch.setenv(ENV, "1")
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
+    fast_start.install()
+    assert registry._run_in_subprocess is fast_start._run_in_subprocess
+    in_child, parent = fast_start._run_in_subprocess(_where)
+    assert in_child and "forkserver" in _cmdline(psutil.Process(parent))
+
+    def no_interpreter(*args, **kwargs):
+        raise AssertionError(f"a new interpreter was started: {args[0]}")
+
+    monkeypatch.setattr(subprocess, "run", no_interpreter)
+    lazy = registry._LazyRegisteredModel("vllm.model_executor.models.qwen2", "Qwen2ForCausalLM")
+    got = lazy.inspect_model_cls()
+    assert got == registry._ModelInfo.from_model_cls(lazy.load_model_cls())
+    (cached,) = (tmp_path / "modelinfos").glob("*Qwen2ForCausalLM.json")
+    assert json.loads(cached.read_text())["modelinfo"]["architecture"] == "Qwen2ForCausalLM"
