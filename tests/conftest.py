@@ -154,15 +154,29 @@ def _module(item: pytest.Item) -> str:
     return Path(str(item.fspath)).stem
 
 
+def _plans_key(item: pytest.Item | None) -> str | None:
+    """The ``plans(key)`` marker's key: tests that plan the same full-size layouts."""
+    mark = item.get_closest_marker("plans") if item is not None else None
+    return mark.args[0] if mark is not None else None
+
+
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     """Marks ``HEAVY_CASES``. Order: modules that start nothing first, in file order; then
-    ``LIVE_ORDER``. Within a module the file's order is kept (some modules depend on it)."""
+    ``LIVE_ORDER``. Within a module the file's order is kept (some modules depend on it),
+    except that tests of one ``plans(key)`` run together where the first of them is: a
+    full-size plan (2-7 s of CPU) that a doc command and a recipe's dry run both make is then
+    made once (``pytest_runtest_teardown`` clears the caches after the last of them)."""
     for item in items:
         if any(item.nodeid.endswith(case) for case in HEAVY_CASES):
             item.add_marker(pytest.mark.heavy)
     index = {id(item): i for i, item in enumerate(items)}
     items.sort(key=lambda it: (_RANK.get(_module(it), 0), index[id(it)]))
+    first: dict[str, int] = {}
+    for i, item in enumerate(items):
+        first.setdefault(_plans_key(item), i)
+    at = {id(it): (first[_plans_key(it)] if _plans_key(it) is not None else i, i) for i, it in enumerate(items)}
+    items.sort(key=lambda it: at[id(it)])
 
 
 @pytest.hookimpl(trylast=True)
@@ -212,6 +226,11 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
     """Release what a group of modules shared once the next test is outside the group (after
     this test's own fixtures are torn down)."""
     yield
+    key = _plans_key(item)
+    if key is not None and _plans_key(nextitem) != key:
+        from mcore_reshard.plan.cache import clear_plan_cache
+
+        clear_plan_cache()  # full-size plans hold hundreds of MB: not kept for the next tests
     here = _SHARES.get(_module(item), frozenset())
     after = _SHARES.get(_module(nextitem), frozenset()) if nextitem is not None else frozenset()
     if "megatron" in here and "megatron" not in after:

@@ -27,6 +27,7 @@ def plan_json(capsys, *args: str) -> dict:
 
 
 @pytest.mark.heavy  # the default full-size plan (Qwen3-30B-A3B, 8 engines)
+@pytest.mark.plans("qwen3-30b-a3b")
 def test_default_plan_json_is_minimal(capsys):
     rep = plan_json(capsys)
     assert KEYS <= set(rep)
@@ -43,6 +44,7 @@ def test_default_plan_json_is_minimal(capsys):
 
 
 @pytest.mark.heavy  # two full-size plans
+@pytest.mark.plans("qwen3-30b-a3b")
 def test_recipe_gives_the_same_plan_as_the_default_config(capsys):
     a = plan_json(capsys)
     b = plan_json(capsys, "--recipe", "recipes/grpo-qwen3-30b-a3b-megatron-reshard.yaml")

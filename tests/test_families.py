@@ -228,7 +228,8 @@ def _plan_json(capsys, argv):
 
 @pytest.mark.heavy
 @pytest.mark.parametrize("recipe", ["grpo-gpt-oss-120b-8n8g-megatron-reshard.yaml",
-                                    "grpo-glm-4.5-32n8g-megatron-reshard.yaml"])
+                                    pytest.param("grpo-glm-4.5-32n8g-megatron-reshard.yaml",
+                                                 marks=pytest.mark.plans("glm-4.5-32n8g"))])
 def test_full_size_recipe_dry_runs(recipe, capsys):
     out = _plan_json(capsys, ["grpo", str(REPO / "recipes" / recipe), "--dry-run", "--json"])
     assert out["bytes_planned"] == out["bytes_min"] < out["bytes_hf_broadcast"]

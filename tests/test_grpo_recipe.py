@@ -72,6 +72,7 @@ def loop_stub(monkeypatch):
 
 # 4n8g only: the 8n8g recipe's dry run is checked by its table test (each costs a full-size plan).
 @pytest.mark.heavy  # full-size plans
+@pytest.mark.plans("qwen3-30b-a3b")  # the 4n8g recipe's layouts and placement are the default's
 @pytest.mark.parametrize("path, train, gen, engines, train_nodes, gen_nodes", QWEN[:1], ids=["4n8g"])
 def test_qwen_dry_run_json_agrees_with_the_plan(path, train, gen, engines, train_nodes, gen_nodes, capsys):
     plan = _json(capsys, ["plan", "--json", "--recipe", str(path)])
@@ -98,6 +99,7 @@ def test_qwen_dry_run_json_agrees_with_the_plan(path, train, gen, engines, train
 
 
 @pytest.mark.heavy  # a full-size plan
+@pytest.mark.plans("qwen3-30b-a3b")
 def test_qwen_4n8g_dry_run_table(capsys):
     assert main(["grpo", str(QWEN_4N), "--dry-run"]) == 0
     text = capsys.readouterr().out
@@ -182,6 +184,7 @@ def test_the_dtensor_recipe_selects_nemo_rls_dtensor_backend(capsys):
 
 
 @pytest.mark.heavy  # a full-size plan
+@pytest.mark.plans("qwen3-30b-a3b-megatron-fsdp")
 def test_the_30b_megatron_fsdp_dry_run_reports_bytes_and_the_busiest_training_rank(capsys):
     rep = _json(capsys, ["grpo", str(QWEN_FSDP), "--dry-run", "--json"])
     assert rep["training_layout"] == "megatron(tp=1,pp=1,vpp=1,ep=8,etp=1,cp=1,dp=16,fsdp)"
@@ -211,6 +214,7 @@ def test_async_recipe_loads_with_nemo_rl_keys_and_runs_here(capsys):
 
 
 @pytest.mark.heavy  # a full-size plan
+@pytest.mark.plans("qwen3-30b-a3b")
 def test_qwen_async_variant_dry_runs_with_the_same_plan():
     """The async variant of the 4n8g recipe: NeMo RL's async keys and an overlapped refit on
     the same layouts and buckets as the 4n8g recipe (the plan is a pure function of them, so
@@ -229,6 +233,7 @@ def test_qwen_async_variant_dry_runs_with_the_same_plan():
 
 
 @pytest.mark.heavy  # a full-size plan
+@pytest.mark.plans("qwen3-30b-a3b-fp8")
 def test_qwen_fp8_variant_dry_runs_with_fp8_bytes():
     """The FP8 variant of the 4n8g recipe: the same layouts into block-FP8 engines; every
     attention and expert weight moves as codes + scales (half its bf16 bytes), the router,

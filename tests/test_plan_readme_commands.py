@@ -62,13 +62,33 @@ def _fresh_plans():
     clear_plan_cache()  # full-size plans: do not keep eight of them alive for the next tests
 
 
+#: Doc commands whose full-size plan other tests make too (``plans(key)``: they run next to
+#: those, and the plan is made once); every other command is a group of its own, its plans
+#: cleared after it.
+SHARED_PLANS = {
+    "": "qwen3-30b-a3b",  # test_cli.py's default plan
+    "--recipe recipes/grpo-qwen3-30b-a3b-megatron-reshard.yaml": "qwen3-30b-a3b",
+    "--recipe recipes/grpo-qwen3-30b-a3b-4n8g-lora.yaml": "qwen3-30b-a3b-4n8g",
+    "topology.placement=colocated training.pp=1 training.dp=32 vllm.replicas=16": "qwen3-30b-a3b-4n8g",
+    "--recipe recipes/grpo-glm-4.5-32n8g-megatron-reshard.yaml": "glm-4.5-32n8g",  # test_families.py's dry run
+    "vllm.quantization=fp8_per_block": "qwen3-30b-a3b-fp8",  # test_grpo_recipe.py's FP8 dry run
+    "--recipe recipes/grpo-qwen3-30b-a3b-megatron-fsdp.yaml": "qwen3-30b-a3b-megatron-fsdp",  # and its FSDP one
+}
+
+
+def _marks(where: str, args: list[str]) -> list:
+    heavy = [] if any(a in args for a in _FAST) else [pytest.mark.heavy]
+    return [*heavy, pytest.mark.plans(SHARED_PLANS.get(" ".join(args), where))]
+
+
 @pytest.mark.parametrize("args", [
-    pytest.param(args, id=where, marks=() if any(a in args for a in _FAST) else pytest.mark.heavy)
+    pytest.param(args, id=where, marks=_marks(where, args))
     for where, args in COMMANDS if args != DEEPSEEK_V3  # that one: test_deepseek_v3_readme_layout_meets_the_floor
 ])
-def test_doc_plan_command_plans(args, capsys, monkeypatch, _fresh_plans):
+def test_doc_plan_command_plans(args, capsys, monkeypatch):
     """Through the CLI's own entry point, in-process, from the checkout (``--recipe`` paths
-    are relative to it)."""
+    are relative to it). Its plans are cleared after it, or after the last test that shares
+    them (``SHARED_PLANS``)."""
     monkeypatch.chdir(ROOT)
     rc = main(["plan", *args])
     err = capsys.readouterr().err
