@@ -196,13 +196,20 @@ def test_an_unknown_family_is_one_line(tmp_path, capsys):
     check_one_line(capsys, ["plan", f"model={tmp_path}"], "unsupported model family ['MambaLMHeadModel']")
 
 
-def test_layouts_megatron_cannot_hold_are_one_line(tmp_path, capsys):
+def test_layouts_megatron_cannot_hold_are_one_line(tmp_path, capsys, monkeypatch):
     # expert biases need expert-TP 1 in megatron-core 0.19.2
     check_one_line(capsys, ["plan", "model=gpt-oss-120b", "training.ep=4", "training.etp=2"],
                    "mlp.experts.gate_up_proj_bias (routed-expert bias)")
     check_one_line(capsys, ["refit", "model=tiny-gpt-oss", "training.ep=1", "training.etp=2"],
                    "expert_tensor_parallel_size=1")
-    # LoRA adapters are described for the GQA families without biases on their experts
+    # LoRA adapters are described for the GQA families without biases on their experts: refused
+    # before the full-size plan is made
+    from mcore_reshard.settings import config
+
+    def planned(*args, **kwargs):
+        raise AssertionError("the full-size plan was made before the refusal")
+
+    monkeypatch.setattr(config, "plan_for_placement", planned)
     check_one_line(capsys, ["plan", "model=gpt-oss-120b", "training.tp=2", "training.pp=4", "training.ep=8",
                             "training.dp=8", "training.experts=sequential", "vllm.tp=4", "vllm.replicas=4",
                             "peft.enabled=true"], "peft: LoRA on gpt-oss (gpt_oss) is not described yet")

@@ -267,6 +267,9 @@ def plan_recipe(recipe: RecipeLayout) -> PlannedRecipe:
 
 
 def _plan_recipe(recipe: RecipeLayout) -> PlannedRecipe:
+    # The adapter's plan first: it is small, and a LoRA policy the rules cannot describe is
+    # refused in one line before seconds of full-size planning.
+    lora = lora_report(recipe)
     src, dst = side_layouts(recipe.spec, recipe.training, recipe.vllm, recipe.refit, recipe.vllm_spec)
     if recipe.speculative is not None:  # the MTP draft: the same refit, the same vote
         src, dst = with_drafts(recipe, src, dst)
@@ -278,7 +281,7 @@ def _plan_recipe(recipe: RecipeLayout) -> PlannedRecipe:
         plan = plan_for_placement(src, dst, where, topology.links, bucket_bytes=r.bucket_bytes,
                                   allow_cast=r.allow_cast)
         placed = placement_report(plan, src, dst, where, topology.links)
-    return PlannedRecipe(recipe, src, dst, plan, plan_report(plan), placed, lora_report(recipe))
+    return PlannedRecipe(recipe, src, dst, plan, plan_report(plan), placed, lora)
 
 
 def with_drafts(recipe: RecipeLayout, src: SideLayout, dst: SideLayout) -> tuple[SideLayout, SideLayout]:

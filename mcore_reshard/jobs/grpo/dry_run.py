@@ -279,6 +279,9 @@ def _dry_run(recipe: GrpoRecipe, intra_node_gbps: float, inter_node_gbps: float)
     src, dst = side_layouts(recipe.spec, recipe.training, recipe.vllm, recipe.refit)
     layout = RecipeLayout(recipe.spec, recipe.training, recipe.vllm, recipe.refit, peft=recipe.peft,
                           speculative=recipe.speculative)
+    # the adapter's plan before the full-size one: small, and a LoRA policy the rules cannot
+    # describe is refused in one line before seconds of planning
+    lora_bytes = None if recipe.peft is None else lora_report(layout).bytes_planned
     if recipe.speculative is not None:  # the MTP draft: the same plan, the same vote
         src, dst = with_drafts(layout, src, dst)
     # The one plan, the one the job runs on this placement (fan-out relays where they lower
@@ -317,7 +320,7 @@ def _dry_run(recipe: GrpoRecipe, intra_node_gbps: float, inter_node_gbps: float)
         published=published_figure(recipe), samples_per_step=recipe.grpo.samples_per_step,
         max_num_steps=recipe.grpo.max_num_steps, local_problem=recipe.local_problem,
         async_grpo=asdict(recipe.async_grpo), overlap=recipe.refit.overlap,
-        lora_refit_bytes=None if recipe.peft is None else lora_report(layout).bytes_planned,
+        lora_refit_bytes=lora_bytes,
         draft_bytes=None if recipe.speculative is None else held_bytes(dst, draft_tensors(recipe.spec)),
         frozen_refit_bytes=_frozen_bytes(recipe, src, dst),
     )
