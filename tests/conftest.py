@@ -172,10 +172,11 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
             item.add_marker(pytest.mark.heavy)
     index = {id(item): i for i, item in enumerate(items)}
     items.sort(key=lambda it: (_RANK.get(_module(it), 0), index[id(it)]))
-    first: dict[str, int] = {}
+    first: dict[str, int] = {}  # key -> where its first test is
+    at: dict[int, tuple[int, int]] = {}
     for i, item in enumerate(items):
-        first.setdefault(_plans_key(item), i)
-    at = {id(it): (first[_plans_key(it)] if _plans_key(it) is not None else i, i) for i, it in enumerate(items)}
+        key = _plans_key(item)
+        at[id(item)] = (i if key is None else first.setdefault(key, i), i)
     items.sort(key=lambda it: at[id(it)])
 
 

@@ -16,9 +16,10 @@ An engine then starts in 2-3 s. vLLM also inspects each model class it has not s
 vllm.model_executor.models.registry``, which imports vLLM again: 7-9 CPU-seconds per
 architecture. With the variable set, that inspection -- vLLM's own function, the same
 ``_ModelInfo.from_model_cls`` -- runs in a child of the same fork server (in an engine core: a
-forked child), and its result lands in vLLM's cache as before. Inside a Ray actor (GRPO's engine actors) the same holds: the
-fork server is a fresh process the actor starts, so no Ray thread is forked; a tiny GRPO run's
-engine starts 14 s sooner. Off (the default) and on a GPU platform (``fork`` after CUDA's start
+forked child), and its result lands in vLLM's cache as before.
+
+Inside a Ray actor (GRPO's engine actors) the same holds: the fork server is a fresh process
+the actor starts, so no Ray thread is forked; a tiny GRPO run's engine starts 14 s sooner. Off (the default) and on a GPU platform (``fork`` after CUDA's start
 is unsafe), vLLM decides as before.
 ``install`` runs from the ``vllm.general_plugins`` entry point (``plugin.register``), which vLLM
 calls in every process before it starts children.
@@ -98,8 +99,8 @@ def _run_in_subprocess(fn: Callable[[], _T]) -> _T:
 
 def install() -> None:
     """Route vLLM's ``get_mp_context`` through ``_get_mp_context`` and its model inspection
-    through ``_run_in_subprocess`` on a CPU platform (idempotent). The variable is read at each start, not here: a process may turn the fast
-    start on or off between engines."""
+    through ``_run_in_subprocess`` on a CPU platform (idempotent). The variable is read at each
+    start, not here: a process may turn the fast start on or off between engines."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
