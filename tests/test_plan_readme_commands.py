@@ -14,7 +14,6 @@ import pytest
 
 from mcore_reshard.cli import main
 from mcore_reshard.settings.config import load_plan, side_layouts
-from mcore_reshard.plan.cache import clear_plan_cache
 from mcore_reshard.plan.placed import placement_report, plan_for_placement
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,12 +53,6 @@ def test_the_docs_show_plan_commands():
     assert any("model=deepseek-v3" in w and "vllm.enable_ep=true" in w for w in where)
     assert any(args == [] for _, args in COMMANDS)  # the default
     assert any(a in w for w in where for a in _FAST)
-
-
-@pytest.fixture
-def _fresh_plans():
-    yield
-    clear_plan_cache()  # full-size plans: do not keep eight of them alive for the next tests
 
 
 #: Doc commands whose full-size plan other tests make too (``plans(key)``: they run next to
@@ -111,7 +104,8 @@ QWEN3_235B_EPLB = ["model=qwen3-235b-a22b", "training.tp=1", "training.pp=4", "t
 
 
 @pytest.mark.heavy
-def test_redundant_expert_copies_meet_the_floor(_fresh_plans):
+@pytest.mark.plans("qwen3-235b-eplb")  # its layouts, kept for the next test's
+def test_redundant_expert_copies_meet_the_floor():
     """vLLM EPLB's 8 redundant slots hold experts 0..7 a second time on another rank of each
     node: relays count that rank as a second holder of the same box, so the box crosses into
     the node once. (It was refused: expert 0 crossed into node 1 twice.) With buckets of 2 GiB
@@ -124,7 +118,8 @@ def test_redundant_expert_copies_meet_the_floor(_fresh_plans):
 
 
 @pytest.mark.heavy
-def test_redundant_expert_copies_with_the_default_buffer(_fresh_plans, capsys):
+@pytest.mark.plans("qwen3-235b-eplb")
+def test_redundant_expert_copies_with_the_default_buffer(capsys):
     """With 512 MiB buckets the busiest trainer alone needs ~1700 rounds: relaying the EPLB
     copies too would need more message tags than gloo has, so those copies keep the direct
     path, every other box is relayed, and the notes say so."""
@@ -159,7 +154,8 @@ def test_redundant_expert_copies_with_the_default_buffer(_fresh_plans, capsys):
 
 
 @pytest.mark.heavy
-def test_deepseek_v3_readme_layout_meets_the_floor(_fresh_plans, capsys):
+@pytest.mark.plans("deepseek-v3-readme")
+def test_deepseek_v3_readme_layout_meets_the_floor(capsys):
     """The README's DeepSeek-V3 command: its fp32 router bias, carried as bf16 bits, is
     relayed inside each node (it reached one rank per node only, so the plan was refused for
     delivering fewer bytes than the destinations hold)."""

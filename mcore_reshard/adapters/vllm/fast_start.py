@@ -19,8 +19,9 @@ architecture. With the variable set, that inspection -- vLLM's own function, the
 forked child), and its result lands in vLLM's cache as before.
 
 Inside a Ray actor (GRPO's engine actors) the same holds: the fork server is a fresh process
-the actor starts, so no Ray thread is forked; a tiny GRPO run's engine starts 14 s sooner. Off (the default) and on a GPU platform (``fork`` after CUDA's start
-is unsafe), vLLM decides as before.
+the actor starts, so no Ray thread is forked; a tiny GRPO run's engine starts 14 s sooner. Off
+(the default) and on a GPU platform (``fork`` after CUDA's start is unsafe), vLLM decides as
+before.
 ``install`` runs from the ``vllm.general_plugins`` entry point (``plugin.register``), which vLLM
 calls in every process before it starts children.
 """
@@ -56,8 +57,12 @@ def _get_mp_context() -> Any:
     """vLLM's own function runs first in every case (for the environment it prepares for
     children); its context is kept where the fast start is off or does not apply."""
     ctx = _ORIGINAL[0]()
-    if not procs.enabled():
-        return ctx
+    return _fast_context() if procs.enabled() else ctx
+
+
+def _fast_context() -> Any:
+    """Where a child comes from under the fast start: forked in a fork-server child (it has
+    imported vLLM and run no model step), else from this process's fork server."""
     return multiprocessing.get_context("fork") if procs.in_child() else procs.context()
 
 
@@ -80,7 +85,7 @@ def _run_in_subprocess(fn: Callable[[], _T]) -> _T:
         return _ORIGINAL_INSPECT[0](fn)
     import cloudpickle
 
-    ctx = multiprocessing.get_context("fork") if procs.in_child() else procs.context()
+    ctx = _fast_context()
     with tempfile.TemporaryDirectory(prefix="mr_modelinfo_") as tmp:
         out = os.path.join(tmp, "modelinfo.pkl")
         proc = ctx.Process(target=_inspect_child, args=(cloudpickle.dumps(fn), out), name="mr-modelinfo")
