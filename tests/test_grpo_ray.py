@@ -504,6 +504,33 @@ def test_two_nodes_placement_and_a_dead_trainer_actor_stops_the_run(two_nodes, t
     assert not _survivors(before, "RAY_AUTH_TOKEN", os.environ["RAY_AUTH_TOKEN"]), "processes survived the run"
 
 
+def test_a_crashed_trainer_actor_is_named_with_its_last_words(two_nodes):
+    """A training actor that dies of a fatal signal is named at once, with the end of its
+    stderr: the Python stack ``faulthandler`` printed (Ray removes an embedded cluster's logs
+    at shutdown, and reports the death itself only as a lost connection)."""
+    import ray
+
+    from mcore_reshard.errors import TrainerError
+    from mcore_reshard.jobs.grpo.ray_cluster import RayTrainerGroup
+    from mcore_reshard.wire.protocol import first_error_line
+
+    class CrashingRank:  # a framework's training actor (defined here: Ray ships it by value)
+        def run(self, call):
+            import faulthandler
+
+            faulthandler._sigsegv()  # a fatal SIGSEGV, as a native library's bug would raise
+
+    group = RayTrainerGroup([ray.remote(num_cpus=0, max_restarts=0)(CrashingRank).remote()], timeout_s=60)
+    with pytest.raises(TrainerError) as err:
+        group.describe().wait()
+    msg = str(err.value)
+    first, _, words = msg.partition("\n")
+    assert "training rank 0" in first and "died during 'describe'" in first, msg
+    assert "stderr ended with:" in words and "Fatal Python error: Segmentation fault" in words, msg
+    assert "test_grpo_ray.py\", line" in words and " in run" in words, msg  # the crashing frame
+    assert first_error_line(err.value) == first  # where one line is shown: the death, not a frame
+
+
 def test_async_run_recovers_from_a_refit_that_fails_in_the_background(two_nodes, tmp_path):
     """Async GRPO (overlapped, in-flight refits) on the two-node cluster: the refit of step 1
     fails in the background, step 2's prompts launched before it (a trainer flips a bit on the

@@ -45,6 +45,7 @@ __all__ = ["BACKEND",
     "EngineUpdateInfo",
     "WorkerStatus",
     "WorkerLayout",
+    "DETAIL_MARK",
     "first_error_line",
     "one_line",
 ]
@@ -540,10 +541,18 @@ def one_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
+#: The end of an error's own text: the lines after one that ends so are detail (a dead
+#: process's last output: ``jobs.grpo.ray_cluster.last_words``), never its most specific line.
+DETAIL_MARK = "'s stderr ended with:"
+
+
 def first_error_line(exc: BaseException | str) -> str:
     """The most specific line of an error: tracebacks end with the raised message, so the
-    last line that names an error wins; else the last line."""
+    last line that names an error wins; else the last line (detail after ``DETAIL_MARK``
+    left out)."""
     lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    ends = [i for i, line in enumerate(lines) if line.endswith(DETAIL_MARK)]
+    lines = lines[:ends[0]] if ends else lines
     for line in reversed(lines):
         if "Error" in line or "Timeout" in line or "Aborted" in line or "Incomplete" in line:
             return line

@@ -31,7 +31,7 @@ from ...adapters.vllm.plugin import BACKEND
 from ...layout.lora import PeftConfig
 from ...errors import RefitFailed, TrainerError
 from ...infra.ports import free_port
-from ...wire.protocol import first_error_line
+from ...wire.protocol import DETAIL_MARK, first_error_line
 from ...training.ranks import RankCall, TrainerGroup
 from ...training.pool import trainer_rank
 from ..refit import policy_engine_args
@@ -96,6 +96,43 @@ class RayJob:
             ray.shutdown()
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+#: How many lines of a crashed actor's stderr its error carries (:func:`last_words`).
+_LAST_WORDS = 12
+
+
+def last_words(exc: BaseException) -> str:
+    """The end of the stderr of an actor that died unexpectedly (``exc``: Ray's error, which
+    names its pid), from Ray's worker log on this node, as an indented block to append to the
+    error; ``""`` for a kill or where the log is not here. Ray reports a crashed worker only
+    as "exits with a connection error" and removes an embedded cluster's logs at shutdown, so
+    without this a crash leaves no trace. Ray's workers run with ``faulthandler`` on: after a
+    fatal signal the block is the Python stack it printed; after a SIGKILL (the kernel's OOM
+    killer, which Ray points at its workers first) it is the log's last lines."""
+    import glob
+    import re
+
+    text = str(exc)
+    pid = re.search(r"^\s*pid: (\d+)$", text, re.MULTILINE)
+    if "SYSTEM_ERROR" not in text or pid is None:
+        return ""
+    try:
+        import ray._private.worker as ray_worker
+
+        logs = ray_worker._global_node.get_logs_dir_path()
+    except Exception:  # noqa: BLE001 - not a driver with a node of the cluster here
+        return ""
+    lines: list[str] = []
+    for path in sorted(glob.glob(os.path.join(logs, f"worker-*-{pid[1]}.err"))):
+        with open(path, errors="replace") as f:
+            lines += [line.rstrip() for line in f.readlines()[-400:]
+                      if line.strip() and not line.startswith("Extension modules:")]  # faulthandler's list
+    fatal = [i for i, line in enumerate(lines) if line.startswith("Fatal Python error")]
+    tail = lines[fatal[-1]:][:_LAST_WORDS] if fatal else lines[-_LAST_WORDS:]
+    if not tail:
+        return ""
+    return f"\n  pid {pid[1]}{DETAIL_MARK}\n" + "\n".join(f"    {line[:300]}" for line in tail)
 
 
 def node_of() -> dict:
@@ -256,7 +293,7 @@ class RayTrainerGroup(TrainerGroup):
                 except RayActorError as exc:
                     r = index[ref]
                     self._dead[r] = f"training rank {r} (Ray actor {self.actors[r]._actor_id.hex()[:12]}) died"
-                    failed.append(f"{self._dead[r]} during {what!r}: {first_error_line(exc)}")
+                    failed.append(f"{self._dead[r]} during {what!r}: {first_error_line(exc)}{last_words(exc)}")
                 except Exception as exc:  # noqa: BLE001 - the rank's own error, named
                     cause = getattr(exc, "cause", None) or exc
                     failed.append(f"training rank {index[ref]} failed in {what!r}: {first_error_line(cause)}")
@@ -415,7 +452,7 @@ class EngineHandle:
             return ray.get(ref, timeout=self.timeout_s)
         except RayActorError as exc:
             raise RefitFailed(f"engine {self.index} (Ray actor {self.actor._actor_id.hex()[:12]}) died during "
-                              f"{name!r}: {first_error_line(exc)}") from None
+                              f"{name!r}: {first_error_line(exc)}{last_words(exc)}") from None
         except GetTimeoutError:
             raise RefitFailed(f"engine {self.index} did not finish {name!r} within {self.timeout_s:.0f}s") from None
         except Exception as exc:  # noqa: BLE001 - the engine's own error, as its own type where it can be rebuilt
