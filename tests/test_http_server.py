@@ -20,7 +20,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -37,6 +36,7 @@ from mcore_reshard.refit.servers import (ServerClient, Timeouts, generate_tokens
                                          wait_healthy)
 from mcore_reshard.infra.ports import free_port
 from mcore_reshard.jobs.serve import server_env
+from mcore_reshard.testing.serving import ServerProcess, start_server
 from mcore_reshard.refit.verify import token_mult_prob_error
 
 from _http_jobs import http_refit_job, http_two_refits_job, vllm_trainer_api_job
@@ -58,14 +58,13 @@ def _serving(root: Path, tp: int, seed: int):
     ckpt = make_tiny_checkpoint(root / f"tiny-moe-{seed}", moe=True, seed=seed)
     port = free_port()
     log_path = root / f"server-tp{tp}.log"
-    log = open(log_path, "wb")
-    cmd = [sys.executable, "-m", "mcore_reshard.jobs.serve", str(ckpt), "--host", "127.0.0.1", "--port", str(port),
-           "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
-           "--max-num-seqs", "4", "--seed", "0", "--tensor-parallel-size", str(tp)]
+    argv = [str(ckpt), "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--dtype", "float32",
+            "--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "4", "--seed", "0",
+            "--tensor-parallel-size", str(tp)]
     env = server_env()
     if tp > 1:  # one core per worker, shared round-robin when there are fewer cores
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(r % (os.cpu_count() or 1)) for r in range(tp)))
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = start_server(argv, env, log_path)  # the session's fast start: a fork-server child
     url = f"http://127.0.0.1:{port}"
     try:
         try:
@@ -75,7 +74,6 @@ def _serving(root: Path, tp: int, seed: int):
         yield url, str(ckpt), log_path, proc.pid
     finally:
         _stop(proc)
-        log.close()
 
 
 @pytest.fixture
@@ -92,7 +90,7 @@ def tp1_server(tmp_path_factory):
         yield s
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def _stop(proc: ServerProcess | subprocess.Popen) -> None:
     """SIGTERM the server's process group (the API server and its engine core), then SIGKILL."""
     if proc.poll() is not None:
         return
