@@ -35,6 +35,7 @@ from mcore_reshard.errors import RefitFailed
 from mcore_reshard.refit.servers import (ServerClient, Timeouts, generate_tokens, prompt_logprobs, refit_servers,
                                          wait_healthy)
 from mcore_reshard.infra.ports import free_port
+from mcore_reshard.infra.procs import ENV as FAST_START
 from mcore_reshard.jobs.serve import server_env
 from mcore_reshard.testing.serving import ServerProcess, start_server
 from mcore_reshard.refit.verify import token_mult_prob_error
@@ -134,6 +135,13 @@ def test_http_server_refit_then_refused_refit_keeps_it_paused(server):
     import torch.multiprocessing as mp
 
     url, model, log_path, server_pid = server
+    # under the session's fast start the server is a child of this process's fork server, not
+    # a new interpreter (testing/serving.py); with MCORE_RESHARD_FAST_START=0 it is this one's
+    parent = psutil.Process(server_pid).parent()
+    if os.environ.get(FAST_START) == "1":
+        assert "forkserver" in " ".join(parent.cmdline())
+    else:
+        assert parent.pid == os.getpid()
     api = ServerClient(url, TIMEOUTS)
     assert api.weight_version() == "default"
     before = prompt_logprobs(url, model, TOKENS)

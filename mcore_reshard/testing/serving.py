@@ -52,9 +52,7 @@ def _serve(argv: list[str], env: dict[str, str], log_path: str) -> None:
     os.environ.update(env)
     from ..jobs.serve import main
 
-    main(argv)
-    sys.stdout.flush()
-    sys.stderr.flush()
+    main(argv)  # multiprocessing flushes stdout and stderr when the child's target returns
 
 
 def start_server(argv: Sequence[str], env: Mapping[str, str], log_path: Path) -> ServerProcess | subprocess.Popen:
