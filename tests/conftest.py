@@ -154,6 +154,18 @@ def _module(item: pytest.Item) -> str:
     return Path(str(item.fspath)).stem
 
 
+def _job_of(item: pytest.Item) -> tuple | None:
+    """The background job this test asserts on (its module's ``BACKGROUND_JOBS``), if any."""
+    jobs = getattr(item.module, "BACKGROUND_JOBS", None) or {}
+    return jobs.get(getattr(item, "originalname", item.name))
+
+
+def _awaits_job(item: pytest.Item) -> bool:
+    """Tests that wait for a background job run after their module's other tests: a late job
+    (``LATE_FROM``) is then still running while those run."""
+    return _job_of(item) is not None
+
+
 def _plans_key(item: pytest.Item | None) -> str | None:
     """The ``plans(key)`` marker's key: tests that plan the same full-size layouts."""
     mark = item.get_closest_marker("plans") if item is not None else None
@@ -164,14 +176,15 @@ def _plans_key(item: pytest.Item | None) -> str | None:
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     """Marks ``HEAVY_CASES``. Order: modules that start nothing first, in file order; then
     ``LIVE_ORDER``. Within a module the file's order is kept (some modules depend on it),
-    except that tests of one ``plans(key)`` run together where the first of them is: a
+    except that the tests that wait for a background job run after the others
+    (``_awaits_job``), and that tests of one ``plans(key)`` run together where the first of them is: a
     full-size plan (2-7 s of CPU) that a doc command and a recipe's dry run both make is then
     made once (``pytest_runtest_teardown`` clears the caches after the last of them)."""
     for item in items:
         if any(item.nodeid.endswith(case) for case in HEAVY_CASES):
             item.add_marker(pytest.mark.heavy)
     index = {id(item): i for i, item in enumerate(items)}
-    items.sort(key=lambda it: (_RANK.get(_module(it), 0), index[id(it)]))
+    items.sort(key=lambda it: (_RANK.get(_module(it), 0), _awaits_job(it), index[id(it)]))
     first: dict[str, int] = {}  # key -> where its first test is
     at: dict[int, tuple[int, int]] = {}
     for i, item in enumerate(items):
@@ -189,9 +202,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if session.config.option.collectonly:
         return
     for item in session.items:
-        jobs = getattr(item.module, "BACKGROUND_JOBS", None) or {}
-        if getattr(item, "originalname", item.name) in jobs:
-            BACKGROUND.add(*jobs[getattr(item, "originalname", item.name)])
+        job = _job_of(item)
+        if job is not None:
+            BACKGROUND.add(*job, late=job[0] in getattr(item.module, "LATE_JOBS", ()))
     mods = {_module(it) for it in session.items if it.get_closest_marker("slow") is not None}
 
     def start() -> None:
@@ -207,6 +220,12 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     _PENDING.append(start)
 
 
+#: The module from which on (in ``LIVE_ORDER``) the background's late jobs may run (a module's
+#: ``LATE_JOBS``): the modules from here on start their own engines, servers and clusters one
+#: test at a time and leave a core idle for much of it, while the live modules before them keep
+#: both busy (a job there takes its share of a contended core from them).
+LATE_FROM = "test_process_starts"
+
 #: Modules whose tests check that a bad input starts no process (they compare this process's
 #: children before and after): the background starts once the first test outside them runs.
 _QUIET = {"test_bad_input"}
@@ -217,6 +236,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     module = _module(item)
     if _PENDING and module not in _QUIET:
         _PENDING.pop()()
+    if _RANK.get(module, 0) >= _RANK[LATE_FROM]:
+        BACKGROUND.start_late()
     if _STATS.get("module") != module:
         _STATS["module"] = module
         _log(f"module {module}")

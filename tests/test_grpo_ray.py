@@ -424,6 +424,12 @@ BACKGROUND_JOBS = {
 }
 
 
+#: Jobs that start only when the suite's last live modules do (``conftest.LATE_FROM``): they
+#: then run beside tests that leave a core idle (these two-node tests among them: the tests
+#: that wait for a job run after them), not beside the live modules that keep both busy.
+LATE_JOBS = {"grpo-dtensor", "grpo-llava"}
+
+
 @pytest.fixture(scope="module")
 def two_nodes():
     """Head (no CPUs: runs no actor), node A with 2 CPUs, node B with 1: the trainers' PACK

@@ -7,6 +7,11 @@ asserts on; an exception it raises is raised again by ``result`` in the test. ``
 starts the jobs of the selected tests when collection ends, so they run while the tests that
 start nothing occupy one core (this machine has two), and the tests themselves run where the
 file order puts them. A job that has not started when its test asks runs right there.
+
+A job added ``late`` waits, after the others, until ``start_late()`` (``conftest.py`` calls it
+when the last live modules begin: they start their own processes one test at a time and leave
+a core idle for much of it), so it runs there instead of beside the live modules that keep both
+cores busy.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ class _Job:
     def __init__(self, name: str, fn: Callable[[Path], Any]) -> None:
         self.name, self.fn = name, fn
         self.done = threading.Event()
+        self.late = False
         self.claimed = False
         self.value: Any = None
         self.error: BaseException | None = None
@@ -36,18 +42,27 @@ class Background:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._dirs: list[Path] = []
+        self._late = threading.Event()
+        self._closed = False
         self.procs: list[subprocess.Popen] = []
         #: Where each job's start and end are written (``conftest.py``'s resource log).
         self.log: Callable[[str], None] = lambda msg: None
 
-    def add(self, name: str, fn: Callable[[Path], Any]) -> None:
-        self._jobs.setdefault(name, _Job(name, fn))
+    def add(self, name: str, fn: Callable[[Path], Any], *, late: bool = False) -> None:
+        self._jobs.setdefault(name, _Job(name, fn)).late = late
 
     def start(self) -> None:
-        """Run every job added so far, in order, on one daemon thread."""
+        """Run every job added so far on one daemon thread, in order, the late ones once
+        ``start_late`` is called."""
         if self._thread is None and self._jobs:
             self._thread = threading.Thread(target=self._run_all, name="background-jobs", daemon=True)
             self._thread.start()
+
+    def start_late(self) -> None:
+        """Let the late jobs run (after the others)."""
+        if not self._late.is_set():
+            self.log("background: late jobs may start")
+            self._late.set()
 
     def _claim(self, job: _Job) -> bool:
         with self._lock:
@@ -69,8 +84,11 @@ class Background:
             job.done.set()
 
     def _run_all(self) -> None:
-        for job in list(self._jobs.values()):
-            if self._claim(job):
+        jobs = list(self._jobs.values())
+        for job in [j for j in jobs if not j.late] + [j for j in jobs if j.late]:
+            if job.late:
+                self._late.wait()  # set by start_late, or by close (then nothing more runs)
+            if not self._closed and self._claim(job):
                 self._run(job)
 
     def result(self, name: str, fn: Callable[[Path], Any] | None = None) -> Any:
@@ -89,6 +107,8 @@ class Background:
 
     def close(self) -> None:
         """Kill what is still running (an interrupted session) and remove the work dirs."""
+        self._closed = True
+        self._late.set()  # a thread waiting for late jobs ends
         for proc in self.procs:
             if proc.poll() is None:
                 proc.kill()
