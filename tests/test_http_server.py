@@ -123,8 +123,8 @@ def _trainers(job, model: str, server_tp: int, q, out: dict, **kw) -> threading.
 
 def _completion_hangs(url: str, model: str, wait_s: float = 2.0) -> bool:
     """True when a completion gets no reply within ``wait_s`` (a paused server holds it; one
-    that serves answers this prompt in a tenth of that here, and a late reply can only make
-    the check pass where it should fail, never the reverse)."""
+    that serves answered this prompt in 0.06-0.11 s here, and a late reply can only make the
+    check pass where it should fail, never the reverse)."""
     t0 = time.monotonic()
     try:
         prompt_logprobs(url, model, TOKENS, timeout_s=wait_s)
